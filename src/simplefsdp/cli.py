@@ -1,1 +1,46 @@
-"""Command-line entry point: ``simplefsdp <subcommand>``."""
+"""Command-line entry point: ``simplefsdp <subcommand> [options]``.
+
+Each subcommand lives in its own module and is imported only when used, so
+``simplefsdp --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import simplefsdp
+
+# subcommand -> (module with ``main(argv) -> int``, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="simplefsdp",
+        description="simplefsdp: fully sharded data parallel for PyTorch, compiled.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"simplefsdp {simplefsdp.__version__}"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    if argv and argv[0] in SUBCOMMANDS:
+        module_name, _ = SUBCOMMANDS[argv[0]]
+        return int(importlib.import_module(module_name).main(argv[1:]) or 0)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""User-facing policies and modes, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+DataParallelMode = Literal["replicate", "fully_shard", "hybrid_shard"]
+"""How parameters are placed on the data-parallel mesh.
+
+- ``"replicate"``: DDP. Every rank holds the full parameter; gradients are all-reduced.
+- ``"fully_shard"``: FSDP / ZeRO-3. Parameters are sharded along ``shard_dim``;
+  reads all-gather, gradients are reduce-scattered.
+- ``"hybrid_shard"``: HSDP on a 2-D mesh ``(replicate, shard)``: sharded within
+  mesh dim 1, replicated across mesh dim 0; gradients are reduce-scattered in
+  the shard group and all-reduced in the replica group.
+"""
+
+GradReduceOp = Literal["avg", "sum"]
+"""How gradients are combined across data-parallel ranks: DDP's mean, or the sum."""
+
+DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
+GRAD_REDUCE_OPS: tuple[str, ...] = get_args(GradReduceOp)
+
+# Mesh dimensionality each mode needs.
+MESH_NDIM_FOR_MODE: dict[str, int] = {"replicate": 1, "fully_shard": 1, "hybrid_shard": 2}
+
+
+def _check_float_dtype(field: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype):
+        raise TypeError(
+            f"MixedPrecisionPolicy.{field} must be a torch.dtype or None, got {value!r} "
+            f"({type(value).__name__}); e.g. torch.bfloat16"
+        )
+    if not value.is_floating_point:
+        raise ValueError(
+            f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {value}; "
+            "valid choices include torch.float32, torch.bfloat16, torch.float16"
+        )
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for parameter communication/compute, gradient reduction and outputs.
+
+    Stored (master) parameters and optimizer states always keep their original
+    dtype; this policy only changes what is communicated and computed.
+
+    Args:
+        param_dtype: dtype the stored shard is cast to *before* the all-gather, so
+            communication and forward/backward compute run in it. ``None`` keeps
+            the parameter's own dtype.
+        reduce_dtype: dtype the gradient is reduced in (reduce-scatter /
+            all-reduce). The reduced gradient is cast back to the parameter's
+            dtype. ``None`` reduces in ``param_dtype`` (or the parameter's dtype
+            when ``param_dtype`` is ``None``), as FSDP2 does.
+        output_dtype: if set, floating-point tensors returned by the wrapped
+            module's ``forward`` are cast to it.
+        cast_forward_inputs: if ``True`` (default) and ``param_dtype`` is set,
+            floating-point tensors passed to the wrapped module's ``forward`` are
+            cast to ``param_dtype`` so that the first layer sees matching dtypes.
+
+    Raises:
+        TypeError: a dtype field is not a ``torch.dtype``.
+        ValueError: a dtype field is not floating point.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_float_dtype(field, getattr(self, field))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "
+                f"{self.cast_forward_inputs!r}"
+            )

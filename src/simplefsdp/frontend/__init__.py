@@ -1,0 +1,21 @@
+"""The data-parallel frontend: sharded DTensor parameters read through a parametrization."""
+
+from simplefsdp.frontend.data_parallel import (
+    DataParallelState,
+    data_parallel,
+    get_data_parallel_state,
+)
+from simplefsdp.frontend.parametrization import (
+    ParamSpec,
+    disable_parametrization,
+    parametrization_enabled,
+)
+
+__all__ = [
+    "DataParallelState",
+    "ParamSpec",
+    "data_parallel",
+    "disable_parametrization",
+    "get_data_parallel_state",
+    "parametrization_enabled",
+]

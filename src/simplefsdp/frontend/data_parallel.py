@@ -1,0 +1,272 @@
+"""``data_parallel``: turn any module's parameters into sharded DTensors."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_map
+
+from simplefsdp.api import DATA_PARALLEL_MODES, GRAD_REDUCE_OPS, MixedPrecisionPolicy
+from simplefsdp.frontend.mesh import resolve_mesh
+from simplefsdp.frontend.parametrization import (
+    ParamSpec,
+    is_swapped,
+    make_grad_placements,
+    swap_module_class,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_ATTR = "_simplefsdp_state"
+
+
+@dataclass
+class DataParallelState:
+    """What ``data_parallel`` decided, kept on the wrapped root module.
+
+    ``simplefsdp.compile``, the eager executor and the reports read it; it is
+    plain data (the mesh aside) and never changes after wrapping.
+    """
+
+    mesh: DeviceMesh
+    mode: str
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool
+    shard_dim: int
+    reduce_op: str
+    param_specs: dict[str, ParamSpec] = field(default_factory=dict)  # by FQN
+
+
+def get_data_parallel_state(module: nn.Module) -> DataParallelState:
+    """The ``DataParallelState`` of a module wrapped by ``data_parallel``.
+
+    Raises:
+        ValueError: ``module`` was not wrapped with ``simplefsdp.data_parallel``.
+    """
+    state = module.__dict__.get(STATE_ATTR)
+    if state is None:
+        # torch.compile's OptimizedModule keeps the original under _orig_mod.
+        inner = module.__dict__.get("_orig_mod")
+        if isinstance(inner, nn.Module):
+            return get_data_parallel_state(inner)
+        raise ValueError(
+            f"{type(module).__name__} is not wrapped by simplefsdp.data_parallel; "
+            "call simplefsdp.data_parallel(model, ...) first"
+        )
+    return state
+
+
+def _placements_for(param: torch.Tensor, mode: str, shard_dim: int) -> tuple[Placement, ...]:
+    if mode == "replicate" or param.ndim == 0:
+        shard: Placement = Replicate()
+    else:
+        # Parameters with fewer dims than shard_dim are sharded on their dim 0.
+        shard = Shard(shard_dim if param.ndim > shard_dim else 0)
+    if mode == "hybrid_shard":
+        return (Replicate(), shard)
+    return (shard,)
+
+
+def _validate_args(
+    module: object,
+    mode: object,
+    mp_policy: object,
+    reshard_after_forward: object,
+    shard_dim: object,
+    reduce_op: object,
+) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"data_parallel expects an nn.Module, got {type(module).__name__}")
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(DATA_PARALLEL_MODES)}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a simplefsdp.MixedPrecisionPolicy or None, got "
+            f"{type(mp_policy).__name__}"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if reduce_op not in GRAD_REDUCE_OPS:
+        raise ValueError(
+            f"unknown reduce_op {reduce_op!r}; valid choices: {', '.join(GRAD_REDUCE_OPS)}"
+        )
+    if isinstance(shard_dim, bool) or not isinstance(shard_dim, int):
+        raise TypeError(f"shard_dim must be an int, got {shard_dim!r}")
+    if STATE_ATTR in module.__dict__ or any(is_swapped(m) for m in module.modules()):
+        raise ValueError(
+            f"{type(module).__name__} (or one of its submodules) is already wrapped by "
+            "simplefsdp.data_parallel; wrap the original module once"
+        )
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} already holds DTensor parameters (e.g. from "
+            "fully_shard or tensor parallelism); data_parallel expects plain parameters"
+        )
+
+
+def _check_shard_dim(module: nn.Module, shard_dim: int, mode: str) -> None:
+    if mode == "replicate":
+        return
+    max_ndim = max((p.ndim for p in module.parameters()), default=0)
+    if shard_dim < 0 or (max_ndim > 0 and shard_dim >= max_ndim):
+        raise ValueError(
+            f"shard_dim={shard_dim} is out of range: the module's parameters have at most "
+            f"{max_ndim} dims, so valid values are 0..{max(max_ndim - 1, 0)}"
+        )
+
+
+def _to_dtensor_param(
+    param: nn.Parameter, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> nn.Parameter:
+    tensor = param.detach()
+    if tensor.device.type == "meta":
+        # No data to distribute: only the local shard's shape matters.
+        src_data_rank = None
+    else:
+        # Rank 0's values win, as in DDP's construction-time broadcast, so ranks
+        # that initialised differently still start from one model.
+        src_data_rank = 0
+        if tensor.device.type != mesh.device_type:
+            tensor = tensor.to(mesh.device_type)
+    dtensor = distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _install_mixed_precision_hooks(module: nn.Module, mp_policy: MixedPrecisionPolicy) -> None:
+    param_dtype = mp_policy.param_dtype
+    if param_dtype is not None and mp_policy.cast_forward_inputs:
+
+        def cast_inputs(_module, args, kwargs):
+            def cast(x):
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    return x.to(param_dtype)
+                return x
+
+            return tree_map(cast, args), tree_map(cast, kwargs)
+
+        module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+
+    output_dtype = mp_policy.output_dtype
+    if output_dtype is not None:
+
+        def cast_outputs(_module, _args, output):
+            def cast(x):
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    return x.to(output_dtype)
+                return x
+
+            return tree_map(cast, output)
+
+        module.register_forward_hook(cast_outputs)
+
+
+def data_parallel(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    mode: str = "fully_shard",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    shard_dim: int = 0,
+    reduce_op: str = "avg",
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``mesh`` as DTensors, in place.
+
+    Every parameter becomes an ``nn.Parameter`` wrapping a DTensor placed per
+    ``mode``; ``named_parameters()``/``state_dict()`` return these shards under
+    the original names, without communication. Inside ``forward``, reading a
+    parameter all-gathers it (DTensor ``redistribute``) and returns the
+    unsharded local tensor, so model code runs unchanged; the gradient flows
+    back through DTensor autograd as a reduce-scatter (``fully_shard``), an
+    all-reduce (``replicate``) or both (``hybrid_shard``). After ``backward``
+    each ``param.grad`` is a DTensor with the parameter's placements holding
+    this rank's shard of the gradient averaged (``reduce_op="avg"``, DDP's
+    semantics) or summed (``reduce_op="sum"``) over the data-parallel ranks.
+
+    Tied parameters (one ``Parameter`` object used by several modules) stay
+    tied: one sharded parameter, gathered at every use, gradients from every
+    use accumulated into it. Frozen parameters (``requires_grad=False``) are
+    gathered but never reduced. Buffers are left as they are (replicated).
+    0-d parameters are replicated. A dimension that does not divide by the
+    shard count is sharded unevenly (the last ranks hold fewer rows), as
+    ``torch.chunk`` does.
+
+    Modules built under ``torch.device("meta")`` can be wrapped directly; then
+    call ``module.to_empty(device=...)`` and initialise the parameters inside
+    ``simplefsdp.disable_parametrization()`` (so in-place init writes the
+    shards). Real (non-meta) parameters are distributed from rank 0's values.
+
+    Args:
+        module: any ``nn.Module``; modified in place and returned.
+        mesh: data-parallel ``DeviceMesh``. ``None`` builds a 1-D mesh over the
+            default process group (``cuda`` for NCCL, ``cpu`` for gloo).
+            ``hybrid_shard`` needs a 2-D mesh ``(replicate, shard)``.
+        mode: ``"replicate"`` (DDP), ``"fully_shard"`` (FSDP, default) or
+            ``"hybrid_shard"`` (HSDP).
+        mp_policy: ``MixedPrecisionPolicy``; ``None`` means full precision.
+        reshard_after_forward: free gathered parameters after forward and
+            gather them again in backward (``True``, ZeRO-3) or keep them
+            (``False``, ZeRO-2). Honoured by ``simplefsdp.compile``; eager
+            execution always regathers in backward.
+        shard_dim: tensor dim to shard (parameters with fewer dims use dim 0).
+        reduce_op: ``"avg"`` (default) or ``"sum"`` of gradients across ranks.
+
+    Returns:
+        ``module`` itself, wrapped.
+
+    Raises:
+        TypeError: wrong argument types.
+        ValueError: no process group and no mesh, mesh dimensionality not
+            matching ``mode``, unknown ``mode``/``reduce_op``, ``shard_dim`` out
+            of range, or ``module`` already wrapped.
+    """
+    _validate_args(module, mode, mp_policy, reshard_after_forward, shard_dim, reduce_op)
+    mesh = resolve_mesh(mesh, mode)
+    _check_shard_dim(module, shard_dim, mode)
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+
+    fqn_of: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
+    new_params: dict[int, nn.Parameter] = {}  # id(old param) -> DTensor param
+    spec_of: dict[int, ParamSpec] = {}
+    per_module_specs: list[tuple[nn.Module, dict[str, ParamSpec]]] = []
+    for submodule in module.modules():
+        local_specs: dict[str, ParamSpec] = {}
+        for name, param in list(submodule._parameters.items()):
+            if param is None:
+                continue
+            key = id(param)
+            if key not in new_params:
+                placements = _placements_for(param, mode, shard_dim)
+                new_params[key] = _to_dtensor_param(param, mesh, placements)
+                spec_of[key] = ParamSpec(
+                    fqn=fqn_of[key],
+                    placements=placements,
+                    grad_placements=make_grad_placements(mesh.ndim, reduce_op),
+                    param_dtype=mp_policy.param_dtype,
+                    # Like FSDP2: without a reduce_dtype, reduce in param_dtype.
+                    reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype,
+                )
+            submodule._parameters[name] = new_params[key]
+            local_specs[name] = spec_of[key]
+        if local_specs:
+            per_module_specs.append((submodule, local_specs))
+    for submodule, local_specs in per_module_specs:
+        swap_module_class(submodule, local_specs)
+
+    _install_mixed_precision_hooks(module, mp_policy)
+    module.__dict__[STATE_ATTR] = DataParallelState(
+        mesh=mesh,
+        mode=mode,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        shard_dim=shard_dim,
+        reduce_op=reduce_op,
+        param_specs={spec.fqn: spec for spec in spec_of.values()},
+    )
+    logger.debug("data_parallel: mode=%s mesh=%s params=%d", mode, tuple(mesh.shape), len(spec_of))
+    return module

@@ -1,0 +1,150 @@
+"""Parameter reads as "replicate computation" on sharded DTensors.
+
+Note: [Parametrization by property]
+    ``data_parallel`` stores every parameter as a sharded DTensor in the module's
+    ``_parameters`` (so ``named_parameters()``/``state_dict()`` see the shards
+    under their original names) and swaps the module's class for a subclass
+    that defines one property per parameter name. Reading ``module.weight``
+    inside ``forward`` therefore goes through ``replicate_compute``:
+    ``redistribute`` to ``Replicate`` (the all-gather, in ``param_dtype``) and
+    ``to_local(grad_placements=Partial)``, whose autograd is the gradient
+    reduction (reduce-scatter / all-reduce, in ``reduce_dtype``).
+    We do not use ``torch.nn.utils.parametrize`` because it renames parameters
+    (``parametrizations.weight.original``), which would change checkpoint keys.
+    The generated subclass keeps the original class's name and module and only
+    adds properties, so ``isinstance`` checks, ``repr`` and ``copy.deepcopy``
+    behave as before. It is not importable by name, so pickling a whole wrapped
+    module object (``torch.save(model)``) is not supported; save ``state_dict()``
+    instead, which is the supported checkpoint format anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+
+# The attribute of a swapped module holding {param_name: ParamSpec}.
+SPECS_ATTR = "_simplefsdp_param_specs"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one parameter is stored, gathered and reduced.
+
+    Attributes:
+        fqn: the parameter's (first) fully qualified name in the wrapped root.
+        placements: placements of the stored DTensor on the mesh.
+        grad_placements: placements given to ``to_local`` so that autograd reduces
+            the gradient (``Partial(avg)`` or ``Partial(sum)`` per mesh dim).
+        param_dtype: dtype of the all-gather and of compute (``None``: unchanged).
+        reduce_dtype: dtype of the gradient reduction (``None``: gradient's dtype).
+    """
+
+    fqn: str
+    placements: tuple[Placement, ...]
+    grad_placements: tuple[Placement, ...]
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+    @property
+    def replicate_placements(self) -> tuple[Placement, ...]:
+        return tuple(Replicate() for _ in self.placements)
+
+    @property
+    def is_sharded(self) -> bool:
+        return any(p.is_shard() for p in self.placements)
+
+
+def make_grad_placements(ndim: int, reduce_op: str) -> tuple[Placement, ...]:
+    return tuple(Partial(reduce_op) for _ in range(ndim))
+
+
+# Note: [Global parametrization switch]
+# ``disable_parametrization`` must affect every wrapped module at once (a user
+# initialises a whole model under it), and model code reads parameters through
+# plain attribute access, so there is no argument through which to pass it.
+# It is therefore a process-wide flag, changed only by the context manager below
+# (restored in ``finally``). Dynamo guards on it, so compiled code stays correct.
+_parametrization_enabled = True
+
+
+def parametrization_enabled() -> bool:
+    """Whether parameter reads currently all-gather (``False`` inside
+    ``disable_parametrization``)."""
+    return _parametrization_enabled
+
+
+@contextlib.contextmanager
+def disable_parametrization() -> Iterator[None]:
+    """Make parameter reads return the stored sharded DTensors.
+
+    Use it to initialise a model in place after ``to_empty`` (so ``init_weights``
+    writes into the shards instead of into a gathered copy), or to inspect the
+    stored parameters. Nesting is allowed; the previous state is restored on exit.
+
+    Example::
+
+        with simplefsdp.disable_parametrization():
+            model.init_weights()
+    """
+    global _parametrization_enabled
+    previous = _parametrization_enabled
+    _parametrization_enabled = False
+    try:
+        yield
+    finally:
+        _parametrization_enabled = previous
+
+
+def replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
+    """The unsharded local tensor that compute uses in place of ``param``.
+
+    Forward: cast the shard to ``param_dtype`` and all-gather it (no-op gather
+    for replicated parameters). Backward: cast the gradient to
+    ``reduce_dtype``, reduce it over the mesh (reduce-scatter for sharded mesh
+    dims, all-reduce for replicated ones) and cast it back to the stored dtype.
+    """
+    gathered = param.redistribute(
+        placements=spec.replicate_placements,
+        forward_dtype=spec.param_dtype,
+        backward_dtype=spec.reduce_dtype,
+    )
+    return gathered.to_local(grad_placements=spec.grad_placements)
+
+
+def _make_property(name: str) -> property:
+    def getter(self: nn.Module) -> torch.Tensor | None:
+        param = self._parameters[name]
+        if param is None or not _parametrization_enabled:
+            return param
+        return replicate_compute(param, self.__dict__[SPECS_ATTR][name])
+
+    def setter(self: nn.Module, value: torch.Tensor | None) -> None:
+        # nn.Module.__setattr__ handles Parameter assignment before reaching the
+        # property; this covers object.__setattr__-style writes.
+        self._parameters[name] = value
+
+    return property(getter, setter)
+
+
+def swap_module_class(module: nn.Module, specs: dict[str, ParamSpec]) -> None:
+    """Give ``module`` a subclass whose properties parametrize ``specs``' names.
+
+    See Note: [Parametrization by property].
+    """
+    cls = module.__class__
+    namespace = {name: _make_property(name) for name in specs}
+    namespace["__module__"] = cls.__module__
+    namespace["__qualname__"] = cls.__qualname__
+    namespace["_simplefsdp_original_class"] = cls
+    module.__class__ = type(cls.__name__, (cls,), namespace)
+    module.__dict__[SPECS_ATTR] = dict(specs)
+
+
+def is_swapped(module: nn.Module) -> bool:
+    return SPECS_ATTR in module.__dict__

@@ -1,0 +1,50 @@
+"""Llama 3 model family: a plain ``nn.Module`` with no parallelism code.
+
+Example::
+
+    from simplefsdp.models.llama3 import Transformer, get_config
+
+    model = Transformer(get_config("debug"))
+    logits = model(tokens)  # (B, T) -> (B, T, vocab_size)
+"""
+
+from .configs import BYTE_VOCAB_SIZE, LLAMA3_CONFIGS, LLAMA31_ROPE_SCALING, get_config
+from .model import (
+    Attention,
+    FeedForward,
+    ModelArgs,
+    RMSNorm,
+    RopeScaling,
+    Transformer,
+    TransformerBlock,
+    apply_rope_scaling,
+    apply_rotary_emb,
+    ffn_hidden_dim,
+    flops_per_token,
+    num_params,
+    precompute_freqs_cis,
+    repeat_kv,
+    rope_frequencies,
+)
+
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "LLAMA31_ROPE_SCALING",
+    "LLAMA3_CONFIGS",
+    "Attention",
+    "FeedForward",
+    "ModelArgs",
+    "RMSNorm",
+    "RopeScaling",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rope_scaling",
+    "apply_rotary_emb",
+    "ffn_hidden_dim",
+    "flops_per_token",
+    "get_config",
+    "num_params",
+    "precompute_freqs_cis",
+    "repeat_kv",
+    "rope_frequencies",
+]

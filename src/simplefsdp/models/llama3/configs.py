@@ -1,0 +1,121 @@
+"""Named Llama 3 configurations.
+
+* ``debug``: about 3.3M parameters with a byte-level vocabulary (256 bytes plus
+  4 special tokens). Small enough to train on a CPU.
+* ``small``: about 101M parameters (dim 768, 16 layers, 12 query heads, 4 KV
+  heads) with the same 260-token byte-level vocabulary, so nearly all
+  parameters are in the transformer blocks rather than in the embeddings.
+* ``8B``, ``70B``, ``405B``: the published Llama 3.1 shapes (vocabulary 128256,
+  rope theta 500000, Llama 3.1 rope scaling), with ``max_seq_len`` 8192.
+
+Use :func:`get_config` to fetch one, optionally with field overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .model import ModelArgs, RopeScaling
+
+__all__ = ["BYTE_VOCAB_SIZE", "LLAMA3_CONFIGS", "LLAMA31_ROPE_SCALING", "get_config"]
+
+#: 256 byte values plus 4 special tokens.
+BYTE_VOCAB_SIZE = 260
+
+#: Published Llama 3.1 rope scaling.
+LLAMA31_ROPE_SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+LLAMA3_CONFIGS: dict[str, ModelArgs] = {
+    "debug": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=BYTE_VOCAB_SIZE,
+        multiple_of=256,
+        rope_theta=500000.0,
+        max_seq_len=512,
+    ),
+    "small": ModelArgs(
+        dim=768,
+        n_layers=16,
+        n_heads=12,
+        n_kv_heads=4,
+        vocab_size=BYTE_VOCAB_SIZE,
+        multiple_of=256,
+        rope_theta=500000.0,
+        max_seq_len=2048,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+        max_seq_len=8192,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+        max_seq_len=8192,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.2,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+        max_seq_len=8192,
+    ),
+}
+
+
+def get_config(name: str, **overrides: Any) -> ModelArgs:
+    """Return the named configuration, optionally with fields overridden.
+
+    Args:
+        name: One of the keys of :data:`LLAMA3_CONFIGS`.
+        **overrides: :class:`ModelArgs` fields to replace, e.g.
+            ``get_config("debug", vocab_size=300, max_seq_len=256)``.
+
+    Returns:
+        A validated :class:`ModelArgs`.
+
+    Raises:
+        ValueError: If ``name`` is unknown (the message lists the valid names),
+            an override names a field that does not exist, or the resulting
+            configuration is invalid.
+    """
+    try:
+        base = LLAMA3_CONFIGS[name]
+    except KeyError:
+        valid = ", ".join(repr(k) for k in LLAMA3_CONFIGS)
+        raise ValueError(f"unknown Llama 3 config {name!r}; valid names: {valid}") from None
+    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"unknown ModelArgs field(s) {unknown}; valid fields: {', '.join(sorted(fields))}"
+        )
+    return dataclasses.replace(base, **overrides)

@@ -1,0 +1,83 @@
+"""Small non-transformer models shared by the tests, with uneven dimensions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class MLP(nn.Module):
+    """Two-layer MLP whose sizes do not divide by 2 or 4 (uneven shards)."""
+
+    def __init__(self, d_in: int = 13, d_hidden: int = 31, d_out: int = 7) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(d_in, d_hidden)
+        self.out_proj = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.relu(self.in_proj(x)))
+
+
+class TiedEmbeddingModel(nn.Module):
+    """Embedding tied to the output projection, a 0-d and a 1-d parameter, a buffer."""
+
+    def __init__(self, vocab: int = 19, dim: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.hidden = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.temperature = nn.Parameter(torch.tensor(0.9))  # 0-d
+        self.register_buffer("offset", torch.linspace(-0.1, 0.1, dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.offset  # (B, T, D)
+        h = self.norm(torch.nn.functional.gelu(self.hidden(h)))
+        return self.head(h) * self.temperature  # (B, T, V)
+
+
+class SmallCNN(nn.Module):
+    """Conv + GroupNorm + pooling + linear head: not a transformer."""
+
+    def __init__(self, channels: int = 5, classes: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, kernel_size=3, padding=1)
+        self.gn = nn.GroupNorm(1, channels)
+        self.conv2 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.gn(self.conv1(x)))  # (B, C, H, W)
+        h = torch.relu(self.conv2(h)).mean(dim=(2, 3))  # (B, C)
+        return self.fc(h)
+
+
+def make_batch(model_name: str, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic (inputs, targets) global batch for ``model_name``."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    if model_name == "mlp":
+        return torch.randn(global_batch, 13, generator=gen), torch.randn(
+            global_batch, 7, generator=gen
+        )
+    if model_name == "tied":
+        tokens = torch.randint(0, 19, (global_batch, 6), generator=gen)
+        return tokens, torch.randint(0, 19, (global_batch, 6), generator=gen)
+    if model_name == "cnn":
+        return torch.randn(global_batch, 3, 8, 8, generator=gen), torch.randint(
+            0, 3, (global_batch,), generator=gen
+        )
+    raise ValueError(f"unknown toy model {model_name!r}")
+
+
+def build(model_name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return {"mlp": MLP, "tied": TiedEmbeddingModel, "cnn": SmallCNN}[model_name]()
+
+
+def loss_fn(model_name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if model_name == "mlp":
+        return nn.functional.mse_loss(output.float(), target)
+    if model_name == "tied":
+        return nn.functional.cross_entropy(output.float().flatten(0, 1), target.flatten())
+    return nn.functional.cross_entropy(output.float(), target)
