@@ -67,17 +67,94 @@ def make_batch(model_name: str, step: int, global_batch: int) -> tuple[torch.Ten
         return torch.randn(global_batch, 3, 8, 8, generator=gen), torch.randint(
             0, 3, (global_batch,), generator=gen
         )
+    if model_name.startswith("blocks"):
+        tokens = torch.randint(0, 23, (global_batch, 5), generator=gen)
+        return tokens, torch.randint(0, 23, (global_batch, 5), generator=gen)
     raise ValueError(f"unknown toy model {model_name!r}")
 
 
 def build(model_name: str) -> nn.Module:
     torch.manual_seed(0)
+    if model_name.startswith("blocks"):
+        # "blocks", "blocks-full" or "blocks-selective" (activation checkpointing)
+        _, _, checkpoint = model_name.partition("-")
+        return BlockStack(checkpoint=checkpoint or "none")
     return {"mlp": MLP, "tied": TiedEmbeddingModel, "cnn": SmallCNN}[model_name]()
 
 
 def loss_fn(model_name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if model_name == "mlp":
         return nn.functional.mse_loss(output.float(), target)
-    if model_name == "tied":
+    if model_name == "tied" or model_name.startswith("blocks"):
         return nn.functional.cross_entropy(output.float().flatten(0, 1), target.flatten())
     return nn.functional.cross_entropy(output.float(), target)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim + 1)
+        self.down = nn.Linear(2 * dim + 1, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+class BlockStack(nn.Module):
+    """Embedding -> residual MLP blocks in a ModuleList -> norm -> head.
+
+    ``checkpoint``: ``"none"``, ``"full"`` (torch.utils.checkpoint per block)
+    or ``"selective"`` (a policy saving matmuls, recomputing the rest).
+    """
+
+    def __init__(
+        self, vocab: int = 23, dim: int = 12, n_blocks: int = 3, checkpoint: str = "none"
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(ResidualBlock(dim) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.checkpoint = checkpoint
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)  # (B, T, D)
+        for block in self.blocks:
+            if self.checkpoint == "full":
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            elif self.checkpoint == "selective":
+                h = torch.utils.checkpoint.checkpoint(
+                    block, h, use_reentrant=False, context_fn=_selective_context
+                )
+            else:
+                h = block(h)
+        return self.head(self.norm(h))  # (B, T, V)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+class BiasFreeMLP(nn.Module):
+    """Three bias-free linears; with inputs that require grad, every gathered
+    weight is needed again in backward."""
+
+    def __init__(self, dim: int = 9) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.l2 = nn.Linear(2 * dim, 2 * dim, bias=False)
+        self.l3 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))

@@ -8,6 +8,7 @@ Public API::
 """
 
 from simplefsdp.api import MixedPrecisionPolicy
+from simplefsdp.compiler import comm_report, compile, compile_backend
 from simplefsdp.frontend import (
     data_parallel,
     disable_parametrization,
@@ -19,6 +20,9 @@ __version__ = "0.1.0"
 __all__ = [
     "MixedPrecisionPolicy",
     "__version__",
+    "comm_report",
+    "compile",
+    "compile_backend",
     "data_parallel",
     "disable_parametrization",
     "get_data_parallel_state",

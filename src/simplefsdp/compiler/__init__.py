@@ -1,0 +1,14 @@
+"""simplefsdp's torch.compile backend, graph passes and reports."""
+
+from simplefsdp.compiler.api import comm_report, compile, compile_backend
+from simplefsdp.compiler.backend import CompileOptions, SimpleFSDPBackend
+from simplefsdp.compiler.report import CommReport
+
+__all__ = [
+    "CommReport",
+    "CompileOptions",
+    "SimpleFSDPBackend",
+    "comm_report",
+    "compile",
+    "compile_backend",
+]

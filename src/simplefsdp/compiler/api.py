@@ -1,0 +1,134 @@
+"""``simplefsdp.compile``, ``compile_backend`` and ``comm_report``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from simplefsdp.compiler.backend import CompileOptions, SimpleFSDPBackend
+from simplefsdp.compiler.report import CommReport
+from simplefsdp.frontend.data_parallel import get_data_parallel_state
+
+BACKEND_ATTR = "_simplefsdp_backend"
+
+
+def compile_backend(
+    *,
+    backend: str = "inductor",
+    bucketing: Any = "auto",
+    reorder: bool = True,
+    memory_budget_bytes: int | None = None,
+    reshard_after_forward: bool = True,
+    prefetch_distance: int = 1,
+    model: nn.Module | None = None,
+) -> SimpleFSDPBackend:
+    """A ``torch.compile`` backend with simplefsdp's resharding and passes.
+
+    Use it as ``torch.compile(model, backend=simplefsdp.compile_backend(...))``
+    when you manage ``torch.compile`` yourself; ``simplefsdp.compile`` builds
+    one from the model's ``data_parallel`` settings. Arguments are those of
+    ``simplefsdp.compile``; ``reshard_after_forward`` is given explicitly here
+    (``simplefsdp.compile`` reads it from the wrapped model), and ``model``,
+    if given, names parameters in the report (otherwise Dynamo's sources do).
+
+    Raises:
+        ValueError / TypeError: invalid option values.
+    """
+    options = CompileOptions(
+        backend=backend,
+        bucketing=bucketing,
+        reorder=reorder,
+        memory_budget_bytes=memory_budget_bytes,
+        reshard_after_forward=reshard_after_forward,
+        prefetch_distance=prefetch_distance,
+    )
+    return SimpleFSDPBackend(options, model)
+
+
+def compile(  # noqa: A001 - mirrors torch.compile on purpose
+    model: nn.Module,
+    *,
+    backend: str = "inductor",
+    bucketing: Any = "auto",
+    reorder: bool = True,
+    memory_budget_bytes: int | None = None,
+    prefetch_distance: int = 1,
+    fullgraph: bool = True,
+    **torch_compile_kwargs: Any,
+) -> nn.Module:
+    """Compile a ``data_parallel``-wrapped module with simplefsdp's backend, in place.
+
+    Forward and backward are traced with every collective visible. The FSDP
+    all-gathers are recomputed in backward when the model was wrapped with
+    ``reshard_after_forward=True`` (saved otherwise), then our passes bucket
+    and reorder the collectives, and the graphs run under Inductor or, with
+    ``backend="aot_eager"``, eagerly (bitwise equal to uncompiled execution).
+
+    The module is compiled in place (``nn.Module.compile``), so parameter
+    names, ``state_dict`` keys and checkpoints are unchanged; it is returned
+    for convenience. Compilation happens on the first call.
+
+    Args:
+        model: a module wrapped by ``simplefsdp.data_parallel``.
+        backend: ``"inductor"`` (default) or ``"aot_eager"`` (debugging).
+        bucketing: ``"auto"`` (cost-model plan), ``"none"`` (one collective
+            per parameter), or a manual plan: ``"per_block"``, a list of
+            lists of module FQNs, a module class, or a predicate
+            ``(fqn, module) -> bool`` (see ``simplefsdp.plan``).
+        reorder: prefetch all-gathers and delay waits to overlap compute.
+        memory_budget_bytes: peak-memory budget for the auto planner.
+        prefetch_distance: how many buckets ahead all-gathers are issued.
+        fullgraph: passed to ``torch.compile`` (graph breaks are errors).
+        **torch_compile_kwargs: passed to ``torch.compile`` (e.g. ``dynamic``).
+
+    Returns:
+        ``model``, compiled. ``simplefsdp.comm_report(model)`` describes it
+        after the first step.
+
+    Raises:
+        ValueError: ``model`` is not wrapped by ``data_parallel``, or an
+            option is invalid.
+    """
+    if "backend" in torch_compile_kwargs:
+        raise TypeError("pass backend= once (it is simplefsdp.compile's own argument)")
+    state = get_data_parallel_state(model)
+    simplefsdp_backend = compile_backend(
+        backend=backend,
+        bucketing=bucketing,
+        reorder=reorder,
+        memory_budget_bytes=memory_budget_bytes,
+        reshard_after_forward=state.reshard_after_forward,
+        prefetch_distance=prefetch_distance,
+        model=model,
+    )
+    model.compile(backend=simplefsdp_backend, fullgraph=fullgraph, **torch_compile_kwargs)
+    model.__dict__[BACKEND_ATTR] = simplefsdp_backend
+    return model
+
+
+def comm_report(compiled: nn.Module | SimpleFSDPBackend) -> CommReport:
+    """The communication report of a module compiled by ``simplefsdp.compile``
+    (or of a ``compile_backend`` object).
+
+    Per compiled graph (forward, backward): the collectives with kind, dtype,
+    bytes, the parameter FQNs they carry and the positions of their issue and
+    wait among compute nodes; buckets and predictions when passes ran.
+    ``print(report)`` shows a table; ``report.to_dict()`` is JSON-serialisable.
+
+    Raises:
+        ValueError: nothing was compiled by simplefsdp for this module, or no
+            step has run yet (compilation happens on the first call).
+    """
+    if isinstance(compiled, SimpleFSDPBackend):
+        backend = compiled
+    else:
+        backend = compiled.__dict__.get(BACKEND_ATTR)
+        if backend is None:
+            inner = compiled.__dict__.get("_orig_mod")
+            backend = inner.__dict__.get(BACKEND_ATTR) if inner is not None else None
+        if backend is None:
+            raise ValueError(f"{type(compiled).__name__} was not compiled with simplefsdp.compile")
+    if not backend.report.graphs:
+        raise ValueError("no graph compiled yet: run one step (forward and backward) first")
+    return backend.report

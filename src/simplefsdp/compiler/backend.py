@@ -1,0 +1,258 @@
+"""The torch.compile backend: resharding, our passes, and the report.
+
+Note: [Backend pipeline]
+    Dynamo hands us an FX graph of the model (parameters are DTensor inputs).
+    AOTAutograd traces the joint forward-backward ATen graph; there the
+    reshard pass tags the FSDP all-gather chains (see Note: [Resharding by
+    recompute tags]); the min-cut partitioner splits forward and backward.
+    Each partitioned graph then runs through our graph passes (bucketing,
+    reordering) and is described in the communication report before it goes
+    to the executing compiler: Inductor (``compile_fx_inner``) or, for
+    ``backend="aot_eager"``, plain FX execution (bitwise equal to eager).
+    Inductor settings we need are applied with ``config_patches`` for the
+    duration of our compilation only; the user's global config is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from simplefsdp.compiler.passes.reshard import mark_reshard
+from simplefsdp.compiler.patterns import placeholders
+from simplefsdp.compiler.report import CommReport, GraphReport, build_graph_report
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("inductor", "aot_eager")
+LOG_ENV_VAR = "SIMPLEFSDP_LOG"
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of ``simplefsdp.compile`` / ``compile_backend`` (validated)."""
+
+    backend: str = "inductor"
+    bucketing: Any = "auto"
+    reorder: bool = True
+    memory_budget_bytes: int | None = None
+    reshard_after_forward: bool = True
+    prefetch_distance: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
+        if not isinstance(self.reorder, bool):
+            raise TypeError(f"reorder must be a bool, got {self.reorder!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}"
+            )
+        budget = self.memory_budget_bytes
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
+        ):
+            raise ValueError(f"memory_budget_bytes must be a positive int or None, got {budget!r}")
+        if (
+            isinstance(self.prefetch_distance, bool)
+            or not isinstance(self.prefetch_distance, int)
+            or self.prefetch_distance < 0
+        ):
+            raise ValueError(
+                f"prefetch_distance must be an int >= 0, got {self.prefetch_distance!r}"
+            )
+
+    def describe(self) -> dict:
+        bucketing = self.bucketing
+        if not isinstance(bucketing, (str, list, tuple)):
+            bucketing = getattr(bucketing, "__name__", repr(bucketing))
+        return {
+            "backend": self.backend,
+            "bucketing": bucketing,
+            "reorder": self.reorder,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "reshard_after_forward": self.reshard_after_forward,
+            "prefetch_distance": self.prefetch_distance,
+        }
+
+
+_SOURCE_PART = re.compile(
+    r"_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)"
+)
+
+
+def _fqn_from_source(source_name: str) -> str | None:
+    """``L['self']._modules['a']._parameters['w']`` -> ``a.w`` (Dynamo sources)."""
+    if "_parameters[" not in source_name:
+        return None
+    parts = [m.group(1) for m in re.finditer(r"_(?:modules|parameters)\['([^']+)'\]", source_name)]
+    return ".".join(parts) if parts else None
+
+
+def _flat_slots(value: Any) -> list[bool]:
+    """AOTAutograd's flattening of one graph input: one slot per leaf, True for
+    the slot holding a DTensor's local tensor."""
+    if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+        attrs, _ = value.__tensor_flatten__()
+        slots: list[bool] = []
+        for attr in attrs:
+            inner = getattr(value, attr)
+            if isinstance(inner, torch.Tensor) and is_traceable_wrapper_subclass(inner):
+                slots.extend(_flat_slots(inner))
+            else:
+                slots.append(attr == "_local_tensor")
+        return slots
+    return [False]
+
+
+def primal_fqns(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], fqn_by_id: dict[int, str]
+) -> list[str | None]:
+    """The parameter FQN of each AOTAutograd primal (``primals_1`` is index 0)."""
+    result: list[str | None] = []
+    for node, value in zip(placeholders(gm.graph), example_inputs):
+        fqn = fqn_by_id.get(id(value))
+        if fqn is None:
+            grapharg = node.meta.get("grapharg")
+            source = getattr(grapharg, "source", None)
+            if source is not None:
+                name = source.name() if callable(source.name) else source.name
+                fqn = _fqn_from_source(str(name))
+        for is_local in _flat_slots(value):
+            result.append(fqn if is_local else None)
+    return result
+
+
+class _GraphCompilation:
+    """State for compiling one Dynamo graph (its joint, forward and backward)."""
+
+    def __init__(self, backend: SimpleFSDPBackend, graph_id: int, fqns: list[str | None]):
+        self.backend = backend
+        self.graph_id = graph_id
+        self.fqns = fqns
+        self.primal_names = {f"primals_{i + 1}": f for i, f in enumerate(fqns) if f}
+
+    def joint_pass(self, graph: fx.Graph) -> None:
+        primals = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+        if len(primals) != len(self.fqns):
+            logger.debug(
+                "graph %d: %d primals but %d flattened inputs; FQNs in the report may be missing",
+                self.graph_id,
+                len(primals),
+                len(self.fqns),
+            )
+        mark_reshard(graph, self.backend.options.reshard_after_forward)
+
+    def process(self, gm: fx.GraphModule, graph_name: str) -> None:
+        """Run our passes on a partitioned graph, then record it in the report."""
+        options = self.backend.options
+        report_notes: list[str] = []
+        from simplefsdp.compiler.pipeline import run_graph_passes
+
+        extra = run_graph_passes(gm, graph_name, options, self.fqns, report_notes)
+        output_fqns = dict(enumerate(self.fqns)) if graph_name == "backward" else {}
+        report = build_graph_report(gm, graph_name, self.graph_id, self.primal_names, output_fqns)
+        report.notes.extend(report_notes)
+        if extra is not None:
+            report.buckets.extend(extra.get("buckets", []))
+            report.predicted.update(extra.get("predicted", {}))
+        self.backend.report.graphs.append(report)
+        self.backend.log_graph(report)
+
+
+class SimpleFSDPBackend:
+    """A ``torch.compile`` backend: ``torch.compile(model, backend=SimpleFSDPBackend(...))``.
+
+    Holds the communication report of everything it compiled (``.report``).
+    Build it with ``simplefsdp.compile_backend``.
+    """
+
+    def __init__(self, options: CompileOptions, model: nn.Module | None = None) -> None:
+        self.options = options
+        self.report = CommReport(options=options.describe())
+        self._fqn_by_id: dict[int, str] = {}
+        if model is not None:
+            self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
+        self._graph_ids = itertools.count()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        compilation = _GraphCompilation(
+            self, next(self._graph_ids), primal_fqns(gm, example_inputs, self._fqn_by_id)
+        )
+        if self.options.backend == "aot_eager":
+            return _compile_aot_eager(gm, example_inputs, compilation)
+        return _compile_inductor(gm, example_inputs, compilation)
+
+    def log_graph(self, report: GraphReport) -> None:
+        single = CommReport(graphs=[report], options=self.report.options)
+        if os.environ.get(LOG_ENV_VAR, "").lower() in ("1", "report", "true", "info"):
+            print(f"[simplefsdp] communication report\n{single}", flush=True)
+        elif logger.isEnabledFor(logging.INFO):
+            logger.info("communication report\n%s", single)
+
+
+def _partition(compilation: _GraphCompilation, joint: fx.GraphModule, joint_inputs, **kwargs):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    compilation.joint_pass(joint.graph)
+    joint.recompile()
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _eager_compiler(compilation: _GraphCompilation, graph_name: str, gm, example_inputs):
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+
+    compilation.process(gm, graph_name)
+    gm.recompile()
+    return make_boxed_func(gm.forward)
+
+
+def _compile_aot_eager(gm, example_inputs, compilation: _GraphCompilation):
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(
+        fw_compiler=functools.partial(_eager_compiler, compilation, "forward"),
+        bw_compiler=functools.partial(_eager_compiler, compilation, "backward"),
+        inference_compiler=functools.partial(_eager_compiler, compilation, "inference"),
+        partition_fn=functools.partial(_partition, compilation),
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)
+
+
+def _compile_inductor(gm, example_inputs, compilation: _GraphCompilation):
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph_module, inputs, *args, **kwargs):
+        if kwargs.get("is_backward"):
+            name = "backward"
+        elif kwargs.get("is_inference"):
+            name = "inference"
+        else:
+            name = "forward"
+        compilation.process(graph_module, name)
+        graph_module.recompile()
+        return compile_fx_inner(graph_module, inputs, *args, **kwargs)
+
+    config_patches = {
+        # Our tags must be applied to the joint graph right before partitioning.
+        "joint_custom_post_pass": compilation.joint_pass,
+        # Our passes are not hashable graph passes: do not serve cached graphs
+        # compiled without them.
+        "fx_graph_cache": False,
+    }
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(
+            gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches
+        )

@@ -1,0 +1,1 @@
+"""Graph passes. Each pass is a no-op when its pattern is absent."""

@@ -1,0 +1,202 @@
+"""Predicates over ATen FX graphs: which nodes are FSDP collectives, waits,
+and the cheap shaping ops that sit between a stored shard and its compute.
+
+All functions here only read the graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+_funcol = torch.ops._c10d_functional
+
+ALL_GATHER = _funcol.all_gather_into_tensor.default
+REDUCE_SCATTER = _funcol.reduce_scatter_tensor.default
+ALL_REDUCE = _funcol.all_reduce.default
+WAIT = _funcol.wait_tensor.default
+
+COLLECTIVE_KINDS = {
+    ALL_GATHER: "all_gather",
+    REDUCE_SCATTER: "reduce_scatter",
+    ALL_REDUCE: "all_reduce",
+}
+
+# Ops that only cast, pad, reshape or slice: what DTensor's redistribute and
+# mixed precision put between a parameter shard and the tensor compute reads.
+SHAPING_OPS = {
+    aten._to_copy.default,
+    prims.convert_element_type.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.cat.default,
+    aten.constant_pad_nd.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.squeeze.dim,
+    aten.unsqueeze.default,
+    operator.getitem,
+}
+
+# Pure views of a gathered parameter (e.g. the weight transpose of a linear).
+VIEW_OPS = {
+    aten.t.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.expand.default,
+    aten.as_strided.default,
+    aten.detach.default,
+}
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``None``."""
+    if node.op != "call_function":
+        return None
+    return COLLECTIVE_KINDS.get(node.target)
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is WAIT
+
+
+def is_shaping(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SHAPING_OPS
+
+
+def is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in VIEW_OPS
+
+
+def is_compute(node: fx.Node) -> bool:
+    """A node that does real work (not a collective, wait, view or reshape)."""
+    return (
+        node.op == "call_function"
+        and collective_kind(node) is None
+        and not is_wait(node)
+        and not is_shaping(node)
+        and not is_view(node)
+    )
+
+
+def wait_of(collective: fx.Node) -> fx.Node | None:
+    """The ``wait_tensor`` consuming a collective's output, if it has one."""
+    for user in collective.users:
+        if is_wait(user):
+            return user
+    return None
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes]
+
+
+def source_placeholder(node: fx.Node) -> fx.Node | None:
+    """The graph input that ``node`` is a cast/reshape/pad of, if any.
+
+    Follows the first tensor input through shaping ops (``cat`` only when all
+    its inputs come from the same source, as in DTensor's padding).
+    """
+    current = node
+    seen = 0
+    while current.op != "placeholder":
+        if not is_shaping(current) or seen > 64:
+            return None
+        inputs = tensor_inputs(current)
+        if not inputs:
+            return None
+        sources = {source_placeholder(i) for i in inputs} if len(inputs) > 1 else None
+        if sources is not None:
+            return next(iter(sources)) if len(sources) == 1 else None
+        current = inputs[0]
+        seen += 1
+    return current
+
+
+def shaping_closure(start: fx.Node, include_views: bool) -> list[fx.Node]:
+    """Nodes reachable from ``start`` through shaping (and optionally view)
+    ops whose every tensor input is ``start`` or already in the closure."""
+    closure: dict[fx.Node, None] = {}
+    frontier = [start]
+    members = {start}
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in members:
+                continue
+            ok = is_shaping(user) or (include_views and is_view(user))
+            if ok and all(i in members for i in tensor_inputs(user)):
+                members.add(user)
+                closure[user] = None
+                frontier.append(user)
+    return list(closure)
+
+
+def path_from_placeholder(node: fx.Node) -> list[fx.Node]:
+    """Shaping nodes between a source placeholder and ``node`` (exclusive)."""
+    path: list[fx.Node] = []
+    current = node
+    while current.op != "placeholder" and is_shaping(current):
+        path.append(current)
+        inputs = tensor_inputs(current)
+        if not inputs:
+            break
+        current = inputs[0]
+    return list(reversed(path))
+
+
+# Gradient accumulation of a parameter used twice (tied weights).
+_ACCUMULATE_OPS = {aten.add.Tensor}
+
+
+def downstream_output_index(node: fx.Node) -> list[int]:
+    """Positions in the graph's output tuple that ``node`` flows into through
+    shaping ops (e.g. a reduced gradient returned as a parameter's grad)."""
+    frontier = [node]
+    seen = {node}
+    positions: list[int] = []
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if user.op == "output":
+                outs = user.args[0]
+                flat = outs if isinstance(outs, (list, tuple)) else [outs]
+                positions.extend(i for i, o in enumerate(flat) if o is current)
+            elif (is_shaping(user) or is_wait(user) or user.target in _ACCUMULATE_OPS) and (
+                user not in seen
+            ):
+                seen.add(user)
+                frontier.append(user)
+    return sorted(positions)
+
+
+def placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def node_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 0
+
+
+def node_dtype(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def first(nodes: Iterable[fx.Node]) -> fx.Node | None:
+    return next(iter(nodes), None)
