@@ -30,12 +30,19 @@ import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from simplefsdp.compiler.passes.reshard import mark_reshard
-from simplefsdp.compiler.patterns import placeholders
+from simplefsdp.compiler.patterns import collective_kind, is_compute, is_wait, placeholders
+from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import CommReport, GraphReport, build_graph_report
+from simplefsdp.plan import BucketPlan, resolve_plan
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("inductor", "aot_eager")
+COLLECTIVE_TARGET_NAMES = {
+    "all_gather": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+    "all_reduce": "all_reduce",
+}
 LOG_ENV_VAR = "SIMPLEFSDP_LOG"
 
 
@@ -135,6 +142,16 @@ def primal_fqns(
     return result
 
 
+def resolve_bucketing(model: nn.Module, bucketing: Any) -> BucketPlan | None:
+    """The plan for a ``bucketing`` option: ``None`` for ``"none"``."""
+    if isinstance(bucketing, str) and bucketing == "none":
+        return None
+    if isinstance(bucketing, str) and bucketing == "auto":
+        # Until the cost-model planner runs, "auto" buckets per block.
+        return resolve_plan(model, "per_block")
+    return resolve_plan(model, bucketing)
+
+
 class _GraphCompilation:
     """State for compiling one Dynamo graph (its joint, forward and backward)."""
 
@@ -155,21 +172,89 @@ class _GraphCompilation:
             )
         mark_reshard(graph, self.backend.options.reshard_after_forward)
 
+    def check_inductor_order(self, graph_name: str, gm: fx.GraphModule, source: str | None) -> None:
+        """Record how many collectives still overlap compute in Inductor's code.
+
+        Inductor fuses across our collective boundaries (e.g. a block's last
+        add with the next block's norm), which can pull a wait earlier; what
+        matters is that compute still runs between each issue and its wait.
+        """
+        if source is None:
+            return
+        planned = fx_overlap(gm)
+        kept = inductor_overlap(source)
+        report = self.backend.report.graph(graph_name, self.graph_id)
+        report.overlap = {"planned": list(planned), "inductor": list(kept)}
+        report.notes.append(
+            f"overlap: {planned[0]}/{planned[1]} collectives overlap compute as planned, "
+            f"{kept[0]}/{kept[1]} in Inductor's generated code"
+        )
+
     def process(self, gm: fx.GraphModule, graph_name: str) -> None:
         """Run our passes on a partitioned graph, then record it in the report."""
-        options = self.backend.options
-        report_notes: list[str] = []
-        from simplefsdp.compiler.pipeline import run_graph_passes
-
-        extra = run_graph_passes(gm, graph_name, options, self.fqns, report_notes)
         output_fqns = dict(enumerate(self.fqns)) if graph_name == "backward" else {}
+        extra = run_graph_passes(
+            gm,
+            graph_name,
+            self.backend.options,
+            self.backend.plan(),
+            self.primal_names,
+            output_fqns,
+        )
         report = build_graph_report(gm, graph_name, self.graph_id, self.primal_names, output_fqns)
-        report.notes.extend(report_notes)
-        if extra is not None:
-            report.buckets.extend(extra.get("buckets", []))
-            report.predicted.update(extra.get("predicted", {}))
+        report.notes.extend(extra.get("notes", []))
+        report.buckets.extend(extra.get("buckets", []))
+        report.predicted.update(extra.get("predicted", {}))
+        report.overlap = {"planned": list(fx_overlap(gm))}
         self.backend.report.graphs.append(report)
+        self.backend.graph_modules.append((graph_name, gm))
         self.backend.log_graph(report)
+
+
+_ISSUE_LINE = re.compile(
+    r"^(\w+) = torch\.ops\._c10d_functional\."
+    r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)\w*\.default\("
+)
+_WAIT_LINE = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
+_KERNEL_LINE = re.compile(r"^(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+)\(|\.run\(")
+
+
+def inductor_overlap(source: str) -> tuple[int, int]:
+    """(collectives with at least one compute kernel between issue and wait,
+    all collectives) in Inductor's generated wrapper code."""
+    open_issues: dict[str, int] = {}  # buffer -> kernels seen since its issue
+    overlapped = total = 0
+    for raw in source.splitlines():
+        line = raw.strip()
+        issue = _ISSUE_LINE.match(line)
+        if issue:
+            open_issues[issue.group(1)] = 0
+            total += 1
+            continue
+        wait = _WAIT_LINE.search(line)
+        if wait and wait.group(1) in open_issues:
+            overlapped += open_issues.pop(wait.group(1)) > 0
+            continue
+        if _KERNEL_LINE.search(line):
+            for buf in open_issues:
+                open_issues[buf] += 1
+    return overlapped, total
+
+
+def fx_overlap(gm: fx.GraphModule) -> tuple[int, int]:
+    """The same count on an FX graph (compute nodes between issue and wait)."""
+    open_issues: dict[fx.Node, int] = {}
+    overlapped = total = 0
+    for node in gm.graph.nodes:
+        if collective_kind(node) is not None:
+            open_issues[node] = 0
+            total += 1
+        elif is_wait(node) and node.args[0] in open_issues:
+            overlapped += open_issues.pop(node.args[0]) > 0
+        elif is_compute(node):
+            for key in open_issues:
+                open_issues[key] += 1
+    return overlapped, total
 
 
 class SimpleFSDPBackend:
@@ -183,9 +268,22 @@ class SimpleFSDPBackend:
         self.options = options
         self.report = CommReport(options=options.describe())
         self._fqn_by_id: dict[int, str] = {}
+        self._plan: BucketPlan | None = None
         if model is not None:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
+            self._plan = resolve_bucketing(model, options.bucketing)
+        elif options.bucketing != "none":
+            raise ValueError(
+                f"bucketing={options.bucketing!r} needs the model to resolve module names: "
+                "pass compile_backend(..., model=model), or use simplefsdp.compile(model)"
+            )
         self._graph_ids = itertools.count()
+        # (graph name, graph module after our passes), for inspection and tests.
+        self.graph_modules: list[tuple[str, fx.GraphModule]] = []
+
+    def plan(self) -> BucketPlan | None:
+        """The bucket plan in use (``None``: no bucketing)."""
+        return self._plan
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         compilation = _GraphCompilation(
@@ -243,7 +341,9 @@ def _compile_inductor(gm, example_inputs, compilation: _GraphCompilation):
             name = "forward"
         compilation.process(graph_module, name)
         graph_module.recompile()
-        return compile_fx_inner(graph_module, inputs, *args, **kwargs)
+        compiled = compile_fx_inner(graph_module, inputs, *args, **kwargs)
+        compilation.check_inductor_order(name, graph_module, getattr(compiled, "source_code", None))
+        return compiled
 
     config_patches = {
         # Our tags must be applied to the joint graph right before partitioning.
@@ -251,6 +351,10 @@ def _compile_inductor(gm, example_inputs, compilation: _GraphCompilation):
         # Our passes are not hashable graph passes: do not serve cached graphs
         # compiled without them.
         "fx_graph_cache": False,
+        # Inductor's peak-memory reordering sinks our prefetched all-gathers
+        # back next to their waits (undoing the overlap); our order is already
+        # memory-bounded (Note: [Reordering rules]).
+        "reorder_for_peak_memory": False,
     }
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(

@@ -174,8 +174,12 @@ def downstream_output_index(node: fx.Node) -> list[int]:
                 outs = user.args[0]
                 flat = outs if isinstance(outs, (list, tuple)) else [outs]
                 positions.extend(i for i, o in enumerate(flat) if o is current)
-            elif (is_shaping(user) or is_wait(user) or user.target in _ACCUMULATE_OPS) and (
-                user not in seen
+            elif user not in seen and (
+                is_shaping(user)
+                or is_wait(user)
+                or user.target in _ACCUMULATE_OPS
+                # hybrid sharding: a reduce-scatter's result is all-reduced next
+                or user.target is ALL_REDUCE
             ):
                 seen.add(user)
                 frontier.append(user)
@@ -200,3 +204,28 @@ def node_dtype(node: fx.Node) -> torch.dtype | None:
 
 def first(nodes: Iterable[fx.Node]) -> fx.Node | None:
     return next(iter(nodes), None)
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorder ``graph`` topologically, keeping the current order wherever it
+    is already valid (a node moves only to just after its last input)."""
+    import heapq
+
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    pending = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [index[n] for n in nodes if pending[n] == 0]
+    heapq.heapify(ready)
+    ordered: list[fx.Node] = []
+    while ready:
+        node = nodes[heapq.heappop(ready)]
+        ordered.append(node)
+        for user in node.users:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(ready, index[user])
+    if len(ordered) != len(nodes):
+        raise RuntimeError("graph has a cycle; cannot sort it topologically")
+    output = ordered[-1]
+    for node in ordered[:-1]:
+        output.prepend(node)

@@ -2,15 +2,61 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import asdict
+
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from simplefsdp.compiler.passes.bucketing import apply_buckets, find_sites, plan_buckets
+from simplefsdp.compiler.passes.reordering import reorder
+from simplefsdp.compiler.patterns import placeholders
+from simplefsdp.compiler.report import BucketInfo
+from simplefsdp.plan import BucketPlan
+
+logger = logging.getLogger(__name__)
+
+
+def _fake_mode(gm: fx.GraphModule):
+    vals = [n.meta.get("val") for n in placeholders(gm.graph)]
+    return detect_fake_mode([v for v in vals if v is not None])
 
 
 def run_graph_passes(
     gm: fx.GraphModule,
     graph_name: str,
     options,
-    primal_fqns: list[str | None],
-    notes: list[str],
-) -> dict | None:
-    """Bucketing and reordering arrive with their passes; for now, nothing runs."""
-    return None
+    plan: BucketPlan | None,
+    primal_names: dict[str, str],
+    output_fqns: dict[int, str | None],
+) -> dict:
+    """Bucket (when a plan is given) and reorder (when enabled) ``gm`` in place.
+
+    Returns report data: the buckets formed and pass statistics.
+    """
+    start = time.perf_counter()
+    result: dict = {"buckets": [], "notes": []}
+    if plan is not None:
+        sites = find_sites(gm.graph, primal_names, output_fqns)
+        names = [b.name for b in plan.buckets]
+        buckets = plan_buckets(sites, plan.bucket_index(), names)
+        # Describe the buckets before the rewrite erases their original nodes.
+        result["buckets"] = [
+            BucketInfo(kind=b.kind, name=b.name, params=b.fqns, bytes=b.bytes, dtype=b.dtype)
+            for b in buckets
+        ]
+        removed = apply_buckets(gm, buckets, _fake_mode(gm))
+        result["notes"].append(
+            f"bucketing: {len(sites)} collectives -> {len(sites) - removed} ({len(buckets)} buckets)"
+        )
+    if options.reorder:
+        stats = reorder(gm, options.prefetch_distance)
+        result["notes"].append(
+            "reordering: "
+            + ", ".join(f"{k}={v}" for k, v in stats.items())
+            + f", prefetch_distance={options.prefetch_distance}"
+        )
+    result["notes"].append(f"passes took {1000 * (time.perf_counter() - start):.1f} ms")
+    logger.debug("%s graph passes: %s", graph_name, [asdict(b) for b in result["buckets"]])
+    return result

@@ -60,6 +60,9 @@ class GraphReport:
     buckets: list[BucketInfo] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     predicted: dict = field(default_factory=dict)
+    # Collectives with compute between issue and wait: {"planned": [n, total]}
+    # in our graph and, under Inductor, {"inductor": [n, total]} in its code.
+    overlap: dict = field(default_factory=dict)
 
     def count(self, kind: str) -> int:
         return sum(1 for c in self.collectives if c.kind == kind)

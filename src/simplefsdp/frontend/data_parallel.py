@@ -120,6 +120,17 @@ def _check_shard_dim(module: nn.Module, shard_dim: int, mode: str) -> None:
         )
 
 
+def _hybrid_submeshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """The (replicate, shard) 1-D submeshes of a 2-D hybrid mesh."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        # Slicing needs dim names; an unnamed mesh gets a named twin over the
+        # same ranks (new process groups, created once at wrap time).
+        names = ("dp_replicate", "dp_shard")
+        mesh = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=names)
+    return mesh[names[0]], mesh[names[1]]
+
+
 def _to_dtensor_param(
     param: nn.Parameter, mesh: DeviceMesh, placements: tuple[Placement, ...]
 ) -> nn.Parameter:
@@ -229,6 +240,7 @@ def data_parallel(
     mesh = resolve_mesh(mesh, mode)
     _check_shard_dim(module, shard_dim, mode)
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    replicate_mesh, shard_mesh = _hybrid_submeshes(mesh) if mode == "hybrid_shard" else (None, None)
 
     fqn_of: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
     new_params: dict[int, nn.Parameter] = {}  # id(old param) -> DTensor param
@@ -250,6 +262,8 @@ def data_parallel(
                     param_dtype=mp_policy.param_dtype,
                     # Like FSDP2: without a reduce_dtype, reduce in param_dtype.
                     reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype,
+                    replicate_mesh=replicate_mesh if placements[-1].is_shard() else None,
+                    shard_mesh=shard_mesh if placements[-1].is_shard() else None,
                 )
             submodule._parameters[name] = new_params[key]
             local_specs[name] = spec_of[key]

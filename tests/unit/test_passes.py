@@ -1,0 +1,201 @@
+"""Bucketing and reordering passes on real traced graphs, in one process.
+
+A fake process group (no communication) stands in for 2 ranks: the graphs are
+exactly those simplefsdp.compile builds, and the tests inspect them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import simplefsdp
+from simplefsdp.compiler.patterns import collective_kind, is_compute, wait_of
+from simplefsdp.plan import resolve_plan
+from toy_models import BlockStack, ResidualBlock
+
+
+@pytest.fixture
+def fake_pg():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # Each test compiles a fresh model of the same class: start from an empty
+    # Dynamo cache so the recompile limit is never reached.
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+def _compile_and_run(bucketing, reorder=True, mode="fully_shard", reshard=True, prefetch=1):
+    torch.manual_seed(0)
+    model = simplefsdp.data_parallel(BlockStack(), mode=mode, reshard_after_forward=reshard)
+    simplefsdp.compile(
+        model, backend="aot_eager", bucketing=bucketing, reorder=reorder, prefetch_distance=prefetch
+    )
+    tokens = torch.randint(0, 23, (2, 5))
+    model(tokens).sum().backward()
+    backend = model.__dict__["_simplefsdp_backend"]
+    return {name: gm for name, gm in backend.graph_modules}, simplefsdp.comm_report(model)
+
+
+def _collectives(gm, kind):
+    return [n for n in gm.graph.nodes if collective_kind(n) == kind]
+
+
+def _compute_positions(gm):
+    pos, seen = {}, 0
+    for node in gm.graph.nodes:
+        if is_compute(node):
+            seen += 1
+        pos[node] = seen
+    return pos
+
+
+def test_bucket_count_equals_plan_buckets(fake_pg) -> None:
+    graphs, report = _compile_and_run("per_block")
+    fw, bw = graphs["forward"], graphs["backward"]
+    # embed | 3 blocks | norm + head: five buckets
+    assert len(_collectives(fw, "all_gather")) == 5
+    assert len(_collectives(bw, "reduce_scatter")) == 5
+    # resharded: backward regathers the buckets whose weights it needs
+    assert len(_collectives(bw, "all_gather")) == 4
+    for gm in graphs.values():
+        gm.graph.lint()
+    names = [b.name for b in report.graph("forward").buckets]
+    assert names == ["rest:embed.weight", "blocks.0", "blocks.1", "blocks.2", "rest:norm.weight"]
+    blocks0 = report.graph("forward").buckets[1]
+    assert sorted(blocks0.params) == sorted(
+        f"blocks.0.{n}"
+        for n in ("norm.weight", "norm.bias", "up.weight", "up.bias", "down.weight", "down.bias")
+    )
+    assert "bucketing" in " ".join(report.graph("forward").notes)
+
+
+def test_none_keeps_one_collective_per_parameter(fake_pg) -> None:
+    graphs, _ = _compile_and_run("none", reorder=False)
+    n_params = 1 + 3 * 6 + 2 + 1
+    assert len(_collectives(graphs["forward"], "all_gather")) == n_params
+    assert len(_collectives(graphs["backward"], "reduce_scatter")) == n_params
+
+
+def test_manual_plan_of_lists_and_uncovered_params(fake_pg) -> None:
+    plan = [["embed", "blocks.0"], ["blocks.1", "blocks.2"]]
+    graphs, report = _compile_and_run(plan)
+    assert len(_collectives(graphs["forward"], "all_gather")) == 3
+    names = [b.name for b in report.graph("forward").buckets]
+    assert names == ["embed,blocks.0", "blocks.1,blocks.2", "rest:norm.weight"]
+
+
+def test_class_plan_matches_per_block(fake_pg) -> None:
+    graphs, _ = _compile_and_run(ResidualBlock)
+    assert len(_collectives(graphs["forward"], "all_gather")) == 5
+
+
+def test_forward_prefetch_order(fake_pg) -> None:
+    graphs, _ = _compile_and_run("per_block", prefetch=1)
+    fw = graphs["forward"]
+    pos = _compute_positions(fw)
+    gathers = _collectives(fw, "all_gather")
+    waits = [wait_of(ag) for ag in gathers]
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    for i in range(1, len(gathers)):
+        # AG_i is issued before W_{i-1}, i.e. before bucket i-1's compute begins
+        assert order[gathers[i]] < order[waits[i - 1]]
+        # ... but not before AG_{i-1} (issue order is bucket order)
+        assert order[gathers[i - 1]] < order[gathers[i]]
+    for wait in waits:
+        # each wait sits right before the first compute node that reads it
+        first_compute_after = next(n for n in list(fw.graph.nodes)[order[wait] :] if is_compute(n))
+        assert pos[first_compute_after] == pos[wait] + 1
+
+
+def test_prefetch_distance_two(fake_pg) -> None:
+    graphs, _ = _compile_and_run("per_block", prefetch=2)
+    fw = graphs["forward"]
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    gathers = _collectives(fw, "all_gather")
+    waits = [wait_of(ag) for ag in gathers]
+    for i in range(2, len(gathers)):
+        assert order[gathers[i]] < order[waits[i - 2]]
+
+
+def test_no_reorder_keeps_waits_next_to_issues(fake_pg) -> None:
+    graphs, _ = _compile_and_run("per_block", reorder=False)
+    pos = _compute_positions(graphs["forward"])
+    for ag in _collectives(graphs["forward"], "all_gather"):
+        assert pos[ag] == pos[wait_of(ag)]
+
+
+def test_backward_reductions_issue_early_and_wait_late(fake_pg) -> None:
+    graphs, _ = _compile_and_run("per_block")
+    bw = graphs["backward"]
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    reductions = _collectives(bw, "reduce_scatter")
+    for i, rs in enumerate(reductions):
+        inputs = rs.args[0]
+        # issued right after its input exists (only shaping ops in between)
+        between = list(bw.graph.nodes)[order[inputs] + 1 : order[rs]]
+        assert not any(is_compute(n) for n in between), between
+        wait = wait_of(rs)
+        if i + 1 < len(reductions):  # waited right before the next reduce-scatter
+            assert order[wait] < order[reductions[i + 1]]
+            assert not any(
+                collective_kind(n) == "reduce_scatter"
+                for n in list(bw.graph.nodes)[order[wait] + 1 : order[reductions[i + 1]]]
+            )
+            assert order[wait] == order[reductions[i + 1]] - 1 - sum(
+                1 for n in list(bw.graph.nodes)[order[wait] + 1 : order[reductions[i + 1]]]
+            )
+    # at most one reduce-scatter in flight at any point
+    in_flight = 0
+    for node in bw.graph.nodes:
+        if collective_kind(node) == "reduce_scatter":
+            in_flight += 1
+            assert in_flight <= 1
+        elif node.args and any(wait_of(r) is node for r in reductions):
+            in_flight -= 1
+
+
+def test_replicate_mode_buckets_all_reduces(fake_pg) -> None:
+    graphs, _ = _compile_and_run("per_block", mode="replicate")
+    assert _collectives(graphs["forward"], "all_gather") == []
+    assert len(_collectives(graphs["backward"], "all_reduce")) == 5
+
+
+def test_bad_plans_raise(fake_pg) -> None:
+    model = simplefsdp.data_parallel(BlockStack())
+    with pytest.raises(ValueError, match="'blocks.7' names no module"):
+        simplefsdp.compile(model, bucketing=[["blocks.7"]])
+    with pytest.raises(ValueError, match="is in two buckets"):
+        simplefsdp.compile(model, bucketing=[["blocks"], ["blocks.0"]])
+    with pytest.raises(TypeError, match="did you mean"):
+        simplefsdp.compile(model, bucketing=["blocks.0"])
+
+
+def test_resolve_plan_shapes() -> None:
+    model = BlockStack()
+    per_block = resolve_plan(model, "per_block")
+    assert [b.origin for b in per_block.buckets] == [
+        "uncovered",
+        "manual",
+        "manual",
+        "manual",
+        "uncovered",
+    ]
+    by_predicate = resolve_plan(model, lambda fqn, m: isinstance(m, nn.LayerNorm))
+    assert [b.name for b in by_predicate.buckets if b.origin == "manual"] == [
+        "blocks.0.norm",
+        "blocks.1.norm",
+        "blocks.2.norm",
+        "norm",
+    ]
+    covered = [f for b in by_predicate.buckets for f in b.param_fqns]
+    assert sorted(covered) == sorted(n for n, _ in model.named_parameters())
+    with pytest.raises(ValueError, match="unknown bucket plan 'per_layer'"):
+        resolve_plan(model, "per_layer")
