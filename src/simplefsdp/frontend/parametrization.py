@@ -26,10 +26,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 # The attribute of a swapped module holding {param_name: ParamSpec}.
 SPECS_ATTR = "_simplefsdp_param_specs"
+# The attribute where the eager executor (``simplefsdp.eager``) puts
+# {param_name: tensor}: views of a bucket's gathered flat buffer that reads
+# return instead of gathering through DTensor. Absent unless eager is in use.
+EAGER_VIEWS_ATTR = "_simplefsdp_eager_views"
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class ParamSpec:
     grad_placements: tuple[Placement, ...]
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    # hybrid_shard only: the 1-D submeshes of the (replicate, shard) mesh.
+    replicate_mesh: DeviceMesh | None = None
+    shard_mesh: DeviceMesh | None = None
 
     @property
     def replicate_placements(self) -> tuple[Placement, ...]:
@@ -108,7 +116,10 @@ def replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
     for replicated parameters). Backward: cast the gradient to
     ``reduce_dtype``, reduce it over the mesh (reduce-scatter for sharded mesh
     dims, all-reduce for replicated ones) and cast it back to the stored dtype.
+    See Note: [Hybrid sharding order] for ``hybrid_shard``.
     """
+    if spec.shard_mesh is not None:
+        return _hybrid_replicate_compute(param, spec)
     gathered = param.redistribute(
         placements=spec.replicate_placements,
         forward_dtype=spec.param_dtype,
@@ -117,11 +128,47 @@ def replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
     return gathered.to_local(grad_placements=spec.grad_placements)
 
 
+# Note: [Hybrid sharding order]
+# Reducing a (Partial, Partial) gradient to (Replicate, Shard) in one DTensor
+# redistribute all-reduces the *full* gradient across replicas first, then
+# reduce-scatters it: the cross-host traffic that hybrid sharding exists to
+# avoid. We instead go through the two 1-D submeshes: the backward of the
+# shard-group DTensor reduce-scatters within the shard group first, and the
+# backward of the replicate-group ``from_local``/``to_local`` pair then
+# all-reduces only this rank's shard across replicas (in the gradient's dtype,
+# i.e. the stored parameter dtype).
+def _hybrid_replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
+    local = param.to_local()  # 1-D shard; its gradient is already fully reduced
+    reduce_op = spec.grad_placements[0]
+    replicated = DTensor.from_local(
+        local, spec.replicate_mesh, (Replicate(),), run_check=False
+    ).to_local(grad_placements=(reduce_op,))  # backward: all-reduce across replicas
+    sharded = DTensor.from_local(
+        replicated,
+        spec.shard_mesh,
+        (spec.placements[1],),
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+    gathered = sharded.redistribute(
+        placements=(Replicate(),),
+        forward_dtype=spec.param_dtype,
+        backward_dtype=spec.reduce_dtype,
+    )
+    return gathered.to_local(grad_placements=(reduce_op,))  # backward: reduce-scatter
+
+
 def _make_property(name: str) -> property:
     def getter(self: nn.Module) -> torch.Tensor | None:
         param = self._parameters[name]
         if param is None or not _parametrization_enabled:
             return param
+        # Eager executor: a plain dict lookup (no graph break under torch.compile;
+        # the dict is absent on modules the executor does not manage).
+        views = self.__dict__.get(EAGER_VIEWS_ATTR)
+        if views is not None and name in views:
+            return views[name]
         return replicate_compute(param, self.__dict__[SPECS_ATTR][name])
 
     def setter(self: nn.Module, value: torch.Tensor | None) -> None:
