@@ -9,6 +9,7 @@ Public API::
 
 from simplefsdp.api import MixedPrecisionPolicy
 from simplefsdp.compiler import comm_report, compile, compile_backend
+from simplefsdp.eager import eager
 from simplefsdp.frontend import (
     data_parallel,
     disable_parametrization,
@@ -25,5 +26,6 @@ __all__ = [
     "compile_backend",
     "data_parallel",
     "disable_parametrization",
+    "eager",
     "get_data_parallel_state",
 ]

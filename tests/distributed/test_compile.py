@@ -237,3 +237,53 @@ def test_resharding_lowers_measured_peak_memory() -> None:
     kept = run_distributed(_peak_memory_body, 2, args=(False,))[0]
     assert resharded is not None and kept is not None
     assert kept - resharded > 4 * 2**20, (resharded, kept)
+
+
+def _bucketing_parity_body(mode: str, mp: bool, bucketing) -> dict:
+    """Bucketed + reordered training is bitwise equal to bucketing="none"."""
+    policy = (
+        simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mp
+        else None
+    )
+    base = build("blocks")
+    models = []
+    for plan in ("none", bucketing):
+        model = simplefsdp.data_parallel(
+            copy.deepcopy(base), _mesh(mode), mode=mode, mp_policy=policy
+        )
+        simplefsdp.compile(model, backend="aot_eager", bucketing=plan, reorder=plan != "none")
+        models.append(model)
+    losses = [_train(m, "blocks", 10) for m in models]
+    for step, (a, b) in enumerate(zip(*losses)):
+        assert torch.equal(a, b), (step, a.item(), b.item())
+    for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    report = simplefsdp.comm_report(models[1])
+    return {
+        g.graph: {k: g.count(k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+        for g in report.graphs
+    }
+
+
+@pytest.mark.parametrize(
+    ("mode", "mp"),
+    [("fully_shard", False), ("fully_shard", True), ("replicate", False)],
+    ids=["fully_shard", "fully_shard-bf16", "replicate"],
+)
+def test_bucketing_bitwise_equal_to_none(mode: str, mp: bool) -> None:
+    counts = run_distributed(_bucketing_parity_body, 2, args=(mode, mp, "per_block"))[0]
+    if mode == "fully_shard":
+        assert counts["forward"]["all_gather"] == 5
+        assert counts["backward"]["reduce_scatter"] == 5
+    else:
+        assert counts["backward"]["all_reduce"] == 5
+
+
+def test_bucketing_bitwise_hybrid_shard_4_ranks() -> None:
+    counts = run_distributed(_bucketing_parity_body, 4, args=("hybrid_shard", False, "per_block"))[
+        0
+    ]
+    # hybrid buckets both its reduce-scatter and its all-reduce
+    assert counts["backward"]["reduce_scatter"] == 5
+    assert counts["backward"]["all_reduce"] == 5

@@ -2,11 +2,14 @@
 
 from simplefsdp.compiler.api import comm_report, compile, compile_backend
 from simplefsdp.compiler.backend import CompileOptions, SimpleFSDPBackend
+from simplefsdp.compiler.cost_model import CostModel, LinearFit
 from simplefsdp.compiler.report import CommReport
 
 __all__ = [
     "CommReport",
     "CompileOptions",
+    "CostModel",
+    "LinearFit",
     "SimpleFSDPBackend",
     "comm_report",
     "compile",

@@ -7,6 +7,7 @@ from typing import Any
 import torch.nn as nn
 
 from simplefsdp.compiler.backend import CompileOptions, SimpleFSDPBackend
+from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.compiler.report import CommReport
 from simplefsdp.frontend.data_parallel import get_data_parallel_state
 
@@ -21,6 +22,7 @@ def compile_backend(
     memory_budget_bytes: int | None = None,
     reshard_after_forward: bool = True,
     prefetch_distance: int = 1,
+    cost_model: CostModel | None = None,
     model: nn.Module | None = None,
 ) -> SimpleFSDPBackend:
     """A ``torch.compile`` backend with simplefsdp's resharding and passes.
@@ -42,6 +44,7 @@ def compile_backend(
         memory_budget_bytes=memory_budget_bytes,
         reshard_after_forward=reshard_after_forward,
         prefetch_distance=prefetch_distance,
+        cost_model=cost_model,
     )
     return SimpleFSDPBackend(options, model)
 
@@ -54,6 +57,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     reorder: bool = True,
     memory_budget_bytes: int | None = None,
     prefetch_distance: int = 1,
+    cost_model: CostModel | None = None,
     fullgraph: bool = True,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
@@ -77,8 +81,12 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
             lists of module FQNs, a module class, or a predicate
             ``(fqn, module) -> bool`` (see ``simplefsdp.plan``).
         reorder: prefetch all-gathers and delay waits to overlap compute.
-        memory_budget_bytes: peak-memory budget for the auto planner.
+        memory_budget_bytes: peak-memory budget (bytes) for the auto planner;
+            ``None``: no more predicted memory than the per-block plan.
         prefetch_distance: how many buckets ahead all-gathers are issued.
+        cost_model: a ``simplefsdp.compiler.CostModel`` to plan with; ``None``
+            calibrates one on this machine at the first auto compile (cached
+            on disk, identical on every rank).
         fullgraph: passed to ``torch.compile`` (graph breaks are errors).
         **torch_compile_kwargs: passed to ``torch.compile`` (e.g. ``dynamic``).
 
@@ -100,6 +108,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         memory_budget_bytes=memory_budget_bytes,
         reshard_after_forward=state.reshard_after_forward,
         prefetch_distance=prefetch_distance,
+        cost_model=cost_model,
         model=model,
     )
     model.compile(backend=simplefsdp_backend, fullgraph=fullgraph, **torch_compile_kwargs)

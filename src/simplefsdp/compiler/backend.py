@@ -27,8 +27,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
+from simplefsdp.compiler.memory import estimate_memory
 from simplefsdp.compiler.passes.reshard import mark_reshard
 from simplefsdp.compiler.patterns import collective_kind, is_compute, is_wait, placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
@@ -56,6 +59,8 @@ class CompileOptions:
     memory_budget_bytes: int | None = None
     reshard_after_forward: bool = True
     prefetch_distance: int = 1
+    # Injected cost model (tests, reproducible plans); None: calibrate on first use.
+    cost_model: Any = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -92,6 +97,7 @@ class CompileOptions:
             "memory_budget_bytes": self.memory_budget_bytes,
             "reshard_after_forward": self.reshard_after_forward,
             "prefetch_distance": self.prefetch_distance,
+            "cost_model": "injected" if self.cost_model is not None else "calibrated",
         }
 
 
@@ -143,11 +149,12 @@ def primal_fqns(
 
 
 def resolve_bucketing(model: nn.Module, bucketing: Any) -> BucketPlan | None:
-    """The plan for a ``bucketing`` option: ``None`` for ``"none"``."""
+    """The static plan for a ``bucketing`` option: ``None`` for ``"none"``;
+    for ``"auto"`` the per-block plan (the planner's reference; replaced by
+    the auto plan when each forward graph is compiled)."""
     if isinstance(bucketing, str) and bucketing == "none":
         return None
     if isinstance(bucketing, str) and bucketing == "auto":
-        # Until the cost-model planner runs, "auto" buckets per block.
         return resolve_plan(model, "per_block")
     return resolve_plan(model, bucketing)
 
@@ -160,6 +167,11 @@ class _GraphCompilation:
         self.graph_id = graph_id
         self.fqns = fqns
         self.primal_names = {f"primals_{i + 1}": f for i, f in enumerate(fqns) if f}
+        # The plan of this graph: the static one, or the auto plan once the
+        # forward graph is planned (the backward graph reuses it).
+        self.plan = backend.plan()
+        self.planned = not backend.is_auto
+        self.plan_notes: list[str] = []
 
     def joint_pass(self, graph: fx.Graph) -> None:
         primals = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
@@ -171,6 +183,26 @@ class _GraphCompilation:
                 len(self.fqns),
             )
         mark_reshard(graph, self.backend.options.reshard_after_forward)
+
+    def _plan_auto(self, gm: fx.GraphModule) -> None:
+        from simplefsdp.compiler.auto import plan_forward_graph
+
+        options = self.backend.options
+        fqns = [f for f in dict.fromkeys(self.fqns) if f]
+        self.plan, self.plan_notes, _ = plan_forward_graph(
+            gm,
+            self.primal_names,
+            fqns,
+            self.backend.cost_model(calibrate=True),
+            reshard_after_forward=options.reshard_after_forward,
+            memory_budget_bytes=options.memory_budget_bytes,
+            reference_plan=self.backend.plan(),
+        )
+        if not any(b.origin == "auto" for b in self.plan.buckets):
+            # No all-gathers (replicate mode): keep the per-block plan.
+            self.plan = self.backend.plan()
+            self.plan_notes.append("auto: no all-gathers to plan; using the per-block plan")
+        self.planned = True
 
     def check_inductor_order(self, graph_name: str, gm: fx.GraphModule, source: str | None) -> None:
         """Record how many collectives still overlap compute in Inductor's code.
@@ -193,16 +225,24 @@ class _GraphCompilation:
     def process(self, gm: fx.GraphModule, graph_name: str) -> None:
         """Run our passes on a partitioned graph, then record it in the report."""
         output_fqns = dict(enumerate(self.fqns)) if graph_name == "backward" else {}
+        notes: list[str] = []
+        if not self.planned and graph_name in ("forward", "inference"):
+            self._plan_auto(gm)
+            notes.extend(self.plan_notes)
         extra = run_graph_passes(
             gm,
             graph_name,
             self.backend.options,
-            self.backend.plan(),
+            self.plan,
             self.primal_names,
             output_fqns,
         )
         report = build_graph_report(gm, graph_name, self.graph_id, self.primal_names, output_fqns)
-        report.notes.extend(extra.get("notes", []))
+        report.notes.extend(notes + extra.get("notes", []))
+        cost_model = self.backend.cost_model(calibrate=False)
+        if cost_model is not None:
+            report.predicted.update(simulate(gm, cost_model))
+            report.predicted.update(estimate_memory(gm).to_dict())
         report.buckets.extend(extra.get("buckets", []))
         report.predicted.update(extra.get("predicted", {}))
         report.overlap = {"planned": list(fx_overlap(gm))}
@@ -269,6 +309,7 @@ class SimpleFSDPBackend:
         self.report = CommReport(options=options.describe())
         self._fqn_by_id: dict[int, str] = {}
         self._plan: BucketPlan | None = None
+        self._cost_model: CostModel | None = None
         if model is not None:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._plan = resolve_bucketing(model, options.bucketing)
@@ -282,8 +323,24 @@ class SimpleFSDPBackend:
         self.graph_modules: list[tuple[str, fx.GraphModule]] = []
 
     def plan(self) -> BucketPlan | None:
-        """The bucket plan in use (``None``: no bucketing)."""
+        """The static bucket plan (``None``: no bucketing; for ``"auto"``, the
+        per-block reference plan)."""
         return self._plan
+
+    @property
+    def is_auto(self) -> bool:
+        return isinstance(self.options.bucketing, str) and self.options.bucketing == "auto"
+
+    def cost_model(self, calibrate: bool) -> CostModel | None:
+        """The injected or calibrated cost model; calibrates (a collective
+        call on every rank) only when ``calibrate`` and none exists yet."""
+        if self._cost_model is None and self.options.cost_model is not None:
+            self._cost_model = self.options.cost_model
+        if self._cost_model is None and calibrate:
+            # Real collectives and timings: leave compilation's fake mode.
+            with unset_fake_temporarily():
+                self._cost_model = calibrated_cost_model()
+        return self._cost_model
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         compilation = _GraphCompilation(

@@ -1,0 +1,302 @@
+"""Cost model: communication time by bytes, compute time by FLOPs and bytes.
+
+Note: [Cost model calibration]
+    Communication: for each (collective kind, process group size) we time a
+    few buffer sizes on the real process group and fit ``t = latency +
+    bytes * seconds_per_byte`` (least squares, clamped at >= 0). Compute: we
+    time a square matmul (FLOP/s) and a large elementwise add (bytes/s); a
+    node costs ``max(flops / flop_rate, bytes / byte_rate)`` plus a fixed
+    per-kernel overhead. Every rank must plan identically, so rank 0's
+    measurements are broadcast to all ranks before use. Results are cached on
+    disk (``$XDG_CACHE_HOME/simplefsdp`` or ``~/.cache/simplefsdp``) keyed by
+    backend, world size, device type, torch and simplefsdp versions; ranks
+    agree on using the cache only if every rank has it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from simplefsdp.compiler.patterns import collective_kind, is_compute, node_bytes
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+CALIBRATION_SIZES_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+CALIBRATION_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``seconds = latency_s + bytes * seconds_per_byte``."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def __call__(self, num_bytes: int) -> float:
+        return self.latency_s + num_bytes * self.seconds_per_byte
+
+
+@dataclass
+class CostModel:
+    """Time estimates for planning. Inject a fixed one in tests.
+
+    Attributes:
+        comm: ``"kind/group_size"`` -> fit (kind: all_gather, reduce_scatter,
+            all_reduce). Missing keys fall back to ``default_comm``.
+        flops_per_s: sustained matmul throughput.
+        bytes_per_s: sustained memory bandwidth of elementwise kernels.
+        kernel_overhead_s: fixed cost per compute node.
+    """
+
+    comm: dict[str, LinearFit] = field(default_factory=dict)
+    default_comm: LinearFit = LinearFit(50e-6, 1e-9)
+    flops_per_s: float = 5e10
+    bytes_per_s: float = 5e9
+    kernel_overhead_s: float = 2e-6
+
+    def comm_time(self, kind: str, group_size: int, num_bytes: int) -> float:
+        fit = self.comm.get(f"{kind}/{group_size}", self.default_comm)
+        return fit(num_bytes)
+
+    def node_time(self, node: fx.Node) -> float:
+        """Estimated seconds of one compute node (0 for non-compute nodes)."""
+        if not is_compute(node):
+            return 0.0
+        flops = node_flops(node)
+        moved = node_bytes(node) + sum(node_bytes(i) for i in node.all_input_nodes)
+        return max(flops / self.flops_per_s, moved / self.bytes_per_s) + self.kernel_overhead_s
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        return data
+
+    @staticmethod
+    def from_dict(data: dict) -> CostModel:
+        return CostModel(
+            comm={k: LinearFit(**v) for k, v in data["comm"].items()},
+            default_comm=LinearFit(**data["default_comm"]),
+            flops_per_s=data["flops_per_s"],
+            bytes_per_s=data["bytes_per_s"],
+            kernel_overhead_s=data["kernel_overhead_s"],
+        )
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _prod(values) -> int:
+    result = 1
+    for v in values:
+        result *= int(v)
+    return result
+
+
+def node_flops(node: fx.Node) -> float:
+    """FLOPs of matmul-like nodes (2 per multiply-add); 0 for the rest."""
+    target, args = node.target, node.args
+    if target is aten.mm.default:
+        (m, k), (_, n) = _shape(args[0]), _shape(args[1])
+        return 2.0 * m * k * n
+    if target is aten.addmm.default:
+        (m, k), (_, n) = _shape(args[1]), _shape(args[2])
+        return 2.0 * m * k * n
+    if target in (aten.bmm.default, aten.baddbmm.default):
+        a, b = (args[0], args[1]) if target is aten.bmm.default else (args[1], args[2])
+        (bs, m, k), (_, _, n) = _shape(a), _shape(b)
+        return 2.0 * bs * m * k * n
+    name = str(target)
+    if "scaled_dot_product" in name and args:
+        q, k = _shape(args[0]), _shape(args[1])
+        if len(q) == 4 and len(k) == 4:
+            flops = 4.0 * q[0] * q[1] * q[2] * k[2] * q[3]
+            return flops * (2.5 if "backward" in name else 1.0)
+    if target is aten.convolution.default:
+        out = _shape(node)
+        weight = _shape(args[1])
+        return 2.0 * _prod(out) * _prod(weight[1:])
+    return 0.0
+
+
+def graph_compute_time(gm: fx.GraphModule, cost_model: CostModel) -> float:
+    return sum(cost_model.node_time(n) for n in gm.graph.nodes)
+
+
+def simulate(gm: fx.GraphModule, cost_model: CostModel) -> dict[str, float]:
+    """Predicted time of a graph with one compute stream and one comm stream.
+
+    Compute nodes run in graph order; a collective starts when issued and the
+    link is free; a wait blocks compute until its collective is done.
+    """
+    compute_clock = comm_clock = compute_total = comm_total = 0.0
+    done: dict[fx.Node, float] = {}
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is not None:
+            group_size = int(node.args[2]) if kind != "all_reduce" else _group_size(node)
+            size = node_bytes(node) if kind == "all_gather" else node_bytes(node.args[0])
+            duration = cost_model.comm_time(kind, group_size, size)
+            start = max(compute_clock, comm_clock)
+            comm_clock = done[node] = start + duration
+            comm_total += duration
+        elif node.op == "call_function" and node.args and node.args[0] in done:
+            compute_clock = max(compute_clock, done.pop(node.args[0]))
+        else:
+            duration = cost_model.node_time(node)
+            compute_clock += duration
+            compute_total += duration
+    total = max(compute_clock, comm_clock)
+    return {
+        "time_s": total,
+        "compute_s": compute_total,
+        "comm_s": comm_total,
+        "exposed_comm_s": max(total - compute_total, 0.0),
+    }
+
+
+def _group_size(node: fx.Node) -> int:
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return dist.get_world_size(_resolve_process_group(node.args[2]))
+    except Exception:  # unknown group (e.g. a test graph): assume 2 ranks
+        return 2
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def _time_it(fn, repeats: int = CALIBRATION_REPEATS) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit(points: list[tuple[int, float]]) -> LinearFit:
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
+    slope = max(slope, 0.0)
+    return LinearFit(max(mean_y - slope * mean_x, 0.0), slope)
+
+
+def _calibrate_comm(group, device: torch.device) -> dict[str, LinearFit]:
+    group_size = dist.get_world_size(group)
+    fits = {}
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        points = []
+        for size in CALIBRATION_SIZES_BYTES:
+            numel = size // 4
+            shard = torch.ones(max(numel // group_size, 1), device=device)
+            full = torch.ones(shard.numel() * group_size, device=device)
+
+            def run(kind=kind, shard=shard, full=full):
+                if kind == "all_gather":
+                    dist.all_gather_into_tensor(full, shard, group=group)
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter_tensor(shard, full, group=group)
+                else:
+                    dist.all_reduce(full, group=group)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+
+            points.append((full.numel() * 4, _time_it(run)))
+        fits[f"{kind}/{group_size}"] = _fit(points)
+    return fits
+
+
+def _calibrate_compute(device: torch.device) -> tuple[float, float]:
+    n = 512 if device.type == "cpu" else 4096
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    mm_s = _time_it(lambda: (torch.mm(a, b), sync()))
+    x = torch.randn(4 * 1024 * 1024, device=device)
+    add_s = _time_it(lambda: (torch.add(x, x), sync()))
+    return 2.0 * n**3 / mm_s, 3 * x.numel() * 4 / add_s
+
+
+def _cache_path(backend: str, world_size: int, device_type: str) -> Path:
+    import simplefsdp
+
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "simplefsdp"
+    name = f"cost-{backend}-w{world_size}-{device_type}-torch{torch.__version__}-v{simplefsdp.__version__}.json"
+    return root / name.replace("/", "_").replace("+", "_")
+
+
+def _all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    value = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def calibrated_cost_model(group_names: list[str] | None = None) -> CostModel:
+    """Measure (or load from cache) this machine's cost model; every rank
+    returns rank 0's numbers. Collective: call it on every rank.
+
+    Takes a few seconds the first time a configuration is seen.
+    """
+    if not dist.is_initialized():
+        return CostModel()
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    backend = str(dist.get_backend())
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    path = _cache_path(backend, dist.get_world_size(), device.type)
+    groups = [_resolve_process_group(n) for n in (group_names or [])] or [dist.group.WORLD]
+    cached = None
+    if path.exists():
+        try:
+            cached = CostModel.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            cached = None
+    sizes = sorted({dist.get_world_size(g) for g in groups})
+    have = cached is not None and all(f"all_gather/{s}" in cached.comm for s in sizes)
+    if _all_ranks_agree(have, device):
+        model = cached
+    else:
+        start = time.perf_counter()
+        comm: dict[str, LinearFit] = {}
+        for group in groups:
+            comm.update(_calibrate_comm(group, device))
+        flops, bandwidth = _calibrate_compute(device)
+        model = CostModel(comm=comm, flops_per_s=flops, bytes_per_s=bandwidth)
+        logger.info("cost model calibrated in %.2fs", time.perf_counter() - start)
+    payload = [model.to_dict()]
+    dist.broadcast_object_list(payload, src=0)
+    model = CostModel.from_dict(payload[0])
+    if dist.get_rank() == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(model.to_dict()))
+            tmp.replace(path)
+        except OSError:
+            logger.debug("could not write the cost-model cache %s", path)
+    return model

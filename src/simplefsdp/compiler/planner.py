@@ -1,0 +1,167 @@
+"""The automatic bucket planner: greedy, cost-model driven, memory-budgeted.
+
+Note: [Greedy auto-wrapping]
+    The forward graph's FSDP all-gathers are walked in order of first use
+    (one "unit" per parameter). A bucket hides its communication under the
+    compute of the bucket before it (prefetch distance 1). Its communication
+    per step is the forward all-gather, the backward all-gather when
+    parameters are resharded, and the backward reduce-scatter; its compute
+    window is the previous bucket's forward compute times 3 (forward plus a
+    backward of about twice the forward). Unit u joins the current bucket if
+    that does not increase the exposed communication:
+
+        merged = max(0, T(cur + u) - window(prev))
+        split  = max(0, T(cur) - window(prev)) + max(0, T(u) - window(cur))
+
+    (so merging wins when it saves a collective's latency without leaving the
+    overlap window), and if the predicted peak memory with the grown bucket
+    prefetched stays within the budget: the unbucketed graph's peak plus, for
+    the worst adjacent pair, the gathered bucket, its copy-out buffer and the
+    prefetched next bucket (2 * B_i + B_{i+1}), enforced by capping every
+    bucket at a third of the budget's headroom. The plan is plain data
+    (parameter FQNs per bucket), broadcast from rank 0 so all ranks agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from simplefsdp.compiler.cost_model import CostModel
+from simplefsdp.compiler.passes.bucketing import CollectiveSite
+from simplefsdp.compiler.patterns import is_compute, wait_of
+from simplefsdp.plan import Bucket, BucketPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatherUnit:
+    """One parameter's all-gather in the forward graph."""
+
+    fqn: str
+    gathered_bytes: int
+    group_size: int
+    compute_s: float  # forward compute from its first use to the next unit's
+
+
+def gather_units(
+    gm: fx.GraphModule, sites: Sequence[CollectiveSite], cost_model: CostModel
+) -> list[GatherUnit]:
+    """All-gather sites in order of first use, with the compute each precedes."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+
+    def first_use(site: CollectiveSite) -> int:
+        frontier, best = [wait_of(site.node) or site.node], len(nodes)
+        seen = set(frontier)
+        while frontier:
+            node = frontier.pop()
+            for user in node.users:
+                if is_compute(user):
+                    best = min(best, index[user])
+                elif user not in seen:
+                    seen.add(user)
+                    frontier.append(user)
+        return best
+
+    gathers = sorted(
+        ((first_use(s), index[s.node], s) for s in sites if s.kind == "all_gather" and s.fqn),
+        key=lambda item: item[:2],
+    )
+    gathers = [(start, site) for start, _, site in gathers]
+    units, seen_fqns = [], set()
+    for k, (start, site) in enumerate(gathers):
+        if site.fqn in seen_fqns:
+            continue
+        seen_fqns.add(site.fqn)
+        end = gathers[k + 1][0] if k + 1 < len(gathers) else len(nodes)
+        compute = sum(cost_model.node_time(n) for n in nodes[start:end])
+        units.append(GatherUnit(site.fqn, site.bytes, int(site.node.args[1]), compute))
+    return units
+
+
+def _comm_s(units: Sequence[GatherUnit], cost_model: CostModel, reshard: bool) -> float:
+    if not units:
+        return 0.0
+    size, group = sum(u.gathered_bytes for u in units), units[0].group_size
+    gathers = 2 if reshard else 1
+    return gathers * cost_model.comm_time("all_gather", group, size) + cost_model.comm_time(
+        "reduce_scatter", group, size
+    )
+
+
+def _window_s(units: Sequence[GatherUnit]) -> float:
+    return 3.0 * sum(u.compute_s for u in units)
+
+
+def prefetch_extra_bytes(buckets: Sequence[Sequence[GatherUnit]]) -> int:
+    """Memory beyond the unbucketed graph: worst 2 * B_i + B_{i+1}."""
+    sizes = [sum(u.gathered_bytes for u in b) for b in buckets]
+    if not sizes:
+        return 0
+    return max(2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i, s in enumerate(sizes))
+
+
+def greedy_buckets(
+    units: Sequence[GatherUnit],
+    cost_model: CostModel,
+    *,
+    reshard_after_forward: bool,
+    base_peak_bytes: int,
+    memory_budget_bytes: int | None,
+) -> list[list[GatherUnit]]:
+    """Group ``units`` per Note: [Greedy auto-wrapping].
+
+    Raises:
+        ValueError: the budget is below the unavoidable minimum (one parameter
+            per bucket); the message names that minimum.
+    """
+    singles = [[u] for u in units]
+    minimum = base_peak_bytes + prefetch_extra_bytes(singles)
+    if memory_budget_bytes is not None and memory_budget_bytes < minimum:
+        raise ValueError(
+            f"memory_budget_bytes={memory_budget_bytes} is below the unavoidable minimum of "
+            f"{minimum} bytes (the graph's own peak plus prefetching one parameter at a time)"
+        )
+    # 2 * B_i + B_{i+1} <= budget - base holds for any plan whose buckets are
+    # at most a third of the headroom (or single parameters).
+    max_bucket_bytes = (
+        float("inf") if memory_budget_bytes is None else (memory_budget_bytes - base_peak_bytes) / 3
+    )
+    buckets: list[list[GatherUnit]] = []
+    current: list[GatherUnit] = []
+    for unit in units:
+        if not current:
+            current = [unit]
+            continue
+        prev_window = _window_s(buckets[-1]) if buckets else 0.0
+        merged = max(
+            0.0, _comm_s([*current, unit], cost_model, reshard_after_forward) - prev_window
+        )
+        split = max(0.0, _comm_s(current, cost_model, reshard_after_forward) - prev_window) + max(
+            0.0, _comm_s([unit], cost_model, reshard_after_forward) - _window_s(current)
+        )
+        fits = sum(u.gathered_bytes for u in current) + unit.gathered_bytes <= max_bucket_bytes
+        if merged <= split and fits:
+            current.append(unit)
+        else:
+            buckets.append(current)
+            current = [unit]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def to_plan(buckets: Sequence[Sequence[GatherUnit]], all_fqns: Sequence[str]) -> BucketPlan:
+    """A ``BucketPlan``; parameters never gathered in forward get their own buckets."""
+    planned = {u.fqn for b in buckets for u in b}
+    result = [
+        Bucket(name=f"auto:{i}", param_fqns=tuple(u.fqn for u in b), origin="auto")
+        for i, b in enumerate(buckets)
+    ]
+    result += [Bucket(f, (f,), "single") for f in all_fqns if f not in planned]
+    return BucketPlan(tuple(result))
