@@ -287,3 +287,52 @@ def test_bucketing_bitwise_hybrid_shard_4_ranks() -> None:
     # hybrid buckets both its reduce-scatter and its all-reduce
     assert counts["backward"]["reduce_scatter"] == 5
     assert counts["backward"]["all_reduce"] == 5
+
+
+def test_auto_bitwise_equal_to_none() -> None:
+    counts = run_distributed(_bucketing_parity_body, 2, args=("fully_shard", False, "auto"))[0]
+    assert 1 <= counts["forward"]["all_gather"] < 22  # 22 parameters, fewer collectives
+
+
+def _rank_dependent_cost_model_body() -> dict:
+    """Ranks that estimate differently must still build the same graphs."""
+    from simplefsdp.compiler import CostModel, LinearFit
+
+    rank = dist.get_rank()
+    # Rank 0 sees a slow link (merge everything), rank 1 a fast one (split).
+    fit = LinearFit(1e-2, 1e-6) if rank == 0 else LinearFit(1e-9, 1e-15)
+    cost_model = CostModel(
+        comm={f"{k}/2": fit for k in ("all_gather", "reduce_scatter", "all_reduce")},
+        flops_per_s=1e9 * (1 + 100 * rank),
+    )
+    model = simplefsdp.data_parallel(build("blocks"))
+    simplefsdp.compile(model, backend="aot_eager", bucketing="auto", cost_model=cost_model)
+    _train(model, "blocks", 2)
+    report = simplefsdp.comm_report(model)
+    return {g.graph: [b.params for b in g.buckets] for g in report.graphs}
+
+
+def test_auto_plan_identical_on_ranks_with_different_estimates() -> None:
+    plans = run_distributed(_rank_dependent_cost_model_body, 2, timeout_s=240)
+    assert plans[0] == plans[1]
+    assert plans[0]["forward"]
+
+
+def _predictions_body() -> dict:
+    model = simplefsdp.data_parallel(build("blocks"))
+    simplefsdp.compile(model, backend="aot_eager", bucketing="auto")  # calibrates
+    _train(model, "blocks", 1)
+    report = simplefsdp.comm_report(model)
+    return {g.graph: g.predicted for g in report.graphs}
+
+
+def test_auto_reports_predictions_from_a_calibrated_cost_model(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    predicted = run_distributed(_predictions_body, 2, timeout_s=240)[0]
+    for graph in ("forward", "backward"):
+        p = predicted[graph]
+        assert p["time_s"] > 0 and p["compute_s"] > 0 and p["comm_s"] > 0
+        assert p["exposed_comm_s"] <= p["comm_s"] + 1e-12
+        assert p["peak_bytes"] > 0
+    cached = list((tmp_path / "simplefsdp").glob("cost-*.json"))
+    assert len(cached) == 1  # calibration is cached for later runs

@@ -1,0 +1,124 @@
+"""The auto planner, cost model and memory estimator with fixed inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops, simulate
+from simplefsdp.compiler.memory import estimate_memory
+from simplefsdp.compiler.planner import GatherUnit, greedy_buckets, prefetch_extra_bytes, to_plan
+
+MiB = 2**20
+
+
+def _units(sizes_mib, compute_s):
+    return [GatherUnit(f"p{i}", int(size * MiB), 2, compute_s) for i, size in enumerate(sizes_mib)]
+
+
+def _model(latency_s=1e-3, seconds_per_mib=1e-3) -> CostModel:
+    fit = LinearFit(latency_s, seconds_per_mib / MiB)
+    return CostModel(comm={f"{k}/2": fit for k in ("all_gather", "reduce_scatter", "all_reduce")})
+
+
+def _names(buckets):
+    return [[u.fqn for u in b] for b in buckets]
+
+
+def test_latency_bound_merges_everything_without_budget() -> None:
+    # Tiny compute: every merge saves latency and nothing can be hidden anyway.
+    buckets = greedy_buckets(
+        _units([1] * 6, compute_s=0.0),
+        _model(),
+        reshard_after_forward=True,
+        base_peak_bytes=0,
+        memory_budget_bytes=None,
+    )
+    assert _names(buckets) == [[f"p{i}" for i in range(6)]]
+
+
+def test_first_bucket_alone_then_grow_while_hidden() -> None:
+    # One unit: comm = 3 * (1 ms + 1 ms/MiB) = 6 ms; window = 3 * compute.
+    # The first bucket is exposed whatever it holds, so p1 is better off in
+    # its own bucket hidden under p0's compute; with 5 ms of compute per unit
+    # (15 ms window) the next buckets grow while their comm still hides.
+    buckets = greedy_buckets(
+        _units([1] * 4, compute_s=5e-3),
+        _model(),
+        reshard_after_forward=True,
+        base_peak_bytes=0,
+        memory_budget_bytes=None,
+    )
+    assert _names(buckets) == [["p0"], ["p1", "p2", "p3"]]
+
+
+def test_short_windows_keep_parameters_apart() -> None:
+    # 2.5 ms compute (7.5 ms window): two units' comm (9 ms) would not hide.
+    buckets = greedy_buckets(
+        _units([1] * 4, compute_s=2.5e-3),
+        _model(),
+        reshard_after_forward=True,
+        base_peak_bytes=0,
+        memory_budget_bytes=None,
+    )
+    assert _names(buckets) == [["p0"], ["p1"], ["p2"], ["p3"]]
+
+
+def test_tighter_budget_gives_smaller_buckets() -> None:
+    units = _units([1] * 8, compute_s=0.0)
+    sizes = []
+    for budget_mib in (None, 12, 6, 3):
+        buckets = greedy_buckets(
+            units,
+            _model(),
+            reshard_after_forward=True,
+            base_peak_bytes=0,
+            memory_budget_bytes=None if budget_mib is None else budget_mib * MiB,
+        )
+        largest = max(sum(u.gathered_bytes for u in b) for b in buckets)
+        sizes.append(largest)
+        if budget_mib is not None:
+            assert prefetch_extra_bytes(buckets) <= budget_mib * MiB
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    assert sizes[-1] == 1 * MiB
+
+
+def test_budget_below_minimum_names_the_minimum() -> None:
+    units = _units([1, 2, 1], compute_s=0.0)
+    minimum = 100 + 2 * 2 * MiB + 1 * MiB  # base + worst 2 * B_i + B_{i+1} of singles
+    with pytest.raises(ValueError, match=f"unavoidable minimum of {minimum} bytes"):
+        greedy_buckets(
+            units,
+            _model(),
+            reshard_after_forward=True,
+            base_peak_bytes=100,
+            memory_budget_bytes=minimum - 1,
+        )
+
+
+def test_plan_is_data_and_covers_every_parameter() -> None:
+    units = _units([1, 1], compute_s=0.0)
+    plan = to_plan([units], ["p0", "p1", "frozen_in_backward_only"])
+    assert [b.param_fqns for b in plan.buckets] == [("p0", "p1"), ("frozen_in_backward_only",)]
+    assert plan.to_dict()["buckets"][0]["origin"] == "auto"
+
+
+def test_flops_and_memory_estimates_on_a_traced_graph() -> None:
+    def f(x, w1, w2):
+        h = torch.relu(x @ w1)  # (8, 32)
+        return (h @ w2).sum()
+
+    args = (torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 4))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert [node_flops(n) for n in mms] == [2 * 8 * 16 * 32, 2 * 8 * 32 * 4]
+    estimate = estimate_memory(gm)
+    assert estimate.input_bytes == 4 * (8 * 16 + 16 * 32 + 32 * 4)
+    # mm1 (8x32) and relu (8x32) are alive together, then relu + mm2 (8x4)
+    assert estimate.peak_bytes == 4 * (8 * 32 * 2)
+    timeline = simulate(gm, CostModel(flops_per_s=1e9, bytes_per_s=1e12, kernel_overhead_s=0))
+    assert timeline["comm_s"] == 0 and timeline["exposed_comm_s"] == 0
+    assert timeline["compute_s"] == pytest.approx(
+        (2 * 8 * 16 * 32 + 2 * 8 * 32 * 4) / 1e9, rel=0.01
+    )
