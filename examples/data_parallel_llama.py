@@ -60,7 +60,9 @@ def main() -> None:
     if rank == 0:
         elapsed = time.perf_counter() - start
         tokens = args.steps * args.batch_size * args.seq_len
-        print(f"done: {args.steps} steps in {elapsed:.1f}s, {tokens / elapsed:.0f} tokens/s per rank")
+        print(
+            f"done: {args.steps} steps in {elapsed:.1f}s, {tokens / elapsed:.0f} tokens/s per rank"
+        )
     dist.destroy_process_group()
 
 

@@ -13,7 +13,16 @@ import sys
 import simplefsdp
 
 # subcommand -> (module with ``main(argv) -> int``, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": (
+        "simplefsdp.train.cli",
+        "train a Llama 3 model (starts processes or runs under torchrun)",
+    ),
+    "export": (
+        "simplefsdp.train.export",
+        "write a checkpoint's full weights to one safetensors file",
+    ),
+}
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -88,5 +88,5 @@ def plan_forward_graph(
             else "none"
         )
     ]
-    logger.info("%s", notes[0])
+    logger.debug("%s", notes[0])
     return plan, notes, data

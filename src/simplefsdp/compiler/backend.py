@@ -354,8 +354,8 @@ class SimpleFSDPBackend:
         single = CommReport(graphs=[report], options=self.report.options)
         if os.environ.get(LOG_ENV_VAR, "").lower() in ("1", "report", "true", "info"):
             print(f"[simplefsdp] communication report\n{single}", flush=True)
-        elif logger.isEnabledFor(logging.INFO):
-            logger.info("communication report\n%s", single)
+        elif logger.isEnabledFor(logging.DEBUG):
+            logger.debug("communication report\n%s", single)
 
 
 def _partition(compilation: _GraphCompilation, joint: fx.GraphModule, joint_inputs, **kwargs):

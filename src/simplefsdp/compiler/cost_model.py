@@ -287,7 +287,7 @@ def calibrated_cost_model(group_names: list[str] | None = None) -> CostModel:
             comm.update(_calibrate_comm(group, device))
         flops, bandwidth = _calibrate_compute(device)
         model = CostModel(comm=comm, flops_per_s=flops, bytes_per_s=bandwidth)
-        logger.info("cost model calibrated in %.2fs", time.perf_counter() - start)
+        logger.debug("cost model calibrated in %.2fs", time.perf_counter() - start)
     payload = [model.to_dict()]
     dist.broadcast_object_list(payload, src=0)
     model = CostModel.from_dict(payload[0])

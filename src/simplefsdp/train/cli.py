@@ -1,0 +1,216 @@
+"""``simplefsdp train`` / ``python -m simplefsdp.train``: the training command.
+
+Examples::
+
+    simplefsdp train                                  # debug model, 2 CPU procs or all GPUs
+    simplefsdp train --config small --training.steps 500 --parallel.mode hybrid_shard
+    simplefsdp train --print-config --compile.enable false
+    simplefsdp train --resume                         # continue from the latest checkpoint
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m simplefsdp.train --config llama3_8b
+
+Run directly, the command validates the configuration and the data path, then
+starts ``--nproc`` local processes (see :mod:`simplefsdp.train.launch`); run
+under ``torchrun`` it is the per-rank entry point and trains right away.
+Configuration errors print one line to stderr and exit with code 2 before any
+process starts or any file is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from simplefsdp.train.config import SECTIONS, JobConfig, format_config, load_config
+from simplefsdp.train.launch import default_nproc, launch, under_torchrun
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["main", "preflight"]
+
+DEFAULT_CONFIG = "debug"
+EXIT_CONFIG_ERROR = 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="simplefsdp train",
+        description="Train a Llama 3 model with simplefsdp (or the fsdp2/ddp baselines).",
+        epilog=(
+            "Any config field can be overridden as --section.key VALUE (or --section.key=VALUE), "
+            f"with sections {', '.join(SECTIONS)}; e.g. --training.steps 200 "
+            "--parallel.mode hybrid_shard --compile.enable false. See --print-config for all keys."
+        ),
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help=f"TOML file or shipped config name (default: {DEFAULT_CONFIG})",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes to start when not under torchrun (default: all GPUs, or 2 on CPU)",
+    )
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, help="restarts after a worker failure (default: 0)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="shorthand for --checkpoint.resume true"
+    )
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception message on one line (multi-line config errors joined by '; ')."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return lines[0] + " " + "; ".join(lines[1:])
+    return "; ".join(lines)
+
+
+def _error(message: str) -> int:
+    print(f"simplefsdp train: error: {message}", file=sys.stderr)
+    return EXIT_CONFIG_ERROR
+
+
+def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None:
+    """Check what the config alone cannot: data path, tokenizer path, mesh, devices.
+
+    Runs before any process is started and before any output is written.
+
+    Raises:
+        ValueError: naming the problem and the valid choices.
+    """
+    from simplefsdp.train.parallelize import check_supported, mesh_shape_for
+
+    path = job.data.path
+    if path is not None:
+        p = Path(path).expanduser()
+        if not (p.is_file() or p.is_dir()):
+            raise ValueError(
+                f"data.path {path!r} does not exist; give a text file, a folder of text files, "
+                "or leave data.path unset for the embedded stdlib corpus"
+            )
+    tok = job.data.tokenizer
+    if tok != "byte" and not Path(tok).expanduser().exists():
+        raise ValueError(
+            f"data.tokenizer {tok!r} does not exist; use 'byte' or the path of a local "
+            "tokenizer.json file or Hugging Face tokenizer folder"
+        )
+    mesh_shape_for(job.parallel, world_size, local_world_size)
+    check_supported(job)
+    _check_seq_len(job)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and local_world_size > gpus:
+        raise ValueError(
+            f"{local_world_size} processes per node but only {gpus} GPUs are visible; "
+            f"use --nproc between 1 and {gpus}"
+        )
+
+
+def _check_seq_len(job: JobConfig) -> None:
+    """``data.seq_len`` must fit the model's rotary table (``max_seq_len``)."""
+    from simplefsdp.models.llama3 import get_config
+
+    m = job.model
+    overrides = {} if m.max_seq_len is None else {"max_seq_len": m.max_seq_len}
+    max_seq_len = get_config(m.name, **overrides).max_seq_len
+    if job.data.seq_len > max_seq_len:
+        raise ValueError(
+            f"data.seq_len {job.data.seq_len} exceeds max_seq_len {max_seq_len} of model "
+            f"{m.name!r}; use --data.seq_len <= {max_seq_len} or raise --model.max_seq_len"
+        )
+
+
+def _configure_logging(rank: int) -> None:
+    """Rank 0 logs INFO, the other ranks WARNING (application entry point only)."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(
+        level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True
+    )
+
+
+def _run_worker(job: JobConfig) -> int:
+    """Train on this rank (under torchrun); rank 0 prints the summary."""
+    from simplefsdp.train.trainer import Trainer
+
+    trainer = Trainer(job)
+    try:
+        trainer.setup()
+        summary = trainer.train()
+        if trainer.rank == 0:
+            print(summary.format(), flush=True)
+    finally:
+        trainer.close()
+    return 0
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
+    """Split known flags from dotted overrides and load the config (may raise)."""
+    args, overrides = _build_parser().parse_known_args(argv)
+    if args.resume:
+        overrides = [*overrides, "--checkpoint.resume", "true"]
+    try:
+        job = load_config(args.config, overrides)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from exc
+    return args, job
+
+
+def _worker_argv(argv: list[str]) -> list[str]:
+    """``argv`` without the launcher-only flags (``--nproc``, ``--max-restarts``)."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in ("--nproc", "--max-restarts"):
+            skip = "=" not in token
+            continue
+        out.append(token)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``simplefsdp train``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, job = _parse(argv)
+    except ValueError as exc:
+        return _error(_one_line(exc))
+    if args.print_config:
+        print(format_config(job), end="")
+        return 0
+    worker = under_torchrun()
+    if worker:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    else:
+        world = local = args.nproc if args.nproc is not None else default_nproc()
+    try:
+        if world < 1 or args.max_restarts < 0:
+            raise ValueError(
+                f"--nproc must be >= 1 and --max-restarts >= 0 (got {world}, {args.max_restarts})"
+            )
+        preflight(job, world_size=world, local_world_size=local)
+    except ValueError as exc:
+        if not worker or int(os.environ.get("RANK", "0")) == 0:
+            return _error(_one_line(exc))
+        return EXIT_CONFIG_ERROR
+    if worker:
+        _configure_logging(int(os.environ.get("RANK", "0")))
+        return _run_worker(job)
+    device = "cuda (nccl)" if torch.cuda.is_available() else "cpu (gloo)"
+    print(f"simplefsdp train: starting {world} processes on {device}", flush=True)
+    return launch(_worker_argv(argv), nproc=world, max_restarts=args.max_restarts)

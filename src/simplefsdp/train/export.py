@@ -1,0 +1,193 @@
+"""``simplefsdp export``: a checkpoint's full (unsharded) weights in one safetensors file.
+
+Example::
+
+    simplefsdp export --checkpoint outputs/debug/checkpoints --out model.safetensors
+
+writes ``model.safetensors`` (every model tensor under its plain state-dict
+name, e.g. ``layers.0.attention.wq.weight``, full shape) and
+``model.config.json`` (the model's ``ModelArgs``, the training job config and
+the step). The checkpoint is read in this single process with
+``torch.distributed.checkpoint`` (``no_dist=True``): no process group, GPU or
+original world size is needed, and only the model's tensors are read (not the
+optimizer state). Loading the result back::
+
+    from safetensors.torch import load_file
+    config = json.load(open("model.config.json"))
+    model = Transformer(model_args_from_config(config))
+    model.load_state_dict(load_file("model.safetensors"))
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from simplefsdp.train.checkpointing import (
+    CONFIG_NAME,
+    latest_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+    write_json_atomic,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "export_checkpoint",
+    "load_full_model_state",
+    "main",
+    "model_args_from_config",
+    "resolve_checkpoint",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_PREFIX = "model."
+
+
+def _require_safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError as exc:
+        raise RuntimeError(
+            "simplefsdp export needs the 'safetensors' package: pip install safetensors"
+        ) from exc
+    return safetensors.torch
+
+
+def model_args_from_config(config: dict[str, Any]) -> Any:
+    """The ``ModelArgs`` stored in a checkpoint's (or an export's) config JSON."""
+    from simplefsdp.models.llama3 import ModelArgs, RopeScaling
+
+    fields = dict(config["model_args"])
+    if isinstance(fields.get("rope_scaling"), dict):
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    return ModelArgs(**fields)
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A complete checkpoint folder: ``path`` itself, or the latest one inside it.
+
+    Raises:
+        ValueError: ``path`` is neither a complete checkpoint nor a folder holding one.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist or is not a folder")
+    if read_manifest(folder) is not None:
+        problem = verify_checkpoint(folder, check_hashes=True)
+        if problem is not None:
+            raise ValueError(f"checkpoint is damaged: {problem}")
+        return folder
+    info = latest_checkpoint(folder)
+    if info is None:
+        raise ValueError(
+            f"{str(path)!r} holds no complete checkpoint (a step-N folder with a valid "
+            "manifest.json); give a checkpoint folder or the checkpoint.folder of a run"
+        )
+    problem = verify_checkpoint(info.path, check_hashes=True)
+    if problem is not None:
+        raise ValueError(f"checkpoint is damaged: {problem}")
+    return info.path
+
+
+def load_full_model_state(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Read the full, unsharded model tensors of a DCP checkpoint in this process.
+
+    Returns:
+        ``{name: tensor}`` with plain state-dict names and full shapes, on CPU.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(folder))
+    metadata = reader.read_metadata().state_dict_metadata
+    model: dict[str, torch.Tensor] = {}
+    for key, meta in metadata.items():
+        if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata):
+            model[key[len(_MODEL_PREFIX) :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if not model:
+        raise ValueError(f"checkpoint {str(folder)!r} holds no model tensors")
+    with warnings.catch_warnings():
+        # Loading without a process group is the intent here, not an accident.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return model
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str | None = None
+) -> tuple[Path, Path]:
+    """Write the full weights of ``checkpoint`` to ``out`` and its config next to it.
+
+    Args:
+        checkpoint: a checkpoint folder or a run's checkpoint folder (latest).
+        out: the ``.safetensors`` file to write (atomically).
+        dtype: cast floating-point tensors to ``float32``/``bfloat16``/``float16``
+            (``None``: keep the training dtype).
+
+    Returns:
+        ``(weights_path, config_path)``.
+
+    Raises:
+        ValueError: bad checkpoint or dtype.
+        RuntimeError: ``safetensors`` is not installed.
+    """
+    st = _require_safetensors()
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_DTYPES)}")
+    folder = resolve_checkpoint(checkpoint)
+    tensors = load_full_model_state(folder)
+    if dtype is not None:
+        tensors = {
+            k: v.to(_DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()
+        }
+    config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    manifest = read_manifest(folder) or {}
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    meta = {"format": "pt", "step": str(manifest.get("step")), "source": str(folder)}
+    st.save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, out_path)
+    config_path = out_path.with_name(out_path.stem + ".config.json")
+    write_json_atomic(config_path, {**config, "step": manifest.get("step"), "source": str(folder)})
+    return out_path, config_path
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="simplefsdp export",
+        description="Write a checkpoint's full (unsharded) model weights to one safetensors file.",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a step-N checkpoint folder, or a run's checkpoint folder (the latest is used)",
+    )
+    parser.add_argument("--out", required=True, help="output .safetensors file")
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="cast floating-point weights"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``simplefsdp export``; returns the exit code (2 for bad input)."""
+    args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        weights, config = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+    except (ValueError, RuntimeError) as exc:
+        print(f"simplefsdp export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {weights} ({weights.stat().st_size:,} bytes) and {config}")
+    return 0

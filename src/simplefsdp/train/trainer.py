@@ -1,0 +1,487 @@
+"""The training loop of ``simplefsdp train``: one :class:`Trainer` per rank.
+
+The trainer is split into small steps, each a method::
+
+    Trainer(job)
+      .setup()        process group, seeds, data, model (parallelize), optimizer +
+                      schedule, checkpointer, metrics, resume
+      .train()        for each step: train_step (micro-batches, clip, optimizer,
+                      schedule) -> log -> validate -> checkpoint
+      .close()        flush logs, destroy the process group
+
+Run it under ``torchrun`` (or ``simplefsdp train``, which starts the
+processes); with no process-group environment it trains in a single process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from simplefsdp.train.checkpointing import Checkpointer, latest_checkpoint, step_dir_name
+from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
+from simplefsdp.train.metrics import (
+    MemoryMonitor,
+    MetricsWriter,
+    ProgressDisplay,
+    format_bytes,
+    format_step_line,
+    mfu,
+    peak_flops_for,
+    pin_malloc_mmap_threshold,
+)
+from simplefsdp.train.parallelize import ParallelModel, build_mesh, clip_grad_norm_, parallelize
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainSummary", "Trainer", "build_lr_scheduler", "lr_factor", "pick_device"]
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak learning rate for optimizer step ``step`` (0-based).
+
+    Linear warm-up over ``warmup_steps`` steps (``(step + 1) / warmup_steps``,
+    so the first step already moves), then cosine decay from 1 to
+    ``min_lr_ratio``, reaching it at the last step ``total_steps - 1``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, job: JobConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up + cosine ``LambdaLR`` for ``job.training``; its state is JSON-ready."""
+    t = job.training
+    fn = partial(
+        lr_factor,
+        warmup_steps=t.warmup_steps,
+        total_steps=t.steps,
+        min_lr_ratio=t.min_lr_ratio,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=fn)
+
+
+# --------------------------------------------------------------------------- setup helpers
+
+
+def pick_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when GPUs are visible, else ``cpu``."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _init_process_group(device: torch.device) -> None:
+    """Initialise the default process group (NCCL on CUDA, gloo on CPU) if needed.
+
+    Without torchrun's environment (no ``WORLD_SIZE``), a single-process group
+    is made on an in-memory store.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=10)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, **kwargs)
+
+
+def _json_ready(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with tuples as lists and only JSON-representable values kept."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, (bool, int, float, str, list)):
+            out[key] = value
+    return out
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports (rank 0's view; losses are global means).
+
+    ``tokens_per_s`` is per rank and excludes the first step (compilation).
+    """
+
+    steps: int = 0
+    start_step: int = 0
+    first_loss: float | None = None
+    final_loss: float | None = None
+    final_val_loss: float | None = None
+    tokens_per_s: float | None = None
+    peak_memory_bytes: int | None = None
+    memory_kind: str = ""
+    elapsed_s: float = 0.0
+    checkpoint: str | None = None
+    output_dir: str = ""
+    metrics_path: str | None = None
+    tensorboard_dir: str | None = None
+    losses: list[float] = field(default_factory=list)
+
+    def format(self) -> str:
+        """A multi-line human-readable summary."""
+
+        def num(x: float | None, fmt: str) -> str:
+            return "n/a" if x is None else format(x, fmt)
+
+        lines = [
+            "training finished",
+            f"  steps          {self.start_step} -> {self.steps} in {self.elapsed_s:.1f}s",
+            f"  loss           {num(self.first_loss, '.4f')} -> {num(self.final_loss, '.4f')}",
+            f"  val loss       {num(self.final_val_loss, '.4f')}",
+            f"  tokens/s/rank  {num(self.tokens_per_s, ',.0f')}",
+            f"  peak memory    {format_bytes(self.peak_memory_bytes)} ({self.memory_kind})",
+            f"  checkpoint     {self.checkpoint or 'none'}",
+            f"  metrics        {self.metrics_path or 'none'}",
+        ]
+        if self.tensorboard_dir:
+            lines.append(f"  tensorboard    {self.tensorboard_dir}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    """Trains a Llama 3 model per a validated :class:`JobConfig` on this rank.
+
+    Args:
+        job: the job configuration (already validated by ``load_config``).
+    """
+
+    def __init__(self, job: JobConfig) -> None:
+        self.job = job
+        self.device = pick_device()
+        self.step = 0
+        self.summary = TrainSummary(output_dir=job.metrics.output_dir)
+        self._writer: MetricsWriter | None = None
+        self._progress: ProgressDisplay | None = None
+
+    # -- setup -------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Build everything; resume from the latest checkpoint if asked to."""
+        _init_process_group(self.device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._seed()
+        self._build_data()
+        self.memory = MemoryMonitor(self.device)
+        if self.device.type == "cpu":
+            pin_malloc_mmap_threshold()  # see [Peak memory on CPU] in metrics.py
+        self.memory.reset()
+        self._build_model()
+        self._build_optimizer()
+        self._build_checkpointer()
+        self._build_metrics()
+        self._maybe_resume()
+
+    def _seed(self) -> None:
+        t = self.job.training
+        torch.manual_seed(t.seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed_all(t.seed)
+        if t.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.benchmark = False
+
+    def _build_data(self) -> None:
+        from simplefsdp.train.data import build_data
+
+        bundle = build_data(
+            self.job.data, rank=self.rank, world_size=self.world_size, seed=self.job.training.seed
+        )
+        self.tokenizer, self.loader = bundle.tokenizer, bundle.loader
+
+    def _model_args(self) -> Any:
+        from simplefsdp.models.llama3 import get_config
+
+        m, overrides = self.job.model, {}
+        overrides["vocab_size"] = m.vocab_size or self.tokenizer.vocab_size
+        if m.max_seq_len is not None:
+            overrides["max_seq_len"] = m.max_seq_len
+        args = get_config(m.name, **overrides)
+        if self.job.data.seq_len > args.max_seq_len:
+            raise ValueError(
+                f"data.seq_len {self.job.data.seq_len} exceeds the max_seq_len "
+                f"{args.max_seq_len} of model {m.name!r}; lower data.seq_len or raise model.max_seq_len"
+            )
+        return args
+
+    def _build_model(self) -> None:
+        from simplefsdp.models.llama3 import Transformer, flops_per_token, num_params
+
+        self.model_args = self._model_args()
+        with torch.device("meta"):
+            model = Transformer(self.model_args)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        mesh = build_mesh(self.job.parallel, self.device.type, self.world_size, local_world)
+        self.parallel: ParallelModel = parallelize(model, self.job, mesh, self.device)
+        self.model = self.parallel.module
+        self.flops_per_token = flops_per_token(self.model_args, self.job.data.seq_len)
+        self.peak_flops = peak_flops_for(self.device)
+        logger.info(
+            "model %s: %.2fM parameters, %.3g FLOPs/token",
+            self.job.model.name,
+            num_params(self.model_args) / 1e6,
+            self.flops_per_token,
+        )
+
+    def _build_optimizer(self) -> None:
+        t = self.job.training
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True
+        )
+        self.scheduler = build_lr_scheduler(self.optimizer, self.job)
+
+    def _build_checkpointer(self) -> None:
+        self.checkpointer = Checkpointer(
+            self.job.checkpoint.folder,
+            model=self.model,
+            optimizer=self.optimizer,
+            device=self.device,
+            keep_last=self.job.checkpoint.keep_last,
+            config_hash=config_hash(self.job),
+            config_json={"job": config_to_dict(self.job), "model_args": asdict(self.model_args)},
+        )
+
+    def _build_metrics(self) -> None:
+        out = Path(self.job.metrics.output_dir)
+        if self.rank == 0:
+            self._writer = MetricsWriter(out, tensorboard=self.job.metrics.tensorboard)
+            (out / "config.toml").write_text(format_config(self.job), encoding="utf-8")
+            self.summary.metrics_path = str(self._writer.path)
+            tb = self._writer.tensorboard_dir
+            self.summary.tensorboard_dir = None if tb is None else str(tb)
+
+    def _resume_step(self) -> int:
+        """Step of the checkpoint to resume from (rank 0 decides), or -1 for none."""
+        ck = self.job.checkpoint
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if not (ck.resume or (restarted and ck.enable)):
+            if self.rank == 0 and ck.enable and latest_checkpoint(ck.folder) is not None:
+                logger.warning(
+                    "%s already holds checkpoints; starting from scratch (pass --resume to "
+                    "continue from the latest)",
+                    ck.folder,
+                )
+            return -1
+        step = -1
+        if self.rank == 0:
+            info = latest_checkpoint(ck.folder)
+            step = -1 if info is None else info.step
+            if info is None:
+                logger.warning("no complete checkpoint in %s; starting from scratch", ck.folder)
+        decided = torch.tensor([step], dtype=torch.int64, device=self._comm_device())
+        dist.broadcast(decided, src=0)
+        return int(decided.item())
+
+    def _maybe_resume(self) -> None:
+        step = self._resume_step()
+        if step < 0:
+            return
+        state = self.checkpointer.load(Path(self.job.checkpoint.folder) / step_dir_name(step))
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.loader.load_state_dict(state["data_loader"])
+        self.step = int(state["step"])
+        self.summary.checkpoint = str(Path(self.job.checkpoint.folder) / step_dir_name(step))
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    # -- one step ----------------------------------------------------------
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, forward: Any) -> torch.Tensor:
+        logits = forward(inputs.to(self.device))  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches.
+
+        Returns:
+            ``(loss, grad_norm, lr)``: this rank's mean micro-batch loss, the
+            global gradient norm before clipping, and the step's learning rate.
+        """
+        accum = self.job.training.grad_accum_steps
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            inputs, targets = next(self.loader)
+            with self.parallel.grad_sync(micro == accum - 1):
+                loss = self._loss(inputs, targets, self.parallel.forward) / accum
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss_sum, grad_norm, float(lr)
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        reduced = value.detach().to(self._comm_device(), torch.float32).clone()
+        dist.all_reduce(reduced)
+        return float(reduced.item()) / self.world_size
+
+    def _global_max(self, value: float) -> float:
+        reduced = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        return float(reduced.item())
+
+    # -- validation --------------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        """Mean loss over ``metrics.val_batches`` validation batches (global mean).
+
+        Runs the model the training step runs (compiled, if enabled; the first
+        call under ``no_grad`` compiles an inference graph once).
+        """
+        n = self.job.metrics.val_batches
+        if n <= 0:
+            return None
+        total, count = torch.zeros((), device=self.device), 0
+        for inputs, targets in self.loader.val_batches(n):
+            total += self._loss(inputs, targets, self.parallel.forward)
+            count += 1
+        if count == 0:
+            return None
+        return self._global_mean(total / count)
+
+    # -- the loop ----------------------------------------------------------
+
+    def _tokens_per_step(self) -> int:
+        d = self.job.data
+        return d.batch_size * d.seq_len * self.job.training.grad_accum_steps
+
+    def _sync(self) -> None:
+        """Wait for queued device work, so wall-clock windows measure it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _log(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, window: tuple[int, float]
+    ) -> dict[str, Any]:
+        """The metrics record of a log step; ``window`` is ``(steps, seconds)`` since the last."""
+        steps_in_window, elapsed = window
+        tps = steps_in_window * self._tokens_per_step() / max(elapsed, 1e-9)
+        return {
+            "loss": self._global_mean(loss),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s_per_rank": tps,
+            "mfu_pct": mfu(tps, self.flops_per_token, self.peak_flops),
+            "peak_memory_bytes": int(self._global_max(self.memory.peak_bytes())),
+        }
+
+    def _should(self, step: int, interval: int) -> bool:
+        return interval > 0 and (step % interval == 0 or step == self.job.training.steps)
+
+    def _after_step(self, step: int, record: dict[str, Any] | None) -> None:
+        """Validate, write metrics and progress, and checkpoint after ``step``."""
+        if self._should(step, self.job.metrics.val_interval):
+            val = self.validate()
+            if val is not None and record is not None:
+                record["val_loss"] = val
+            self.summary.final_val_loss = val
+        if record is not None and self.rank == 0:
+            assert self._writer is not None and self._progress is not None
+            self._writer.write(record, step=step)
+            self._progress.update(step)
+            self._progress.line(format_step_line(step, self.job.training.steps, record))
+        ck = self.job.checkpoint
+        if ck.enable and self._should(step, ck.interval):
+            path = self.checkpointer.save(step, self._trainer_state(step))
+            self.summary.checkpoint = str(path)
+
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "scheduler": _json_ready(self.scheduler.state_dict()),
+            "data_loader": self.loader.state_dict(),
+            "tokens_per_step_per_rank": self._tokens_per_step(),
+        }
+
+    def train(self) -> TrainSummary:
+        """Run the remaining steps; return the summary (complete on rank 0).
+
+        Throughput windows time the training steps only (not validation or
+        checkpointing); the summary's ``tokens_per_s`` leaves out the first
+        step, which includes compilation.
+        """
+        total = self.job.training.steps
+        start_step = self.summary.start_step = self.step
+        self._progress = ProgressDisplay(total, start_step, enabled=self.rank == 0)
+        if start_step >= total:
+            logger.warning("checkpoint is at step %d >= training.steps %d", start_step, total)
+        run_start = time.perf_counter()
+        window_steps, window_s, steady_s = 0, 0.0, 0.0
+        for step in range(start_step + 1, total + 1):
+            is_log = self._should(step, self.job.metrics.log_interval) or step == start_step + 1
+            t0 = time.perf_counter()
+            loss, grad_norm, lr = self.train_step()
+            if is_log:
+                self._sync()
+            step_s = time.perf_counter() - t0
+            self.step, window_steps, window_s = step, window_steps + 1, window_s + step_s
+            steady_s += step_s if step > start_step + 1 else 0.0
+            record = None
+            if is_log:
+                record = self._log(loss, grad_norm, lr, (window_steps, window_s))
+                self._record_summary(record)
+                window_steps, window_s = 0, 0.0
+            self._after_step(step, record)
+        self._finish_summary(time.perf_counter() - run_start, steady_s)
+        return self.summary
+
+    def _record_summary(self, record: dict[str, Any]) -> None:
+        if self.summary.first_loss is None:
+            self.summary.first_loss = record["loss"]
+        self.summary.final_loss = record["loss"]
+        self.summary.losses.append(record["loss"])
+        self.summary.peak_memory_bytes = record["peak_memory_bytes"]
+
+    def _finish_summary(self, elapsed_s: float, steady_s: float) -> None:
+        s = self.summary
+        s.steps, s.elapsed_s, s.memory_kind = self.step, elapsed_s, self.memory.kind
+        steady_steps = self.step - s.start_step - 1
+        if steady_steps > 0 and steady_s > 0:
+            s.tokens_per_s = steady_steps * self._tokens_per_step() / steady_s
+        s.peak_memory_bytes = int(self._global_max(self.memory.peak_bytes()))
+
+    def close(self) -> None:
+        """Flush metrics and destroy the process group."""
+        if self._progress is not None:
+            self._progress.close()
+        if self._writer is not None:
+            self._writer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

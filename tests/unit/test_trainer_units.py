@@ -1,0 +1,327 @@
+"""Unit tests of the trainer's pieces: LR schedule, checkpoint selection, metrics, CLI parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from simplefsdp.train import cli
+from simplefsdp.train.checkpointing import (
+    MANIFEST_NAME,
+    build_manifest,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    verify_checkpoint,
+    write_json_atomic,
+)
+from simplefsdp.train.config import JobConfig, ParallelConfig, load_config
+from simplefsdp.train.metrics import (
+    MemoryMonitor,
+    MetricsWriter,
+    format_bytes,
+    format_step_line,
+    mfu,
+    peak_flops_for,
+    pin_malloc_mmap_threshold,
+)
+from simplefsdp.train.parallelize import (
+    apply_activation_checkpointing,
+    clip_grad_norm_,
+    mesh_shape_for,
+)
+from simplefsdp.train.trainer import _json_ready, build_lr_scheduler, lr_factor
+
+# --------------------------------------------------------------------------- LR schedule
+
+
+def _factors(total: int, warmup: int, min_ratio: float = 0.1) -> list[float]:
+    return [
+        lr_factor(s, warmup_steps=warmup, total_steps=total, min_lr_ratio=min_ratio)
+        for s in range(total)
+    ]
+
+
+def test_lr_warmup_is_linear_then_cosine_reaches_min_at_last_step():
+    f = _factors(total=20, warmup=5)
+    assert f[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert f[5] == pytest.approx(1.0)
+    assert f[-1] == pytest.approx(0.1)
+    decay = f[5:]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    # 14 decay intervals from step 5 to step 19: step 12 is the cosine's midpoint.
+    assert f[12] == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+@pytest.mark.parametrize(("total", "warmup"), [(1, 0), (3, 0), (4, 4), (5, 10)])
+def test_lr_edge_cases_stay_in_range(total, warmup):
+    f = _factors(total=total, warmup=warmup, min_ratio=0.25)
+    assert all(0.0 < x <= 1.0 for x in f)
+    if warmup == 0:
+        assert f[0] == pytest.approx(1.0)
+
+
+def test_scheduler_state_is_json_and_resumes_the_same_lrs():
+    job = JobConfig()
+    job.training.steps, job.training.warmup_steps, job.training.lr = 12, 3, 0.5
+
+    def make():
+        opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=job.training.lr)
+        return opt, build_lr_scheduler(opt, job)
+
+    opt, sched = make()
+    lrs = []
+    for _ in range(12):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [0.5 * f for f in _factors(12, 3)]
+    assert lrs == pytest.approx(expected)
+
+    opt_a, sched_a = make()
+    for _ in range(5):
+        opt_a.step()
+        sched_a.step()
+    state = json.loads(json.dumps(_json_ready(sched_a.state_dict())))
+    opt_b, sched_b = make()
+    sched_b.load_state_dict(state)
+    for group, lr in zip(opt_b.param_groups, sched_b.get_last_lr()):
+        group["lr"] = lr
+    assert opt_b.param_groups[0]["lr"] == pytest.approx(lrs[5])
+    opt_b.step()
+    sched_b.step()
+    assert opt_b.param_groups[0]["lr"] == pytest.approx(lrs[6])
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _fake_checkpoint(root: Path, step: int, *, manifest: bool = True, tmp: bool = False) -> Path:
+    folder = root / (f"step-{step}" + (".tmp" if tmp else ""))
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(os.urandom(64))
+    (folder / ".metadata").write_bytes(b"meta")
+    if manifest:
+        data = build_manifest(folder, step=step, world_size=2, config_hash="abc")
+        write_json_atomic(folder / MANIFEST_NAME, data)
+    return folder
+
+
+def test_manifest_lists_files_with_sizes_and_hashes(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 3)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    assert manifest["step"] == 3 and manifest["world_size"] == 2
+    assert {f["path"] for f in manifest["files"]} == {"__0_0.distcp", ".metadata"}
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"])
+    assert verify_checkpoint(folder, check_hashes=True) is None
+    assert not list(folder.glob("*.tmp"))  # the atomic JSON write left nothing behind
+
+
+def test_latest_ignores_tmp_and_incomplete_checkpoints(tmp_path):
+    _fake_checkpoint(tmp_path, 4)
+    _fake_checkpoint(tmp_path, 8)
+    _fake_checkpoint(tmp_path, 12, tmp=True)  # crashed mid-save
+    _fake_checkpoint(tmp_path, 16, manifest=False)  # no manifest
+    damaged = _fake_checkpoint(tmp_path, 20)
+    (damaged / "__0_0.distcp").write_bytes(b"short")  # size no longer matches
+    wrong = _fake_checkpoint(tmp_path, 24)
+    wrong.rename(tmp_path / "step-28")  # manifest step != folder name
+    (tmp_path / "notes").mkdir()
+    assert [c.step for c in list_checkpoints(tmp_path)] == [4, 8]
+    assert latest_checkpoint(tmp_path).step == 8
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_verify_detects_same_size_corruption_only_with_hashes(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 1)
+    (folder / "__0_0.distcp").write_bytes(os.urandom(64))
+    assert verify_checkpoint(folder) is None
+    assert "sha256" in verify_checkpoint(folder, check_hashes=True)
+
+
+def test_unparsable_manifest_is_ignored(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 2)
+    (folder / MANIFEST_NAME).write_text("{not json")
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_prune_keeps_last_k_and_removes_stale_tmp(tmp_path):
+    for step in (1, 2, 3, 4):
+        _fake_checkpoint(tmp_path, step)
+    _fake_checkpoint(tmp_path, 5, tmp=True)
+    in_progress = _fake_checkpoint(tmp_path, 6, tmp=True)
+    removed = prune_checkpoints(tmp_path, 2, keep=[in_progress])
+    assert sorted(p.name for p in removed) == ["step-1", "step-2", "step-5.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4", "step-6.tmp"]
+    with pytest.raises(ValueError, match="keep_last"):
+        prune_checkpoints(tmp_path, 0)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics_writer_appends_json_lines(tmp_path):
+    writer = MetricsWriter(tmp_path / "out", tensorboard=False)
+    writer.write({"loss": 2.5, "lr": 1e-3, "grad_norm": float("nan")}, step=1)
+    writer.write({"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0}, step=2)
+    writer.close()
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    assert lines[0]["grad_norm"] == "nan" and lines[1]["loss"] == 2.0
+    assert all("time" in r for r in lines)
+
+
+def test_metrics_writer_tensorboard_optional(tmp_path):
+    writer = MetricsWriter(tmp_path, tensorboard=True)
+    writer.write({"loss": 1.0}, step=1)
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+
+        assert writer.tensorboard_dir == tmp_path / "tensorboard"
+    except ImportError:
+        assert writer.tensorboard_dir is None
+    writer.close()
+
+
+def test_step_line_and_helpers():
+    record = {
+        "loss": 3.14159,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s_per_rank": 1234.5,
+        "mfu_pct": None,
+        "peak_memory_bytes": 3 * 1024**2,
+    }
+    line = format_step_line(7, 100, record)
+    assert line.startswith("step   7/100 | loss 3.1416")
+    assert "mem 3.0 MiB" in line and "mfu" not in line
+    assert "mfu 12.5%" in format_step_line(7, 100, {**record, "mfu_pct": 12.5})
+    assert format_bytes(None) == "n/a" and format_bytes(512) == "512 B"
+    assert format_bytes(5 * 1024**3) == "5.0 GiB"
+    assert mfu(1000.0, 1e9, None) is None
+    assert mfu(1000.0, 1e9, 1e13) == pytest.approx(10.0)
+    assert peak_flops_for(torch.device("cpu")) is None
+
+
+def test_cpu_memory_monitor_sees_a_large_allocation():
+    pin_malloc_mmap_threshold()
+    monitor = MemoryMonitor(torch.device("cpu"))
+    monitor.reset()
+    block = torch.ones(64 * 1024**2 // 4)  # 64 MiB, touched
+    assert monitor.peak_bytes() >= 48 * 1024**2
+    del block
+
+
+# --------------------------------------------------------------------------- parallelism helpers
+
+
+@pytest.mark.parametrize(
+    ("engine", "mode", "shape", "world", "expected"),
+    [
+        ("simplefsdp", "fully_shard", None, 4, (4,)),
+        ("simplefsdp", "replicate", None, 2, (2,)),
+        ("fsdp2", "replicate", None, 2, (2, 1)),
+        ("simplefsdp", "hybrid_shard", [2, 2], 4, (2, 2)),
+        ("fsdp2", "hybrid_shard", None, 8, (2, 4)),
+    ],
+)
+def test_mesh_shape_for(engine, mode, shape, world, expected):
+    cfg = ParallelConfig(engine=engine, mode=mode, mesh_shape=shape)
+    assert mesh_shape_for(cfg, world, local_world_size=4 if world == 8 else world) == expected
+
+
+def test_mesh_shape_error_names_valid_shapes():
+    cfg = ParallelConfig(mode="hybrid_shard", mesh_shape=[2, 2])
+    with pytest.raises(ValueError, match=r"needs 4 ranks.*world size is 2.*\[1, 2\], \[2, 1\]"):
+        mesh_shape_for(cfg, 2)
+
+
+def test_clip_grad_norm_matches_torch():
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, r in zip(params, ref):
+        p.grad = torch.randn_like(p) * 3
+        r.grad = p.grad.clone()
+    norm = clip_grad_norm_(params, 1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert torch.equal(norm, ref_norm)
+    for p, r in zip(params, ref):
+        assert torch.equal(p.grad, r.grad)
+    unclipped = [nn.Parameter(torch.ones(4))]
+    unclipped[0].grad = torch.full((4,), 10.0)
+    assert clip_grad_norm_(unclipped, 0.0).item() == pytest.approx(20.0)
+    assert torch.equal(unclipped[0].grad, torch.full((4,), 10.0))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_keys_and_gradients(mode):
+    from simplefsdp.models.llama3 import Transformer, get_config
+
+    args = get_config("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    model = Transformer(args)
+    model.load_state_dict(ref.state_dict())
+    assert apply_activation_checkpointing(model, mode) == 2
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    ref(tokens).square().mean().backward()
+    model(tokens).square().mean().backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        clean = name.replace("._checkpoint_wrapped_module", "")
+        torch.testing.assert_close(p.grad, ref_grads[clean], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_worker_argv_strips_launcher_flags():
+    argv = ["--nproc", "3", "--training.steps", "5", "--max-restarts=1", "--resume"]
+    assert cli._worker_argv(argv) == ["--training.steps", "5", "--resume"]
+
+
+def test_print_config_shows_overrides(capsys):
+    assert cli.main(["--print-config", "--training.steps", "7", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "steps = 7" in out and "resume = true" in out and 'name = "debug"' in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model.name", "tiny"], "model.name: invalid value 'tiny'; valid choices"),
+        (["--trainig.steps", "5"], "Did you mean 'training'"),
+        (["--training.steps", "0", "--data.seq_len", "-1"], "training.steps"),
+        (["--config", "missing.toml"], "built-in configs"),
+        (["--data.path", "/does/not/exist"], "data.path '/does/not/exist' does not exist"),
+        (
+            ["--nproc", "2", "--parallel.mode", "hybrid_shard", "--parallel.mesh_shape", "2,2"],
+            "valid shapes for 2 ranks",
+        ),
+        (["--data.seq_len", "1024"], "exceeds max_seq_len 512 of model 'debug'"),
+        (["--activation_checkpoint.mode", "full"], "--activation_checkpoint.mode selective"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    argv, needle, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("simplefsdp train: error: ")
+    assert needle in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_config_debug_default_is_debug_model():
+    job = load_config(cli.DEFAULT_CONFIG)
+    assert job.model.name == "debug" and job.compile.enable
