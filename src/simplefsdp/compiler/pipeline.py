@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -58,5 +57,5 @@ def run_graph_passes(
             + f", prefetch_distance={options.prefetch_distance}"
         )
     result["notes"].append(f"passes took {1000 * (time.perf_counter() - start):.1f} ms")
-    logger.debug("%s graph passes: %s", graph_name, [asdict(b) for b in result["buckets"]])
+    logger.debug("%s graph passes: %s", graph_name, result["notes"])
     return result
