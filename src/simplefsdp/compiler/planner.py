@@ -6,19 +6,17 @@ Note: [Greedy auto-wrapping]
     compute of the bucket before it (prefetch distance 1). Its communication
     per step is the forward all-gather, the backward all-gather when
     parameters are resharded, and the backward reduce-scatter; its compute
-    window is the previous bucket's forward compute times 3 (forward plus a
-    backward of about twice the forward). Unit u joins the current bucket if
-    that does not increase the exposed communication:
-
-        merged = max(0, T(cur + u) - window(prev))
-        split  = max(0, T(cur) - window(prev)) + max(0, T(u) - window(cur))
-
-    (so merging wins when it saves a collective's latency without leaving the
-    overlap window), and if the predicted peak memory with the grown bucket
+    window is its forward compute times 3 (forward plus a backward of about
+    twice the forward). ``pipeline_time_s`` replays the buckets on one link
+    (collectives serialise) and one compute stream with prefetch distance 1.
+    Unit u joins the current bucket if the replayed time of the plan so far
+    with ``cur + u`` is no longer than with ``cur`` and ``u`` apart (merging
+    saves a collective's latency; splitting lets u's transfer hide under
+    cur's compute), and if the predicted peak memory with the grown bucket
     prefetched stays within the budget: the unbucketed graph's peak plus, for
     the worst adjacent pair, the gathered bucket, its copy-out buffer and the
-    prefetched next bucket (2 * B_i + B_{i+1}), enforced by capping every
-    bucket at a third of the budget's headroom. The plan is plain data
+    prefetched next bucket (2 * B_i + B_{i+1}); a bucket stops growing while
+    the largest single parameter could still follow it. The plan is plain data
     (parameter FQNs per bucket), broadcast from rank 0 so all ranks agree.
 """
 
@@ -127,25 +125,26 @@ def greedy_buckets(
             f"memory_budget_bytes={memory_budget_bytes} is below the unavoidable minimum of "
             f"{minimum} bytes (the graph's own peak plus prefetching one parameter at a time)"
         )
-    # 2 * B_i + B_{i+1} <= budget - base holds for any plan whose buckets are
-    # at most a third of the headroom (or single parameters).
-    max_bucket_bytes = (
-        float("inf") if memory_budget_bytes is None else (memory_budget_bytes - base_peak_bytes) / 3
+    # Memory: the plan so far must satisfy 2 * B_i + B_{i+1} <= headroom, and a
+    # bucket may grow only while any single next parameter still fits after it.
+    headroom = (
+        float("inf") if memory_budget_bytes is None else memory_budget_bytes - base_peak_bytes
     )
+    largest_unit = max((u.gathered_bytes for u in units), default=0)
+    max_bucket_bytes = (headroom - largest_unit) / 2
     buckets: list[list[GatherUnit]] = []
     current: list[GatherUnit] = []
     for unit in units:
         if not current:
             current = [unit]
             continue
-        prev_window = _window_s(buckets[-1]) if buckets else 0.0
-        merged = max(
-            0.0, _comm_s([*current, unit], cost_model, reshard_after_forward) - prev_window
+        merged = pipeline_time_s([*buckets, [*current, unit]], cost_model, reshard_after_forward)
+        split = pipeline_time_s([*buckets, current, [unit]], cost_model, reshard_after_forward)
+        grown = [*current, unit]
+        fits = (
+            sum(u.gathered_bytes for u in grown) <= max_bucket_bytes
+            and prefetch_extra_bytes([*buckets, grown]) <= headroom
         )
-        split = max(0.0, _comm_s(current, cost_model, reshard_after_forward) - prev_window) + max(
-            0.0, _comm_s([unit], cost_model, reshard_after_forward) - _window_s(current)
-        )
-        fits = sum(u.gathered_bytes for u in current) + unit.gathered_bytes <= max_bucket_bytes
         if merged <= split and fits:
             current.append(unit)
         else:
@@ -154,6 +153,24 @@ def greedy_buckets(
     if current:
         buckets.append(current)
     return buckets
+
+
+def pipeline_time_s(
+    buckets: Sequence[Sequence[GatherUnit]], cost_model: CostModel, reshard: bool
+) -> float:
+    """Step time of ``buckets`` on one link and one compute stream, with
+    prefetch distance 1: bucket i's communication is issued when the compute
+    of bucket i-2 ends (before the wait of bucket i-1), runs after the previous
+    communication, and bucket i's compute starts when both its communication
+    and the previous compute are done."""
+    comm_end = 0.0
+    compute_ends: list[float] = []
+    for i, bucket in enumerate(buckets):
+        issue = compute_ends[i - 2] if i >= 2 else 0.0
+        comm_end = max(comm_end, issue) + _comm_s(bucket, cost_model, reshard)
+        start = max(compute_ends[-1] if compute_ends else 0.0, comm_end)
+        compute_ends.append(start + _window_s(bucket))
+    return compute_ends[-1] if compute_ends else 0.0
 
 
 def to_plan(buckets: Sequence[Sequence[GatherUnit]], all_fqns: Sequence[str]) -> BucketPlan:

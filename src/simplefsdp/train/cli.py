@@ -142,6 +142,7 @@ def _configure_logging(rank: int) -> None:
 
 def _run_worker(job: JobConfig) -> int:
     """Train on this rank (under torchrun); rank 0 prints the summary."""
+    from simplefsdp.checkpoint import CheckpointError
     from simplefsdp.train.trainer import Trainer
 
     trainer = Trainer(job)
@@ -150,6 +151,10 @@ def _run_worker(job: JobConfig) -> int:
         summary = trainer.train()
         if trainer.rank == 0:
             print(summary.format(), flush=True)
+    except CheckpointError as exc:  # a bad checkpoint to resume from: one line, no traceback
+        if int(os.environ.get("RANK", "0")) == 0:
+            _error(_one_line(exc))
+        return EXIT_CONFIG_ERROR
     finally:
         trainer.close()
     return 0

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from simplefsdp.checkpoint import SafeFileSystemReader, TensorOnlyLoadPlanner
 from simplefsdp.train.checkpointing import (
     CONFIG_NAME,
     latest_checkpoint,
@@ -108,7 +109,8 @@ def load_full_model_state(folder: str | os.PathLike[str]) -> dict[str, torch.Ten
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(folder))
+    # Restricted unpickling of .metadata, tensors only: see [Loading never runs checkpoint code].
+    reader = SafeFileSystemReader(str(folder))
     metadata = reader.read_metadata().state_dict_metadata
     model: dict[str, torch.Tensor] = {}
     for key, meta in metadata.items():
@@ -119,7 +121,9 @@ def load_full_model_state(folder: str | os.PathLike[str]) -> dict[str, torch.Ten
     with warnings.catch_warnings():
         # Loading without a process group is the intent here, not an accident.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+        dcp.load(
+            {"model": model}, storage_reader=reader, planner=TensorOnlyLoadPlanner(), no_dist=True
+        )
     return model
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from simplefsdp.checkpoint._faults import maybe_kill_at_step
 from simplefsdp.train.checkpointing import Checkpointer, latest_checkpoint, step_dir_name
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
 from simplefsdp.train.metrics import (
@@ -108,7 +109,24 @@ def _init_process_group(device: torch.device) -> None:
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type == "cuda":
         kwargs["device_id"] = device
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        kwargs.update(_per_attempt_store(timeout))
     dist.init_process_group(backend, **kwargs)
+
+
+def _per_attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """``store``/``rank``/``world_size`` for the env:// rendezvous, keyed by restart attempt.
+
+    Under torchelastic the workers of every attempt share the agent's TCPStore;
+    a restarted attempt would read the previous attempt's process-group keys
+    (e.g. gloo addresses of dead peers) and fail to connect
+    (pytorch/pytorch#135712). A per-attempt key prefix keeps the attempts apart,
+    so ``torchrun --max-restarts K`` works without further settings.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"simplefsdp/attempt{attempt}/", store)
+    return {"store": prefixed, "rank": rank, "world_size": world_size}
 
 
 def _json_ready(state: dict[str, Any]) -> dict[str, Any]:
@@ -448,6 +466,8 @@ class Trainer:
             is_log = self._should(step, self.job.metrics.log_interval) or step == start_step + 1
             t0 = time.perf_counter()
             loss, grad_norm, lr = self.train_step()
+            # Test-only fault injection (SIMPLEFSDP_TEST_KILL_AT_STEP); a no-op otherwise.
+            maybe_kill_at_step(step, self.rank, self.world_size, self.job.metrics.output_dir)
             if is_log:
                 self._sync()
             step_s = time.perf_counter() - t0

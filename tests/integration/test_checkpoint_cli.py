@@ -1,0 +1,129 @@
+"""Checkpoints through the CLI on 2 CPU processes: a rank SIGKILLed mid-training
+restarts and resumes automatically (``simplefsdp train --max-restarts`` and
+``torchrun --max-restarts``) to the bitwise-same final model; bad checkpoints
+give one-line errors.
+
+Runs are tiny and eager (6 steps of the debug model on 300 kB of the stdlib
+corpus, checkpoints every 2 steps); rank 1 is killed by the test-only hook
+``SIMPLEFSDP_TEST_KILL_AT_STEP`` (see ``simplefsdp.checkpoint._faults``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from simplefsdp.checkpoint._faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+KILL_AT = 3  # after the checkpoint of step 2: the restart resumes from step 2
+SMALL = [
+    "--data.max_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "2",
+    "--training.warmup_steps", "2", "--training.lr", "3e-3", "--training.steps", str(STEPS),
+    "--metrics.log_interval", "1", "--metrics.val_interval", "0", "--compile.enable", "false",
+    "--checkpoint.interval", "2",
+]  # fmt: skip
+TIMEOUT_S = 240
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # restarts must work without it
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _train(cwd: Path, name: str, *, launcher: str = "simplefsdp", extra=(), env=None):
+    args = [*SMALL, "--metrics.output_dir", name, "--checkpoint.folder", f"{name}/ck", *extra]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "--max-restarts", "1", "-m", "simplefsdp.train", *args]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "simplefsdp.cli", "train", *args]
+    return subprocess.run(
+        cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor of a checkpoint, full shapes, in this process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from simplefsdp.checkpoint import SafeFileSystemReader
+
+    reader = SafeFileSystemReader(str(folder))
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and not key.startswith("rng.")
+    }
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def _losses(path: Path) -> dict[int, float]:
+    """Loss per step; a step logged twice (before and after a restart) keeps the last."""
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run."""
+    cwd = tmp_path_factory.mktemp("ckcli")
+    proc = _train(cwd, "ref")
+    assert proc.returncode == 0, proc.stderr
+    return cwd
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("launcher", ["simplefsdp", "torchrun"])
+def test_sigkill_of_a_rank_restarts_and_matches_the_uninterrupted_run(reference, launcher):
+    cwd = reference
+    name = f"killed-{launcher}"
+    extra = ["--max-restarts", "1"] if launcher == "simplefsdp" else []
+    proc = _train(
+        cwd, name, launcher=launcher, extra=extra, env=_env(**{KILL_AT_STEP_ENV: str(KILL_AT)})
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert (cwd / name / DEFAULT_KILL_MARKER).is_file()  # rank 1 was killed ...
+    assert "exitcode: -9" in proc.stderr  # the agent saw the SIGKILL and restarted
+    assert f"steps          2 -> {STEPS}" in proc.stdout  # ... and the restart resumed at 2
+    want = _tensors(cwd / "ref" / "ck" / f"step-{STEPS}")
+    got = _tensors(cwd / name / "ck" / f"step-{STEPS}")
+    assert got.keys() == want.keys() and any(k.endswith("exp_avg_sq") for k in got)
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key  # bitwise
+    assert _losses(cwd / name / "metrics.jsonl") == _losses(cwd / "ref" / "metrics.jsonl")
+
+
+def test_export_of_a_truncated_checkpoint_is_a_one_line_error(reference, tmp_path):
+    damaged = tmp_path / "step-6"
+    shutil.copytree(reference / "ref" / "ck" / f"step-{STEPS}", damaged)
+    shard = damaged / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    cmd = [sys.executable, "-m", "simplefsdp.cli", "export", "--checkpoint", str(damaged),
+           "--out", str(tmp_path / "x.safetensors")]  # fmt: skip
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(shard) in lines[0] and "truncated" in lines[0], proc.stderr
+
+
+def test_resume_with_another_model_config_is_a_one_line_error(reference):
+    cwd = reference
+    shutil.copytree(cwd / "ref" / "ck", cwd / "wrong" / "ck")
+    proc = _train(cwd, "wrong", extra=["--resume", "--model.vocab_size", "300"])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "simplefsdp train: error:" in line]
+    assert len(errors) == 2, proc.stderr  # the worker's reason, then the launcher's summary
+    assert f"step-{STEPS}/.metadata: model tensor 'tok_embeddings.weight' has shape" in errors[0]
+    assert "Traceback" not in proc.stderr
