@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "simplefsdp.train.export",
         "write a checkpoint's full weights to one safetensors file",
     ),
+    "bench": ("simplefsdp.bench.cli", "compare simplefsdp with torch FSDP2/DDP on this machine"),
 }
 
 

@@ -1,0 +1,329 @@
+"""``simplefsdp bench``: simplefsdp side by side with its peers, in one run.
+
+Each configuration runs in fresh processes started by ``torch.distributed.run``
+(as ``simplefsdp train`` starts its workers), with the same model, data,
+per-rank batch and seed; then a communication-only run times the same
+collectives with no compute. The runner merges the ranks' measurements,
+checks that all configurations agree on the loss, and writes ``bench.json``,
+``bench.png`` and the table it prints into ``--out``.
+
+Example::
+
+    simplefsdp bench --workload compute --out /tmp/bench
+    simplefsdp bench --workload comm --configs limit,fsdp2,simplefsdp-manual
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from simplefsdp.bench.configs import (
+    COMM_ONLY,
+    CONFIGS,
+    WORKLOADS,
+    BenchConfig,
+    BenchSpec,
+    get_workload,
+    resolve_configs,
+)
+from simplefsdp.bench.report import (
+    add_ratios,
+    check_losses,
+    failed_row,
+    format_table,
+    merge_comm_only,
+    merge_ranks,
+    write_json,
+    write_png,
+)
+
+logger = logging.getLogger(__name__)
+
+EXIT_CONFIG_ERROR = 2
+# Variables of an enclosing torchrun that must not leak into the nested one.
+_LAUNCHER_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+)  # fmt: skip
+
+
+def _default_nproc() -> int:
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.device_count()
+    return 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="simplefsdp bench",
+        description="Compare simplefsdp with torch FSDP2/DDP on this machine: step time, "
+        "memory, collectives, compile time and loss per configuration.",
+    )
+    parser.add_argument(
+        "--workload",
+        default="compute",
+        help="preset, default compute; "
+        + "; ".join(f"{w.name}: {w.description}" for w in WORKLOADS.values()),
+    )
+    parser.add_argument(
+        "--configs", default="all", help=f"comma-separated subset of: {', '.join(CONFIGS)}"
+    )
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (>= 1)")
+    parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length")
+    parser.add_argument("--model", default=None, help="llama3 config name (debug, small, ...)")
+    parser.add_argument(
+        "--model-override",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="ModelArgs field override, e.g. n_layers=2 (repeatable)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lr", type=float, default=None, help="AdamW learning rate (default: the workload's)"
+    )
+    parser.add_argument(
+        "--loss-rtol", type=float, default=2e-3, help="relative loss tolerance for ok"
+    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
+    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder")
+    parser.add_argument("--no-png", action="store_true", help="do not write bench.png")
+    return parser
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--model-override expects FIELD=VALUE, got {text!r}")
+    for cast in (int, float):
+        try:
+            return key, cast(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def build_spec(args: argparse.Namespace) -> BenchSpec:
+    """The run spec from the command line.
+
+    Raises:
+        ValueError: unknown workload, model or override field, or bad sizes.
+    """
+    overrides = dict(_parse_override(o) for o in args.model_override)
+    workload = get_workload(
+        args.workload,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        model=args.model,
+        lr=args.lr,
+    )
+    workload = dataclasses.replace(
+        workload, model_overrides={**workload.model_overrides, **overrides}
+    )
+    from simplefsdp.models.llama3 import get_config
+
+    get_config(workload.model, **workload.model_overrides)  # validates names and fields
+    nproc = args.nproc if args.nproc is not None else _default_nproc()
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    return BenchSpec(workload=workload, nproc=nproc, seed=args.seed, timeout_s=args.timeout)
+
+
+def _worker_env(nproc: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def launch_config(name: str, spec: BenchSpec, spec_path: Path, raw_dir: Path) -> str | None:
+    """Run configuration ``name`` in ``spec.nproc`` fresh processes.
+
+    Returns ``None`` on success, else an error message (the log's tail).
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={spec.nproc}", "--max-restarts=0",
+        "-m", "simplefsdp.bench.worker",
+        "--config", name, "--spec", str(spec_path), "--out", str(raw_dir),
+    ]  # fmt: skip
+    log_path = raw_dir / f"{name}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(spec.nproc)
+        )
+        try:
+            rc = proc.wait(timeout=spec.timeout_s)
+        except subprocess.TimeoutExpired:
+            # SIGTERM lets the elastic agent stop its workers; then force.
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return f"timed out after {spec.timeout_s:.0f} s (log: {log_path})"
+    if rc != 0:
+        tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        errors = [ln for ln in tail if "Error" in ln or "error:" in ln]
+        reason = (errors or tail or ["no output"])[-1].strip()
+        return f"exit code {rc}: {reason[:300]} (log: {log_path})"
+    return None
+
+
+def _load_ranks(name: str, raw_dir: Path, nproc: int) -> list[dict]:
+    paths = [raw_dir / f"{name}.rank{r}.json" for r in range(nproc)]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"missing result files: {', '.join(missing)}")
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _run_one(config: BenchConfig, spec: BenchSpec, spec_path: Path, raw_dir: Path):
+    """Launch one configuration and merge its ranks: (row or comm dict, error)."""
+    for stale in raw_dir.glob(f"{config.name}.rank*.json"):
+        stale.unlink()
+    error = launch_config(config.name, spec, spec_path, raw_dir)
+    if error is None:
+        try:
+            ranks = _load_ranks(config.name, raw_dir, spec.nproc)
+            if config.engine == "comm":
+                return merge_comm_only(ranks), None
+            return merge_ranks(config, ranks, spec.workload), None
+        except (FileNotFoundError, KeyError, ValueError) as exc:
+            error = f"could not read results: {exc}"
+    if config.engine == "comm":
+        return None, error
+    return failed_row(config, error), error
+
+
+def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
+    workload = spec.workload
+    if torch.cuda.is_available():
+        device = f"{spec.nproc} x {torch.cuda.get_device_name(0)} (nccl)"
+        memory_method = "CUDA allocator peak (max_memory_allocated) above start-up"
+    else:
+        device = f"cpu ({os.cpu_count()} cores, gloo)"
+        memory_method = "peak RSS above start-up baseline, glibc mmap threshold 64 KiB"
+    return {
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+        "world_size": spec.nproc,
+        "omp_num_threads": _worker_env(spec.nproc)["OMP_NUM_THREADS"],
+        "workload": workload.name,
+        "model": workload.model,
+        "model_overrides": workload.model_overrides,
+        "num_params": next((r["num_params"] for r in rows if r.get("num_params")), 0),
+        "batch_size": workload.batch_size,
+        "seq_len": workload.seq_len,
+        "tokens_per_step_per_rank": workload.batch_size * workload.seq_len,
+        "steps": workload.steps,
+        "warmup": workload.warmup,
+        "seed": spec.seed,
+        "lr": workload.lr,
+        "memory_method": memory_method,
+        "wall_s": wall_s,
+    }
+
+
+def run_bench(
+    configs: list[BenchConfig], spec: BenchSpec, out: Path, *, loss_rtol: float
+) -> dict[str, Any]:
+    """Run ``configs`` and the comm-only measurement; return the bench.json content."""
+    start = time.perf_counter()
+    raw_dir = out / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = raw_dir / "spec.json"
+    spec_path.write_text(spec.to_json())
+    rows: list[dict] = []
+    comm_only = None
+    load_avg_1m: list[float] = []
+    for i, config in enumerate([*configs, COMM_ONLY]):
+        t0 = time.perf_counter()
+        # Other processes on the machine slow every measurement: record it.
+        load_avg_1m.append(round(os.getloadavg()[0], 2))
+        print(f"[{i + 1}/{len(configs) + 1}] {config.name} ...", end=" ", flush=True)
+        outcome, error = _run_one(config, spec, spec_path, raw_dir)
+        if config.engine == "comm":
+            comm_only = outcome
+        else:
+            outcome["load_avg_1m_before"] = load_avg_1m[-1]
+            rows.append(outcome)
+        took = time.perf_counter() - t0
+        if error:
+            print(f"FAILED ({took:.0f} s): {error}", flush=True)
+        else:
+            print(f"{outcome['step_time_s_median']:.3f} s/step ({took:.0f} s)", flush=True)
+    loss_check = check_losses(rows, loss_rtol)
+    add_ratios(rows)
+    limit = next((r for r in rows if r["name"] == "limit" and r["step_time_s_median"]), None)
+    comm_s = comm_only["step_time_s_median"] if comm_only else None
+    bound = None
+    if limit and comm_s is not None:
+        bound = max(limit["step_time_s_median"], comm_s)
+    env = _env(spec, rows, time.perf_counter() - start)
+    env["load_avg_1m_before_each"] = load_avg_1m
+    return {
+        "env": env,
+        "configs": rows,
+        "comm_only_s": comm_s,
+        "comm_only": comm_only,
+        "bound_s": bound,
+        "loss_check": loss_check,
+    }
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``simplefsdp bench``; returns the exit code.
+
+    0 when every configuration ran and agreed on the loss, 1 when one failed
+    or was flagged, 2 for a bad command line.
+    """
+    args = _build_parser().parse_args(argv)
+    try:
+        configs = resolve_configs(args.configs)
+        spec = build_spec(args)
+    except ValueError as exc:
+        print(f"simplefsdp bench: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run_bench(configs, spec, args.out, loss_rtol=args.loss_rtol)
+    table = format_table(result)
+    print(table)
+    (args.out / "bench.txt").write_text(table + "\n")
+    write_json(result, args.out / "bench.json")
+    written = [str(args.out / "bench.json")]
+    if args.no_png:
+        pass
+    elif write_png(result, args.out / "bench.png"):
+        written.append(str(args.out / "bench.png"))
+    else:
+        print("matplotlib is not installed: bench.png skipped (pip install 'simplefsdp[bench]')")
+    print("wrote " + ", ".join(written))
+    return 0 if all(r["ok"] for r in result["configs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""What ``simplefsdp bench`` runs: configurations, workloads and the run spec.
+
+A *configuration* says how the model is parallelised and executed (DDP,
+FSDP2, simplefsdp with or without compile, which passes); a *workload* says
+what is trained (model size, per-rank batch, sequence length, steps). Both
+are plain frozen data, validated here once, so the worker processes only read
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "COMM_ONLY",
+    "CONFIGS",
+    "DEFAULT_CONFIGS",
+    "TEST_CONFIGS",
+    "WORKLOADS",
+    "BenchConfig",
+    "BenchSpec",
+    "Workload",
+    "get_workload",
+    "resolve_configs",
+    "torch_passes_patches",
+]
+
+ENGINES = ("replica", "ddp", "fsdp2", "simplefsdp", "comm")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One way of running the same training step.
+
+    Attributes:
+        name: the name used on the command line, in the table and in bench.json.
+        engine: ``"replica"`` (each rank trains its own full copy, no
+            communication), ``"ddp"``, ``"fsdp2"``, ``"simplefsdp"`` or
+            ``"comm"`` (collectives only, no compute).
+        compiled: run under ``torch.compile`` (Inductor).
+        bucketing: simplefsdp's ``bucketing`` option (compiled simplefsdp only).
+        reorder: simplefsdp's ``reorder`` option (compiled simplefsdp only).
+        torch_passes: compile with plain ``torch.compile`` and torch's own
+            Inductor bucketing/overlap passes instead of ``simplefsdp.compile``.
+        syncs_grads: gradients are averaged over ranks, so the loss must match
+            the other data-parallel configurations step for step.
+        lr_scale: learning-rate multiplier; 1.0 except in the test-only
+            configuration that must be flagged as wrong.
+        description: one line for ``--help`` and the docs.
+    """
+
+    name: str
+    engine: str
+    compiled: bool
+    description: str
+    bucketing: str | None = None
+    reorder: bool = False
+    torch_passes: bool = False
+    syncs_grads: bool = True
+    lr_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            "limit",
+            "replica",
+            True,
+            "each rank trains its own compiled full replica, no communication",
+            syncs_grads=False,
+        ),
+        BenchConfig("ddp", "ddp", True, "torch DistributedDataParallel under torch.compile"),
+        BenchConfig("fsdp2", "fsdp2", False, "torch fully_shard per block and root, eager"),
+        BenchConfig("fsdp2-compile", "fsdp2", True, "fully_shard with each block compiled"),
+        BenchConfig("simplefsdp-eager", "simplefsdp", False, "data_parallel without compile"),
+        BenchConfig(
+            "simplefsdp-none",
+            "simplefsdp",
+            True,
+            "simplefsdp.compile, no bucketing, no reordering",
+            bucketing="none",
+        ),
+        BenchConfig(
+            "simplefsdp-torch-passes",
+            "simplefsdp",
+            True,
+            "data_parallel + torch.compile with Inductor's own bucketing/overlap passes",
+            torch_passes=True,
+        ),
+        BenchConfig(
+            "simplefsdp-manual",
+            "simplefsdp",
+            True,
+            "simplefsdp.compile, one bucket per block, reordered",
+            bucketing="per_block",
+            reorder=True,
+        ),
+        BenchConfig(
+            "simplefsdp-auto",
+            "simplefsdp",
+            True,
+            "simplefsdp.compile, auto bucket plan, reordered",
+            bucketing="auto",
+            reorder=True,
+        ),
+    )
+}
+
+# Not listed in --help nor run by default: a deliberately wrong configuration
+# (10x learning rate) that the loss-agreement check must flag.
+TEST_CONFIGS: dict[str, BenchConfig] = {
+    "test-wrong-lr": BenchConfig(
+        "test-wrong-lr",
+        "simplefsdp",
+        False,
+        "test only: simplefsdp eager with a 10x learning rate (must be flagged ok=false)",
+        lr_scale=10.0,
+    ),
+}
+
+#: The communication-only measurement (run with every benchmark, not a row).
+COMM_ONLY = BenchConfig(
+    "comm-only",
+    "comm",
+    False,
+    "the per-step all-gathers and reduce-scatters of per-block flat buffers, no compute",
+)
+
+DEFAULT_CONFIGS: tuple[str, ...] = tuple(CONFIGS)
+
+
+def resolve_configs(names: str | list[str] | tuple[str, ...] | None) -> list[BenchConfig]:
+    """The configurations named by ``--configs`` (comma-separated or a list).
+
+    ``None`` or ``"all"`` selects every public configuration; the order given
+    is kept and duplicates are dropped.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid names), or
+            an empty selection.
+    """
+    if names is None or names == "all":
+        return [CONFIGS[n] for n in DEFAULT_CONFIGS]
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",")]
+    chosen: list[BenchConfig] = []
+    for name in names:
+        if not name:
+            continue
+        config = CONFIGS.get(name) or TEST_CONFIGS.get(name)
+        if config is None:
+            raise ValueError(
+                f"unknown configuration {name!r}; valid configurations: "
+                f"{', '.join(DEFAULT_CONFIGS)} (or 'all')"
+            )
+        if config not in chosen:
+            chosen.append(config)
+    if not chosen:
+        raise ValueError(f"no configuration selected; valid: {', '.join(DEFAULT_CONFIGS)}")
+    return chosen
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: model, per-rank batch, sequence length and step counts.
+
+    Attributes:
+        name: preset name (``compute``, ``comm``, ``memory``).
+        model: a ``simplefsdp.models.llama3`` config name.
+        batch_size: per-rank micro-batch.
+        seq_len: tokens per sequence.
+        steps: measured steps.
+        warmup: steps run before measuring (the first one compiles).
+        lr: AdamW learning rate (constant, no weight decay); small enough
+            that the loss falls from the first step on.
+        model_overrides: ``ModelArgs`` fields replaced in the named config.
+        description: what the preset stresses.
+    """
+
+    name: str
+    model: str
+    batch_size: int
+    seq_len: int
+    steps: int
+    warmup: int
+    description: str
+    lr: float = 1e-3
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+WORKLOADS: dict[str, Workload] = {
+    "compute": Workload(
+        "compute", "debug", 4, 256, 6, 2, "compute-heavy: debug model, batch 4 x 256 per rank"
+    ),
+    "comm": Workload(
+        "comm", "debug", 1, 128, 8, 2, "communication-heavy: debug model, batch 1 x 128 per rank"
+    ),
+    "memory": Workload(
+        "memory",
+        "small",
+        1,
+        128,
+        4,
+        2,
+        "parameter-memory-heavy: small model (~101M parameters), batch 1 x 128 per rank",
+        lr=1e-4,
+    ),
+}
+
+
+def get_workload(name: str, **overrides: Any) -> Workload:
+    """The preset ``name`` with fields replaced by the non-``None`` ``overrides``.
+
+    Raises:
+        ValueError: unknown preset (the message lists the valid ones) or a
+            non-positive size.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; valid workloads: {', '.join(WORKLOADS)}")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    workload = dataclasses.replace(WORKLOADS[name], **changes)
+    if workload.lr <= 0:
+        raise ValueError(f"lr must be > 0, got {workload.lr}")
+    for attr in ("batch_size", "seq_len", "steps"):
+        if getattr(workload, attr) < 1:
+            raise ValueError(f"{attr} must be >= 1, got {getattr(workload, attr)}")
+    if workload.warmup < 1:
+        # The first step compiles; measuring it would time the compiler.
+        raise ValueError(f"warmup must be >= 1 (the first step compiles), got {workload.warmup}")
+    return workload
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """Everything a worker needs besides its configuration (written as JSON).
+
+    Attributes:
+        workload: what is trained.
+        nproc: ranks per configuration.
+        seed: model-initialisation and data-order seed.
+        data_max_bytes: bytes of the embedded stdlib corpus read.
+        timeout_s: per-configuration time limit (also the process-group timeout).
+    """
+
+    workload: Workload
+    nproc: int = 2
+    seed: int = 0
+    data_max_bytes: int = 1_000_000
+    timeout_s: float = 900.0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchSpec:
+        data = json.loads(text)
+        data["workload"] = Workload(**data["workload"])
+        return cls(**data)
+
+
+# Inductor flags of torch's built-in FSDP bucketing and compute/communication
+# overlap passes, as used for the "simplefsdp-torch-passes" peer. Only that
+# configuration applies them, inside a scoped config.patch in its worker.
+_TORCH_PASS_FLAGS: dict[str, Any] = {
+    "bucket_all_gathers_fx": "only_fsdp",
+    "bucket_reduce_scatters_fx": "all",
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
+
+
+def torch_passes_patches() -> tuple[dict[str, Any], list[str]]:
+    """The Inductor config patches for the torch-passes peer that this torch has.
+
+    Returns:
+        ``(patches, notes)``: the flags that exist in the installed
+        ``torch._inductor.config`` (and, for the reorder passes, only pass
+        names ``torch._inductor.comms`` defines), and one note per flag or
+        pass that is missing.
+    """
+    import torch._inductor.comms as comms
+    import torch._inductor.config as inductor_config
+
+    patches: dict[str, Any] = {}
+    notes: list[str] = []
+    for flag, value in _TORCH_PASS_FLAGS.items():
+        if not hasattr(inductor_config, flag):
+            notes.append(f"inductor flag {flag} does not exist in this torch; not set")
+            continue
+        if flag == "reorder_for_compute_comm_overlap_passes":
+            missing = [p for p in value if not hasattr(comms, p)]
+            notes.extend(f"inductor reorder pass {p} does not exist; skipped" for p in missing)
+            value = [p for p in value if p not in missing]
+        patches[flag] = value
+    return patches, notes

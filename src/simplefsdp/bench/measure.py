@@ -1,0 +1,249 @@
+"""What a benchmark worker measures: step time, peak memory, collectives, comm-only.
+
+Note: [Benchmark memory]
+    On CUDA the peak is the caching allocator's ``max_memory_allocated``
+    over the measured steps (reset after warm-up) minus what was allocated
+    before the model was built. On CPU it is the process's peak resident set
+    size over the measured steps minus the RSS at start-up (after imports,
+    process-group set-up and data loading, before the model is built), with
+    glibc's mmap threshold lowered at process start so freed tensors leave the
+    RSS at once (see Note: [Measuring peak memory on CPU] in
+    ``simplefsdp.memory``), and ``malloc_trim(0)`` run after warm-up so heap
+    pages freed by the compiler go back to the OS. Every worker imports
+    Inductor before the baseline. The CPU number therefore includes the
+    model, optimizer state, activations, and whatever compilation leaves
+    resident (compiled kernels, graphs, guards), so compiled configurations
+    carry some tens of MiB that eager ones do not.
+
+Note: [Counting collectives]
+    Configurations compiled by ``simplefsdp.compile`` report their
+    collectives from ``simplefsdp.comm_report`` (what the graphs issue). All
+    configurations are also counted by running one extra step under
+    ``torch.profiler`` and counting the ``c10d::`` dispatcher ops that every
+    process-group collective goes through, whoever issues it (DDP's C++
+    reducer, FSDP2's hooks, functional collectives in compiled code):
+    ``_allgather_base_``/``allgather_into_tensor_coalesced_``/``allgather_``,
+    ``_reduce_scatter_base_``/``reduce_scatter_tensor_coalesced_``/
+    ``reduce_scatter_``, ``allreduce_``/``allreduce_coalesced_``. The
+    profiler, unlike a ``TorchDispatchMode``, does not make Dynamo fall back
+    to eager, so compiled code is counted as it runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from simplefsdp.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MemoryProbe",
+    "count_collectives",
+    "fsdp_unit_numels",
+    "run_comm_only",
+    "state_bytes",
+    "timed",
+]
+
+_C10D_OPS: dict[str, str] = {
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::allgather_": "all_gather",
+    "c10d::allgather_coalesced_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::allreduce_": "all_reduce",
+    "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::broadcast_": "broadcast",
+}
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """``(seconds, fn())`` with the device synchronised before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def malloc_trim() -> bool:
+    """Return freed glibc heap memory to the OS (``malloc_trim(0)``); True on success."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+class MemoryProbe:
+    """Peak memory of a region above the baseline taken at construction.
+
+    See Note: [Benchmark memory]. Construct it at start-up, call ``start()``
+    after warm-up and ``stop()`` after the measured steps.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.method = "cuda max_memory_allocated" if device.type == "cuda" else "peak RSS (VmHWM)"
+        self.baseline_bytes = self._current()
+        self.start_bytes: int | None = None
+        self.reset_ok = True
+
+    def _current(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return current_rss_bytes()
+
+    def _above_baseline(self, value: int | None) -> int | None:
+        if value is None or self.baseline_bytes is None:
+            return None
+        return int(value - self.baseline_bytes)
+
+    def start(self) -> None:
+        """Reset the peak; remember the level the measured region starts at."""
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = self._above_baseline(torch.cuda.memory_allocated(self.device))
+            return
+        malloc_trim()
+        rss = reset_peak_rss()
+        self.reset_ok = rss is not None
+        # Without a reset the high-water mark also covers compilation.
+        self.start_bytes = self._above_baseline(rss if rss is not None else current_rss_bytes())
+
+    def stop(self) -> int | None:
+        """The peak since ``start()`` above the start-up baseline (``None``: unknown)."""
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            return self._above_baseline(torch.cuda.max_memory_allocated(self.device))
+        return self._above_baseline(peak_rss_bytes())
+
+
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters and optimizer state (local shards, each
+    storage once): the persistent training state, whatever else is resident."""
+    from torch.distributed.tensor import DTensor
+
+    tensors: list[torch.Tensor] = list(module.parameters())
+    for state in optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if local.device.type == "meta" or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def count_collectives(fn: Callable[[], Any]) -> dict[str, int]:
+    """Collectives issued while ``fn()`` runs, by kind. See Note: [Counting collectives]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = dict.fromkeys(KINDS, 0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    for event in prof.events():
+        kind = _C10D_OPS.get(event.name)
+        if kind is not None:
+            counts[kind] += 1
+    return counts
+
+
+def fsdp_unit_numels(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[int, bool]]:
+    """``(numel, resharded)`` per FSDP unit: the root's own parameters (not
+    resharded after forward), then each block (resharded), as FSDP2 wraps them."""
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    units = [(root, False)] if root else []
+    units.extend((sum(p.numel() for p in block.parameters()), True) for block in blocks)
+    return units
+
+
+def _comm_buffers(
+    units: list[tuple[int, bool]], world_size: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Per unit: a 1-D shard and a padded full-size buffer, float32 (no mixed precision)."""
+    out = []
+    for numel, resharded in units:
+        shard = math.ceil(numel / world_size)
+        out.append(
+            (
+                torch.ones(shard, device=device),  # 1-D shard
+                torch.empty(shard * world_size, device=device),  # 1-D unsharded
+                resharded,
+            )
+        )
+    return out
+
+
+def _comm_step(buffers: list[tuple[torch.Tensor, torch.Tensor, bool]], group) -> None:
+    """One step's collectives: forward all-gathers in order; in backward, in
+    reverse, the all-gather again for resharded units and a reduce-scatter."""
+    for shard, full, _ in buffers:
+        dist.all_gather_into_tensor(full, shard, group=group)
+    for shard, full, resharded in reversed(buffers):
+        if resharded:
+            dist.all_gather_into_tensor(full, shard, group=group)
+        dist.reduce_scatter_tensor(shard, full, group=group)
+
+
+def run_comm_only(
+    units: list[tuple[int, bool]],
+    *,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    group=None,
+) -> dict:
+    """Time the per-step collectives of ``units`` with no compute.
+
+    Returns the per-rank measurement: ``step_times_s`` (measured steps),
+    ``collectives`` per step and ``bytes_per_step`` (unsharded bytes moved
+    by all-gathers and reduce-scatters together).
+    """
+    world_size = dist.get_world_size(group)
+    buffers = _comm_buffers(units, world_size, device)
+    for _ in range(warmup):
+        _comm_step(buffers, group)
+    dist.barrier(group)
+    times = [timed(lambda: _comm_step(buffers, group), device)[0] for _ in range(steps)]
+    n_resharded = sum(1 for _, _, r in buffers if r)
+    full_bytes = [full.numel() * full.element_size() for _, full, _ in buffers]
+    resharded_bytes = sum(b for b, (_, _, r) in zip(full_bytes, buffers) if r)
+    return {
+        "step_times_s": times,
+        "collectives": {
+            "all_gather": len(buffers) + n_resharded,
+            "reduce_scatter": len(buffers),
+            "all_reduce": 0,
+            "broadcast": 0,
+        },
+        "bytes_per_step": 2 * sum(full_bytes) + resharded_bytes,
+    }

@@ -1,0 +1,373 @@
+"""Turn the workers' raw measurements into rows, a table, bench.json and bench.png."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from simplefsdp.bench.configs import BenchConfig, Workload
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "REFERENCE_ORDER",
+    "add_ratios",
+    "check_losses",
+    "failed_row",
+    "format_table",
+    "merge_comm_only",
+    "merge_ranks",
+    "write_json",
+    "write_png",
+]
+
+# The loss reference is the first of these that ran: torch's own eager
+# implementations first, since they are the ones a wrong pass cannot touch.
+REFERENCE_ORDER = (
+    "fsdp2",
+    "ddp",
+    "simplefsdp-eager",
+    "fsdp2-compile",
+    "simplefsdp-none",
+    "simplefsdp-manual",
+    "simplefsdp-auto",
+    "simplefsdp-torch-passes",
+)
+_COUNT_FIELDS = {
+    "all_gather": "num_all_gathers",
+    "reduce_scatter": "num_reduce_scatters",
+    "all_reduce": "num_all_reduces",
+}
+_MIB = 1024 * 1024
+
+
+def _empty_row(config: BenchConfig) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "name": config.name,
+        "description": config.description,
+        "syncs_grads": config.syncs_grads,
+        "ok": False,
+        "error": None,
+        "notes": [],
+    }
+    for key in (
+        "step_time_s_median", "step_time_s_min", "step_time_s_max", "tokens_per_s_per_rank",
+        "peak_mem_bytes", "num_all_gathers", "num_reduce_scatters", "num_all_reduces",
+        "compile_s", "first_loss", "final_loss", "predicted_step_time_s",
+        "predicted_peak_mem_bytes",
+    ):  # fmt: skip
+        row[key] = None
+    return row
+
+
+def failed_row(config: BenchConfig, error: str) -> dict[str, Any]:
+    """The row of a configuration that did not produce results."""
+    row = _empty_row(config)
+    row["error"] = error
+    return row
+
+
+def _step_stats(ranks: list[dict]) -> tuple[list[float], float]:
+    """Per measured step the slowest rank's time, and the slowest first step."""
+    per_step = [max(times) for times in zip(*(r["step_times_s"] for r in ranks))]
+    first = max(r["warmup_times_s"][0] for r in ranks)
+    return per_step, first
+
+
+def _max_or_none(values: list[Any]) -> int | None:
+    known = [v for v in values if v is not None]
+    return int(max(known)) if known else None
+
+
+def _transient(rank: dict) -> int | None:
+    """Peak during the measured steps above the level they started at."""
+    peak, start = rank["peak_mem_bytes"], rank["mem_at_measure_start_bytes"]
+    return None if peak is None or start is None else peak - start
+
+
+def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> dict[str, Any]:
+    """One result row from every rank's raw result of a training configuration.
+
+    Step time is, per step, the slowest rank's; memory is the largest rank's;
+    losses are averaged over ranks (the global-batch loss for data-parallel
+    configurations); counts and notes come from rank 0.
+    """
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    per_step, first = _step_stats(ranks)
+    median = statistics.median(per_step)
+    losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks))]
+    row = _empty_row(config)
+    row.update(
+        ok=True,
+        step_time_s_median=median,
+        step_time_s_min=min(per_step),
+        step_time_s_max=max(per_step),
+        step_times_s=per_step,
+        tokens_per_s_per_rank=workload.batch_size * workload.seq_len / median,
+        peak_mem_bytes=_max_or_none([r["peak_mem_bytes"] for r in ranks]),
+        mem_at_measure_start_bytes=_max_or_none([r["mem_at_measure_start_bytes"] for r in ranks]),
+        state_mem_bytes=_max_or_none([r["state_mem_bytes"] for r in ranks]),
+        step_transient_mem_bytes=_max_or_none([_transient(r) for r in ranks]),
+        mem_method=ranks[0]["mem_method"],
+        # Noise can make the first step of an eager run faster than the median.
+        compile_s=max(0.0, first - median),
+        first_step_s=first,
+        first_loss=losses[0],
+        final_loss=losses[-1],
+        losses=losses,
+        collectives_source=ranks[0]["collectives_source"],
+        collectives_profiled=ranks[0]["collectives_profiled"],
+        num_broadcasts=ranks[0]["collectives_profiled"].get("broadcast", 0),
+        predicted=ranks[0]["predicted"],
+        predicted_step_time_s=ranks[0]["predicted_step_time_s"],
+        predicted_peak_mem_bytes=ranks[0]["predicted_peak_mem_bytes"],
+        num_params=ranks[0]["num_params"],
+        notes=list(ranks[0]["notes"]),
+    )
+    for kind, key in _COUNT_FIELDS.items():
+        row[key] = int(ranks[0]["collectives"].get(kind, 0))
+    return row
+
+
+def merge_comm_only(ranks: list[dict]) -> dict[str, Any]:
+    """The communication-only measurement merged over ranks (slowest rank per step)."""
+    per_step = [max(times) for times in zip(*(r["step_times_s"] for r in ranks))]
+    return {
+        "step_time_s_median": statistics.median(per_step),
+        "step_time_s_min": min(per_step),
+        "step_time_s_max": max(per_step),
+        "collectives": ranks[0]["collectives"],
+        "bytes_per_step": ranks[0]["bytes_per_step"],
+    }
+
+
+def _reference(rows: list[dict]) -> dict | None:
+    by_name = {r["name"]: r for r in rows if r["ok"] and r["syncs_grads"]}
+    for name in REFERENCE_ORDER:
+        if name in by_name:
+            return by_name[name]
+    return next(iter(by_name.values()), None)
+
+
+def _rel_diff(value: float, reference: float) -> float:
+    if not (math.isfinite(value) and math.isfinite(reference)):
+        return math.inf
+    return abs(value - reference) / max(abs(reference), 1e-12)
+
+
+def check_losses(rows: list[dict], rtol: float) -> dict[str, Any]:
+    """Flag rows whose losses disagree with the reference configuration (in place).
+
+    Every configuration starts from the same weights and data, so the first
+    step's loss must agree for all of them (``limit`` included). The final
+    loss must agree for the configurations that average gradients; ``limit``
+    trains an independent replica per rank and is only held to the first
+    step. A disagreeing row gets ``ok=false`` and an explanatory note.
+
+    Returns:
+        ``{"reference": name | None, "rtol": rtol}``.
+    """
+    reference = _reference(rows)
+    if reference is None:
+        return {"reference": None, "rtol": rtol}
+    for row in rows:
+        if row["final_loss"] is None:
+            continue
+        row["first_loss_rel_diff"] = _rel_diff(row["first_loss"], reference["first_loss"])
+        checks = [("first", row["first_loss_rel_diff"])]
+        if row["syncs_grads"]:
+            row["final_loss_rel_diff"] = _rel_diff(row["final_loss"], reference["final_loss"])
+            checks.append(("final", row["final_loss_rel_diff"]))
+        for which, diff in checks:
+            if diff > rtol:
+                row["ok"] = False
+                row["notes"].append(
+                    f"{which} loss {row[f'{which}_loss']:.6f} disagrees with "
+                    f"{reference['name']} ({reference[f'{which}_loss']:.6f}): relative "
+                    f"difference {diff:.2e} > {rtol:.0e}"
+                )
+    return {"reference": reference["name"], "rtol": rtol}
+
+
+def _by_name(rows: list[dict], name: str) -> dict | None:
+    return next((r for r in rows if r["name"] == name and r["step_time_s_median"]), None)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Add ``step_time_vs_limit``, ``speedup_vs_fsdp2`` and ``peak_mem_vs_fsdp2`` (in place).
+
+    ``step_time_vs_limit`` is time / limit's time (1.0 = the compute-only
+    bound); ``speedup_vs_fsdp2`` is fsdp2's time / time (above 1 = faster
+    than eager FSDP2); ``peak_mem_vs_fsdp2`` is peak memory / fsdp2's.
+    """
+    limit, fsdp2 = _by_name(rows, "limit"), _by_name(rows, "fsdp2")
+    for row in rows:
+        time_s, mem = row["step_time_s_median"], row["peak_mem_bytes"]
+        row["step_time_vs_limit"] = (
+            time_s / limit["step_time_s_median"] if time_s and limit else None
+        )
+        row["speedup_vs_fsdp2"] = fsdp2["step_time_s_median"] / time_s if time_s and fsdp2 else None
+        row["peak_mem_vs_fsdp2"] = (
+            mem / fsdp2["peak_mem_bytes"] if mem and fsdp2 and fsdp2["peak_mem_bytes"] else None
+        )
+
+
+def _fmt(value: Any, spec: str, width: int) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value:{spec}}".rjust(width)
+
+
+def _table_line(row: dict) -> str:
+    counts = "-"
+    if row["num_all_gathers"] is not None:
+        counts = f"{row['num_all_gathers']}/{row['num_reduce_scatters']}/{row['num_all_reduces']}"
+    mem = row["peak_mem_bytes"] / _MIB if row["peak_mem_bytes"] is not None else None
+    spread = "-"
+    if row["step_time_s_min"] is not None:
+        spread = f"{row['step_time_s_min']:.3f}-{row['step_time_s_max']:.3f}"
+    return (
+        f"{row['name']:<24} {'yes' if row['ok'] else 'NO':>3} "
+        f"{_fmt(row['step_time_s_median'], '.3f', 8)} {spread:>13} "
+        f"{_fmt(row.get('step_time_vs_limit'), '.2f', 6)} "
+        f"{_fmt(row.get('speedup_vs_fsdp2'), '.2f', 6)} "
+        f"{_fmt(row['tokens_per_s_per_rank'], '.0f', 8)} {_fmt(mem, '.1f', 8)} "
+        f"{_fmt(row.get('peak_mem_vs_fsdp2'), '.2f', 6)} {counts:>10} "
+        f"{_fmt(row['compile_s'], '.1f', 7)} {_fmt(row['final_loss'], '.5f', 9)} "
+        f"{_fmt(row['predicted_step_time_s'], '.3f', 7)}"
+    )
+
+
+def format_table(result: dict) -> str:
+    """The terminal table of a benchmark ``result`` (the bench.json content)."""
+    env = result["env"]
+    lines = [
+        f"simplefsdp bench: workload {env['workload']} ({env['model']}, {env['num_params']:,} "
+        f"params), {env['world_size']} ranks on {env['device']}, batch {env['batch_size']} x "
+        f"{env['seq_len']} per rank, {env['warmup']} warm-up + {env['steps']} measured steps",
+        f"{'config':<24} {'ok':>3} {'step s':>8} {'min-max s':>13} {'/limit':>6} "
+        f"{'fsdp2/':>6} {'tok/s/rk':>8} {'peak MiB':>8} {'/fsdp2':>6} {'AG/RS/AR':>10} "
+        f"{'compile':>7} {'final loss':>9} {'pred s':>7}",
+    ]
+    lines.append("-" * len(lines[-1]))
+    lines.extend(_table_line(row) for row in result["configs"])
+    comm = result.get("comm_only")
+    if comm:
+        c = comm["collectives"]
+        lines.append(
+            f"comm-only: {comm['step_time_s_median']:.3f} s/step ({c['all_gather']} all-gathers, "
+            f"{c['reduce_scatter']} reduce-scatters, {comm['bytes_per_step'] / _MIB:.1f} MiB "
+            "per step, no compute)"
+        )
+    if result.get("bound_s") is not None:
+        lines.append(
+            f"best any overlap could reach: max(limit, comm-only) = {result['bound_s']:.3f} s"
+        )
+    lines.append(
+        "step s: median over measured steps of the slowest rank; /limit: time / limit's time; "
+        "fsdp2/: fsdp2's time / time (>1 = faster than fsdp2); peak: " + env["memory_method"]
+    )
+    loads = env.get("load_avg_1m_before_each")
+    if loads:
+        lines.append(
+            f"machine load (1-min load average before each config): {min(loads):.1f}-"
+            f"{max(loads):.1f} on {env['device']}; other processes slow every measurement"
+        )
+    check = result.get("loss_check", {})
+    lines.append(
+        f"losses checked against {check.get('reference')} (relative tolerance {check.get('rtol')})"
+    )
+    for row in result["configs"]:
+        for note in ([row["error"]] if row["error"] else []) + [
+            n for n in row["notes"] if not row["ok"]
+        ]:
+            lines.append(f"  {row['name']}: {note}")
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: Path) -> None:
+    """Write ``result`` as indented JSON (infinities as null)."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    path.write_text(json.dumps(clean(result), indent=2) + "\n")
+
+
+def _bar_colors(rows: list[dict]) -> list[str]:
+    """Ours blue, peers grey, the bound green, wrong or failed rows red."""
+    colors = []
+    for row in rows:
+        if not row["ok"]:
+            colors.append("tab:red")
+        elif row["name"] == "limit":
+            colors.append("tab:green")
+        elif row["name"].startswith("simplefsdp") and row["name"] != "simplefsdp-torch-passes":
+            colors.append("tab:blue")
+        else:
+            colors.append("tab:gray")
+    return colors
+
+
+def write_png(result: dict, path: Path) -> bool:
+    """Step time and peak memory per configuration as bars, with the limit drawn.
+
+    Returns False (and logs why) when matplotlib is not installed; it is an
+    optional dependency (``pip install simplefsdp[bench]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: %s not written (pip install matplotlib)", path)
+        return False
+    rows = [r for r in result["configs"] if r["step_time_s_median"] is not None]
+    names = [r["name"] for r in rows]
+    colors = _bar_colors(rows)
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(rows) + 4), 5))
+    medians = [r["step_time_s_median"] for r in rows]
+    errors = [
+        [m - r["step_time_s_min"] for m, r in zip(medians, rows)],
+        [r["step_time_s_max"] - m for m, r in zip(medians, rows)],
+    ]
+    ax_time.bar(names, medians, color=colors, yerr=errors, capsize=3)
+    limit = _by_name(rows, "limit")
+    if limit:
+        ax_time.axhline(limit["step_time_s_median"], color="tab:green", ls="--", label="limit")
+    if result.get("comm_only_s") is not None:
+        ax_time.axhline(result["comm_only_s"], color="tab:orange", ls=":", label="comm-only")
+    ax_time.set_ylabel("step time (s)")
+    mems = [(r["peak_mem_bytes"] or 0) / _MIB for r in rows]
+    ax_mem.bar(names, mems, color=colors)
+    if limit and limit["peak_mem_bytes"]:
+        ax_mem.axhline(limit["peak_mem_bytes"] / _MIB, color="tab:green", ls="--", label="limit")
+    ax_mem.set_ylabel("peak memory per rank (MiB)")
+    ax_mem.set_title(result["env"]["memory_method"], fontsize=8)
+    ax_time.set_title("median step time, slowest rank; bars: min-max", fontsize=8)
+    for ax in (ax_time, ax_mem):
+        ax.tick_params(axis="x", labelrotation=60)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    env = result["env"]
+    fig.suptitle(
+        f"simplefsdp bench: {env['workload']} workload, {env['model']}, {env['world_size']} ranks "
+        f"on {env['device']}, batch {env['batch_size']} x {env['seq_len']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,230 @@
+"""One benchmark configuration on one rank: ``python -m simplefsdp.bench.worker``.
+
+Started by ``simplefsdp bench`` under ``torch.distributed.run`` (one process
+per rank, exactly as ``simplefsdp train`` starts its workers), or by hand::
+
+    torchrun --standalone --nproc-per-node 2 -m simplefsdp.bench.worker \\
+        --config fsdp2 --spec spec.json --out results/
+
+Each rank writes ``OUT/<config>.rank<r>.json`` with its raw measurements; the
+runner merges the ranks. The step is the same for every configuration:
+forward, float32 cross-entropy, backward, AdamW step (constant learning rate,
+no weight decay), on this rank's slice of the same seeded global batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from simplefsdp.bench.configs import COMM_ONLY, CONFIGS, TEST_CONFIGS, BenchConfig, BenchSpec
+from simplefsdp.bench.engines import (
+    Parallel,
+    build_model,
+    comm_report_summary,
+    parallelize,
+    transformer_blocks,
+)
+from simplefsdp.bench.measure import (
+    MemoryProbe,
+    count_collectives,
+    fsdp_unit_numels,
+    run_comm_only,
+    state_bytes,
+    timed,
+)
+from simplefsdp.memory import lower_mmap_threshold
+
+logger = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def lookup_config(name: str) -> BenchConfig:
+    """The configuration called ``name`` (public, test-only or comm-only).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name == COMM_ONLY.name:
+        return COMM_ONLY
+    config = CONFIGS.get(name) or TEST_CONFIGS.get(name)
+    if config is None:
+        raise ValueError(f"unknown configuration {name!r}; valid: {', '.join(CONFIGS)}")
+    return config
+
+
+def _init_distributed(spec: BenchSpec) -> tuple[int, int, torch.device, DeviceMesh]:
+    """Process group and 1-D mesh from torchrun's environment: NCCL on GPU, gloo on CPU."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+    )
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    return rank, world_size, device, mesh
+
+
+def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> list[Batch]:
+    """This rank's slices of the first ``count`` seeded global batches."""
+    from simplefsdp.train.data import DistributedTokenLoader, build_corpus
+
+    workload = spec.workload
+    corpus = build_corpus(None, "byte", val_fraction=0.0, max_bytes=spec.data_max_bytes)
+    loader = DistributedTokenLoader(
+        corpus.train,
+        seq_len=workload.seq_len,
+        batch_size=workload.batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=spec.seed,
+    )
+    return [next(loader) for _ in range(count)]
+
+
+def _train_step(parallel: Parallel, optimizer, batch: Batch, device: torch.device) -> float:
+    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+    logits = parallel.forward(inputs)  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach().item())
+
+
+def _run_training(
+    config: BenchConfig,
+    spec: BenchSpec,
+    mesh: DeviceMesh,
+    device: torch.device,
+    batches: list[Batch],
+) -> dict:
+    """Warm-up and measured steps, then one counted step; this rank's raw result."""
+    workload = spec.workload
+    probe = MemoryProbe(device)
+    model = build_model(workload, spec.seed)
+    parallel = parallelize(config, model, mesh, device)
+    optimizer = torch.optim.AdamW(
+        parallel.module.parameters(), lr=workload.lr * config.lr_scale, weight_decay=0.0
+    )
+    warmup_s, step_s, losses = [], [], []
+    state: int | None = None
+    dist.barrier()
+    with parallel.compile_context():
+        for i in range(workload.warmup + workload.steps):
+            if i == workload.warmup:
+                state = state_bytes(parallel.module, optimizer)
+                probe.start()
+            seconds, loss = timed(
+                lambda i=i: _train_step(parallel, optimizer, batches[i], device), device
+            )
+            (warmup_s if i < workload.warmup else step_s).append(seconds)
+            losses.append(loss)
+        peak = probe.stop()
+        profiled = count_collectives(lambda: _train_step(parallel, optimizer, batches[-1], device))
+    summary = comm_report_summary(parallel.module) if config.compiled else None
+    return {
+        "warmup_times_s": warmup_s,
+        "step_times_s": step_s,
+        "losses": losses,
+        "peak_mem_bytes": peak,
+        "mem_at_measure_start_bytes": probe.start_bytes,
+        "state_mem_bytes": state,
+        "mem_baseline_bytes": probe.baseline_bytes,
+        "mem_method": probe.method + ("" if probe.reset_ok else " (peak reset unavailable)"),
+        "collectives": summary["counts"] if summary else profiled,
+        "collectives_source": "comm_report" if summary else "profiler",
+        "collectives_profiled": profiled,
+        "predicted": summary["predicted"] if summary else None,
+        "predicted_step_time_s": summary["predicted_step_time_s"] if summary else None,
+        "predicted_peak_mem_bytes": summary["predicted_peak_mem_bytes"] if summary else None,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "notes": parallel.notes,
+    }
+
+
+def _run_comm_only(spec: BenchSpec, device: torch.device) -> dict:
+    with torch.device("meta"):
+        model = build_model(spec.workload, spec.seed)
+    units = fsdp_unit_numels(model, transformer_blocks(model))
+    return run_comm_only(
+        units, steps=spec.workload.steps, warmup=spec.workload.warmup, device=device
+    )
+
+
+def run(config: BenchConfig, spec: BenchSpec) -> dict:
+    """Run ``config`` on this rank (process group from torchrun's environment)."""
+    rank, world_size, device, mesh = _init_distributed(spec)
+    result = {"config": config.name, "rank": rank, "world_size": world_size, "device": str(device)}
+    try:
+        if config.engine == "comm":
+            result.update(_run_comm_only(spec, device))
+        else:
+            # Every configuration imports the compiler before the memory
+            # baseline, so its resident code is not charged to compiled ones.
+            import torch._inductor.compile_fx  # noqa: F401
+
+            workload = spec.workload
+            batches = build_batches(spec, rank, world_size, workload.warmup + workload.steps + 1)
+            result.update(_run_training(config, spec, mesh, device, batches))
+        dist.barrier()
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    return result
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m simplefsdp.bench.worker",
+        description="Run one simplefsdp bench configuration on this rank (under torchrun).",
+    )
+    parser.add_argument("--config", required=True, help="configuration name")
+    parser.add_argument("--spec", required=True, type=Path, help="BenchSpec JSON file")
+    parser.add_argument("--out", required=True, type=Path, help="folder for the result files")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry point; returns the exit code (0 on success)."""
+    # Before any large allocation: see Note: [Benchmark memory].
+    lower_mmap_threshold()
+    args = _parse_args(argv)
+    config = lookup_config(args.config)
+    spec = BenchSpec.from_json(args.spec.read_text())
+    logging.basicConfig(
+        level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+        format=f"[rank{os.environ.get('RANK', '0')}] %(name)s: %(message)s",
+    )
+    result = run(config, spec)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{config.name}.rank{result['rank']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    logger.info("%s: wrote %s", config.name, path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""``simplefsdp bench`` end to end on a tiny model, and its report logic.
+
+The end-to-end run uses a 1-layer, dim-64 Llama on 2 CPU processes (gloo),
+sequence 32, 1 warm-up + 2 measured steps and only eager configurations, so
+it takes well under 90 s. Nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+
+from simplefsdp.bench import cli
+from simplefsdp.bench.configs import CONFIGS, TEST_CONFIGS, get_workload, resolve_configs
+from simplefsdp.bench.report import add_ratios, check_losses, failed_row, format_table, write_png
+
+TINY = [
+    "--workload", "comm", "--steps", "2", "--warmup", "1", "--seq-len", "32",
+    "--model-override", "n_layers=1", "--model-override", "dim=64",
+    "--model-override", "n_heads=4", "--model-override", "n_kv_heads=2",
+    "--lr", "3e-3", "--timeout", "240",
+]  # fmt: skip
+E2E_CONFIGS = "fsdp2,simplefsdp-eager,test-wrong-lr"
+ROW_TYPES = {
+    "name": str,
+    "step_time_s_median": float,
+    "step_time_s_min": float,
+    "step_time_s_max": float,
+    "tokens_per_s_per_rank": float,
+    "peak_mem_bytes": int,
+    "num_all_gathers": int,
+    "num_reduce_scatters": int,
+    "num_all_reduces": int,
+    "compile_s": float,
+    "final_loss": float,
+    "ok": bool,
+}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli.main([*TINY, "--configs", E2E_CONFIGS, "--out", str(out)])
+    return rc, out, stdout.getvalue()
+
+
+@pytest.mark.slow
+def test_bench_json_shape(bench_run):
+    rc, out, _ = bench_run
+    result = json.loads((out / "bench.json").read_text())
+    assert {"env", "configs", "comm_only_s"} <= set(result)
+    env = result["env"]
+    for key in ("torch_version", "device", "world_size", "model", "batch_size", "seq_len"):
+        assert key in env, key
+    assert env["world_size"] == 2 and env["seq_len"] == 32 and env["batch_size"] == 1
+    assert [r["name"] for r in result["configs"]] == E2E_CONFIGS.split(",")
+    for row in result["configs"]:
+        assert row["error"] is None, row["error"]
+        for key, typ in ROW_TYPES.items():
+            assert isinstance(row[key], typ), (row["name"], key, row[key])
+        assert row["step_time_s_min"] <= row["step_time_s_median"] <= row["step_time_s_max"]
+    assert isinstance(result["comm_only_s"], float) and result["comm_only_s"] > 0
+    # The wrong configuration makes the run fail as a whole.
+    assert rc == 1
+
+
+@pytest.mark.slow
+def test_bench_collective_counts(bench_run):
+    _, out, _ = bench_run
+    result = json.loads((out / "bench.json").read_text())
+    rows = {r["name"]: r for r in result["configs"]}
+    # FSDP2 with 1 block + root: all-gather root and block, the block again
+    # in backward; one reduce-scatter each. comm-only issues the same.
+    fsdp2 = rows["fsdp2"]
+    assert (fsdp2["num_all_gathers"], fsdp2["num_reduce_scatters"]) == (3, 2)
+    assert fsdp2["num_all_reduces"] == 0
+    comm = result["comm_only"]["collectives"]
+    assert (comm["all_gather"], comm["reduce_scatter"]) == (3, 2)
+    # simplefsdp eager: one collective per parameter (9 in the block, 3 in the root).
+    eager = rows["simplefsdp-eager"]
+    assert (eager["num_all_gathers"], eager["num_reduce_scatters"]) == (12, 12)
+    assert eager["collectives_source"] == "profiler"
+
+
+@pytest.mark.slow
+def test_bench_loss_check_flags_wrong_config(bench_run):
+    _, out, stdout = bench_run
+    result = json.loads((out / "bench.json").read_text())
+    rows = {r["name"]: r for r in result["configs"]}
+    assert result["loss_check"]["reference"] == "fsdp2"
+    assert rows["fsdp2"]["ok"] and rows["simplefsdp-eager"]["ok"]
+    assert rows["simplefsdp-eager"]["final_loss"] == pytest.approx(
+        rows["fsdp2"]["final_loss"], rel=1e-4
+    )
+    assert rows["fsdp2"]["first_loss"] == pytest.approx(rows["test-wrong-lr"]["first_loss"])
+    wrong = rows["test-wrong-lr"]
+    assert wrong["ok"] is False
+    assert any("final loss" in note and "disagrees" in note for note in wrong["notes"])
+    assert "test-wrong-lr" in stdout and "NO" in stdout
+
+
+@pytest.mark.slow
+def test_bench_writes_table_and_png(bench_run):
+    _, out, stdout = bench_run
+    for name in E2E_CONFIGS.split(","):
+        assert name in stdout
+    assert "comm-only:" in stdout
+    assert (out / "bench.txt").read_text().strip() in stdout
+    pytest.importorskip("matplotlib")
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- no processes
+
+
+def test_bad_names_raise_value_error_listing_choices(capsys):
+    with pytest.raises(ValueError, match="valid configurations: limit, ddp, fsdp2"):
+        resolve_configs("fsdp2,fsdp3")
+    with pytest.raises(ValueError, match="valid workloads: compute, comm, memory"):
+        get_workload("network")
+    assert cli.main(["--configs", "nope", "--out", "unused"]) == 2
+    assert "unknown configuration 'nope'" in capsys.readouterr().err
+    assert cli.main(["--workload", "nope", "--out", "unused"]) == 2
+    assert "valid workloads" in capsys.readouterr().err
+
+
+def test_default_configs_are_public_and_ordered():
+    assert [c.name for c in resolve_configs(None)] == list(CONFIGS)
+    assert not set(TEST_CONFIGS) & set(CONFIGS)
+    assert [c.name for c in resolve_configs("fsdp2, limit,fsdp2")] == ["fsdp2", "limit"]
+
+
+def _row(name: str, first: float, final: float, time_s: float, mem: int) -> dict:
+    config = {**CONFIGS, **TEST_CONFIGS}[name]
+    row = failed_row(config, "")
+    row.update(
+        ok=True, error=None, first_loss=first, final_loss=final, step_time_s_median=time_s,
+        step_time_s_min=time_s, step_time_s_max=time_s, peak_mem_bytes=mem,
+        tokens_per_s_per_rank=100 / time_s, num_all_gathers=1, num_reduce_scatters=1,
+        num_all_reduces=0, compile_s=1.0,
+    )  # fmt: skip
+    return row
+
+
+def test_injected_loss_perturbation_is_flagged():
+    rows = [
+        _row("fsdp2", 6.0, 5.0, 2.0, 400),
+        _row("limit", 6.0, 4.9, 1.0, 800),  # replicas diverge: only the first loss counts
+        _row("simplefsdp-manual", 6.0, 5.0 * (1 + 5e-4), 1.5, 300),
+        _row("simplefsdp-auto", 6.0, 5.0 * 1.01, 1.2, 300),  # perturbed final loss
+    ]
+    check = check_losses(rows, rtol=2e-3)
+    assert check["reference"] == "fsdp2"
+    assert [r["ok"] for r in rows] == [True, True, True, False]
+    rows[1]["first_loss"] = 6.5
+    rows[1]["ok"] = True
+    check_losses(rows, rtol=2e-3)
+    assert rows[1]["ok"] is False
+
+
+def test_ratios_table_and_png_fallback(tmp_path, monkeypatch):
+    rows = [_row("fsdp2", 6.0, 5.0, 2.0, 400), _row("limit", 6.0, 4.9, 1.0, 800)]
+    rows.append(failed_row(CONFIGS["ddp"], "exit code 1: boom"))
+    add_ratios(rows)
+    assert rows[0]["step_time_vs_limit"] == pytest.approx(2.0)
+    assert rows[1]["speedup_vs_fsdp2"] == pytest.approx(2.0)
+    assert rows[1]["peak_mem_vs_fsdp2"] == pytest.approx(2.0)
+    assert rows[2]["step_time_vs_limit"] is None
+    env = {
+        "workload": "compute", "model": "debug", "num_params": 1, "world_size": 2,
+        "device": "cpu", "batch_size": 4, "seq_len": 256, "warmup": 1, "steps": 2,
+        "memory_method": "peak RSS",
+    }  # fmt: skip
+    result = {"env": env, "configs": rows, "comm_only_s": 0.5, "bound_s": 1.0}
+    table = format_table(result)
+    assert "ddp: exit code 1: boom" in table and "max(limit, comm-only) = 1.000" in table
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert write_png(result, tmp_path / "bench.png") is False
+    assert not (tmp_path / "bench.png").exists()
