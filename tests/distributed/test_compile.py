@@ -294,26 +294,30 @@ def test_auto_bitwise_equal_to_none() -> None:
     assert 1 <= counts["forward"]["all_gather"] < 22  # 22 parameters, fewer collectives
 
 
-def _rank_dependent_cost_model_body() -> dict:
-    """Ranks that estimate differently must still build the same graphs."""
-    from simplefsdp.compiler import CostModel, LinearFit
+def _rank_dependent_timings_body(cache_dir: str) -> dict:
+    """Ranks that measure different timings must still build the same graphs."""
+    import os
 
+    from simplefsdp.compiler import LinearFit, cost_model
+
+    os.environ["XDG_CACHE_HOME"] = cache_dir  # no cache: calibrate now
     rank = dist.get_rank()
-    # Rank 0 sees a slow link (merge everything), rank 1 a fast one (split).
+    # Rank 0 measures a slow link (merge everything), rank 1 a fast one (split).
     fit = LinearFit(1e-2, 1e-6) if rank == 0 else LinearFit(1e-9, 1e-15)
-    cost_model = CostModel(
-        comm={f"{k}/2": fit for k in ("all_gather", "reduce_scatter", "all_reduce")},
-        flops_per_s=1e9 * (1 + 100 * rank),
-    )
+    cost_model._calibrate_comm = lambda group, device: {
+        f"{k}/{dist.get_world_size(group)}": fit
+        for k in ("all_gather", "reduce_scatter", "all_reduce")
+    }
+    cost_model._calibrate_compute = lambda device: (1e9 * (1 + 100 * rank), 1e9)
     model = simplefsdp.data_parallel(build("blocks"))
-    simplefsdp.compile(model, backend="aot_eager", bucketing="auto", cost_model=cost_model)
+    simplefsdp.compile(model, backend="aot_eager", bucketing="auto")
     _train(model, "blocks", 2)
     report = simplefsdp.comm_report(model)
     return {g.graph: [b.params for b in g.buckets] for g in report.graphs}
 
 
-def test_auto_plan_identical_on_ranks_with_different_estimates() -> None:
-    plans = run_distributed(_rank_dependent_cost_model_body, 2, timeout_s=240)
+def test_auto_plan_identical_on_ranks_with_different_timings(tmp_path) -> None:
+    plans = run_distributed(_rank_dependent_timings_body, 2, args=(str(tmp_path),), timeout_s=240)
     assert plans[0] == plans[1]
     assert plans[0]["forward"]
 

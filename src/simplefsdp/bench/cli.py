@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -180,11 +181,21 @@ def launch_config(name: str, spec: BenchSpec, spec_path: Path, raw_dir: Path) ->
                 proc.wait()
             return f"timed out after {spec.timeout_s:.0f} s (log: {log_path})"
     if rc != 0:
-        tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        errors = [ln for ln in tail if "Error" in ln or "error:" in ln]
-        reason = (errors or tail or ["no output"])[-1].strip()
-        return f"exit code {rc}: {reason[:300]} (log: {log_path})"
+        return f"exit code {rc}: {_failure_reason(log_path)[:300]} (log: {log_path})"
     return None
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?[\w.]*(?:Error|Exception)\b.*:")
+
+
+def _failure_reason(log_path: Path) -> str:
+    """The first worker exception line of a failed run's log (not the
+    launcher's ChildFailedError summary), else its last line."""
+    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    for line in lines:
+        if _EXCEPTION_LINE.match(line) and "ChildFailedError" not in line:
+            return line
+    return lines[-1] if lines else "no output"
 
 
 def _load_ranks(name: str, raw_dir: Path, nproc: int) -> list[dict]:

@@ -209,8 +209,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Worker entry point; returns the exit code (0 on success)."""
-    # Before any large allocation: see Note: [Benchmark memory].
-    lower_mmap_threshold()
+    if not torch.cuda.is_available():
+        # CPU peak RSS needs it before any large allocation: see Note:
+        # [Benchmark memory]. On GPU the allocator's stats are used instead.
+        lower_mmap_threshold()
     args = _parse_args(argv)
     config = lookup_config(args.config)
     spec = BenchSpec.from_json(args.spec.read_text())

@@ -34,6 +34,10 @@ def compile_backend(
     (``simplefsdp.compile`` reads it from the wrapped model), and ``model``,
     if given, names parameters in the report (otherwise Dynamo's sources do).
 
+    With ``bucketing="auto"`` and no ``cost_model``, this calibrates the
+    cost model (a few collectives and timings): call it on every rank. An
+    injected ``cost_model`` must be identical on every rank.
+
     Raises:
         ValueError / TypeError: invalid option values.
     """
@@ -46,7 +50,9 @@ def compile_backend(
         prefetch_distance=prefetch_distance,
         cost_model=cost_model,
     )
-    return SimpleFSDPBackend(options, model)
+    backend_obj = SimpleFSDPBackend(options, model)
+    backend_obj.prepare()  # "auto": calibrate now, on every rank together
+    return backend_obj
 
 
 def compile(  # noqa: A001 - mirrors torch.compile on purpose
@@ -84,9 +90,10 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         memory_budget_bytes: peak-memory budget (bytes) for the auto planner;
             ``None``: no more predicted memory than the per-block plan.
         prefetch_distance: how many buckets ahead all-gathers are issued.
-        cost_model: a ``simplefsdp.compiler.CostModel`` to plan with; ``None``
-            calibrates one on this machine at the first auto compile (cached
-            on disk, identical on every rank).
+        cost_model: a ``simplefsdp.compiler.CostModel`` to plan with (must be
+            identical on every rank); ``None`` calibrates one on this machine
+            when ``bucketing="auto"`` (here, on every rank together; cached on
+            disk; rank 0's numbers are used everywhere).
         fullgraph: passed to ``torch.compile`` (graph breaks are errors).
         **torch_compile_kwargs: passed to ``torch.compile`` (e.g. ``dynamic``).
 

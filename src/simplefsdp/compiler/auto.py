@@ -1,17 +1,27 @@
-"""Glue between a forward graph and the greedy planner (``bucketing="auto"``)."""
+"""Glue between a forward graph and the greedy planner (``bucketing="auto"``).
+
+Note: [Identical plans without compile-time collectives]
+    Ranks must bucket identically or their collectives mismatch and hang. The
+    plan is a deterministic function of the forward graph and the cost model;
+    the cost model is calibrated when ``simplefsdp.compile`` is called (all
+    ranks call it together) and rank 0's numbers are broadcast then. Nothing
+    communicates during compilation itself, where one rank may compile a graph
+    another rank does not (e.g. a recompile on one rank only), and the inputs
+    that legitimately differ between ranks (the padding of uneven shards) are
+    left out of the estimates.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 
-import torch.distributed as dist
 import torch.fx as fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.compiler.memory import estimate_memory
 from simplefsdp.compiler.passes.bucketing import find_sites
+from simplefsdp.compiler.patterns import path_from_placeholder
 from simplefsdp.compiler.planner import (
     gather_units,
     greedy_buckets,
@@ -21,16 +31,6 @@ from simplefsdp.compiler.planner import (
 from simplefsdp.plan import BucketPlan
 
 logger = logging.getLogger(__name__)
-
-
-def _broadcast_plan(plan: BucketPlan) -> BucketPlan:
-    """Rank 0's plan on every rank (ranks that planned differently would hang)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return plan
-    payload = [plan]
-    with unset_fake_temporarily():  # we run inside compilation's fake mode
-        dist.broadcast_object_list(payload, src=0)
-    return payload[0]
 
 
 def plan_forward_graph(
@@ -51,7 +51,12 @@ def plan_forward_graph(
     start = time.perf_counter()
     sites = find_sites(gm.graph, primal_names, {})
     units = gather_units(gm, sites, cost_model)
-    base = estimate_memory(gm)
+    # Ranks with uneven shards pad their all-gather inputs; leave those nodes
+    # out so every rank computes the same numbers and so the same plan.
+    padding = {
+        n for site in sites if site.kind == "all_gather" for n in path_from_placeholder(site.input)
+    }
+    base = estimate_memory(gm, ignore=padding)
     base_peak = base.peak_bytes
     budget = memory_budget_bytes
     default_budget = None
@@ -69,7 +74,7 @@ def plan_forward_graph(
         base_peak_bytes=base_peak,
         memory_budget_bytes=budget,
     )
-    plan = _broadcast_plan(to_plan(buckets, all_fqns))
+    plan = to_plan(buckets, all_fqns)
     planning_s = time.perf_counter() - start
     data = {
         "planning_s": planning_s,

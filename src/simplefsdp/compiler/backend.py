@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
@@ -146,6 +145,22 @@ def primal_fqns(
         for is_local in _flat_slots(value):
             result.append(fqn if is_local else None)
     return result
+
+
+def _mesh_groups(model: nn.Module) -> list:
+    """The process groups of the model's data-parallel mesh (and submeshes)."""
+    from simplefsdp.frontend.data_parallel import get_data_parallel_state
+
+    try:
+        state = get_data_parallel_state(model)
+    except ValueError:
+        return []
+    groups = [state.mesh.get_group(dim) for dim in range(state.mesh.ndim)]
+    for spec in state.param_specs.values():
+        if spec.shard_mesh is not None:
+            groups.append(spec.shard_mesh.get_group())
+            break
+    return groups
 
 
 def resolve_bucketing(model: nn.Module, bucketing: Any) -> BucketPlan | None:
@@ -310,8 +325,10 @@ class SimpleFSDPBackend:
         self._fqn_by_id: dict[int, str] = {}
         self._plan: BucketPlan | None = None
         self._cost_model: CostModel | None = None
+        self._mesh_groups: list = []
         if model is not None:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
+            self._mesh_groups = _mesh_groups(model)
             self._plan = resolve_bucketing(model, options.bucketing)
         elif options.bucketing != "none":
             raise ValueError(
@@ -337,10 +354,19 @@ class SimpleFSDPBackend:
         if self._cost_model is None and self.options.cost_model is not None:
             self._cost_model = self.options.cost_model
         if self._cost_model is None and calibrate:
-            # Real collectives and timings: leave compilation's fake mode.
-            with unset_fake_temporarily():
-                self._cost_model = calibrated_cost_model()
+            # Only reached when no cost model was prepared at construction
+            # (e.g. a graph compiled on one rank only): plan with the defaults
+            # rather than communicate during compilation, which could hang.
+            logger.warning("simplefsdp auto plan: no calibrated cost model; using defaults")
+            self._cost_model = CostModel()
         return self._cost_model
+
+    def prepare(self) -> None:
+        """Calibrate the cost model now (collective: call on every rank),
+        outside compilation. See Note: [Identical plans without
+        compile-time collectives]."""
+        if self.is_auto and self.options.cost_model is None and self._cost_model is None:
+            self._cost_model = calibrated_cost_model(self._mesh_groups)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         compilation = _GraphCompilation(

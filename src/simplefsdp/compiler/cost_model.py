@@ -168,9 +168,9 @@ def simulate(gm: fx.GraphModule, cost_model: CostModel) -> dict[str, float]:
 
 
 def _group_size(node: fx.Node) -> int:
-    try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
+    try:
         return dist.get_world_size(_resolve_process_group(node.args[2]))
     except Exception:  # unknown group (e.g. a test graph): assume 2 ranks
         return 2
@@ -254,7 +254,7 @@ def _all_ranks_agree(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def calibrated_cost_model(group_names: list[str] | None = None) -> CostModel:
+def calibrated_cost_model(groups: list | None = None) -> CostModel:
     """Measure (or load from cache) this machine's cost model; every rank
     returns rank 0's numbers. Collective: call it on every rank.
 
@@ -262,8 +262,6 @@ def calibrated_cost_model(group_names: list[str] | None = None) -> CostModel:
     """
     if not dist.is_initialized():
         return CostModel()
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     backend = str(dist.get_backend())
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -271,7 +269,7 @@ def calibrated_cost_model(group_names: list[str] | None = None) -> CostModel:
         else torch.device("cpu")
     )
     path = _cache_path(backend, dist.get_world_size(), device.type)
-    groups = [_resolve_process_group(n) for n in (group_names or [])] or [dist.group.WORLD]
+    groups = list(groups or []) or [dist.group.WORLD]
     cached = None
     if path.exists() and os.environ.get("SIMPLEFSDP_RECALIBRATE", "") not in ("1", "true"):
         try:

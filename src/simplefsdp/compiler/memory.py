@@ -60,8 +60,10 @@ def _is_alias(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in _ALIAS_OPS or is_wait(node))
 
 
-def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
-    """Liveness-based peak of the memory ``gm`` allocates while it runs."""
+def estimate_memory(gm: fx.GraphModule, ignore: set[fx.Node] | None = None) -> MemoryEstimate:
+    """Liveness-based peak of the memory ``gm`` allocates while it runs
+    (nodes in ``ignore`` are counted as allocating nothing)."""
+    ignore = ignore or set()
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
@@ -84,10 +86,11 @@ def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
             inputs_bytes += node_bytes(node)
-        elif root[node] is node and node.op == "call_function":
+        elif root[node] is node and node.op == "call_function" and node not in ignore:
             live += node_bytes(node)
             peak = max(peak, live)
         for r in frees.get(i, ()):
-            live -= node_bytes(r)
+            if r not in ignore:
+                live -= node_bytes(r)
     output_bytes = sum(node_bytes(r) for r in outputs if r.op != "placeholder")
     return MemoryEstimate(peak_bytes=peak, input_bytes=inputs_bytes, output_bytes=output_bytes)
