@@ -504,4 +504,7 @@ class Trainer:
         if self._writer is not None:
             self._writer.close()
         if dist.is_initialized():
+            # Let every rank finish its last collective before any rank tears
+            # down gloo's threads (a peer exiting early can abort the other).
+            dist.barrier()
             dist.destroy_process_group()
