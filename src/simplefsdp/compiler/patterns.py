@@ -7,7 +7,6 @@ All functions here only read the graph.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
@@ -200,10 +199,6 @@ def node_bytes(node: fx.Node) -> int:
 def node_dtype(node: fx.Node) -> torch.dtype | None:
     val = node.meta.get("val")
     return val.dtype if isinstance(val, torch.Tensor) else None
-
-
-def first(nodes: Iterable[fx.Node]) -> fx.Node | None:
-    return next(iter(nodes), None)
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:
