@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import queue as queue_module
@@ -51,6 +52,7 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    faulthandler.enable()  # a segfaulting rank prints its Python stack to stderr
     import torch.distributed as dist
 
     try:

@@ -174,6 +174,16 @@ def _shape(node: fx.Node) -> list[int]:
     return list(node.meta["val"].shape)
 
 
+def _split_into_waits(make, source: fx.Node, dim: int, sites, sizes, reshape) -> None:
+    """Slice ``source`` along ``dim`` into consecutive pieces of ``sizes`` and
+    let each piece, shaped like the site's original wait, replace that wait."""
+    offset = 0
+    for site, size in zip(sites, sizes):
+        piece = make(aten.slice.Tensor, source, dim, offset, offset + size)
+        site.wait.replace_all_uses_with(make(reshape, piece, _shape(site.wait)))
+        offset += size
+
+
 def _bucket_all_gather(graph: fx.Graph, make: _NodeMaker, bucket: GraphBucket) -> fx.Node:
     order = _order(graph)
     sites = sorted(bucket.sites, key=lambda s: order[s.node])
@@ -189,12 +199,7 @@ def _bucket_all_gather(graph: fx.Graph, make: _NodeMaker, bucket: GraphBucket) -
         gathered = make(ALL_GATHER, flat, group_size, group_name)
         waited = make(WAIT, gathered)
         rows = make(aten.view.default, waited, [group_size, total])  # (G, total)
-        offset = 0
-        for site, size in zip(sites, sizes):
-            piece = make(aten.slice.Tensor, rows, 1, offset, offset + size)
-            out = make(aten.reshape.default, piece, _shape(site.wait))
-            site.wait.replace_all_uses_with(out)
-            offset += size
+        _split_into_waits(make, rows, 1, sites, sizes, aten.reshape.default)
     _tag(gathered, bucket)
     return gathered
 
@@ -223,12 +228,7 @@ def _bucket_reduction(graph: fx.Graph, make: _NodeMaker, bucket: GraphBucket) ->
             reduced = make(ALL_REDUCE, flat, reduce_op, group_name)
             per_rank = sizes
         waited = make(WAIT, reduced)
-        offset = 0
-        for site, size in zip(sites, per_rank):
-            piece = make(aten.slice.Tensor, waited, 0, offset, offset + size)
-            out = make(aten.view.default, piece, _shape(site.wait))
-            site.wait.replace_all_uses_with(out)
-            offset += size
+        _split_into_waits(make, waited, 0, sites, per_rank, aten.view.default)
     _tag(reduced, bucket)
     return reduced
 
