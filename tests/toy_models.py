@@ -76,9 +76,11 @@ def make_batch(model_name: str, step: int, global_batch: int) -> tuple[torch.Ten
 def build(model_name: str) -> nn.Module:
     torch.manual_seed(0)
     if model_name.startswith("blocks"):
-        # "blocks", "blocks-full" or "blocks-selective" (activation checkpointing)
-        _, _, checkpoint = model_name.partition("-")
-        return BlockStack(checkpoint=checkpoint or "none")
+        # "blocks[-attn][-full|-selective]": with attention blocks and/or
+        # activation checkpointing
+        parts = model_name.split("-")[1:]
+        checkpoint = next((p for p in parts if p in ("full", "selective")), "none")
+        return BlockStack(checkpoint=checkpoint, attention="attn" in parts)
     return {"mlp": MLP, "tied": TiedEmbeddingModel, "cnn": SmallCNN}[model_name]()
 
 
@@ -101,19 +103,46 @@ class ResidualBlock(nn.Module):
         return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
 
 
+class AttentionBlock(nn.Module):
+    """Pre-norm causal self-attention (``scaled_dot_product_attention``) + MLP."""
+
+    def __init__(self, dim: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.mlp = ResidualBlock(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, -1).unbind(2)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (B, H, T, hd)
+        return self.mlp(x + self.out(attn.transpose(1, 2).reshape(b, t, d)))
+
+
 class BlockStack(nn.Module):
-    """Embedding -> residual MLP blocks in a ModuleList -> norm -> head.
+    """Embedding -> residual blocks in a ModuleList -> norm -> head.
 
     ``checkpoint``: ``"none"``, ``"full"`` (torch.utils.checkpoint per block)
     or ``"selective"`` (a policy saving matmuls, recomputing the rest).
+    ``attention``: attention + MLP blocks instead of MLP blocks.
     """
 
     def __init__(
-        self, vocab: int = 23, dim: int = 12, n_blocks: int = 3, checkpoint: str = "none"
+        self,
+        vocab: int = 23,
+        dim: int = 12,
+        n_blocks: int = 3,
+        checkpoint: str = "none",
+        attention: bool = False,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(ResidualBlock(dim) for _ in range(n_blocks))
+        block = AttentionBlock if attention else ResidualBlock
+        self.blocks = nn.ModuleList(block(dim) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.checkpoint = checkpoint

@@ -91,6 +91,16 @@ def test_composes_with_activation_checkpointing(checkpoint: str) -> None:
     assert any(c["kind"] == "all_gather" for c in graphs["backward"]["collectives"])
 
 
+def test_full_checkpointing_of_attention_blocks_bitwise() -> None:
+    # Recomputed attention saves an RNG state next to the mesh the recomputed
+    # all-gather needs (Note: [RNG states saved next to opaque objects]).
+    report = run_distributed(
+        _parity_body, 2, args=("blocks-attn-full", "fully_shard", "aot_eager", True, False)
+    )[0]
+    graphs = {g["graph"]: g for g in report["graphs"]}
+    assert any(c["kind"] == "all_gather" for c in graphs["backward"]["collectives"])
+
+
 def test_inductor_close_to_eager() -> None:
     run_distributed(
         _parity_body, 2, args=("blocks", "fully_shard", "inductor", True, False), timeout_s=600

@@ -203,8 +203,8 @@ def test_export_bad_checkpoint_is_exit_2(tmp_path):
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param(["--compile.backend", "aot_eager", "--compile.bucketing", "per_block"],
-                     id="simplefsdp-compiled"),
+        pytest.param(["--compile.backend", "aot_eager", "--compile.bucketing", "per_block",
+                      "--activation_checkpoint.mode", "full"], id="simplefsdp-compiled-full-ac"),
         pytest.param([*EAGER, "--parallel.engine", "fsdp2", "--activation_checkpoint.mode",
                       "selective", "--training.grad_accum_steps", "2"], id="fsdp2-sac-accum"),
         pytest.param([*EAGER, "--parallel.engine", "ddp", "--parallel.mode", "replicate"],

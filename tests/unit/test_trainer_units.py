@@ -306,7 +306,6 @@ def test_print_config_shows_overrides(capsys):
             "valid shapes for 2 ranks",
         ),
         (["--data.seq_len", "1024"], "exceeds max_seq_len 512 of model 'debug'"),
-        (["--activation_checkpoint.mode", "full"], "--activation_checkpoint.mode selective"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(

@@ -4,7 +4,8 @@ Note: [Backend pipeline]
     Dynamo hands us an FX graph of the model (parameters are DTensor inputs).
     AOTAutograd traces the joint forward-backward ATen graph; there the
     reshard pass tags the FSDP all-gather chains (see Note: [Resharding by
-    recompute tags]); the min-cut partitioner splits forward and backward.
+    recompute tags]); the min-cut partitioner splits forward and backward
+    (plus one repair, Note: [RNG states saved next to opaque objects]).
     Each partitioned graph then runs through our graph passes (bucketing,
     reordering) and is described in the communication report before it goes
     to the executing compiler: Inductor (``compile_fx_inner``) or, for
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.memory import estimate_memory
+from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.reshard import mark_reshard
 from simplefsdp.compiler.patterns import collective_kind, is_compute, is_wait, placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
@@ -385,11 +387,9 @@ class SimpleFSDPBackend:
 
 
 def _partition(compilation: _GraphCompilation, joint: fx.GraphModule, joint_inputs, **kwargs):
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     compilation.joint_pass(joint.graph)
     joint.recompile()
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    return partition(joint, joint_inputs, **kwargs)
 
 
 def _eager_compiler(compilation: _GraphCompilation, graph_name: str, gm, example_inputs):
@@ -439,6 +439,9 @@ def _compile_inductor(gm, example_inputs, compilation: _GraphCompilation):
         # memory-bounded (Note: [Reordering rules]).
         "reorder_for_peak_memory": False,
     }
+    partitioner = inductor_partitioner()
+    if partitioner is not None:  # see Note: [RNG states saved next to opaque objects]
+        config_patches["custom_partitioner_fn"] = partitioner
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(
             gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches

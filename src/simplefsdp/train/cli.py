@@ -91,7 +91,7 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
     Raises:
         ValueError: naming the problem and the valid choices.
     """
-    from simplefsdp.train.parallelize import check_supported, mesh_shape_for
+    from simplefsdp.train.parallelize import mesh_shape_for
 
     path = job.data.path
     if path is not None:
@@ -108,7 +108,6 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
             "tokenizer.json file or Hugging Face tokenizer folder"
         )
     mesh_shape_for(job.parallel, world_size, local_world_size)
-    check_supported(job)
     _check_seq_len(job)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and local_world_size > gpus:

@@ -41,7 +41,6 @@ __all__ = [
     "ParallelModel",
     "apply_activation_checkpointing",
     "build_mesh",
-    "check_supported",
     "clip_grad_norm_",
     "mesh_shape_for",
     "parallelize",
@@ -138,34 +137,6 @@ def build_mesh(
     names = ("dp_replicate", "dp_shard") if len(shape) == 2 else ("dp",)
     logger.info("data-parallel mesh %s %s on %s", names, shape, device_type)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
-
-
-def check_supported(job: JobConfig) -> None:
-    """Reject option combinations that are known not to work, before any process starts.
-
-    Note: [Full AC under compile]
-        With torch 2.13 (the version checked), ``torch.compile`` of a block under plain (or
-        save-nothing selective) activation checkpointing that reads DTensor
-        parameters fails in AOTAutograd: recomputing the all-gather in
-        backward needs the ``DeviceMesh``, which is not a tensor and cannot be
-        saved for backward ("expected all tensors_saved_with_vc_check to be
-        Tensors"). Selective AC (which saves matmul outputs) compiles, and full
-        AC works eagerly and with the fsdp2/ddp engines (whose collectives are
-        outside the compiled blocks).
-
-    Raises:
-        ValueError: naming the combination and the working alternatives.
-    """
-    if (
-        job.activation_checkpoint.mode == "full"
-        and job.compile.enable
-        and job.parallel.engine == "simplefsdp"
-    ):
-        raise ValueError(
-            "activation_checkpoint.mode 'full' cannot be compiled with engine 'simplefsdp' "
-            f"(torch {torch.__version__}); use --activation_checkpoint.mode selective, "
-            "--compile.enable false, or --parallel.engine fsdp2"
-        )
 
 
 # --------------------------------------------------------------------------- AC
