@@ -1,5 +1,10 @@
 """Eager executor vs torch FSDP2 eager vs ``data_parallel`` without an executor.
 
+The executor runs twice: resharding after forward (gathers every bucket again
+in backward, as FSDP2 does) and without (``reshard_after_forward=False``,
+ZeRO-2, which is what plain eager ``data_parallel`` amounts to: autograd keeps
+the gathered parameters for backward).
+
 Run: ``python benchmarks/eager_executor.py [--model small] [--steps 5]``
 (2 CPU processes, gloo). Same model, seed and per-rank batch for all three;
 the first 2 steps are warm-up. Peak memory is CPU peak RSS above the RSS at
@@ -33,8 +38,8 @@ def _build(config: str, engine: str) -> torch.nn.Module:
         for block in model.layers:
             fully_shard(block)
         return fully_shard(model)
-    simplefsdp.data_parallel(model)
-    if engine == "executor":
+    simplefsdp.data_parallel(model, reshard_after_forward=engine != "executor-keep")
+    if engine.startswith("executor"):
         simplefsdp.eager(model, buckets=TransformerBlock)
     return model
 
@@ -76,6 +81,7 @@ def main() -> None:
     print(f"{'engine':<28} {'median step s':>14} {'peak MiB':>9}  final loss")
     for engine, label in (
         ("executor", "simplefsdp.eager (per block)"),
+        ("executor-keep", "  same, no reshard (ZeRO-2)"),
         ("fsdp2", "torch FSDP2 eager"),
         ("plain", "data_parallel, no executor"),
     ):
