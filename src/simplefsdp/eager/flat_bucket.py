@@ -247,12 +247,16 @@ class FlatBucket:
             if dim is None:
                 view = region.view(shape)
             elif dim == 0:
-                view = region.view(world * slot.padded_shape[0], *shape[1:]).narrow(0, 0, shape[0])
+                view = region.view(world * slot.padded_shape[0], *shape[1:])
             else:
                 stacked = region.view(world, *slot.padded_shape).movedim(0, dim)
                 merged = list(slot.padded_shape)
                 merged[dim] *= world
-                view = stacked.reshape(merged).narrow(dim, 0, shape[dim])
+                view = stacked.reshape(merged)
+            if dim is not None and view.shape[dim] != shape[dim]:
+                # Strip the padding. Only padded parameters pay for this: the
+                # narrow's backward writes a zero-filled copy of the region.
+                view = view.narrow(dim, 0, shape[dim])
             result[slot.fqn] = view if slot.requires_grad else view.detach()
         return result
 
