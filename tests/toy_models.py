@@ -187,3 +187,48 @@ class BiasFreeMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+class DropoutAttentionStack(nn.Module):
+    """Attention blocks with dropout in attention and after each sub-layer
+    (three random ops per block), optionally under full activation checkpointing."""
+
+    def __init__(self, checkpoint: bool, vocab: int = 29, dim: int = 16, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(_DropoutAttentionBlock(dim) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        return self.head(h)
+
+
+class _DropoutAttentionBlock(nn.Module):
+    def __init__(self, dim: int, heads: int = 2, p: float = 0.1) -> None:
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.ff = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.nn.functional
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, -1).unbind(2)
+        attn = f.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            dropout_p=self.p,
+            is_causal=True,
+        )
+        x = x + f.dropout(self.out(attn.transpose(1, 2).reshape(b, t, d)), self.p)
+        return x + f.dropout(f.gelu(self.ff(x)), self.p)

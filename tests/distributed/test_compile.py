@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp
 from simplefsdp.testing import run_distributed
-from toy_models import BiasFreeMLP, build, loss_fn, make_batch
+from toy_models import BiasFreeMLP, DropoutAttentionStack, build, loss_fn, make_batch
 
 LOCAL_BATCH = 2
 
@@ -99,6 +99,32 @@ def test_full_checkpointing_of_attention_blocks_bitwise() -> None:
     )[0]
     graphs = {g["graph"]: g for g in report["graphs"]}
     assert any(c["kind"] == "all_gather" for c in graphs["backward"]["collectives"])
+
+
+def _dropout_grads(checkpoint: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = simplefsdp.data_parallel(DropoutAttentionStack(checkpoint), _mesh("fully_shard"))
+    simplefsdp.compile(model, backend="aot_eager", bucketing="none")
+    tokens = torch.randint(0, 29, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    torch.manual_seed(1234)
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+
+
+def _dropout_replay_body() -> None:
+    # Six random ops (SDPA dropout + two dropouts, per block): recomputation
+    # must replay each one's saved RNG state, or masks and gradients differ.
+    loss_ac, grads_ac = _dropout_grads(checkpoint=True)
+    torch._dynamo.reset()
+    loss_plain, grads_plain = _dropout_grads(checkpoint=False)
+    assert torch.equal(loss_ac, loss_plain), (loss_ac.item(), loss_plain.item())
+    for name, grad in grads_plain.items():
+        assert torch.equal(grads_ac[name], grad), name
+
+
+def test_full_checkpointing_replays_dropout_masks_bitwise() -> None:
+    run_distributed(_dropout_replay_body, 2)
 
 
 def test_inductor_close_to_eager() -> None:
