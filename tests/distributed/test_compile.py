@@ -133,6 +133,16 @@ def test_inductor_close_to_eager() -> None:
     )
 
 
+def test_inductor_full_checkpointing_of_attention_blocks() -> None:
+    # Inductor partitions through our custom_partitioner_fn (the RNG-state repair).
+    run_distributed(
+        _parity_body,
+        2,
+        args=("blocks-attn-full", "fully_shard", "inductor", True, False),
+        timeout_s=600,
+    )
+
+
 def _report_body(mode: str, reshard: bool) -> dict:
     torch.manual_seed(0)
     model = simplefsdp.data_parallel(BiasFreeMLP(), mode=mode, reshard_after_forward=reshard)
