@@ -15,7 +15,7 @@ Note: [Flat bucket layout]
       padded shards of parameter i one after the other, i.e. the padded full
       parameter (for ``d == 0``), followed by the replicated slots in full.
       Copy-out (gather output -> flat) is one ``split_with_sizes_copy``, as in
-      FSDP2. Views strip the padding with ``narrow``; for ``d > 0`` the view
+      FSDP2. Views of padded parameters strip the padding with ``narrow``; for ``d > 0`` the view
       needs a ``movedim`` + ``reshape`` (a copy held by autograd, so such
       parameters are not freed by resharding until their backward).
     - *gradient*: autograd accumulates the views' gradients into ``flat.grad``
