@@ -210,7 +210,7 @@ class _GraphCompilation:
             gm,
             self.primal_names,
             fqns,
-            self.backend.cost_model(calibrate=True),
+            self.backend.cost_model(required=True),
             reshard_after_forward=options.reshard_after_forward,
             memory_budget_bytes=options.memory_budget_bytes,
             reference_plan=self.backend.plan(),
@@ -256,7 +256,7 @@ class _GraphCompilation:
         )
         report = build_graph_report(gm, graph_name, self.graph_id, self.primal_names, output_fqns)
         report.notes.extend(notes + extra.get("notes", []))
-        cost_model = self.backend.cost_model(calibrate=False)
+        cost_model = self.backend.cost_model(required=False)
         if cost_model is not None:
             report.predicted.update(simulate(gm, cost_model))
             report.predicted.update(estimate_memory(gm).to_dict())
@@ -350,12 +350,12 @@ class SimpleFSDPBackend:
     def is_auto(self) -> bool:
         return isinstance(self.options.bucketing, str) and self.options.bucketing == "auto"
 
-    def cost_model(self, calibrate: bool) -> CostModel | None:
-        """The injected or calibrated cost model; calibrates (a collective
-        call on every rank) only when ``calibrate`` and none exists yet."""
+    def cost_model(self, required: bool) -> CostModel | None:
+        """The injected or prepared (calibrated) cost model. Never
+        communicates: when ``required`` and there is none, the defaults."""
         if self._cost_model is None and self.options.cost_model is not None:
             self._cost_model = self.options.cost_model
-        if self._cost_model is None and calibrate:
+        if self._cost_model is None and required:
             # Only reached when no cost model was prepared at construction
             # (e.g. a graph compiled on one rank only): plan with the defaults
             # rather than communicate during compilation, which could hang.

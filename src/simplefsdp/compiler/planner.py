@@ -17,7 +17,8 @@ Note: [Greedy auto-wrapping]
     the worst adjacent pair, the gathered bucket, its copy-out buffer and the
     prefetched next bucket (2 * B_i + B_{i+1}); a bucket stops growing while
     the largest single parameter could still follow it. The plan is plain data
-    (parameter FQNs per bucket), broadcast from rank 0 so all ranks agree.
+    (parameter FQNs per bucket), computed alike on every rank (Note:
+    [Identical plans without compile-time collectives] in ``auto.py``).
 """
 
 from __future__ import annotations
@@ -134,25 +135,54 @@ def greedy_buckets(
     max_bucket_bytes = (headroom - largest_unit) / 2
     buckets: list[list[GatherUnit]] = []
     current: list[GatherUnit] = []
+    # Carried across units rather than recomputed from every closed bucket:
+    # the replay after the closed buckets, the worst 2 * B_i + B_{i+1} among
+    # them, and the last one's size.
+    closed, closed_worst, last_bytes, current_bytes = _Pipeline(), 0, None, 0
     for unit in units:
         if not current:
-            current = [unit]
+            current, current_bytes = [unit], unit.gathered_bytes
             continue
-        merged = pipeline_time_s([*buckets, [*current, unit]], cost_model, reshard_after_forward)
-        split = pipeline_time_s([*buckets, current, [unit]], cost_model, reshard_after_forward)
-        grown = [*current, unit]
-        fits = (
-            sum(u.gathered_bytes for u in grown) <= max_bucket_bytes
-            and prefetch_extra_bytes([*buckets, grown]) <= headroom
+        grown_bytes = current_bytes + unit.gathered_bytes
+        merged = closed.then([*current, unit], cost_model, reshard_after_forward)
+        split = closed.then(current, cost_model, reshard_after_forward).then(
+            [unit], cost_model, reshard_after_forward
         )
-        if merged <= split and fits:
+        worst = max(closed_worst, 2 * grown_bytes)
+        if last_bytes is not None:
+            worst = max(worst, 2 * last_bytes + grown_bytes)
+        fits = grown_bytes <= max_bucket_bytes and worst <= headroom
+        if merged.compute_end <= split.compute_end and fits:
             current.append(unit)
+            current_bytes = grown_bytes
         else:
             buckets.append(current)
-            current = [unit]
+            closed = closed.then(current, cost_model, reshard_after_forward)
+            if last_bytes is not None:
+                closed_worst = max(closed_worst, 2 * last_bytes + current_bytes)
+            last_bytes = current_bytes
+            current, current_bytes = [unit], unit.gathered_bytes
     if current:
         buckets.append(current)
     return buckets
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    """Replay state of ``pipeline_time_s`` after some buckets: when the link is
+    free, when the last bucket's compute ends, and when the one before's did
+    (the issue point of the next bucket's communication)."""
+
+    comm_end: float = 0.0
+    compute_end: float = 0.0
+    previous_compute_end: float = 0.0
+
+    def then(self, bucket: Sequence[GatherUnit], cost_model: CostModel, reshard: bool):
+        comm_end = max(self.comm_end, self.previous_compute_end) + _comm_s(
+            bucket, cost_model, reshard
+        )
+        start = max(self.compute_end, comm_end)
+        return _Pipeline(comm_end, start + _window_s(bucket), self.compute_end)
 
 
 def pipeline_time_s(
@@ -163,14 +193,10 @@ def pipeline_time_s(
     of bucket i-2 ends (before the wait of bucket i-1), runs after the previous
     communication, and bucket i's compute starts when both its communication
     and the previous compute are done."""
-    comm_end = 0.0
-    compute_ends: list[float] = []
-    for i, bucket in enumerate(buckets):
-        issue = compute_ends[i - 2] if i >= 2 else 0.0
-        comm_end = max(comm_end, issue) + _comm_s(bucket, cost_model, reshard)
-        start = max(compute_ends[-1] if compute_ends else 0.0, comm_end)
-        compute_ends.append(start + _window_s(bucket))
-    return compute_ends[-1] if compute_ends else 0.0
+    state = _Pipeline()
+    for bucket in buckets:
+        state = state.then(bucket, cost_model, reshard)
+    return state.compute_end
 
 
 def to_plan(buckets: Sequence[Sequence[GatherUnit]], all_fqns: Sequence[str]) -> BucketPlan:
