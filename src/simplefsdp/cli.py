@@ -46,9 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         module_name, _ = SUBCOMMANDS[argv[0]]
         return int(importlib.import_module(module_name).main(argv[1:]) or 0)
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
+    parser.parse_args(argv)  # --version, --help, or an error for anything else
+    parser.print_help()
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import platform
 import re
@@ -49,8 +48,7 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
-
-logger = logging.getLogger(__name__)
+from simplefsdp.train.launch import default_nproc
 
 EXIT_CONFIG_ERROR = 2
 # Variables of an enclosing torchrun that must not leak into the nested one.
@@ -58,12 +56,6 @@ _LAUNCHER_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
 )  # fmt: skip
-
-
-def _default_nproc() -> int:
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.cuda.device_count()
-    return 2
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -141,7 +133,7 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     from simplefsdp.models.llama3 import get_config
 
     get_config(workload.model, **workload.model_overrides)  # validates names and fields
-    nproc = args.nproc if args.nproc is not None else _default_nproc()
+    nproc = args.nproc if args.nproc is not None else default_nproc()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     return BenchSpec(workload=workload, nproc=nproc, seed=args.seed, timeout_s=args.timeout)

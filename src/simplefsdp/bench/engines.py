@@ -10,7 +10,6 @@ the same initial weights.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.bench.configs import BenchConfig, Workload, torch_passes_patches
 from simplefsdp.models.llama3 import Transformer, get_config
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["Parallel", "build_model", "comm_report_summary", "parallelize", "transformer_blocks"]
 
@@ -152,11 +149,10 @@ def parallelize(
     raise ValueError(f"configuration {config.name!r} (engine {config.engine!r}) trains no model")
 
 
-def _first_number(values: dict, keys: tuple[str, ...]) -> float | None:
-    for key in keys:
-        value = values.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+def _number(values: dict, key: str) -> float | None:
+    value = values.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
     return None
 
 
@@ -178,11 +174,9 @@ def comm_report_summary(module: nn.Module) -> dict | None:
     latest = {(g.graph_id, g.graph): g for g in report.graphs if g.graph != "inference"}
     counts = {kind: sum(g.count(kind) for g in latest.values()) for kind in COLLECTIVE_KINDS}
     predicted = {f"{name}{graph_id}": dict(g.predicted) for (graph_id, name), g in latest.items()}
-    times = [_first_number(p, ("time_s", "step_time_s")) for p in predicted.values()]
-    peaks = [
-        _first_number(p, ("peak_bytes", "peak_memory_bytes", "peak_mem_bytes"))
-        for p in predicted.values()
-    ]
+    # Keys of simulate() (cost_model.py) and MemoryEstimate (memory.py).
+    times = [_number(p, "time_s") for p in predicted.values()]
+    peaks = [_number(p, "peak_bytes") for p in predicted.values()]
     complete_times = bool(times) and all(t is not None for t in times)
     known_peaks = [p for p in peaks if p is not None]
     return {

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -44,8 +43,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from simplefsdp.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "MemoryProbe",

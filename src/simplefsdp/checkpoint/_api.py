@@ -18,6 +18,7 @@ Note: [Atomic publish]
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -176,7 +177,8 @@ def save(
     Collective: every rank calls it with the same arguments. Each rank writes
     its own shards (torch.distributed.checkpoint); the folder appears under
     its final name only once complete and verified (see [Atomic
-    publish]); a process killed at any point leaves at most ``<path>.tmp``.
+    publish]); a process killed at any point leaves at most ``<path>.tmp``
+    (and, while replacing an existing checkpoint, ``<path>.replaced.tmp``).
 
     Args:
         model: any module: a ``simplefsdp.data_parallel`` model, torch FSDP2,
@@ -206,6 +208,13 @@ def save(
     if extra_state is not None:
         files[EXTRA_STATE_NAME] = dict(extra_state)
     _check_json_names(files)
+    for name, data in files.items():  # on every rank, before anything is written
+        try:
+            json.dumps(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"checkpoint JSON file {name!r} is not JSON-serialisable: {exc}"
+            ) from None
     _agree(_replace_problem(final) if rank == 0 else None)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -243,9 +252,14 @@ def verify(path: str | os.PathLike[str], *, check_hashes: bool = True) -> dict[s
     problem = manifest_problem(folder)
     manifest = read_manifest(folder) if problem is None else None
     hashes = None
+    present = None
     if manifest is not None and check_hashes:
         listed = [e["path"] for e in manifest["files"] if isinstance(e, dict) and "path" in e]
         present = [rel for rel in listed if isinstance(rel, str) and (folder / rel).is_file()]
+    # hash_files is collective: every rank takes part, or none, with rank 0's
+    # list (a rank whose view of the filesystem lags must not hang the others).
+    present = broadcast_from_rank0(present)
+    if present is not None:
         hashes = hash_files(folder, present)
     if manifest is not None:
         problem = check_files(folder, manifest, hashes=hashes)

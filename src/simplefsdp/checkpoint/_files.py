@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -15,8 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1

@@ -21,7 +21,6 @@ Note: [Loading never runs checkpoint code]
 from __future__ import annotations
 
 import io
-import logging
 import pathlib
 import pickle
 from collections import OrderedDict
@@ -34,8 +33,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from simplefsdp.checkpoint._files import CheckpointError
-
-logger = logging.getLogger(__name__)
 
 METADATA_NAME = ".metadata"
 

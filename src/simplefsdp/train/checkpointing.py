@@ -66,7 +66,7 @@ from simplefsdp.checkpoint._files import (
     sha256_file,
     write_json_atomic,
 )
-from simplefsdp.checkpoint._state import model_device, tensor_state
+from simplefsdp.checkpoint._state import model_device, rank_and_world, tensor_state
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +238,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.config_hash = config_hash
         self.config_json = config_json
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank, self.world_size = rank_and_world()
 
     def _tensor_state(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """``(dcp_state, full_optimizer_state_dict)`` as saved; ``dcp_state`` holds tensors only."""

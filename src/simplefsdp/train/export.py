@@ -21,8 +21,6 @@ optimizer state). Loading the result back::
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import sys
 import warnings
@@ -32,6 +30,7 @@ from typing import Any
 import torch
 
 from simplefsdp.checkpoint import SafeFileSystemReader, TensorOnlyLoadPlanner
+from simplefsdp.checkpoint._files import read_json
 from simplefsdp.train.checkpointing import (
     CONFIG_NAME,
     latest_checkpoint,
@@ -39,8 +38,6 @@ from simplefsdp.train.checkpointing import (
     verify_checkpoint,
     write_json_atomic,
 )
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "export_checkpoint",
@@ -154,7 +151,7 @@ def export_checkpoint(
         tensors = {
             k: v.to(_DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()
         }
-    config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    config = read_json(folder / CONFIG_NAME)
     manifest = read_manifest(folder) or {}
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -213,23 +213,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 
 
 def _compile_simplefsdp(model: nn.Module, cfg: CompileConfig) -> Callable[..., torch.Tensor]:
-    """``simplefsdp.compile`` with the configured backend and bucketing.
-
-    Falls back to plain ``torch.compile`` (no bucketing/reordering passes) when
-    this installation has no ``simplefsdp.compile``.
-    """
+    """``simplefsdp.compile`` with the configured backend and bucketing
+    (``"per_block"`` is a plan spec ``simplefsdp.plan`` understands directly)."""
     import simplefsdp
 
-    compile_fn = getattr(simplefsdp, "compile", None)
-    if compile_fn is None:
-        logger.warning(
-            "simplefsdp.compile is not available; falling back to torch.compile(backend=%r, "
-            "fullgraph=True) without simplefsdp's bucketing and reordering passes",
-            cfg.backend,
-        )
-        return torch.compile(model, backend=cfg.backend, fullgraph=True)
-    # "per_block" is a plan spec string simplefsdp.plan understands directly.
-    return compile_fn(model, backend=cfg.backend, bucketing=cfg.bucketing, fullgraph=True)
+    return simplefsdp.compile(model, backend=cfg.backend, bucketing=cfg.bucketing, fullgraph=True)
 
 
 def _compile_blocks(model: nn.Module, cfg: CompileConfig) -> None:

@@ -423,6 +423,12 @@ class Trainer:
     def _should(self, step: int, interval: int) -> bool:
         return interval > 0 and (step % interval == 0 or step == self.job.training.steps)
 
+    def _validates_or_saves(self, step: int) -> bool:
+        ck = self.job.checkpoint
+        return self._should(step, self.job.metrics.val_interval) or (
+            ck.enable and self._should(step, ck.interval)
+        )
+
     def _after_step(self, step: int, record: dict[str, Any] | None) -> None:
         """Validate, write metrics and progress, and checkpoint after ``step``."""
         if self._should(step, self.job.metrics.val_interval):
@@ -468,7 +474,9 @@ class Trainer:
             loss, grad_norm, lr = self.train_step()
             # Test-only fault injection (SIMPLEFSDP_TEST_KILL_AT_STEP); a no-op otherwise.
             maybe_kill_at_step(step, self.rank, self.world_size, self.job.metrics.output_dir)
-            if is_log:
+            if is_log or self._validates_or_saves(step):
+                # Queued device work must land in this step's window, not in
+                # the validation/checkpoint that follows (on GPU).
                 self._sync()
             step_s = time.perf_counter() - t0
             self.step, window_steps, window_s = step, window_steps + 1, window_s + step_s
@@ -487,7 +495,6 @@ class Trainer:
             self.summary.first_loss = record["loss"]
         self.summary.final_loss = record["loss"]
         self.summary.losses.append(record["loss"])
-        self.summary.peak_memory_bytes = record["peak_memory_bytes"]
 
     def _finish_summary(self, elapsed_s: float, steady_s: float) -> None:
         s = self.summary
