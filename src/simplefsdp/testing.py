@@ -11,9 +11,13 @@ import faulthandler
 import multiprocessing
 import os
 import queue as queue_module
+import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +25,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveRecord", "find_free_port", "record_collectives", "run_distributed"]
+__all__ = [
+    "CollectiveRecord",
+    "RankCrashed",
+    "find_free_port",
+    "record_collectives",
+    "run_distributed",
+]
 
 
 def find_free_port() -> int:
@@ -41,7 +51,13 @@ def _worker(
     args: tuple,
     kwargs: dict,
     results: multiprocessing.Queue,
+    stderr_path: str,
 ) -> None:
+    # Everything this rank writes to fd 2 (Python tracebacks, faulthandler's
+    # stacks, C++ abort messages) goes to a file the parent reads back.
+    log = open(stderr_path, "w")  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 2)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -52,7 +68,7 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    faulthandler.enable()  # a segfaulting rank prints its Python stack to stderr
+    faulthandler.enable(all_threads=True)  # a crashing rank prints every thread's stack
     import torch.distributed as dist
 
     try:
@@ -72,42 +88,32 @@ def _worker(
                 dist.destroy_process_group()
 
 
-def run_distributed(
-    fn: Callable[..., Any],
-    world_size: int = 2,
-    *,
-    args: tuple = (),
-    kwargs: dict | None = None,
-    timeout_s: float = 180.0,
-    backend: str = "gloo",
-) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` in ``world_size`` fresh processes and return
-    each rank's return value (index = rank).
+_STDERR_TAIL_LINES = 40
 
-    Each process has the default process group initialised (``backend``, on a
-    free localhost port; ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``
-    set) and ``OMP_NUM_THREADS=1``. ``fn`` must be importable (a module-level
-    function) and its return value picklable.
 
-    Raises:
-        RuntimeError: a rank raised; the message holds every failing rank's
-            traceback. The other ranks are terminated.
-        TimeoutError: not every rank finished within ``timeout_s`` (a hang, e.g.
-            mismatched collectives); all processes are killed.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = multiprocessing.get_context("spawn")
-    results: multiprocessing.Queue = ctx.Queue()
-    port = find_free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, world_size, port, backend, timeout_s, fn, args, kwargs or {}, results),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
+def _read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def _collect(
+    procs: list, results: multiprocessing.Queue, timeout_s: float
+) -> dict[int, tuple[str, Any]]:
+    """Start ``procs`` and gather ``(status, value)`` per rank; a rank that
+    died without reporting gets ``("error", None)``. Always reaps them."""
+    world_size = len(procs)
     for proc in procs:
         proc.start()
     outcomes: dict[int, tuple[str, Any]] = {}
@@ -128,9 +134,7 @@ def run_distributed(
                     time.sleep(0.5)
                     if results.empty():
                         for r in dead:
-                            outcomes.setdefault(
-                                r, ("error", f"rank {r} died with exit code {procs[r].exitcode}")
-                            )
+                            outcomes.setdefault(r, ("error", None))
                 continue
             outcomes[rank] = (status, value)
             if status == "error":
@@ -142,10 +146,137 @@ def run_distributed(
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5.0)
-    errors = {r: v for r, (s, v) in sorted(outcomes.items()) if s == "error"}
+    return outcomes
+
+
+# Signals of a native crash (not of a kill): the ones ``crash_retries`` retries.
+_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+CRASH_RETRIES_ENV_VAR = "SIMPLEFSDP_CRASH_RETRIES"
+
+
+class RankCrashed(RuntimeError):
+    """A rank died of a native crash (SIGSEGV, SIGABRT, ...); see ``run_distributed``."""
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout_s: float = 180.0,
+    backend: str = "gloo",
+    crash_retries: int | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``world_size`` fresh processes and return
+    each rank's return value (index = rank).
+
+    Each process has the default process group initialised (``backend``, on a
+    free localhost port; ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``
+    set) and ``OMP_NUM_THREADS=1``. ``fn`` must be importable (a module-level
+    function) and its return value picklable. Each rank's standard error is
+    written to a file and passed on to this process's ``sys.stderr`` when the
+    ranks are done, a header naming the rank before each.
+
+    ``crash_retries`` (default: the ``SIMPLEFSDP_CRASH_RETRIES`` environment
+    variable, else 0) reruns everything, up to that many times, when a rank
+    died of a native crash signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL);
+    each retried crash is reported with ``warnings.warn`` and its stderr.
+    Exceptions, hangs and kills are never retried.
+
+    Raises:
+        RuntimeError: a rank raised or died; the message holds every failing
+            rank's traceback, ranks that died first (with the signal that
+            killed them and the last lines of their standard error, e.g.
+            faulthandler's stacks). The other ranks are terminated.
+            ``RankCrashed`` (a subclass) when a rank died of a crash signal.
+        TimeoutError: not every rank finished within ``timeout_s`` (a hang, e.g.
+            mismatched collectives); all processes are killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if crash_retries is None:
+        raw = os.environ.get(CRASH_RETRIES_ENV_VAR, "0")
+        try:
+            crash_retries = int(raw)
+        except ValueError:
+            raise ValueError(f"{CRASH_RETRIES_ENV_VAR} must be an int >= 0, got {raw!r}") from None
+    if isinstance(crash_retries, bool) or not isinstance(crash_retries, int) or crash_retries < 0:
+        raise ValueError(f"crash_retries must be an int >= 0, got {crash_retries!r}")
+    for attempt in range(crash_retries + 1):
+        try:
+            return _run_once(fn, world_size, args, kwargs or {}, timeout_s, backend)
+        except RankCrashed as crash:
+            if attempt == crash_retries:
+                raise
+            warnings.warn(
+                f"run_distributed({getattr(fn, '__qualname__', fn)}): a rank crashed; "
+                f"retrying ({attempt + 1} of {crash_retries}):\n{crash}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    timeout_s: float,
+    backend: str,
+) -> list[Any]:
+    ctx = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue = ctx.Queue()
+    port = find_free_port()
+    with tempfile.TemporaryDirectory(prefix="simplefsdp-ranks-") as log_dir:
+        logs = [os.path.join(log_dir, f"rank{rank}.stderr") for rank in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    backend,
+                    timeout_s,
+                    fn,
+                    args,
+                    kwargs,
+                    results,
+                    logs[rank],
+                ),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            outcomes = _collect(procs, results, timeout_s)
+        finally:
+            stderr = [_read_text(path) for path in logs]
+            for rank, text in enumerate(stderr):
+                if text:  # pass each rank's stderr on (pytest shows it on failure)
+                    sys.stderr.write(f"--- rank {rank} stderr ---\n{text}")
+                    if not text.endswith("\n"):
+                        sys.stderr.write("\n")
+            sys.stderr.flush()
+    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
     if errors:
-        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items())
-        raise RuntimeError(f"{len(errors)} of {world_size} ranks failed:\n{details}")
+        # Ranks that died first: the others usually only report the broken
+        # connection that followed.
+        died = [r for r, v in sorted(errors.items()) if v is None]
+        raised = [r for r in sorted(errors) if errors[r] is not None]
+        details = []
+        for r in died:
+            code = procs[r].exitcode
+            tail = "\n".join(stderr[r].splitlines()[-_STDERR_TAIL_LINES:])
+            details.append(f"--- rank {r} ---\nrank {r} died with {_describe_exit(code)}\n{tail}")
+        details.extend(f"--- rank {r} ---\n{errors[r]}" for r in raised)
+        message = f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(details)
+        crashed = any(
+            procs[r].exitcode is not None and -procs[r].exitcode in _CRASH_SIGNALS for r in died
+        )
+        raise (RankCrashed if crashed else RuntimeError)(message)
     missing = [r for r in range(world_size) if r not in outcomes]
     if missing:
         raise TimeoutError(

@@ -66,6 +66,7 @@ def test_bench_json_shape(bench_run):
             assert isinstance(row[key], typ), (row["name"], key, row[key])
         assert row["step_time_s_min"] <= row["step_time_s_median"] <= row["step_time_s_max"]
     assert isinstance(result["comm_only_s"], float) and result["comm_only_s"] > 0
+    assert result["comm_only_error"] is None
     # The wrong configuration makes the run fail as a whole.
     assert rc == 1
 
@@ -183,3 +184,17 @@ def test_ratios_table_and_png_fallback(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert write_png(result, tmp_path / "bench.png") is False
     assert not (tmp_path / "bench.png").exists()
+
+
+def test_failed_comm_only_run_is_reported_and_fails_the_run(tmp_path, monkeypatch, capsys):
+    def fake_run_one(config, spec, spec_path, raw_dir):
+        if config.engine == "comm":
+            return None, "exit code 1: boom"
+        return _row(config.name, 6.0, 5.0, 1.0, 400), None
+
+    monkeypatch.setattr(cli, "_run_one", fake_run_one)
+    rc = cli.main([*TINY, "--configs", "fsdp2", "--out", str(tmp_path), "--no-png"])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert rc == 1
+    assert result["comm_only_error"] == "exit code 1: boom" and result["comm_only_s"] is None
+    assert "comm-only: FAILED: exit code 1: boom" in capsys.readouterr().out

@@ -257,7 +257,7 @@ def run_bench(
     spec_path = raw_dir / "spec.json"
     spec_path.write_text(spec.to_json())
     rows: list[dict] = []
-    comm_only = None
+    comm_only = comm_only_error = None
     load_avg_1m: list[float] = []
     for i, config in enumerate([*configs, COMM_ONLY]):
         t0 = time.perf_counter()
@@ -266,7 +266,7 @@ def run_bench(
         print(f"[{i + 1}/{len(configs) + 1}] {config.name} ...", end=" ", flush=True)
         outcome, error = _run_one(config, spec, spec_path, raw_dir)
         if config.engine == "comm":
-            comm_only = outcome
+            comm_only, comm_only_error = outcome, error
         else:
             outcome["load_avg_1m_before"] = load_avg_1m[-1]
             rows.append(outcome)
@@ -289,6 +289,7 @@ def run_bench(
         "configs": rows,
         "comm_only_s": comm_s,
         "comm_only": comm_only,
+        "comm_only_error": comm_only_error,
         "bound_s": bound,
         "loss_check": loss_check,
     }
@@ -301,8 +302,9 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``simplefsdp bench``; returns the exit code.
 
-    0 when every configuration ran and agreed on the loss, 1 when one failed
-    or was flagged, 2 for a bad command line.
+    0 when every configuration and the communication-only run ran and the
+    configurations agreed on the loss, 1 when one failed or was flagged, 2
+    for a bad command line.
     """
     args = _build_parser().parse_args(argv)
     try:
@@ -325,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("matplotlib is not installed: bench.png skipped (pip install 'simplefsdp[bench]')")
     print("wrote " + ", ".join(written))
-    return 0 if all(r["ok"] for r in result["configs"]) else 1
+    ok = all(r["ok"] for r in result["configs"]) and result["comm_only_error"] is None
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

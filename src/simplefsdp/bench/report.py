@@ -263,6 +263,8 @@ def format_table(result: dict) -> str:
             f"{c['reduce_scatter']} reduce-scatters, {comm['bytes_per_step'] / _MIB:.1f} MiB "
             "per step, no compute)"
         )
+    elif result.get("comm_only_error"):
+        lines.append(f"comm-only: FAILED: {result['comm_only_error']}")
     if result.get("bound_s") is not None:
         lines.append(
             f"best any overlap could reach: max(limit, comm-only) = {result['bound_s']:.3f} s"
