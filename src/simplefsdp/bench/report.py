@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from simplefsdp.bench.configs import BenchConfig, Workload
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "REFERENCE_ORDER",
@@ -324,8 +321,8 @@ def _bar_colors(rows: list[dict]) -> list[str]:
 def write_png(result: dict, path: Path) -> bool:
     """Step time and peak memory per configuration as bars, with the limit drawn.
 
-    Returns False (and logs why) when matplotlib is not installed; it is an
-    optional dependency (``pip install simplefsdp[bench]``).
+    Returns False when matplotlib is not installed (an optional dependency,
+    ``pip install simplefsdp[bench]``); the caller tells the user.
     """
     try:
         import matplotlib
@@ -333,7 +330,6 @@ def write_png(result: dict, path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib is not installed: %s not written (pip install matplotlib)", path)
         return False
     rows = [r for r in result["configs"] if r["step_time_s_median"] is not None]
     names = [r["name"] for r in rows]

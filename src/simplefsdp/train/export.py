@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from simplefsdp.checkpoint import SafeFileSystemReader, TensorOnlyLoadPlanner
-from simplefsdp.checkpoint._files import read_json
+from simplefsdp.checkpoint._files import fsync_dir, read_json
 from simplefsdp.train.checkpointing import (
     CONFIG_NAME,
     latest_checkpoint,
@@ -158,7 +158,10 @@ def export_checkpoint(
     tmp = out_path.with_name(out_path.name + ".tmp")
     meta = {"format": "pt", "step": str(manifest.get("step")), "source": str(folder)}
     st.save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    with open(tmp, "rb+") as f:  # on disk before the rename publishes it
+        os.fsync(f.fileno())
     os.replace(tmp, out_path)
+    fsync_dir(out_path.parent)
     config_path = out_path.with_name(out_path.stem + ".config.json")
     write_json_atomic(config_path, {**config, "step": manifest.get("step"), "source": str(folder)})
     return out_path, config_path
