@@ -11,6 +11,7 @@ import faulthandler
 import multiprocessing
 import os
 import queue as queue_module
+import re
 import signal
 import socket
 import sys
@@ -68,7 +69,12 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    faulthandler.enable(all_threads=True)  # a crashing rank prints every thread's stack
+    # A crashing rank prints every thread's C++ stack (c10) and Python stack.
+    faulthandler.enable(all_threads=True)
+    if sys.platform.startswith("linux") and hasattr(
+        torch._C, "_set_print_stack_traces_on_fatal_signal"
+    ):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)
     import torch.distributed as dist
 
     try:
@@ -97,6 +103,25 @@ def _read_text(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def _crash_summary(text: str) -> str:
+    """The telling part of a dead rank's stderr: what it printed last before
+    the crash (C++ abort messages included), the first C++ stack dumped (the
+    crashing thread's), and the last lines (faulthandler's Python stacks)."""
+    lines = text.splitlines()
+    picked: list[str] = []
+    block_end = 0
+    for i, line in enumerate(lines):
+        if re.match(r"SIG[A-Z0-9]+\(\d+\), PID", line):
+            picked.extend(lines[max(i - 5, 0) : i])
+            block_end = i
+            while block_end < min(len(lines), i + _STDERR_TAIL_LINES) and lines[block_end].strip():
+                block_end += 1
+            picked.extend(lines[i:block_end])
+            break
+    picked.extend(lines[max(len(lines) - _STDERR_TAIL_LINES, block_end) :])
+    return "\n".join(picked)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -269,8 +294,10 @@ def _run_once(
         details = []
         for r in died:
             code = procs[r].exitcode
-            tail = "\n".join(stderr[r].splitlines()[-_STDERR_TAIL_LINES:])
-            details.append(f"--- rank {r} ---\nrank {r} died with {_describe_exit(code)}\n{tail}")
+            summary = _crash_summary(stderr[r])
+            details.append(
+                f"--- rank {r} ---\nrank {r} died with {_describe_exit(code)}\n{summary}"
+            )
         details.extend(f"--- rank {r} ---\n{errors[r]}" for r in raised)
         message = f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(details)
         crashed = any(
