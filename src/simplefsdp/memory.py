@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import sys
 
 import torch
 
@@ -25,19 +26,35 @@ logger = logging.getLogger(__name__)
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter number
 
 
+def _libc():
+    """glibc, or ``None`` where it cannot be loaded (not Linux, musl, ...)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def lower_mmap_threshold(threshold_bytes: int = 64 * 1024) -> bool:
     """Ask glibc to mmap allocations above ``threshold_bytes``; True on success.
 
     Process-wide and irreversible: call it in a training or benchmark
     process, never on import. See Note: [Measuring peak memory on CPU].
     """
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(libc_name)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
-    except (OSError, AttributeError):
+        return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
+    except AttributeError:
+        return False
+
+
+def malloc_trim() -> bool:
+    """Return freed glibc heap memory to the OS (``malloc_trim(0)``); True on success."""
+    libc = _libc()
+    try:
+        return libc is not None and bool(libc.malloc_trim(0))
+    except AttributeError:
         return False
 
 
@@ -61,6 +78,23 @@ def peak_rss_bytes() -> int | None:
     """The kernel's RSS high-water mark since start or the last reset."""
     kib = _status_kib("VmHWM")
     return None if kib is None else kib * 1024
+
+
+def read_rss_bytes() -> tuple[int, int]:
+    """``(current_rss, peak_rss)`` of this process in bytes (0 when unknown).
+
+    Without ``/proc`` (macOS, BSD), both are ``ru_maxrss``, the peak.
+    """
+    current, peak = current_rss_bytes(), peak_rss_bytes()
+    if current is not None and peak is not None:
+        return current, peak
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - non-POSIX
+        return 0, 0
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    max_rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return max_rss, max_rss
 
 
 def reset_peak_rss() -> int | None:

@@ -31,8 +31,6 @@ Note: [Counting collectives]
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 import time
 from collections.abc import Callable
@@ -42,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from simplefsdp.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from simplefsdp.memory import current_rss_bytes, malloc_trim, peak_rss_bytes, reset_peak_rss
 
 __all__ = [
     "MemoryProbe",
@@ -81,17 +79,6 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     out = fn()
     synchronize(device)
     return time.perf_counter() - start, out
-
-
-def malloc_trim() -> bool:
-    """Return freed glibc heap memory to the OS (``malloc_trim(0)``); True on success."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        return bool(ctypes.CDLL(name).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
 
 
 class MemoryProbe:

@@ -30,8 +30,6 @@ Note: [Peak memory on CPU]
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import logging
 import math
@@ -43,6 +41,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+from simplefsdp.memory import lower_mmap_threshold, read_rss_bytes, reset_peak_rss
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,6 @@ GPU_PEAK_BF16_FLOPS: dict[str, float] = {
     "MI250X": 383e12,
 }
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 #: Allocations at least this large are always mmap-ed (see [Peak memory on CPU]).
 MMAP_THRESHOLD_BYTES = 4 << 20
 
@@ -125,42 +124,7 @@ def format_bytes(num_bytes: float | None) -> str:
 
 def pin_malloc_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold (see [Peak memory on CPU]); ``True`` if applied."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
-    except (OSError, AttributeError):
-        return False
-
-
-def read_rss_bytes() -> tuple[int, int]:
-    """``(current_rss, peak_rss)`` of this process in bytes (0 when unknown)."""
-    status = Path("/proc/self/status")
-    if status.exists():
-        fields: dict[str, int] = {}
-        for line in status.read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(rest.split()[0]) * 1024  # kB
-        return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - non-POSIX
-        return 0, 0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return peak, peak
-
-
-def _reset_peak_rss() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0: ``5`` to ``/proc/self/clear_refs``)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
+    return lower_mmap_threshold(threshold_bytes)
 
 
 class MemoryMonitor:
@@ -180,7 +144,7 @@ class MemoryMonitor:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        _reset_peak_rss()
+        reset_peak_rss()
         self.baseline_bytes = read_rss_bytes()[0]
 
     def peak_bytes(self) -> int:
