@@ -9,7 +9,8 @@ Note: [Measuring peak memory on CPU]
     ``reset_peak_rss`` writes ``5`` to ``/proc/self/clear_refs``, which resets
     the kernel's high-water mark ``VmHWM``; the peak of a region is then
     ``VmHWM`` read afterwards minus ``VmRSS`` read at the reset (the baseline).
-    Linux only; elsewhere these functions return ``None``/``False``.
+    Linux only; elsewhere these functions return ``None``/``False``, except
+    ``read_rss_bytes``, which falls back to ``ru_maxrss`` (the peak).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter number
 
 
 def _libc():
-    """glibc, or ``None`` where it cannot be loaded (not Linux, musl, ...)."""
+    """The C library on Linux, or ``None`` (elsewhere, or when it cannot be
+    loaded). A libc without ``mallopt``/``malloc_trim`` makes callers return False."""
     if not sys.platform.startswith("linux"):
         return None
     try:

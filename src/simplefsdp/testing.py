@@ -42,6 +42,14 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+CRASH_RETRIES_ENV_VAR = "SIMPLEFSDP_CRASH_RETRIES"
+CPP_STACKTRACES_ENV_VAR = "SIMPLEFSDP_CPP_STACKTRACES"
+# Signals of a native crash (not of a kill): the ones ``crash_retries`` retries.
+_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+_SUMMARY_LINES = 40
+_HANG_DUMP_WAIT_S = 1.0
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -58,7 +66,7 @@ def _worker(
     # stacks, C++ abort messages) goes to a file the parent reads back.
     log = open(stderr_path, "w")  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 2)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, errors="backslashreplace", closefd=False)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -69,11 +77,14 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    # A crashing rank prints every thread's C++ stack (c10) and Python stack.
+    # A crashing rank prints every thread's Python stack; SIGUSR1 (sent by the
+    # parent to a rank that hangs) prints them too.
     faulthandler.enable(all_threads=True)
-    if sys.platform.startswith("linux") and hasattr(
-        torch._C, "_set_print_stack_traces_on_fatal_signal"
-    ):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if os.environ.get(CPP_STACKTRACES_ENV_VAR) == "1":
+        # c10's handler also prints every thread's C++ stack. Opt-in: it
+        # allocates inside the signal handler, which can hang a rank whose
+        # heap is corrupt.
         torch._C._set_print_stack_traces_on_fatal_signal(True)
     import torch.distributed as dist
 
@@ -85,16 +96,13 @@ def _worker(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value))
+        results.put((rank, "ok", value, time.time()))
     except BaseException:  # report everything, including KeyboardInterrupt
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc(), time.time()))
     finally:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-
-
-_STDERR_TAIL_LINES = 40
 
 
 def _read_text(path: str) -> str:
@@ -106,21 +114,24 @@ def _read_text(path: str) -> str:
 
 
 def _crash_summary(text: str) -> str:
-    """The telling part of a dead rank's stderr: what it printed last before
-    the crash (C++ abort messages included), the first C++ stack dumped (the
-    crashing thread's), and the last lines (faulthandler's Python stacks)."""
+    """The telling part of a dead rank's stderr: the lines it printed just
+    before the crash (a C++ ``terminate called ... what(): ...`` among them),
+    the first C++ stack that c10's handler dumped (when enabled), and
+    faulthandler's Python stacks (the crashing thread first)."""
     lines = text.splitlines()
-    picked: list[str] = []
-    block_end = 0
-    for i, line in enumerate(lines):
-        if re.match(r"SIG[A-Z0-9]+\(\d+\), PID", line):
-            picked.extend(lines[max(i - 5, 0) : i])
-            block_end = i
-            while block_end < min(len(lines), i + _STDERR_TAIL_LINES) and lines[block_end].strip():
-                block_end += 1
-            picked.extend(lines[i:block_end])
-            break
-    picked.extend(lines[max(len(lines) - _STDERR_TAIL_LINES, block_end) :])
+    c10 = next((i for i, ln in enumerate(lines) if re.match(r"SIG[A-Z0-9]+\(\d+\), PID", ln)), None)
+    fatal = next((i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")), None)
+    first = min(i for i in (c10, fatal, len(lines)) if i is not None)
+    picked = lines[max(first - 5, 0) : first]
+    if c10 is not None:
+        end = c10
+        while end < min(len(lines), c10 + _SUMMARY_LINES) and lines[end].strip():
+            end += 1
+        picked.extend(lines[c10:end])
+    if fatal is not None:
+        picked.extend(lines[fatal : fatal + _SUMMARY_LINES])
+    elif c10 is None:
+        picked = lines[-_SUMMARY_LINES:]
     return "\n".join(picked)
 
 
@@ -135,13 +146,15 @@ def _describe_exit(code: int | None) -> str:
 
 def _collect(
     procs: list, results: multiprocessing.Queue, timeout_s: float
-) -> dict[int, tuple[str, Any]]:
-    """Start ``procs`` and gather ``(status, value)`` per rank; a rank that
-    died without reporting gets ``("error", None)``. Always reaps them."""
+) -> dict[int, tuple[str, Any, float | None]]:
+    """Start ``procs`` and gather ``(status, value, wall time)`` per rank; a
+    rank that died without reporting gets ``("died", None, None)``. Ranks
+    still running at the deadline get SIGUSR1 (faulthandler dumps their
+    stacks), then are killed. Always reaps them."""
     world_size = len(procs)
     for proc in procs:
         proc.start()
-    outcomes: dict[int, tuple[str, Any]] = {}
+    outcomes: dict[int, tuple[str, Any, float | None]] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(outcomes) < world_size:
@@ -149,23 +162,29 @@ def _collect(
             if remaining <= 0:
                 break
             try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
-            except queue_module.Empty:
-                dead = [
-                    r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None
-                ]
-                if dead:
-                    # Give the queue a moment: a rank may have exited right after putting.
-                    time.sleep(0.5)
-                    if results.empty():
-                        for r in dead:
-                            outcomes.setdefault(r, ("error", None))
+                rank, status, value, when = results.get(timeout=min(remaining, 0.5))
+                outcomes[rank] = (status, value, when)
+                if status == "error":
+                    # Peers are likely blocked in a collective with the failed rank.
+                    deadline = min(deadline, time.monotonic() + 5.0)
                 continue
-            outcomes[rank] = (status, value)
-            if status == "error":
-                # Peers are likely blocked in a collective with the failed rank.
-                deadline = min(deadline, time.monotonic() + 5.0)
+            except queue_module.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+            if dead:
+                # Give the queue a moment: a rank may have exited right after putting.
+                time.sleep(0.5)
+                if results.empty():
+                    for r in dead:
+                        outcomes.setdefault(r, ("died", None, None))
+                    deadline = min(deadline, time.monotonic() + 5.0)
     finally:
+        hung = [p for r, p in enumerate(procs) if r not in outcomes and p.is_alive()]
+        for proc in hung:
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(_HANG_DUMP_WAIT_S)
         for proc in procs:
             proc.join(timeout=5.0 if len(outcomes) == world_size else 0.1)
             if proc.is_alive():
@@ -174,13 +193,9 @@ def _collect(
     return outcomes
 
 
-# Signals of a native crash (not of a kill): the ones ``crash_retries`` retries.
-_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
-CRASH_RETRIES_ENV_VAR = "SIMPLEFSDP_CRASH_RETRIES"
-
-
 class RankCrashed(RuntimeError):
-    """A rank died of a native crash (SIGSEGV, SIGABRT, ...); see ``run_distributed``."""
+    """A rank died of a native crash (SIGSEGV, SIGABRT, ...) before any rank
+    raised; see ``run_distributed``."""
 
 
 def run_distributed(
@@ -199,24 +214,31 @@ def run_distributed(
     Each process has the default process group initialised (``backend``, on a
     free localhost port; ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``
     set) and ``OMP_NUM_THREADS=1``. ``fn`` must be importable (a module-level
-    function) and its return value picklable. Each rank's standard error is
-    written to a file and passed on to this process's ``sys.stderr`` when the
-    ranks are done, a header naming the rank before each.
+    function) and its return value picklable.
+
+    Each rank's standard error goes to a file that is passed on to this
+    process's ``sys.stderr`` when the ranks are done, a header naming the rank
+    before each (so it is not live; standard output is). A rank that crashes
+    prints faulthandler's Python stacks of every thread there; with
+    ``SIMPLEFSDP_CPP_STACKTRACES=1`` also c10's C++ stacks.
 
     ``crash_retries`` (default: the ``SIMPLEFSDP_CRASH_RETRIES`` environment
     variable, else 0) reruns everything, up to that many times, when a rank
-    died of a native crash signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL);
-    each retried crash is reported with ``warnings.warn`` and its stderr.
-    Exceptions, hangs and kills are never retried.
+    died of a native crash signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL)
+    before any rank raised. Each retry is reported with ``warnings.warn``
+    (``RuntimeWarning``) holding the crash report. Exceptions (and crashes
+    that follow one), hangs and kills are never retried. ``fn`` must be safe
+    to run again, e.g. on files the crashed attempt left behind.
 
     Raises:
         RuntimeError: a rank raised or died; the message holds every failing
             rank's traceback, ranks that died first (with the signal that
-            killed them and the last lines of their standard error, e.g.
-            faulthandler's stacks). The other ranks are terminated.
-            ``RankCrashed`` (a subclass) when a rank died of a crash signal.
+            killed them and the telling part of their standard error).
+            The other ranks are terminated. ``RankCrashed`` (a subclass) when
+            a rank died of a crash signal before any rank raised.
         TimeoutError: not every rank finished within ``timeout_s`` (a hang, e.g.
-            mismatched collectives); all processes are killed.
+            mismatched collectives); the message holds the hung ranks' stacks
+            (faulthandler, on SIGUSR1); all processes are killed.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -279,35 +301,41 @@ def _run_once(
             outcomes = _collect(procs, results, timeout_s)
         finally:
             stderr = [_read_text(path) for path in logs]
+            # The last write of a crashed rank's file is its crash dump.
+            written = [os.path.getmtime(p) if os.path.exists(p) else 0.0 for p in logs]
             for rank, text in enumerate(stderr):
                 if text:  # pass each rank's stderr on (pytest shows it on failure)
                     sys.stderr.write(f"--- rank {rank} stderr ---\n{text}")
                     if not text.endswith("\n"):
                         sys.stderr.write("\n")
             sys.stderr.flush()
-    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
-    if errors:
-        # Ranks that died first: the others usually only report the broken
-        # connection that followed.
-        died = [r for r, v in sorted(errors.items()) if v is None]
-        raised = [r for r in sorted(errors) if errors[r] is not None]
-        details = []
-        for r in died:
-            code = procs[r].exitcode
-            summary = _crash_summary(stderr[r])
-            details.append(
-                f"--- rank {r} ---\nrank {r} died with {_describe_exit(code)}\n{summary}"
-            )
-        details.extend(f"--- rank {r} ---\n{errors[r]}" for r in raised)
-        message = f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(details)
-        crashed = any(
-            procs[r].exitcode is not None and -procs[r].exitcode in _CRASH_SIGNALS for r in died
-        )
-        raise (RankCrashed if crashed else RuntimeError)(message)
+    died = [r for r in sorted(outcomes) if outcomes[r][0] == "died"]
+    raised = [r for r in sorted(outcomes) if outcomes[r][0] == "error"]
+    if died or raised:
+        details = [
+            f"--- rank {r} ---\nrank {r} died with {_describe_exit(procs[r].exitcode)}\n"
+            + _crash_summary(stderr[r])
+            for r in died
+        ]
+        details.extend(f"--- rank {r} ---\n{outcomes[r][1]}" for r in raised)
+        message = f"{len(died) + len(raised)} of {world_size} ranks failed:\n" + "\n".join(details)
+        crash_times = [
+            written[r]
+            for r in died
+            if procs[r].exitcode is not None and -procs[r].exitcode in _CRASH_SIGNALS
+        ]
+        first_raise = min((outcomes[r][2] for r in raised), default=float("inf"))
+        crashed_first = bool(crash_times) and min(crash_times) <= first_raise
+        raise (RankCrashed if crashed_first else RuntimeError)(message)
     missing = [r for r in range(world_size) if r not in outcomes]
     if missing:
+        stacks = "\n".join(
+            f"--- rank {r} ---\n" + "\n".join(stderr[r].splitlines()[-_SUMMARY_LINES:])
+            for r in missing
+        )
         raise TimeoutError(
-            f"ranks {missing} did not finish within {timeout_s:.0f}s (hang or deadlock?)"
+            f"ranks {missing} did not finish within {timeout_s:.0f}s (hang or deadlock?); "
+            f"their stacks:\n{stacks}"
         )
     return [outcomes[r][1] for r in range(world_size)]
 
