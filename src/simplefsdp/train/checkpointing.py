@@ -50,10 +50,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import simplefsdp.checkpoint as ckpt
+from simplefsdp.checkpoint._api import _barrier
 from simplefsdp.checkpoint._files import (
     MANIFEST_NAME,
     TMP_SUFFIX,
@@ -197,11 +197,6 @@ def prune_checkpoints(
         shutil.rmtree(target, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 class Checkpointer:
