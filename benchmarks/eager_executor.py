@@ -9,7 +9,7 @@ Run: ``python benchmarks/eager_executor.py [--model small] [--steps 5]``
 (2 CPU processes, gloo). Same model, seed and per-rank batch for all three;
 the first 2 steps are warm-up. Peak memory is CPU peak RSS above the RSS at
 the start of the measured steps, with glibc's mmap threshold lowered
-(``simplefsdp.memory``); on GPU, the CUDA allocator peak.
+(``simplefsdp.engines.memory``); on GPU, the CUDA allocator peak.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import simplefsdp
-from simplefsdp.memory import PeakMemory, lower_mmap_threshold
+from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
 from simplefsdp.models.llama3 import Transformer, TransformerBlock, get_config
 from simplefsdp.testing import run_distributed
 
@@ -40,7 +40,7 @@ def _build(config: str, engine: str) -> torch.nn.Module:
         return fully_shard(model)
     simplefsdp.data_parallel(model, reshard_after_forward=engine != "executor-keep")
     if engine.startswith("executor"):
-        simplefsdp.eager(model, buckets=TransformerBlock)
+        simplefsdp.eager(model, bucketing=TransformerBlock)
     return model
 
 
@@ -53,7 +53,7 @@ def _run(config: str, engine: str, steps: int, batch: int, seq: int) -> dict:
     times, losses, peak_bytes = [], [], 0
     for step in range(WARMUP + steps):
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-        with PeakMemory("cpu") as peak:
+        with MemoryProbe("cpu") as peak:
             start = time.perf_counter()
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -63,7 +63,7 @@ def _run(config: str, engine: str, steps: int, batch: int, seq: int) -> dict:
             elapsed = time.perf_counter() - start
         if step >= WARMUP:
             times.append(elapsed)
-            peak_bytes = max(peak_bytes, peak.peak_bytes or 0)
+            peak_bytes = max(peak_bytes, peak.peak or 0)
         losses.append(loss.item())
     return {"median_s": statistics.median(times), "peak_bytes": peak_bytes, "losses": losses}
 

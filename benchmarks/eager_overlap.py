@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import simplefsdp
-from simplefsdp.eager import get_eager_executor
+from simplefsdp import get_eager_executor
 from simplefsdp.testing import run_distributed
 
 

@@ -2,11 +2,11 @@
 
 Run: ``python benchmarks/memory_validation.py`` (2 CPU processes, gloo).
 
-Prediction: the compiler's liveness estimate (``simplefsdp.compiler.memory``)
+Prediction: the compiler's liveness estimate (``simplefsdp.compiler.memory_estimate``)
 of the final forward and backward graphs: ``max(forward peak, tensors saved
 for backward + backward peak)``. Measurement: peak RSS above the RSS at the
 start of the step, with glibc's mmap threshold lowered so freed tensors leave
-the RSS (see ``simplefsdp.memory``). Graphs run under ``aot_eager`` so that
+the RSS (see ``simplefsdp.engines.memory``). Graphs run under ``aot_eager`` so that
 tensors live exactly as the graph says (Inductor fuses away intermediates).
 """
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import simplefsdp
 from simplefsdp.compiler import CostModel
-from simplefsdp.memory import PeakMemory, lower_mmap_threshold
+from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
 from simplefsdp.models.llama3 import Transformer, get_config
 from simplefsdp.testing import run_distributed
 
@@ -54,11 +54,11 @@ def _measure(model_name: str, bucketing: str) -> dict:
         p.grad = None
     peaks = []
     for _ in range(3):
-        with PeakMemory("cpu") as peak:
+        with MemoryProbe("cpu") as peak:
             model(x).float().sum().backward()
         for p in model.parameters():
             p.grad = None
-        peaks.append(peak.peak_bytes)
+        peaks.append(peak.peak)
     report = simplefsdp.comm_report(model)
     fw, bw = report.graph("forward").predicted, report.graph("backward").predicted
     predicted = max(fw["peak_bytes"], fw["output_bytes"] + bw["peak_bytes"])

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import simplefsdp
+from simplefsdp.data import DistributedTokenLoader, build_corpus
 from simplefsdp.models.llama3 import Transformer, get_config
-from simplefsdp.train.data import DistributedTokenLoader, build_corpus
 
 
 def main() -> None:

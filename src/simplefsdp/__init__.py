@@ -5,20 +5,54 @@ Public API::
     model = simplefsdp.data_parallel(model, mesh, mode="fully_shard", mp_policy=...)
     with simplefsdp.disable_parametrization():
         model.init_weights()
+    simplefsdp.compile(model, bucketing="auto")         # or:
+    simplefsdp.eager(model, bucketing="per_block")      # the eager executor
+
+The names are loaded on first use (PEP 562), so ``import simplefsdp`` (and the
+``simplefsdp`` command's ``--help``/``--version``) does not import torch.
 """
 
-from simplefsdp.api import MixedPrecisionPolicy
-from simplefsdp.compiler import comm_report, compile, compile_backend
-from simplefsdp.eager import eager
-from simplefsdp.frontend import (
-    data_parallel,
-    disable_parametrization,
-    get_data_parallel_state,
-)
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from simplefsdp._version import __version__
+
+if TYPE_CHECKING:
+    from simplefsdp.compiler.entry_points import comm_report, compile, compile_backend
+    from simplefsdp.compiler.report import CommReport
+    from simplefsdp.eager_executor.api import eager, get_eager_executor, remove_eager
+    from simplefsdp.eager_executor.runtime import EagerExecutor
+    from simplefsdp.frontend.data_parallel import (
+        DataParallelState,
+        data_parallel,
+        get_data_parallel_state,
+    )
+    from simplefsdp.frontend.parametrization import disable_parametrization
+    from simplefsdp.policies import MixedPrecisionPolicy
+
+# public name -> module defining it
+_LAZY: dict[str, str] = {
+    "CommReport": "simplefsdp.compiler.report",
+    "DataParallelState": "simplefsdp.frontend.data_parallel",
+    "EagerExecutor": "simplefsdp.eager_executor.runtime",
+    "MixedPrecisionPolicy": "simplefsdp.policies",
+    "comm_report": "simplefsdp.compiler.entry_points",
+    "compile": "simplefsdp.compiler.entry_points",
+    "compile_backend": "simplefsdp.compiler.entry_points",
+    "data_parallel": "simplefsdp.frontend.data_parallel",
+    "disable_parametrization": "simplefsdp.frontend.parametrization",
+    "eager": "simplefsdp.eager_executor.api",
+    "get_data_parallel_state": "simplefsdp.frontend.data_parallel",
+    "get_eager_executor": "simplefsdp.eager_executor.api",
+    "remove_eager": "simplefsdp.eager_executor.api",
+}
 
 __all__ = [
+    "CommReport",
+    "DataParallelState",
+    "EagerExecutor",
     "MixedPrecisionPolicy",
     "__version__",
     "comm_report",
@@ -28,4 +62,19 @@ __all__ = [
     "disable_parametrization",
     "eager",
     "get_data_parallel_state",
+    "get_eager_executor",
+    "remove_eager",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

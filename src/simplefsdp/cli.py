@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-import simplefsdp
+from simplefsdp._version import __version__
 
 # subcommand -> (module with ``main(argv) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "train a Llama 3 model (starts processes or runs under torchrun)",
     ),
     "export": (
-        "simplefsdp.train.export",
+        "simplefsdp.checkpoint.export",
         "write a checkpoint's full weights to one safetensors file",
     ),
     "bench": ("simplefsdp.bench.cli", "compare simplefsdp with torch FSDP2/DDP on this machine"),
@@ -31,9 +31,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="simplefsdp",
         description="simplefsdp: fully sharded data parallel for PyTorch, compiled.",
     )
-    parser.add_argument(
-        "--version", action="version", version=f"simplefsdp {simplefsdp.__version__}"
-    )
+    parser.add_argument("--version", action="version", version=f"simplefsdp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)

@@ -24,11 +24,15 @@ from torch.distributed.tensor import DTensor
 
 import simplefsdp
 import simplefsdp.checkpoint as ckpt
-from simplefsdp.checkpoint import CheckpointError
-from simplefsdp.checkpoint._faults import FAIL_SAVE_ENV
-from simplefsdp.checkpoint._files import build_manifest, write_json_atomic
+from simplefsdp.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    build_manifest,
+    latest_checkpoint,
+    write_json_atomic,
+)
 from simplefsdp.testing import run_distributed
-from simplefsdp.train.checkpointing import Checkpointer, latest_checkpoint
+from simplefsdp.testing.faults import FAIL_SAVE_ENV
 from toy_models import TiedEmbeddingModel, loss_fn, make_batch
 
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4 ranks
@@ -200,7 +204,7 @@ def test_fsdp2_interchange(reference, tmp_path):
 
 
 def test_export_and_plain_single_process_load(reference):
-    from simplefsdp.train.export import load_full_model_state
+    from simplefsdp.checkpoint.export import load_full_model_state
 
     folder, ref = reference
     model = _build()

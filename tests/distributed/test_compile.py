@@ -260,7 +260,7 @@ class _WideStack(torch.nn.Module):
 
 
 def _peak_memory_body(reshard: bool) -> int:
-    from simplefsdp.memory import PeakMemory, lower_mmap_threshold
+    from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
 
     assert lower_mmap_threshold(64 * 1024)
     torch.manual_seed(0)
@@ -272,11 +272,11 @@ def _peak_memory_body(reshard: bool) -> int:
         p.grad = None
     peaks = []
     for _ in range(3):
-        with PeakMemory("cpu") as peak:
+        with MemoryProbe("cpu") as peak:
             model(x).sum().backward()
         for p in model.parameters():
             p.grad = None
-        peaks.append(peak.peak_bytes)
+        peaks.append(peak.peak)
     return min(peaks)
 
 

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import simplefsdp
-from simplefsdp.eager import get_eager_executor, remove_eager
+from simplefsdp import get_eager_executor, remove_eager
+from simplefsdp.frontend.parametrization import has_param_views
 from simplefsdp.testing import record_collectives, run_distributed
 from toy_models import build, loss_fn, make_batch
 
@@ -177,7 +178,7 @@ _SCHEDULES = {
         {"reshard_after_forward": False},
         {"forward_prefetch": False, "backward_prefetch": False},
     ),
-    "limit1,class-plan": ({}, {"limit_all_gathers": 1, "buckets": Block}),
+    "limit1,class-plan": ({}, {"limit_all_gathers": 1, "bucketing": Block}),
 }
 
 
@@ -423,7 +424,7 @@ def _api_body() -> None:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    api_logger = logging.getLogger("simplefsdp.eager.api")
+    api_logger = logging.getLogger("simplefsdp.eager_executor.api")
     api_logger.addHandler(handler)
     api_logger.setLevel(logging.INFO)
     offloaded = _wrap(eager={"cpu_offload": True})
@@ -455,7 +456,7 @@ def _api_body() -> None:
     _assert_same(_train(frozen, steps=2), _train(ref, steps=2), bitwise=True, label="frozen")
     assert all(p.grad is None for p in frozen.blocks[1].parameters())
     remove_eager(frozen)
-    assert "_simplefsdp_eager_views" not in frozen.inp.__dict__
+    assert not has_param_views(frozen.inp)
     _assert_same(_train(frozen), _train(ref), bitwise=True, label="after remove_eager")
 
     # Activation checkpointing: recomputation in backward reads the views again.

@@ -5,7 +5,7 @@ give one-line errors.
 
 Runs are tiny and eager (6 steps of the debug model on 300 kB of the stdlib
 corpus, checkpoints every 2 steps); rank 1 is killed by the test-only hook
-``SIMPLEFSDP_TEST_KILL_AT_STEP`` (see ``simplefsdp.checkpoint._faults``).
+``SIMPLEFSDP_TEST_KILL_AT_STEP`` (see ``simplefsdp.testing.faults``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simplefsdp.checkpoint._faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV
+from simplefsdp.testing.faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV
 
 pytestmark = pytest.mark.slow
 

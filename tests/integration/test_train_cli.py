@@ -110,17 +110,16 @@ def _sharded_weights_and_logits(ckpt: str, tokens: torch.Tensor) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from simplefsdp.checkpoint.export import model_args_from_config
     from simplefsdp.models.llama3 import Transformer
     from simplefsdp.train.config import config_from_dict
-    from simplefsdp.train.export import model_args_from_config
-    from simplefsdp.train.parallelize import build_mesh, parallelize
+    from simplefsdp.train.trainer import parallelize_job
 
     config = json.loads((Path(ckpt) / "config.json").read_text())
     job = config_from_dict(config["job"])
     with torch.device("meta"):
         model = Transformer(model_args_from_config(config))
-    mesh = build_mesh(job.parallel, "cpu", 2)
-    parallel = parallelize(model, job, mesh, torch.device("cpu"))
+    parallel = parallelize_job(model, job, torch.device("cpu"))
     with simplefsdp.disable_parametrization():  # read the shards, do not all-gather
         state = {"model": get_model_state_dict(parallel.module)}
     dcp.load(state, checkpoint_id=ckpt)
@@ -139,8 +138,8 @@ def test_export_matches_the_sharded_model(run_a):
         "safetensors.torch", reason="export needs safetensors"
     ).load_file
 
+    from simplefsdp.checkpoint.export import model_args_from_config
     from simplefsdp.models.llama3 import Transformer
-    from simplefsdp.train.export import model_args_from_config
 
     cwd, _ = run_a
     proc = _run(["export", "--checkpoint", "A/ck", "--out", "exp/model.safetensors"], cwd)
@@ -165,16 +164,16 @@ def test_export_matches_the_sharded_model(run_a):
 
 def _checkpoint_state_collectives(folder: str) -> dict:
     """Collectives issued while gathering and restoring the checkpoint state dicts."""
+    from simplefsdp.checkpoint import Checkpointer
     from simplefsdp.models.llama3 import Transformer, get_config
-    from simplefsdp.train.checkpointing import Checkpointer
     from simplefsdp.train.config import JobConfig
-    from simplefsdp.train.parallelize import build_mesh, parallelize
+    from simplefsdp.train.trainer import parallelize_job
 
     job = JobConfig()
     job.compile.enable = False
     with torch.device("meta"):
         model = Transformer(get_config("debug", n_layers=2))
-    parallel = parallelize(model, job, build_mesh(job.parallel, "cpu", 2), torch.device("cpu"))
+    parallel = parallelize_job(model, job, torch.device("cpu"))
     optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=1e-3)
     ck = Checkpointer(folder, model=parallel.module, optimizer=optimizer,
                       device=torch.device("cpu"), keep_last=1, config_hash="h",

@@ -1,5 +1,8 @@
 """Single-process checks of the public API's validation."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -42,3 +45,31 @@ def test_disable_parametrization_nests_and_restores() -> None:
     with pytest.raises(RuntimeError), simplefsdp.disable_parametrization():
         raise RuntimeError("boom")
     assert parametrization_enabled()
+
+
+def test_import_and_cli_do_not_import_torch() -> None:
+    code = (
+        "import sys, simplefsdp, simplefsdp.cli\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "print(simplefsdp.__version__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == simplefsdp.__version__
+
+
+def test_top_level_exports() -> None:
+    from simplefsdp.compiler.report import CommReport
+    from simplefsdp.eager_executor import EagerExecutor, eager, get_eager_executor, remove_eager
+    from simplefsdp.frontend import DataParallelState
+
+    for name in simplefsdp.__all__:
+        assert getattr(simplefsdp, name) is not None, name
+    assert set(dir(simplefsdp)) >= set(simplefsdp.__all__)
+    assert simplefsdp.CommReport is CommReport
+    assert simplefsdp.DataParallelState is DataParallelState
+    assert simplefsdp.EagerExecutor is EagerExecutor
+    assert simplefsdp.eager is eager
+    assert simplefsdp.get_eager_executor is get_eager_executor
+    assert simplefsdp.remove_eager is remove_eager
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        simplefsdp.nope  # noqa: B018

@@ -1,16 +1,16 @@
-"""Tests for simplefsdp.train.data: tokenizers, corpus, splits and the distributed loader."""
+"""Tests for simplefsdp.data: tokenizers, corpus, splits and the distributed loader."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
 
 import pytest
 import torch
 
-from simplefsdp.train import data as D
-from simplefsdp.train.config import DataConfig
-from simplefsdp.train.data import (
+import simplefsdp.data as D
+from simplefsdp.data import (
     ByteTokenizer,
     DistributedTokenLoader,
     build_corpus,
@@ -21,6 +21,7 @@ from simplefsdp.train.data import (
     load_tokenizer,
     read_documents,
 )
+from simplefsdp.train.config import DataConfig
 
 TEXT = "héllo wörld — naïve café, 日本語テキスト, emoji 🚀🔥, Ελληνικά, \x00 tab\tend\n"
 
@@ -393,3 +394,16 @@ def test_build_data_from_config(tmp_path):
     assert x.shape == (2, 32) and isinstance(bundle.tokenizer, ByteTokenizer)
     assert torch.equal(bundle.loader.val_tokens, bundle.corpus.val)
     assert len(list(bundle.loader.val_batches(1))) == 1
+
+
+def test_data_package_imports_nothing_else_of_simplefsdp():
+    code = (
+        "import sys, simplefsdp.data; "
+        "print(*sorted(m for m in sys.modules if m.startswith('simplefsdp')), sep='\\n')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    allowed = {"simplefsdp", "simplefsdp._version"}
+    others = [m for m in out.split() if m not in allowed and not m.startswith("simplefsdp.data")]
+    assert others == []

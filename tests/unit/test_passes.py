@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import simplefsdp
+from simplefsdp.bucket_plan import repeated_blocks, resolve_plan
 from simplefsdp.compiler.patterns import collective_kind, is_compute, wait_of
-from simplefsdp.plan import resolve_plan
 from toy_models import BlockStack, ResidualBlock
 
 
@@ -199,3 +199,26 @@ def test_resolve_plan_shapes() -> None:
     assert sorted(covered) == sorted(n for n, _ in model.named_parameters())
     with pytest.raises(ValueError, match="unknown bucket plan 'per_layer'"):
         resolve_plan(model, "per_layer")
+
+
+def test_repeated_blocks_are_the_per_block_buckets() -> None:
+    model = BlockStack()
+    blocks = repeated_blocks(model)
+    assert [name for name, _ in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all(module is model.blocks[i] for i, (_, module) in enumerate(blocks))
+    per_block = resolve_plan(model, "per_block")
+    assert [b.name for b in per_block.buckets if b.origin == "manual"] == [n for n, _ in blocks]
+
+    # Outermost only, containers themselves are not blocks, parameter-free
+    # children are skipped, and a ModuleDict counts like a ModuleList.
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2)]), nn.Linear(2, 2)])
+            self.heads = nn.ModuleDict({"a": nn.Linear(2, 2), "act": nn.ReLU()})
+
+    assert [name for name, _ in repeated_blocks(Nested())] == [
+        "stages.0.0",
+        "stages.1",
+        "heads.a",
+    ]

@@ -6,9 +6,14 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from simplefsdp.compiler.auto_bucketing import (
+    GatherUnit,
+    greedy_buckets,
+    prefetch_extra_bytes,
+    to_plan,
+)
 from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops, simulate
-from simplefsdp.compiler.memory import estimate_memory
-from simplefsdp.compiler.planner import GatherUnit, greedy_buckets, prefetch_extra_bytes, to_plan
+from simplefsdp.compiler.memory_estimate import estimate_memory
 
 MiB = 2**20
 

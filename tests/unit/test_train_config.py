@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -293,6 +295,52 @@ def test_bad_enum(override, value, choice):
         load_config(None, override)
     msg = str(info.value)
     assert value in msg and "valid choices" in msg and choice in msg
+
+
+def test_engine_vocabulary():
+    assert C.ENGINES == ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
+    assert set(C.REPLICATE_ONLY_ENGINES) == {"ddp", "replica"}
+
+
+@pytest.mark.parametrize("engine", ["simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica"])
+def test_engines_accepted(engine):
+    modes = ["replicate"] if engine in ("ddp", "replica") else list(C.PARALLEL_MODES)
+    for mode in modes:
+        cfg = load_config(None, ["--parallel.engine", engine, f"--parallel.mode={mode}"])
+        assert (cfg.parallel.engine, cfg.parallel.mode) == (engine, mode)
+    # also from TOML, and the eager engine keeps compile.* as given (it ignores them)
+    cfg = config_from_dict({"parallel": {"engine": engine, "mode": modes[0]}})
+    assert cfg.parallel.engine == engine and cfg.compile.enable is True
+
+
+def test_unknown_engine_is_one_line_listing_valid_engines():
+    with pytest.raises(ValueError) as info:
+        load_config(None, ["--parallel.engine", "eager"])
+    header, *problems = str(info.value).splitlines()
+    assert header == "invalid configuration:"
+    assert len(problems) == 1
+    line = problems[0].strip()
+    assert line.startswith("parallel.engine: invalid value 'eager'; valid choices: ")
+    assert str(list(C.ENGINES)) in line
+
+
+@pytest.mark.parametrize("engine", ["ddp", "replica"])
+def test_replicate_only_engines_reject_sharding(engine):
+    for mode in ("fully_shard", "hybrid_shard"):
+        with pytest.raises(ValueError) as info:
+            load_config(None, ["--parallel.engine", engine, "--parallel.mode", mode])
+        assert (
+            f"parallel.mode: invalid value {mode!r} for engine {engine!r}; "
+            "valid choices: ['replicate']"
+        ) in str(info.value)
+
+
+def test_config_imports_no_torch():
+    code = "import sys, simplefsdp.train.config; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "False"
 
 
 @pytest.mark.parametrize(

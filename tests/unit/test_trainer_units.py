@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from simplefsdp.train import cli
-from simplefsdp.train.checkpointing import (
+from simplefsdp.checkpoint import (
     MANIFEST_NAME,
     build_manifest,
     latest_checkpoint,
@@ -20,20 +19,22 @@ from simplefsdp.train.checkpointing import (
     verify_checkpoint,
     write_json_atomic,
 )
-from simplefsdp.train.config import JobConfig, ParallelConfig, load_config
+from simplefsdp.engines import (
+    MemoryProbe,
+    apply_activation_checkpointing,
+    clip_grad_norm_,
+    lower_mmap_threshold,
+    mesh_shape_for,
+)
+from simplefsdp.train import cli
+from simplefsdp.train.config import JobConfig, load_config
 from simplefsdp.train.metrics import (
-    MemoryMonitor,
+    MMAP_THRESHOLD_BYTES,
     MetricsWriter,
     format_bytes,
     format_step_line,
     mfu,
     peak_flops_for,
-    pin_malloc_mmap_threshold,
-)
-from simplefsdp.train.parallelize import (
-    apply_activation_checkpointing,
-    clip_grad_norm_,
-    mesh_shape_for,
 )
 from simplefsdp.train.trainer import _json_ready, build_lr_scheduler, lr_factor
 
@@ -208,13 +209,17 @@ def test_step_line_and_helpers():
     assert peak_flops_for(torch.device("cpu")) is None
 
 
-def test_cpu_memory_monitor_sees_a_large_allocation():
-    pin_malloc_mmap_threshold()
-    monitor = MemoryMonitor(torch.device("cpu"))
-    monitor.reset()
+def test_cpu_memory_probe_sees_a_large_allocation():
+    lower_mmap_threshold(MMAP_THRESHOLD_BYTES)
+    probe = MemoryProbe(torch.device("cpu"))
+    probe.reset()
     block = torch.ones(64 * 1024**2 // 4)  # 64 MiB, touched
-    assert monitor.peak_bytes() >= 48 * 1024**2
+    assert probe.peak_bytes() >= 48 * 1024**2
     del block
+    with MemoryProbe("cpu") as region:
+        block = torch.ones(32 * 1024**2 // 4)  # 32 MiB above the level at entry
+        del block
+    assert region.peak is not None and region.peak >= 24 * 1024**2
 
 
 # --------------------------------------------------------------------------- parallelism helpers
@@ -231,14 +236,14 @@ def test_cpu_memory_monitor_sees_a_large_allocation():
     ],
 )
 def test_mesh_shape_for(engine, mode, shape, world, expected):
-    cfg = ParallelConfig(engine=engine, mode=mode, mesh_shape=shape)
-    assert mesh_shape_for(cfg, world, local_world_size=4 if world == 8 else world) == expected
+    local = 4 if world == 8 else world
+    got = mesh_shape_for(engine, mode, world, mesh_shape=shape, local_world_size=local)
+    assert got == expected
 
 
 def test_mesh_shape_error_names_valid_shapes():
-    cfg = ParallelConfig(mode="hybrid_shard", mesh_shape=[2, 2])
     with pytest.raises(ValueError, match=r"needs 4 ranks.*world size is 2.*\[1, 2\], \[2, 1\]"):
-        mesh_shape_for(cfg, 2)
+        mesh_shape_for("simplefsdp", "hybrid_shard", 2, mesh_shape=[2, 2])
 
 
 def test_clip_grad_norm_matches_torch():

@@ -48,7 +48,7 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
-from simplefsdp.train.launch import default_nproc
+from simplefsdp.engines import default_nproc
 
 EXIT_CONFIG_ERROR = 2
 # Variables of an enclosing torchrun that must not leak into the nested one.

@@ -25,10 +25,12 @@ __all__ = [
     "Workload",
     "get_workload",
     "resolve_configs",
-    "torch_passes_patches",
 ]
 
-ENGINES = ("replica", "ddp", "fsdp2", "simplefsdp", "comm")
+#: The engine layer's engines (``simplefsdp.engines.ENGINES``) and ``"comm"``
+#: (collectives only). Spelled out here so that reading the configurations
+#: does not import torch.
+ENGINES = ("replica", "ddp", "fsdp2", "simplefsdp", "simplefsdp_eager", "comm")
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,13 @@ class BenchConfig:
 
     Attributes:
         name: the name used on the command line, in the table and in bench.json.
-        engine: ``"replica"`` (each rank trains its own full copy, no
-            communication), ``"ddp"``, ``"fsdp2"``, ``"simplefsdp"`` or
-            ``"comm"`` (collectives only, no compute).
+        engine: an engine of ``simplefsdp.engines`` (``"replica"``: each rank
+            trains its own full copy, no communication; ``"ddp"``;
+            ``"fsdp2"``; ``"simplefsdp"``; ``"simplefsdp_eager"``: the eager
+            executor) or ``"comm"`` (collectives only, no compute).
         compiled: run under ``torch.compile`` (Inductor).
-        bucketing: simplefsdp's ``bucketing`` option (compiled simplefsdp only).
+        bucketing: the bucket plan (simplefsdp engines; ``None``: the
+            engine's default).
         reorder: simplefsdp's ``reorder`` option (compiled simplefsdp only).
         torch_passes: compile with plain ``torch.compile`` and torch's own
             Inductor bucketing/overlap passes instead of ``simplefsdp.compile``.
@@ -66,6 +70,22 @@ class BenchConfig:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
 
+    def engine_spec(self) -> Any:
+        """This configuration as a ``simplefsdp.engines.EngineSpec`` (not for ``comm``)."""
+        from simplefsdp.engines import EngineSpec
+
+        return EngineSpec(
+            engine=self.engine,
+            mode="fully_shard",
+            compile=self.compiled,
+            backend="inductor",
+            bucketing=self.bucketing or "auto",
+            reorder=self.reorder,
+            torch_passes=self.torch_passes,
+            # The only buffer (the rotary table) is constant: no per-step broadcast.
+            broadcast_buffers=False,
+        )
+
 
 CONFIGS: dict[str, BenchConfig] = {
     c.name: c
@@ -77,10 +97,17 @@ CONFIGS: dict[str, BenchConfig] = {
             "each rank trains its own compiled full replica, no communication",
             syncs_grads=False,
         ),
-        BenchConfig("ddp", "ddp", True, "torch DistributedDataParallel under torch.compile"),
+        BenchConfig("ddp", "ddp", True, "torch DistributedDataParallel with each block compiled"),
         BenchConfig("fsdp2", "fsdp2", False, "torch fully_shard per block and root, eager"),
         BenchConfig("fsdp2-compile", "fsdp2", True, "fully_shard with each block compiled"),
-        BenchConfig("simplefsdp-eager", "simplefsdp", False, "data_parallel without compile"),
+        BenchConfig("simplefsdp-uncompiled", "simplefsdp", False, "data_parallel without compile"),
+        BenchConfig(
+            "simplefsdp-eager",
+            "simplefsdp_eager",
+            False,
+            "data_parallel with the eager executor, one bucket per block",
+            bucketing="per_block",
+        ),
         BenchConfig(
             "simplefsdp-none",
             "simplefsdp",
@@ -121,7 +148,7 @@ TEST_CONFIGS: dict[str, BenchConfig] = {
         "test-wrong-lr",
         "simplefsdp",
         False,
-        "test only: simplefsdp eager with a 10x learning rate (must be flagged ok=false)",
+        "test only: simplefsdp uncompiled with a 10x learning rate (must be flagged ok=false)",
         lr_scale=10.0,
     ),
 }
@@ -264,44 +291,3 @@ class BenchSpec:
         data = json.loads(text)
         data["workload"] = Workload(**data["workload"])
         return cls(**data)
-
-
-# Inductor flags of torch's built-in FSDP bucketing and compute/communication
-# overlap passes, as used for the "simplefsdp-torch-passes" peer. Only that
-# configuration applies them, inside a scoped config.patch in its worker.
-_TORCH_PASS_FLAGS: dict[str, Any] = {
-    "bucket_all_gathers_fx": "only_fsdp",
-    "bucket_reduce_scatters_fx": "all",
-    "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": [
-        "reorder_communication_preserving_peak_memory",
-        "sink_waits_iterative",
-        "reorder_communication_preserving_peak_memory",
-    ],
-}
-
-
-def torch_passes_patches() -> tuple[dict[str, Any], list[str]]:
-    """The Inductor config patches for the torch-passes peer that this torch has.
-
-    Returns:
-        ``(patches, notes)``: the flags that exist in the installed
-        ``torch._inductor.config`` (and, for the reorder passes, only pass
-        names ``torch._inductor.comms`` defines), and one note per flag or
-        pass that is missing.
-    """
-    import torch._inductor.comms as comms
-    import torch._inductor.config as inductor_config
-
-    patches: dict[str, Any] = {}
-    notes: list[str] = []
-    for flag, value in _TORCH_PASS_FLAGS.items():
-        if not hasattr(inductor_config, flag):
-            notes.append(f"inductor flag {flag} does not exist in this torch; not set")
-            continue
-        if flag == "reorder_for_compute_comm_overlap_passes":
-            missing = [p for p in value if not hasattr(comms, p)]
-            notes.extend(f"inductor reorder pass {p} does not exist; skipped" for p in missing)
-            value = [p for p in value if p not in missing]
-        patches[flag] = value
-    return patches, notes

@@ -1,4 +1,6 @@
-"""What a benchmark worker measures: step time, peak memory, collectives, comm-only.
+"""What a benchmark worker measures: step time, state bytes, collectives, comm-only.
+
+Peak memory is measured by ``simplefsdp.engines.MemoryProbe``.
 
 Note: [Benchmark memory]
     On CUDA the peak is the caching allocator's ``max_memory_allocated``
@@ -8,7 +10,7 @@ Note: [Benchmark memory]
     process-group set-up and data loading, before the model is built), with
     glibc's mmap threshold lowered at process start so freed tensors leave the
     RSS at once (see Note: [Measuring peak memory on CPU] in
-    ``simplefsdp.memory``), and ``malloc_trim(0)`` run after warm-up so heap
+    ``simplefsdp.engines.memory``), and ``malloc_trim(0)`` run after warm-up so heap
     pages freed by the compiler go back to the OS. Every worker imports
     Inductor before the baseline. The CPU number therefore includes the
     model, optimizer state, activations, and whatever compilation leaves
@@ -40,10 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from simplefsdp.memory import current_rss_bytes, malloc_trim, peak_rss_bytes, reset_peak_rss
-
 __all__ = [
-    "MemoryProbe",
     "count_collectives",
     "fsdp_unit_numels",
     "run_comm_only",
@@ -79,51 +78,6 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     out = fn()
     synchronize(device)
     return time.perf_counter() - start, out
-
-
-class MemoryProbe:
-    """Peak memory of a region above the baseline taken at construction.
-
-    See Note: [Benchmark memory]. Construct it at start-up, call ``start()``
-    after warm-up and ``stop()`` after the measured steps.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.method = "cuda max_memory_allocated" if device.type == "cuda" else "peak RSS (VmHWM)"
-        self.baseline_bytes = self._current()
-        self.start_bytes: int | None = None
-        self.reset_ok = True
-
-    def _current(self) -> int | None:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        return current_rss_bytes()
-
-    def _above_baseline(self, value: int | None) -> int | None:
-        if value is None or self.baseline_bytes is None:
-            return None
-        return int(value - self.baseline_bytes)
-
-    def start(self) -> None:
-        """Reset the peak; remember the level the measured region starts at."""
-        synchronize(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.start_bytes = self._above_baseline(torch.cuda.memory_allocated(self.device))
-            return
-        malloc_trim()
-        rss = reset_peak_rss()
-        self.reset_ok = rss is not None
-        # Without a reset the high-water mark also covers compilation.
-        self.start_bytes = self._above_baseline(rss if rss is not None else current_rss_bytes())
-
-    def stop(self) -> int | None:
-        """The peak since ``start()`` above the start-up baseline (``None``: unknown)."""
-        synchronize(self.device)
-        if self.device.type == "cuda":
-            return self._above_baseline(torch.cuda.max_memory_allocated(self.device))
-        return self._above_baseline(peak_rss_bytes())
 
 
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -27,6 +27,7 @@ __all__ = [
 REFERENCE_ORDER = (
     "fsdp2",
     "ddp",
+    "simplefsdp-uncompiled",
     "simplefsdp-eager",
     "fsdp2-compile",
     "simplefsdp-none",

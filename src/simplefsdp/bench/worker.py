@@ -25,26 +25,35 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from simplefsdp.bench.configs import COMM_ONLY, CONFIGS, TEST_CONFIGS, BenchConfig, BenchSpec
-from simplefsdp.bench.engines import (
-    Parallel,
-    build_model,
-    comm_report_summary,
-    parallelize,
-    transformer_blocks,
+from simplefsdp.bench.configs import (
+    COMM_ONLY,
+    CONFIGS,
+    TEST_CONFIGS,
+    BenchConfig,
+    BenchSpec,
+    Workload,
 )
 from simplefsdp.bench.measure import (
-    MemoryProbe,
     count_collectives,
     fsdp_unit_numels,
     run_comm_only,
     state_bytes,
     timed,
 )
-from simplefsdp.memory import lower_mmap_threshold
+from simplefsdp.bucket_plan import repeated_blocks
+from simplefsdp.engines import (
+    MemoryProbe,
+    ParallelModel,
+    build_mesh,
+    init_distributed,
+    lower_mmap_threshold,
+    parallelize,
+    pick_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,31 +74,20 @@ def lookup_config(name: str) -> BenchConfig:
     return config
 
 
-def _init_distributed(spec: BenchSpec) -> tuple[int, int, torch.device, DeviceMesh]:
-    """Process group and 1-D mesh from torchrun's environment: NCCL on GPU, gloo on CPU."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    dist.init_process_group(
-        backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=spec.timeout_s),
-    )
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    return rank, world_size, device, mesh
+def build_model(workload: Workload, seed: int) -> nn.Module:
+    """The workload's Llama 3 model on the CPU, initialised under ``seed``."""
+    from simplefsdp.models.llama3 import Transformer, get_config
+
+    overrides = dict(workload.model_overrides)
+    if workload.seq_len > get_config(workload.model, **overrides).max_seq_len:
+        overrides["max_seq_len"] = workload.seq_len
+    torch.manual_seed(seed)
+    return Transformer(get_config(workload.model, **overrides))
 
 
 def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> list[Batch]:
     """This rank's slices of the first ``count`` seeded global batches."""
-    from simplefsdp.train.data import DistributedTokenLoader, build_corpus
+    from simplefsdp.data import DistributedTokenLoader, build_corpus
 
     workload = spec.workload
     corpus = build_corpus(None, "byte", val_fraction=0.0, max_bytes=spec.data_max_bytes)
@@ -104,7 +102,7 @@ def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> li
     return [next(loader) for _ in range(count)]
 
 
-def _train_step(parallel: Parallel, optimizer, batch: Batch, device: torch.device) -> float:
+def _train_step(parallel: ParallelModel, optimizer, batch: Batch, device: torch.device) -> float:
     inputs, targets = (t.to(device, non_blocking=True) for t in batch)
     logits = parallel.forward(inputs)  # (B, T, V)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -125,7 +123,7 @@ def _run_training(
     workload = spec.workload
     probe = MemoryProbe(device)
     model = build_model(workload, spec.seed)
-    parallel = parallelize(config, model, mesh, device)
+    parallel = parallelize(model, config.engine_spec(), mesh, device)
     optimizer = torch.optim.AdamW(
         parallel.module.parameters(), lr=workload.lr * config.lr_scale, weight_decay=0.0
     )
@@ -136,15 +134,15 @@ def _run_training(
         for i in range(workload.warmup + workload.steps):
             if i == workload.warmup:
                 state = state_bytes(parallel.module, optimizer)
-                probe.start()
+                probe.reset()
             seconds, loss = timed(
                 lambda i=i: _train_step(parallel, optimizer, batches[i], device), device
             )
             (warmup_s if i < workload.warmup else step_s).append(seconds)
             losses.append(loss)
-        peak = probe.stop()
+        peak = probe.peak_bytes()
         profiled = count_collectives(lambda: _train_step(parallel, optimizer, batches[-1], device))
-    summary = comm_report_summary(parallel.module) if config.compiled else None
+    summary = parallel.collective_summary() if config.compiled else None
     return {
         "warmup_times_s": warmup_s,
         "step_times_s": step_s,
@@ -153,7 +151,7 @@ def _run_training(
         "mem_at_measure_start_bytes": probe.start_bytes,
         "state_mem_bytes": state,
         "mem_baseline_bytes": probe.baseline_bytes,
-        "mem_method": probe.method + ("" if probe.reset_ok else " (peak reset unavailable)"),
+        "mem_method": probe.kind + ("" if probe.reset_ok else " (peak reset unavailable)"),
         "collectives": summary["counts"] if summary else profiled,
         "collectives_source": "comm_report" if summary else "profiler",
         "collectives_profiled": profiled,
@@ -168,7 +166,7 @@ def _run_training(
 def _run_comm_only(spec: BenchSpec, device: torch.device) -> dict:
     with torch.device("meta"):
         model = build_model(spec.workload, spec.seed)
-    units = fsdp_unit_numels(model, transformer_blocks(model))
+    units = fsdp_unit_numels(model, [block for _, block in repeated_blocks(model)])
     return run_comm_only(
         units, steps=spec.workload.steps, warmup=spec.workload.warmup, device=device
     )
@@ -176,7 +174,9 @@ def _run_comm_only(spec: BenchSpec, device: torch.device) -> dict:
 
 def run(config: BenchConfig, spec: BenchSpec) -> dict:
     """Run ``config`` on this rank (process group from torchrun's environment)."""
-    rank, world_size, device, mesh = _init_distributed(spec)
+    device = pick_device()
+    rank, world_size = init_distributed(device, datetime.timedelta(seconds=spec.timeout_s))
+    mesh = build_mesh("simplefsdp", "fully_shard", device.type, world_size)
     result = {"config": config.name, "rank": rank, "world_size": world_size, "device": str(device)}
     try:
         if config.engine == "comm":

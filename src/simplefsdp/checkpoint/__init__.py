@@ -8,6 +8,14 @@ Usable with or without the trainer::
     extra = ckpt.load(model, optimizer, "ckpt/step-100")   # any world size / mode
     manifest = ckpt.verify("ckpt/step-100")                # raises CheckpointError
 
+A run's ``step-N`` folders (what the trainer writes): :class:`Checkpointer`
+saves and loads them, keeps the last ``keep_last``; :func:`latest_checkpoint`,
+:func:`list_checkpoints` and :func:`prune_checkpoints` find and remove them
+(see :mod:`simplefsdp.checkpoint.steps`). ``simplefsdp export`` writes a
+checkpoint's full weights to a safetensors file
+(:mod:`simplefsdp.checkpoint.export`). Test-only fault hooks are in
+:mod:`simplefsdp.testing.faults`.
+
 Note: [Checkpoint folder]
     A checkpoint is a folder holding torch.distributed.checkpoint (DCP) files
     (``.metadata`` and one or more ``*.distcp`` shards per rank: the model,
@@ -19,18 +27,51 @@ Note: [Checkpoint folder]
     checkpoint code] for why loading cannot execute code from it.
 """
 
-from simplefsdp.checkpoint._api import EXTRA_STATE_NAME, load, save, verify
-from simplefsdp.checkpoint._files import MANIFEST_NAME, CheckpointError, read_manifest
+from simplefsdp.checkpoint._api import EXTRA_STATE_NAME, barrier, load, save, verify
+from simplefsdp.checkpoint._files import (
+    MANIFEST_NAME,
+    CheckpointError,
+    build_manifest,
+    fsync_dir,
+    read_json,
+    read_manifest,
+    write_json_atomic,
+)
 from simplefsdp.checkpoint._safe_reader import SafeFileSystemReader, TensorOnlyLoadPlanner
+from simplefsdp.checkpoint.steps import (
+    CONFIG_NAME,
+    TRAINER_STATE_NAME,
+    Checkpointer,
+    CheckpointInfo,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    step_dir_name,
+    verify_checkpoint,
+)
 
 __all__ = [
+    "CONFIG_NAME",
     "EXTRA_STATE_NAME",
     "MANIFEST_NAME",
+    "TRAINER_STATE_NAME",
     "CheckpointError",
+    "CheckpointInfo",
+    "Checkpointer",
     "SafeFileSystemReader",
     "TensorOnlyLoadPlanner",
+    "barrier",
+    "build_manifest",
+    "fsync_dir",
+    "latest_checkpoint",
+    "list_checkpoints",
     "load",
+    "prune_checkpoints",
+    "read_json",
     "read_manifest",
     "save",
+    "step_dir_name",
     "verify",
+    "verify_checkpoint",
+    "write_json_atomic",
 ]

@@ -33,7 +33,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from simplefsdp.checkpoint._compat import check_state_fits, check_storage_files
-from simplefsdp.checkpoint._faults import save_fault_point
 from simplefsdp.checkpoint._files import (
     MANIFEST_NAME,
     TMP_SUFFIX,
@@ -62,13 +61,15 @@ from simplefsdp.checkpoint._state import (
     set_rng_state,
     tensor_state,
 )
+from simplefsdp.testing.faults import save_fault_point
 
 logger = logging.getLogger(__name__)
 
 EXTRA_STATE_NAME = "extra_state.json"
 
 
-def _barrier() -> None:
+def barrier() -> None:
+    """``torch.distributed.barrier()`` when a process group is initialized, else nothing."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
@@ -219,7 +220,7 @@ def save(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     save_fault_point("before_write", rank)
     state, _ = tensor_state(model, optimizer, rng_device=model_device(model) if rng else None)
     writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
@@ -228,12 +229,12 @@ def save(
     if rank == 0:
         for name, data in files.items():
             write_json_atomic(tmp / name, data)
-    _barrier()  # every rank's shards are on disk
+    barrier()  # every rank's shards are on disk
     save_fault_point("after_write", rank)
     fields = {"step": step, "world_size": world, "config_hash": config_hash}
     _finish_and_publish(tmp, final, fields)
     save_fault_point("after_publish", rank)
-    _barrier()
+    barrier()
     return final
 
 

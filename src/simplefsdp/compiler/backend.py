@@ -22,7 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,23 +30,25 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from simplefsdp.bucket_plan import BucketPlan, resolve_plan
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
-from simplefsdp.compiler.memory import estimate_memory
+from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.partition import inductor_partitioner, partition
+from simplefsdp.compiler.passes.bucketing import CollectiveSite
 from simplefsdp.compiler.passes.reshard import mark_reshard
-from simplefsdp.compiler.patterns import collective_kind, is_compute, is_wait, placeholders
+from simplefsdp.compiler.patterns import placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
-from simplefsdp.compiler.report import CommReport, GraphReport, build_graph_report
-from simplefsdp.plan import BucketPlan, resolve_plan
+from simplefsdp.compiler.report import (
+    CommReport,
+    GraphReport,
+    build_graph_report,
+    fx_overlap,
+    inductor_overlap,
+)
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("inductor", "aot_eager")
-COLLECTIVE_TARGET_NAMES = {
-    "all_gather": "all_gather_into_tensor",
-    "reduce_scatter": "reduce_scatter_tensor",
-    "all_reduce": "all_reduce",
-}
 LOG_ENV_VAR = "SIMPLEFSDP_LOG"
 
 
@@ -62,7 +64,6 @@ class CompileOptions:
     prefetch_distance: int = 1
     # Injected cost model (tests, reproducible plans); None: calibrate on first use.
     cost_model: Any = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -100,11 +101,6 @@ class CompileOptions:
             "prefetch_distance": self.prefetch_distance,
             "cost_model": "injected" if self.cost_model is not None else "calibrated",
         }
-
-
-_SOURCE_PART = re.compile(
-    r"_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)"
-)
 
 
 def _fqn_from_source(source_name: str) -> str | None:
@@ -189,6 +185,9 @@ class _GraphCompilation:
         self.plan = backend.plan()
         self.planned = not backend.is_auto
         self.plan_notes: list[str] = []
+        # The auto planner's collective sites of the forward graph, handed to
+        # the bucketing pass so it does not find them again.
+        self.planned_sites: list[CollectiveSite] | None = None
 
     def joint_pass(self, graph: fx.Graph) -> None:
         primals = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
@@ -202,11 +201,11 @@ class _GraphCompilation:
         mark_reshard(graph, self.backend.options.reshard_after_forward)
 
     def _plan_auto(self, gm: fx.GraphModule) -> None:
-        from simplefsdp.compiler.auto import plan_forward_graph
+        from simplefsdp.compiler.auto_bucketing import plan_forward_graph
 
         options = self.backend.options
         fqns = [f for f in dict.fromkeys(self.fqns) if f]
-        self.plan, self.plan_notes, _ = plan_forward_graph(
+        auto = plan_forward_graph(
             gm,
             self.primal_names,
             fqns,
@@ -215,6 +214,7 @@ class _GraphCompilation:
             memory_budget_bytes=options.memory_budget_bytes,
             reference_plan=self.backend.plan(),
         )
+        self.plan, self.plan_notes, self.planned_sites = auto.plan, auto.notes, auto.sites
         if not any(b.origin == "auto" for b in self.plan.buckets):
             # No all-gathers (replicate mode): keep the per-block plan.
             self.plan = self.backend.plan()
@@ -243,9 +243,12 @@ class _GraphCompilation:
         """Run our passes on a partitioned graph, then record it in the report."""
         output_fqns = dict(enumerate(self.fqns)) if graph_name == "backward" else {}
         notes: list[str] = []
+        sites = None
         if not self.planned and graph_name in ("forward", "inference"):
             self._plan_auto(gm)
             notes.extend(self.plan_notes)
+            # Found on this very graph, not yet changed: reuse them.
+            sites, self.planned_sites = self.planned_sites, None
         extra = run_graph_passes(
             gm,
             graph_name,
@@ -253,6 +256,7 @@ class _GraphCompilation:
             self.plan,
             self.primal_names,
             output_fqns,
+            sites=sites,
         )
         report = build_graph_report(gm, graph_name, self.graph_id, self.primal_names, output_fqns)
         report.notes.extend(notes + extra.get("notes", []))
@@ -266,52 +270,6 @@ class _GraphCompilation:
         self.backend.report.graphs.append(report)
         self.backend.graph_modules.append((graph_name, gm))
         self.backend.log_graph(report)
-
-
-_ISSUE_LINE = re.compile(
-    r"^(\w+) = torch\.ops\._c10d_functional\."
-    r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)\w*\.default\("
-)
-_WAIT_LINE = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
-_KERNEL_LINE = re.compile(r"^(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+)\(|\.run\(")
-
-
-def inductor_overlap(source: str) -> tuple[int, int]:
-    """(collectives with at least one compute kernel between issue and wait,
-    all collectives) in Inductor's generated wrapper code."""
-    open_issues: dict[str, int] = {}  # buffer -> kernels seen since its issue
-    overlapped = total = 0
-    for raw in source.splitlines():
-        line = raw.strip()
-        issue = _ISSUE_LINE.match(line)
-        if issue:
-            open_issues[issue.group(1)] = 0
-            total += 1
-            continue
-        wait = _WAIT_LINE.search(line)
-        if wait and wait.group(1) in open_issues:
-            overlapped += open_issues.pop(wait.group(1)) > 0
-            continue
-        if _KERNEL_LINE.search(line):
-            for buf in open_issues:
-                open_issues[buf] += 1
-    return overlapped, total
-
-
-def fx_overlap(gm: fx.GraphModule) -> tuple[int, int]:
-    """The same count on an FX graph (compute nodes between issue and wait)."""
-    open_issues: dict[fx.Node, int] = {}
-    overlapped = total = 0
-    for node in gm.graph.nodes:
-        if collective_kind(node) is not None:
-            open_issues[node] = 0
-            total += 1
-        elif is_wait(node) and node.args[0] in open_issues:
-            overlapped += open_issues.pop(node.args[0]) > 0
-        elif is_compute(node):
-            for key in open_issues:
-                open_issues[key] += 1
-    return overlapped, total
 
 
 class SimpleFSDPBackend:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from simplefsdp._version import __version__
 from simplefsdp.compiler.patterns import collective_kind, is_compute, node_bytes
 
 logger = logging.getLogger(__name__)
@@ -241,10 +242,10 @@ def _calibrate_compute(device: torch.device) -> tuple[float, float]:
 
 
 def _cache_path(backend: str, world_size: int, device_type: str) -> Path:
-    import simplefsdp
-
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "simplefsdp"
-    name = f"cost-{backend}-w{world_size}-{device_type}-torch{torch.__version__}-v{simplefsdp.__version__}.json"
+    name = (
+        f"cost-{backend}-w{world_size}-{device_type}-torch{torch.__version__}-v{__version__}.json"
+    )
     return root / name.replace("/", "_").replace("+", "_")
 
 

@@ -8,11 +8,16 @@ import time
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from simplefsdp.compiler.passes.bucketing import apply_buckets, find_sites, plan_buckets
+from simplefsdp.bucket_plan import BucketPlan
+from simplefsdp.compiler.passes.bucketing import (
+    CollectiveSite,
+    apply_buckets,
+    find_sites,
+    plan_buckets,
+)
 from simplefsdp.compiler.passes.reordering import reorder
 from simplefsdp.compiler.patterns import placeholders
 from simplefsdp.compiler.report import BucketInfo
-from simplefsdp.plan import BucketPlan
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +34,21 @@ def run_graph_passes(
     plan: BucketPlan | None,
     primal_names: dict[str, str],
     output_fqns: dict[int, str | None],
+    sites: list[CollectiveSite] | None = None,
 ) -> dict:
     """Bucket (when a plan is given) and reorder (when enabled) ``gm`` in place.
+
+    ``sites``: the graph's FSDP collectives when the caller already found
+    them (the auto planner does, on the same unchanged forward graph);
+    ``None`` finds them here.
 
     Returns report data: the buckets formed and pass statistics.
     """
     start = time.perf_counter()
     result: dict = {"buckets": [], "notes": []}
     if plan is not None:
-        sites = find_sites(gm.graph, primal_names, output_fqns)
+        if sites is None:
+            sites = find_sites(gm.graph, primal_names, output_fqns)
         names = [b.name for b in plan.buckets]
         buckets = plan_buckets(sites, plan.bucket_index(), names)
         # Describe the buckets before the rewrite erases their original nodes.

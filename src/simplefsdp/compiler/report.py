@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch.fx as fx
@@ -205,3 +206,53 @@ def build_graph_report(
         num_compute_nodes=compute_seen,
         collectives=collectives,
     )
+
+
+# Overlap: how many collectives have compute between their issue and their
+# wait, in our FX graph (as planned) and in Inductor's generated wrapper code
+# (what runs, after Inductor's fusions and scheduling).
+
+_ISSUE_LINE = re.compile(
+    r"^(\w+) = torch\.ops\._c10d_functional\."
+    r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)\w*\.default\("
+)
+_WAIT_LINE = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
+_KERNEL_LINE = re.compile(r"^(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+)\(|\.run\(")
+
+
+def inductor_overlap(source: str) -> tuple[int, int]:
+    """(collectives with at least one compute kernel between issue and wait,
+    all collectives) in Inductor's generated wrapper code."""
+    open_issues: dict[str, int] = {}  # buffer -> kernels seen since its issue
+    overlapped = total = 0
+    for raw in source.splitlines():
+        line = raw.strip()
+        issue = _ISSUE_LINE.match(line)
+        if issue:
+            open_issues[issue.group(1)] = 0
+            total += 1
+            continue
+        wait = _WAIT_LINE.search(line)
+        if wait and wait.group(1) in open_issues:
+            overlapped += open_issues.pop(wait.group(1)) > 0
+            continue
+        if _KERNEL_LINE.search(line):
+            for buf in open_issues:
+                open_issues[buf] += 1
+    return overlapped, total
+
+
+def fx_overlap(gm: fx.GraphModule) -> tuple[int, int]:
+    """The same count on an FX graph (compute nodes between issue and wait)."""
+    open_issues: dict[fx.Node, int] = {}
+    overlapped = total = 0
+    for node in gm.graph.nodes:
+        if collective_kind(node) is not None:
+            open_issues[node] = 0
+            total += 1
+        elif is_wait(node) and node.args[0] in open_issues:
+            overlapped += open_issues.pop(node.args[0]) > 0
+        elif is_compute(node):
+            for key in open_issues:
+                open_issues[key] += 1
+    return overlapped, total

@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
-from simplefsdp.api import DATA_PARALLEL_MODES, GRAD_REDUCE_OPS, MixedPrecisionPolicy
 from simplefsdp.frontend.mesh import resolve_mesh
 from simplefsdp.frontend.parametrization import (
     ParamSpec,
@@ -19,6 +18,7 @@ from simplefsdp.frontend.parametrization import (
     make_grad_placements,
     swap_module_class,
 )
+from simplefsdp.policies import DATA_PARALLEL_MODES, GRAD_REDUCE_OPS, MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from simplefsdp.api import MESH_NDIM_FOR_MODE
+from simplefsdp.policies import MESH_NDIM_FOR_MODE
 
 
 def default_device_type() -> str:

@@ -31,10 +31,9 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 # The attribute of a swapped module holding {param_name: ParamSpec}.
 SPECS_ATTR = "_simplefsdp_param_specs"
-# The attribute where the eager executor (``simplefsdp.eager``) puts
-# {param_name: tensor}: views of a bucket's gathered flat buffer that reads
-# return instead of gathering through DTensor. Absent unless eager is in use.
-EAGER_VIEWS_ATTR = "_simplefsdp_eager_views"
+# The attribute holding a module's registered views dict (Note: [Parameter
+# view providers]); private to this module, use the functions below.
+_VIEWS_ATTR = "_simplefsdp_param_views"
 
 
 @dataclass(frozen=True)
@@ -159,14 +158,42 @@ def _hybrid_replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
     return gathered.to_local(grad_placements=(reduce_op,))  # backward: reduce-scatter
 
 
+# Note: [Parameter view providers]
+# An executor that gathers parameters itself (the eager executor,
+# ``simplefsdp.eager``) registers a views dict on each module holding a
+# parameter it manages, with ``register_param_views``, and fills and clears its
+# entries as it gathers and frees: while the dict maps a parameter name to a
+# tensor, reading that parameter returns the tensor instead of gathering
+# through DTensor. The getter does a plain dict lookup (no graph break under
+# torch.compile); modules without a registered dict pay one ``dict.get``.
+def register_param_views(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The views dict that reads of ``module``'s parameters consult, created
+    empty on the first call (later calls return the same dict).
+
+    The caller owns the entries: ``views[name] = tensor`` makes reads of
+    ``module.<name>`` return ``tensor``; removing the entry restores gathering.
+    """
+    return module.__dict__.setdefault(_VIEWS_ATTR, {})
+
+
+def remove_param_views(module: nn.Module) -> None:
+    """Drop ``module``'s views dict (if any): reads gather through DTensor again."""
+    module.__dict__.pop(_VIEWS_ATTR, None)
+
+
+def has_param_views(module: nn.Module) -> bool:
+    """Whether ``module`` has a registered views dict."""
+    return _VIEWS_ATTR in module.__dict__
+
+
 def _make_property(name: str) -> property:
     def getter(self: nn.Module) -> torch.Tensor | None:
         param = self._parameters[name]
         if param is None or not _parametrization_enabled:
             return param
-        # Eager executor: a plain dict lookup (no graph break under torch.compile;
-        # the dict is absent on modules the executor does not manage).
-        views = self.__dict__.get(EAGER_VIEWS_ATTR)
+        # Note: [Parameter view providers]: a plain dict lookup (no graph break
+        # under torch.compile; the dict is absent unless an executor registered it).
+        views = self.__dict__.get(_VIEWS_ATTR)
         if views is not None and name in views:
             return views[name]
         return replicate_compute(param, self.__dict__[SPECS_ATTR][name])

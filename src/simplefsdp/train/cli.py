@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
+from simplefsdp.engines import default_nproc
 from simplefsdp.train.config import SECTIONS, JobConfig, format_config, load_config
-from simplefsdp.train.launch import default_nproc, launch, under_torchrun
+from simplefsdp.train.launch import launch, under_torchrun
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
     Raises:
         ValueError: naming the problem and the valid choices.
     """
-    from simplefsdp.train.parallelize import mesh_shape_for
+    from simplefsdp.engines import mesh_shape_for
 
     path = job.data.path
     if path is not None:
@@ -107,7 +108,14 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
             f"data.tokenizer {tok!r} does not exist; use 'byte' or the path of a local "
             "tokenizer.json file or Hugging Face tokenizer folder"
         )
-    mesh_shape_for(job.parallel, world_size, local_world_size)
+    p = job.parallel
+    mesh_shape_for(
+        p.engine,
+        p.mode,
+        world_size,
+        mesh_shape=p.mesh_shape,
+        local_world_size=local_world_size,
+    )
     _check_seq_len(job)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and local_world_size > gpus:

@@ -15,11 +15,9 @@ import logging
 import os
 import sys
 
-import torch
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["default_nproc", "launch", "under_torchrun"]
+__all__ = ["launch", "under_torchrun"]
 
 WORKER_MODULE = "simplefsdp.train"
 
@@ -31,13 +29,6 @@ def under_torchrun() -> bool:
     (set by torchrun and by most other launchers).
     """
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
-def default_nproc() -> int:
-    """All visible GPUs, or 2 processes on CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.cuda.device_count()
-    return 2
 
 
 def _set_worker_threads(nproc: int) -> None:

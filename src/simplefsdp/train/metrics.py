@@ -1,4 +1,6 @@
-"""Training metrics: peak memory, MFU, JSON lines, TensorBoard and progress lines.
+"""Training metrics: MFU, JSON lines, TensorBoard and progress lines.
+
+Peak memory is measured by ``simplefsdp.engines.MemoryProbe``.
 
 Everything here is optional at runtime: TensorBoard is used only when
 ``torch.utils.tensorboard`` imports, ``tqdm`` only when installed and stdout is
@@ -17,8 +19,8 @@ Note: [Peak memory on CPU]
     counts model, optimizer,
     gradient and activation memory plus allocator slack. glibc's malloc would
     keep freed large blocks in its heap once its dynamic mmap threshold has
-    grown, so RSS would no longer fall when tensors are freed;
-    :func:`pin_malloc_mmap_threshold` fixes the threshold (``mallopt
+    grown, so RSS would no longer fall when tensors are freed; the trainer
+    fixes the threshold (``simplefsdp.engines.lower_mmap_threshold``, ``mallopt
     M_MMAP_THRESHOLD``, :data:`MMAP_THRESHOLD_BYTES` = 4 MiB) so that large
     tensors are always mmap-ed and returned to the OS on free. The value is a
     trade-off: 1 MiB tracks small models more closely but each fresh mapping
@@ -42,21 +44,17 @@ from typing import Any, TextIO
 
 import torch
 
-from simplefsdp.memory import lower_mmap_threshold, read_rss_bytes, reset_peak_rss
-
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "GPU_PEAK_BF16_FLOPS",
-    "MemoryMonitor",
+    "MMAP_THRESHOLD_BYTES",
     "MetricsWriter",
     "ProgressDisplay",
     "format_bytes",
     "format_step_line",
     "mfu",
     "peak_flops_for",
-    "pin_malloc_mmap_threshold",
-    "read_rss_bytes",
 ]
 
 #: Dense bf16 peak FLOP/s by a substring of ``torch.cuda.get_device_name()``.
@@ -120,38 +118,6 @@ def format_bytes(num_bytes: float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GiB"  # pragma: no cover - loop always returns
-
-
-def pin_malloc_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold (see [Peak memory on CPU]); ``True`` if applied."""
-    return lower_mmap_threshold(threshold_bytes)
-
-
-class MemoryMonitor:
-    """Peak memory of this rank since :meth:`reset` (see [Peak memory on CPU]).
-
-    Args:
-        device: the training device.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.baseline_bytes = 0
-        self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss_over_baseline"
-
-    def reset(self) -> None:
-        """Start measuring from now: reset CUDA peaks / record the CPU RSS baseline."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        reset_peak_rss()
-        self.baseline_bytes = read_rss_bytes()[0]
-
-    def peak_bytes(self) -> int:
-        """Peak bytes since :meth:`reset`."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return max(0, read_rss_bytes()[1] - self.baseline_bytes)
 
 
 def _jsonable(value: Any) -> Any:

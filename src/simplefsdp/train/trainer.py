@@ -15,7 +15,6 @@ processes); with no process-group environment it trains in a single process.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
@@ -29,24 +28,41 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from simplefsdp.checkpoint._faults import maybe_kill_at_step
-from simplefsdp.train.checkpointing import Checkpointer, latest_checkpoint, step_dir_name
+from simplefsdp.checkpoint import Checkpointer, latest_checkpoint, step_dir_name
+from simplefsdp.engines import (
+    EngineSpec,
+    MemoryProbe,
+    ParallelModel,
+    build_mesh,
+    clip_grad_norm_,
+    comm_device,
+    init_distributed,
+    lower_mmap_threshold,
+    parallelize,
+    pick_device,
+)
+from simplefsdp.testing.faults import maybe_kill_at_step
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
 from simplefsdp.train.metrics import (
-    MemoryMonitor,
+    MMAP_THRESHOLD_BYTES,
     MetricsWriter,
     ProgressDisplay,
     format_bytes,
     format_step_line,
     mfu,
     peak_flops_for,
-    pin_malloc_mmap_threshold,
 )
-from simplefsdp.train.parallelize import ParallelModel, build_mesh, clip_grad_norm_, parallelize
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainSummary", "Trainer", "build_lr_scheduler", "lr_factor", "pick_device"]
+__all__ = [
+    "TrainSummary",
+    "Trainer",
+    "build_lr_scheduler",
+    "engine_spec",
+    "lr_factor",
+    "parallelize_job",
+]
 
 
 # --------------------------------------------------------------------------- schedule
@@ -83,50 +99,39 @@ def build_lr_scheduler(
 # --------------------------------------------------------------------------- setup helpers
 
 
-def pick_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` when GPUs are visible, else ``cpu``."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+def engine_spec(job: JobConfig) -> EngineSpec:
+    """The engine layer's description of ``job``'s parallel, compile and AC sections."""
+    p, c = job.parallel, job.compile
+    return EngineSpec(
+        engine=p.engine,
+        mode=p.mode,
+        param_dtype=p.param_dtype,
+        reduce_dtype=p.reduce_dtype,
+        reshard_after_forward=p.reshard_after_forward,
+        compile=c.enable,
+        backend=c.backend,
+        bucketing=c.bucketing,
+        activation_checkpoint=job.activation_checkpoint.mode,
+    )
 
 
-def _init_process_group(device: torch.device) -> None:
-    """Initialise the default process group (NCCL on CUDA, gloo on CPU) if needed.
+def parallelize_job(model: torch.nn.Module, job: JobConfig, device: torch.device) -> ParallelModel:
+    """Parallelise a Llama 3 model built on the meta device as ``job`` says.
 
-    Without torchrun's environment (no ``WORLD_SIZE``), a single-process group
-    is made on an in-memory store.
+    Builds the data-parallel mesh over the default process group, applies
+    :func:`engine_spec` through ``simplefsdp.engines.parallelize`` and
+    initialises the weights with the model's ``init_weights`` under the
+    current RNG state.
     """
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(minutes=10)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if "WORLD_SIZE" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        return
-    kwargs: dict[str, Any] = {"timeout": timeout}
-    if device.type == "cuda":
-        kwargs["device_id"] = device
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        kwargs.update(_per_attempt_store(timeout))
-    dist.init_process_group(backend, **kwargs)
-
-
-def _per_attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
-    """``store``/``rank``/``world_size`` for the env:// rendezvous, keyed by restart attempt.
-
-    Under torchelastic the workers of every attempt share the agent's TCPStore;
-    a restarted attempt would read the previous attempt's process-group keys
-    (e.g. gloo addresses of dead peers) and fail to connect
-    (pytorch/pytorch#135712). A per-attempt key prefix keeps the attempts apart,
-    so ``torchrun --max-restarts K`` works without further settings.
-    """
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefixed = dist.PrefixStore(f"simplefsdp/attempt{attempt}/", store)
-    return {"store": prefixed, "rank": rank, "world_size": world_size}
+    p = job.parallel
+    mesh = build_mesh(p.engine, p.mode, device.type, dist.get_world_size(), mesh_shape=p.mesh_shape)
+    return parallelize(
+        model,
+        engine_spec(job),
+        mesh,
+        device,
+        init_fn=lambda m: m.init_weights(buffer_device=device),
+    )
 
 
 def _json_ready(state: dict[str, Any]) -> dict[str, Any]:
@@ -205,13 +210,12 @@ class Trainer:
 
     def setup(self) -> None:
         """Build everything; resume from the latest checkpoint if asked to."""
-        _init_process_group(self.device)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size = init_distributed(self.device)
         self._seed()
         self._build_data()
-        self.memory = MemoryMonitor(self.device)
         if self.device.type == "cpu":
-            pin_malloc_mmap_threshold()  # see [Peak memory on CPU] in metrics.py
+            lower_mmap_threshold(MMAP_THRESHOLD_BYTES)  # see [Peak memory on CPU] in metrics.py
+        self.memory = MemoryProbe(self.device)
         self.memory.reset()
         self._build_model()
         self._build_optimizer()
@@ -230,7 +234,7 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
 
     def _build_data(self) -> None:
-        from simplefsdp.train.data import build_data
+        from simplefsdp.data import build_data
 
         bundle = build_data(
             self.job.data, rank=self.rank, world_size=self.world_size, seed=self.job.training.seed
@@ -258,9 +262,7 @@ class Trainer:
         self.model_args = self._model_args()
         with torch.device("meta"):
             model = Transformer(self.model_args)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        mesh = build_mesh(self.job.parallel, self.device.type, self.world_size, local_world)
-        self.parallel: ParallelModel = parallelize(model, self.job, mesh, self.device)
+        self.parallel: ParallelModel = parallelize_job(model, self.job, self.device)
         self.model = self.parallel.module
         self.flops_per_token = flops_per_token(self.model_args, self.job.data.seq_len)
         self.peak_flops = peak_flops_for(self.device)
@@ -317,7 +319,7 @@ class Trainer:
             step = -1 if info is None else info.step
             if info is None:
                 logger.warning("no complete checkpoint in %s; starting from scratch", ck.folder)
-        decided = torch.tensor([step], dtype=torch.int64, device=self._comm_device())
+        decided = torch.tensor([step], dtype=torch.int64, device=comm_device(self.device))
         dist.broadcast(decided, src=0)
         return int(decided.item())
 
@@ -332,9 +334,6 @@ class Trainer:
         self.loader.load_state_dict(state["data_loader"])
         self.step = int(state["step"])
         self.summary.checkpoint = str(Path(self.job.checkpoint.folder) / step_dir_name(step))
-
-    def _comm_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     # -- one step ----------------------------------------------------------
 
@@ -365,12 +364,12 @@ class Trainer:
         return loss_sum, grad_norm, float(lr)
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        reduced = value.detach().to(self._comm_device(), torch.float32).clone()
+        reduced = value.detach().to(comm_device(self.device), torch.float32).clone()
         dist.all_reduce(reduced)
         return float(reduced.item()) / self.world_size
 
     def _global_max(self, value: float) -> float:
-        reduced = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        reduced = torch.tensor([value], dtype=torch.float64, device=comm_device(self.device))
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
         return float(reduced.item())
 
@@ -417,7 +416,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens_per_s_per_rank": tps,
             "mfu_pct": mfu(tps, self.flops_per_token, self.peak_flops),
-            "peak_memory_bytes": int(self._global_max(self.memory.peak_bytes())),
+            "peak_memory_bytes": int(self._global_max(self.memory.peak_bytes() or 0)),
         }
 
     def _should(self, step: int, interval: int) -> bool:
@@ -502,7 +501,7 @@ class Trainer:
         steady_steps = self.step - s.start_step - 1
         if steady_steps > 0 and steady_s > 0:
             s.tokens_per_s = steady_steps * self._tokens_per_step() / steady_s
-        s.peak_memory_bytes = int(self._global_max(self.memory.peak_bytes()))
+        s.peak_memory_bytes = int(self._global_max(self.memory.peak_bytes() or 0))
 
     def close(self) -> None:
         """Flush metrics and destroy the process group."""

@@ -8,20 +8,16 @@ Example::
     logits = model(tokens)  # (B, T) -> (B, T, vocab_size)
 """
 
+from .args import ModelArgs, RopeScaling, ffn_hidden_dim, flops_per_token, num_params
 from .configs import BYTE_VOCAB_SIZE, LLAMA3_CONFIGS, LLAMA31_ROPE_SCALING, get_config
 from .model import (
     Attention,
     FeedForward,
-    ModelArgs,
     RMSNorm,
-    RopeScaling,
     Transformer,
     TransformerBlock,
     apply_rope_scaling,
     apply_rotary_emb,
-    ffn_hidden_dim,
-    flops_per_token,
-    num_params,
     precompute_freqs_cis,
     repeat_kv,
     rope_frequencies,

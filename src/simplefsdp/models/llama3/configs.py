@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .model import ModelArgs, RopeScaling
+from .args import ModelArgs, RopeScaling
 
 __all__ = ["BYTE_VOCAB_SIZE", "LLAMA3_CONFIGS", "LLAMA31_ROPE_SCALING", "get_config"]
 

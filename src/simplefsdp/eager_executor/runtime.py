@@ -59,8 +59,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from simplefsdp.eager.collectives import Collectives, Work
-from simplefsdp.eager.flat_bucket import FlatBucket
+from simplefsdp.eager_executor.collectives import Collectives, Work
+from simplefsdp.eager_executor.flat_bucket import FlatBucket
 
 logger = logging.getLogger(__name__)
 

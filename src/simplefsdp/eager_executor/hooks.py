@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-from simplefsdp.eager.runtime import EagerExecutor, ViewTarget
-from simplefsdp.frontend.parametrization import EAGER_VIEWS_ATTR
-from simplefsdp.plan import BucketPlan
+from simplefsdp.bucket_plan import BucketPlan
+from simplefsdp.eager_executor.runtime import EagerExecutor, ViewTarget
+from simplefsdp.frontend.parametrization import register_param_views, remove_param_views
 
 
 def _subtree_param_ids(root: nn.Module) -> dict[int, set[int]]:
@@ -80,8 +80,9 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
 def view_targets(root: nn.Module, plan: BucketPlan) -> list[list[ViewTarget]]:
     """Per bucket, where its parameter views are published (installs the dicts).
 
-    Every module holding a bucket parameter (each alias) gets an
-    ``EAGER_VIEWS_ATTR`` dict that the parametrization getter consults.
+    Every module holding a bucket parameter (each alias) gets a views dict
+    registered with the frontend (Note: [Parameter view providers] in
+    ``frontend/parametrization.py``) that its parameter reads consult.
     """
     canonical_fqn = {id(p): fqn for fqn, p in root.named_parameters()}
     index_of = plan.bucket_index()
@@ -90,7 +91,7 @@ def view_targets(root: nn.Module, plan: BucketPlan) -> list[list[ViewTarget]]:
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
-        views = module.__dict__.setdefault(EAGER_VIEWS_ATTR, {})
+        views = register_param_views(module)
         for name in names:
             fqn = canonical_fqn[id(module._parameters[name])]
             targets[index_of[fqn]].append((views, name, fqn))
@@ -99,7 +100,7 @@ def view_targets(root: nn.Module, plan: BucketPlan) -> list[list[ViewTarget]]:
 
 def remove_view_dicts(root: nn.Module) -> None:
     for module in root.modules():
-        module.__dict__.pop(EAGER_VIEWS_ATTR, None)
+        remove_param_views(module)
 
 
 def install_hooks(

@@ -1,5 +1,8 @@
 """Test-only fault-injection hooks, driven by environment variables.
 
+Called by :func:`simplefsdp.checkpoint.save` and the trainer. A leaf module:
+it imports only the standard library (nothing of simplefsdp's, no torch).
+
 These exist so that tests can kill a process at a chosen point, the way a lost
 node or a preemption would, and check that nothing trained is lost. They do
 nothing unless their variable is set; never set them in a real job.
@@ -32,6 +35,18 @@ import signal
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_KILL_MARKER",
+    "FAIL_RANK_ENV",
+    "FAIL_SAVE_ENV",
+    "KILL_AT_STEP_ENV",
+    "KILL_MARKER_ENV",
+    "KILL_RANK_ENV",
+    "SAVE_STAGES",
+    "maybe_kill_at_step",
+    "save_fault_point",
+]
 
 FAIL_SAVE_ENV = "SIMPLEFSDP_TEST_FAIL_SAVE"
 FAIL_RANK_ENV = "SIMPLEFSDP_TEST_FAIL_RANK"

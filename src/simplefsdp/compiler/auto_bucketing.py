@@ -1,4 +1,5 @@
-"""The automatic bucket planner: greedy, cost-model driven, memory-budgeted.
+"""Automatic bucketing (``bucketing="auto"``): greedy, cost-model driven,
+memory-budgeted plans from a forward graph.
 
 Note: [Greedy auto-wrapping]
     The forward graph's FSDP all-gathers are walked in order of first use
@@ -18,21 +19,33 @@ Note: [Greedy auto-wrapping]
     prefetched next bucket (2 * B_i + B_{i+1}); a bucket stops growing while
     the largest single parameter could still follow it. The plan is plain data
     (parameter FQNs per bucket), computed alike on every rank (Note:
-    [Identical plans without compile-time collectives] in ``auto.py``).
+    [Identical plans without compile-time collectives]).
+
+Note: [Identical plans without compile-time collectives]
+    Ranks must bucket identically or their collectives mismatch and hang. The
+    plan is a deterministic function of the forward graph and the cost model;
+    the cost model is calibrated when ``simplefsdp.compile`` is called (all
+    ranks call it together) and rank 0's numbers are broadcast then. Nothing
+    communicates during compilation itself, where one rank may compile a graph
+    another rank does not (e.g. a recompile on one rank only), and the inputs
+    that legitimately differ between ranks (the padding of uneven shards) are
+    left out of the estimates.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
 
+from simplefsdp.bucket_plan import Bucket, BucketPlan
 from simplefsdp.compiler.cost_model import CostModel
-from simplefsdp.compiler.passes.bucketing import CollectiveSite
-from simplefsdp.compiler.patterns import is_compute, wait_of
-from simplefsdp.plan import Bucket, BucketPlan
+from simplefsdp.compiler.memory_estimate import estimate_memory
+from simplefsdp.compiler.passes.bucketing import CollectiveSite, find_sites
+from simplefsdp.compiler.patterns import is_compute, path_from_placeholder, wait_of
 
 logger = logging.getLogger(__name__)
 
@@ -208,3 +221,86 @@ def to_plan(buckets: Sequence[Sequence[GatherUnit]], all_fqns: Sequence[str]) ->
     ]
     result += [Bucket(f, (f,), "single") for f in all_fqns if f not in planned]
     return BucketPlan(tuple(result))
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What ``plan_forward_graph`` found and decided for one forward graph.
+
+    Attributes:
+        plan: the bucket plan (``"auto"`` buckets, then single parameters
+            never gathered in forward).
+        notes: lines for the communication report.
+        data: planning statistics (time, units, budget, unbucketed peak).
+        sites: the FSDP collectives of the (unbucketed) forward graph, for the
+            bucketing pass to reuse as long as the graph is unchanged.
+    """
+
+    plan: BucketPlan
+    notes: list[str]
+    data: dict
+    sites: list[CollectiveSite]
+
+
+def plan_forward_graph(
+    gm: fx.GraphModule,
+    primal_names: dict[str, str],
+    all_fqns: list[str],
+    cost_model: CostModel,
+    *,
+    reshard_after_forward: bool,
+    memory_budget_bytes: int | None,
+    reference_plan: BucketPlan | None,
+) -> AutoPlan:
+    """Plan buckets for one Dynamo graph from its (unbucketed) forward graph.
+
+    ``reference_plan`` (per block) sets the default budget: no more predicted
+    memory than per-block wrapping needs.
+    """
+    start = time.perf_counter()
+    sites = find_sites(gm.graph, primal_names, {})
+    units = gather_units(gm, sites, cost_model)
+    # Ranks with uneven shards pad their all-gather inputs; leave those nodes
+    # out so every rank computes the same numbers and so the same plan.
+    padding = {
+        n for site in sites if site.kind == "all_gather" for n in path_from_placeholder(site.input)
+    }
+    base = estimate_memory(gm, ignore=padding)
+    base_peak = base.peak_bytes
+    budget = memory_budget_bytes
+    default_budget = None
+    if budget is None and reference_plan is not None:
+        by_fqn = {u.fqn: u for u in units}
+        reference = [
+            [by_fqn[f] for f in b.param_fqns if f in by_fqn] for b in reference_plan.buckets
+        ]
+        default_budget = base_peak + prefetch_extra_bytes([b for b in reference if b])
+        budget = default_budget
+    buckets = greedy_buckets(
+        units,
+        cost_model,
+        reshard_after_forward=reshard_after_forward,
+        base_peak_bytes=base_peak,
+        memory_budget_bytes=budget,
+    )
+    plan = to_plan(buckets, all_fqns)
+    planning_s = time.perf_counter() - start
+    data = {
+        "planning_s": planning_s,
+        "num_units": len(units),
+        "num_buckets": sum(1 for b in plan.buckets if b.origin == "auto"),
+        "memory_budget_bytes": budget,
+        "budget_is_default": default_budget is not None,
+        "unbucketed_peak_bytes": base_peak,
+    }
+    notes = [
+        f"auto plan: {data['num_units']} all-gathers -> {data['num_buckets']} buckets in "
+        f"{1000 * planning_s:.1f} ms; memory budget "
+        + (
+            f"{budget} bytes" + (" (default: per-block plan's peak)" if default_budget else "")
+            if budget is not None
+            else "none"
+        )
+    ]
+    logger.debug("%s", notes[0])
+    return AutoPlan(plan, notes, data, sites)

@@ -8,16 +8,16 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from simplefsdp.eager.flat_bucket import FlatBucket, MeshGroups, dtensor_like, make_slots
-from simplefsdp.eager.hooks import (
+from simplefsdp.bucket_plan import BucketPlan, PlanSpec, resolve_plan
+from simplefsdp.eager_executor.flat_bucket import FlatBucket, MeshGroups, dtensor_like, make_slots
+from simplefsdp.eager_executor.hooks import (
     find_owner_modules,
     install_hooks,
     remove_view_dicts,
     view_targets,
 )
-from simplefsdp.eager.runtime import EagerExecutor, EagerOptions
+from simplefsdp.eager_executor.runtime import EagerExecutor, EagerOptions
 from simplefsdp.frontend.data_parallel import DataParallelState, get_data_parallel_state
-from simplefsdp.plan import BucketPlan, PlanSpec, resolve_plan
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ EXECUTOR_ATTR = "_simplefsdp_eager_executor"
 
 def eager(
     model: nn.Module,
-    buckets: PlanSpec = "per_block",
+    bucketing: PlanSpec = "per_block",
     *,
     forward_prefetch: bool = True,
     backward_prefetch: bool = True,
@@ -53,17 +53,18 @@ def eager(
     reductions in ``reduce_dtype``. See Note: [Eager schedule] in
     ``runtime.py`` for when things happen.
 
-    Gradient accumulation: ``get_eager_executor(model).no_sync()`` (or
-    ``set_requires_gradient_sync(False)``) keeps gradients unsharded and
+    Gradient accumulation: ``simplefsdp.get_eager_executor(model).no_sync()``
+    (or ``set_requires_gradient_sync(False)``) keeps gradients unsharded and
     unreduced; the next backward with sync reduces their sum once.
 
     Args:
         model: a module wrapped by ``simplefsdp.data_parallel`` (its parameters
             materialised, not on the meta device). Modified in place.
-        buckets: the bucket plan, in the format ``simplefsdp.compile`` takes
-            (``simplefsdp.plan``): ``"per_block"`` (default), a list of lists
-            of module/parameter FQNs, a module class, or a predicate
-            ``(fqn, module) -> bool``.
+        bucketing: the bucket plan, in the format of ``simplefsdp.compile``'s
+            ``bucketing=`` (see ``simplefsdp.bucket_plan``): ``"per_block"``
+            (default), a list of lists of module/parameter FQNs, a module
+            class, or a predicate ``(fqn, module) -> bool``. (``"auto"`` and
+            ``"none"`` exist only for ``simplefsdp.compile``.)
         forward_prefetch: from the second iteration, gather the next buckets
             of the recorded forward order early (for static graphs).
         backward_prefetch: gather the next bucket of backward order (the
@@ -80,7 +81,7 @@ def eager(
             effect (logged). Not yet exercised on a GPU by the test-suite.
 
     Returns:
-        ``model``; its executor is ``get_eager_executor(model)``.
+        ``model``; its executor is ``simplefsdp.get_eager_executor(model)``.
 
     Raises:
         ValueError: ``model`` is not wrapped by ``data_parallel``, already runs
@@ -94,7 +95,7 @@ def eager(
     if EXECUTOR_ATTR in model.__dict__:
         raise ValueError(
             f"{type(model).__name__} already runs with simplefsdp.eager; call "
-            "simplefsdp.eager.remove_eager(model) before applying eager again"
+            "simplefsdp.remove_eager(model) before applying eager again"
         )
     meta = [fqn for fqn, p in model.named_parameters() if p.is_meta]
     if meta:
@@ -102,7 +103,7 @@ def eager(
             f"parameters {meta[:3]} are on the meta device; call model.to_empty(...) and "
             "initialise them before simplefsdp.eager"
         )
-    plan = resolve_plan(model, buckets)
+    plan = resolve_plan(model, bucketing)
     device = _compute_device(state)
     offload = _resolve_offload(cpu_offload, device)
     if offload:
@@ -139,7 +140,8 @@ def eager(
 
 
 def get_eager_executor(model: nn.Module) -> EagerExecutor:
-    """The ``EagerExecutor`` that ``simplefsdp.eager`` attached to ``model``.
+    """The ``EagerExecutor`` that ``simplefsdp.eager`` attached to ``model``
+    (``simplefsdp.get_eager_executor``).
 
     Raises:
         ValueError: ``model`` does not run with ``simplefsdp.eager``.
@@ -154,7 +156,8 @@ def get_eager_executor(model: nn.Module) -> EagerExecutor:
 
 
 def remove_eager(model: nn.Module) -> nn.Module:
-    """Undo ``simplefsdp.eager``: parameter reads gather through DTensor again.
+    """Undo ``simplefsdp.eager`` (``simplefsdp.remove_eager``): parameter reads
+    gather through DTensor again.
 
     Call between iterations (after a backward). Offloaded parameters stay on
     the CPU. Raises ``ValueError`` like ``get_eager_executor``.

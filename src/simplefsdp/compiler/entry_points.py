@@ -85,7 +85,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         bucketing: ``"auto"`` (cost-model plan), ``"none"`` (one collective
             per parameter), or a manual plan: ``"per_block"``, a list of
             lists of module FQNs, a module class, or a predicate
-            ``(fqn, module) -> bool`` (see ``simplefsdp.plan``).
+            ``(fqn, module) -> bool`` (see ``simplefsdp.bucket_plan``).
         reorder: prefetch all-gathers and delay waits to overlap compute.
         memory_budget_bytes: peak-memory budget (bytes) for the auto planner;
             ``None``: no more predicted memory than the per-block plan.

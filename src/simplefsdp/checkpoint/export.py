@@ -29,11 +29,13 @@ from typing import Any
 
 import torch
 
-from simplefsdp.checkpoint import SafeFileSystemReader, TensorOnlyLoadPlanner
-from simplefsdp.checkpoint._files import fsync_dir, read_json
-from simplefsdp.train.checkpointing import (
+from simplefsdp.checkpoint import (
     CONFIG_NAME,
+    SafeFileSystemReader,
+    TensorOnlyLoadPlanner,
+    fsync_dir,
     latest_checkpoint,
+    read_json,
     read_manifest,
     verify_checkpoint,
     write_json_atomic,

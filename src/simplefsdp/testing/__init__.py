@@ -1,6 +1,8 @@
 """Test utilities: run a function in N local processes, record collectives.
 
 These are used by simplefsdp's own test-suite and are usable in users' tests.
+The test-only fault-injection hooks (kill a rank mid-save or after a step) are
+in :mod:`simplefsdp.testing.faults`.
 """
 
 from __future__ import annotations

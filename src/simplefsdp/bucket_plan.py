@@ -3,10 +3,11 @@
 Both executors (``simplefsdp.compile`` and ``simplefsdp.eager``) and the
 reports consume a ``BucketPlan``. A user writes a plan as a *plan spec*:
 
-- ``"per_block"``: one bucket per repeated block (each child of an
-  ``nn.ModuleList``/``nn.ModuleDict`` that holds parameters, like FSDP's
-  transformer auto-wrap policy); the remaining parameters are grouped by
-  position (e.g. embeddings before the blocks, final norm + output after).
+- ``"per_block"``: one bucket per repeated block (``repeated_blocks``: each
+  outermost child of an ``nn.ModuleList``/``nn.ModuleDict`` that holds
+  parameters, like FSDP's transformer auto-wrap policy); the remaining
+  parameters are grouped by position (e.g. embeddings before the blocks,
+  final norm + output after).
 - a list of entries, one bucket per entry, where an entry is a list of module
   (or parameter) FQNs; a module name covers its submodules' parameters:
   ``[["tok_embeddings"], ["layers.0"], ["layers.1"], ["norm", "output"]]``.
@@ -92,35 +93,50 @@ def _covered_by(name: str, alias_fqns: Sequence[str]) -> list[str]:
     return [f for f in alias_fqns if f == name or f.startswith(prefix)]
 
 
-def _module_entries(model: nn.Module, match: ModulePredicate) -> list[list[str]]:
-    """One entry per outermost module for which ``match`` is true."""
-    entries: list[list[str]] = []
+def _outermost_modules(model: nn.Module, match: ModulePredicate) -> list[tuple[str, nn.Module]]:
+    """Every outermost (non-root) module holding parameters for which ``match``
+    is true, in ``named_modules()`` order."""
+    found: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for fqn, module in model.named_modules():
         if any(fqn == t or fqn.startswith(t + ".") for t in taken):
             continue
         if fqn and match(fqn, module) and any(True for _ in module.parameters()):
-            entries.append([fqn])
+            found.append((fqn, module))
             taken.append(fqn)
-    return entries
+    return found
 
 
-def _per_block_entries(model: nn.Module) -> list[list[str]]:
-    containers = [
+def _module_entries(model: nn.Module, match: ModulePredicate) -> list[list[str]]:
+    """One entry per outermost module for which ``match`` is true."""
+    return [[fqn] for fqn, _ in _outermost_modules(model, match)]
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks: ``(fqn, module)`` for each outermost child
+    of an ``nn.ModuleList``/``nn.ModuleDict`` that holds parameters (and is
+    not itself such a container), in ``named_modules()`` order.
+
+    The one definition of a "block": the ``"per_block"`` bucket plan makes one
+    bucket per block, and the engines use the same blocks for activation
+    checkpointing and per-block FSDP2 wrapping. For a Llama-style model these
+    are ``layers.0``, ``layers.1``, ...
+    """
+    containers = {
         fqn for fqn, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))
-    ]
+    }
 
     def is_block(fqn: str, _module: nn.Module) -> bool:
         parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
         return parent in containers and fqn not in containers
 
-    return _module_entries(model, is_block)
+    return _outermost_modules(model, is_block)
 
 
 def _entries_from_spec(model: nn.Module, spec: PlanSpec) -> list[list[str]]:
     if isinstance(spec, str):
         if spec == "per_block":
-            return _per_block_entries(model)
+            return [[fqn] for fqn, _ in repeated_blocks(model)]
         raise ValueError(
             f"unknown bucket plan {spec!r}; valid: 'per_block', a list of lists of module "
             "FQNs, a module class, or a predicate (fqn, module) -> bool"

@@ -1,4 +1,7 @@
-"""Process memory measurement on CPU (peak RSS) and GPU (allocator stats).
+"""The one memory probe: peak memory of a region on CPU (peak RSS) and GPU (allocator).
+
+Used by the trainer (``peak memory`` in the metrics), the benchmark workers
+and the memory tests; see :class:`MemoryProbe`.
 
 Note: [Measuring peak memory on CPU]
     glibc serves small allocations from its heap and rarely returns freed heap
@@ -21,6 +24,16 @@ import logging
 import sys
 
 import torch
+
+__all__ = [
+    "MemoryProbe",
+    "current_rss_bytes",
+    "lower_mmap_threshold",
+    "malloc_trim",
+    "peak_rss_bytes",
+    "read_rss_bytes",
+    "reset_peak_rss",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,35 +122,83 @@ def reset_peak_rss() -> int | None:
     return current_rss_bytes()
 
 
-class PeakMemory:
-    """Measure peak memory of a region: CUDA allocator peak or CPU peak RSS.
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    Example::
 
-        with PeakMemory(device) as peak:
+class MemoryProbe:
+    """Peak memory of this process above a baseline: CUDA allocator or CPU peak RSS.
+
+    The baseline is taken at construction (for a training process: after
+    start-up, before the model is built; on CPU after ``malloc_trim``). :meth:`reset` starts a measured
+    region (CPU: ``malloc_trim`` then a reset of the kernel's high-water mark;
+    CUDA: a reset of the allocator's peak), :meth:`peak_bytes` reads the peak
+    since the last reset, above the baseline. On CPU the numbers follow tensor
+    lifetimes only after :func:`lower_mmap_threshold` (see Note: [Measuring
+    peak memory on CPU]). Also a context manager for one region::
+
+        with MemoryProbe(device) as probe:
             step()
-        print(peak.peak_bytes)  # above the baseline at entry
+        print(probe.peak)  # bytes above the level at entry
+
+    Attributes:
+        kind: what is measured (``"cuda_max_allocated_over_baseline"`` or
+            ``"cpu_peak_rss_over_baseline"``), for reports.
+        baseline_bytes: the level at construction (``None``: unknown here).
+        start_bytes: the level when the last :meth:`reset` ran, above the baseline.
+        reset_ok: whether the last reset of the CPU high-water mark worked
+            (without it the peak also covers what ran before the reset).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self.baseline_bytes: int | None = None
-        self.peak_bytes: int | None = None
+        cuda = self.device.type == "cuda"
+        self.kind = "cuda_max_allocated_over_baseline" if cuda else "cpu_peak_rss_over_baseline"
+        _synchronize(self.device)
+        if not cuda:
+            malloc_trim()  # freed heap pages must not inflate the baseline
+        self.baseline_bytes: int | None = self._current()
+        self.start_bytes: int | None = None
+        self.reset_ok = True
+        self.peak: int | None = None
 
-    def __enter__(self) -> PeakMemory:
+    def _current(self) -> int | None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.memory_allocated(self.device))
+        return current_rss_bytes()
+
+    def _above_baseline(self, value: int | None) -> int | None:
+        if value is None or self.baseline_bytes is None:
+            return None
+        return int(value - self.baseline_bytes)
+
+    def reset(self) -> None:
+        """Start a measured region: reset the peak, remember the level now."""
+        _synchronize(self.device)
+        if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.baseline_bytes = torch.cuda.memory_allocated(self.device)
-        else:
-            self.baseline_bytes = reset_peak_rss()
+            self.start_bytes = self._above_baseline(self._current())
+            return
+        malloc_trim()
+        rss = reset_peak_rss()
+        self.reset_ok = rss is not None
+        self.start_bytes = self._above_baseline(rss if rss is not None else current_rss_bytes())
+
+    def peak_bytes(self) -> int | None:
+        """The peak since the last :meth:`reset`, above the baseline (``None``: unknown)."""
+        _synchronize(self.device)
+        if self.device.type == "cuda":
+            return self._above_baseline(int(torch.cuda.max_memory_allocated(self.device)))
+        if self.baseline_bytes is None:
+            return None
+        return max(0, read_rss_bytes()[1] - self.baseline_bytes)
+
+    def __enter__(self) -> MemoryProbe:
+        self.baseline_bytes = None
+        self.reset()
+        self.baseline_bytes, self.start_bytes, self.peak = self._current(), 0, None
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.baseline_bytes
-        else:
-            peak = peak_rss_bytes()
-            if peak is not None and self.baseline_bytes is not None:
-                self.peak_bytes = peak - self.baseline_bytes
+    def __exit__(self, *exc: object) -> None:
+        self.peak = self.peak_bytes()

@@ -1,4 +1,6 @@
-"""The trainer's checkpoints: one ``step-N`` folder per save, latest selection, pruning.
+"""A run's checkpoints: one ``step-N`` folder per save, latest selection, pruning.
+
+Used by the trainer (``checkpoint.folder``); usable without it.
 
 Layout of ``checkpoint.folder``::
 
@@ -52,19 +54,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-import simplefsdp.checkpoint as ckpt
-from simplefsdp.checkpoint._api import _barrier
+from simplefsdp.checkpoint import _api
 from simplefsdp.checkpoint._files import (
-    MANIFEST_NAME,
     TMP_SUFFIX,
     CheckpointError,
-    build_manifest,
     check_files,
     manifest_problem,
     read_json,
     read_manifest,
     sha256_file,
-    write_json_atomic,
 )
 from simplefsdp.checkpoint._state import model_device, rank_and_world, tensor_state
 
@@ -72,19 +70,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CONFIG_NAME",
-    "MANIFEST_NAME",
     "TRAINER_STATE_NAME",
-    "CheckpointError",
     "CheckpointInfo",
     "Checkpointer",
-    "build_manifest",
     "latest_checkpoint",
     "list_checkpoints",
     "prune_checkpoints",
-    "read_manifest",
     "step_dir_name",
     "verify_checkpoint",
-    "write_json_atomic",
 ]
 
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -212,7 +205,7 @@ class Checkpointer:
         keep_last: complete checkpoints to keep.
         config_hash: :func:`simplefsdp.train.config.config_hash` of the job.
         config_json: JSON-ready data stored as ``config.json`` (job config,
-            model args), for :mod:`simplefsdp.train.export`.
+            model args), for :mod:`simplefsdp.checkpoint.export`.
     """
 
     def __init__(
@@ -255,7 +248,7 @@ class Checkpointer:
         final = self.folder / step_dir_name(step)
         meta = {"step": step, "world_size": self.world_size, "config_hash": self.config_hash}
         json_files = {TRAINER_STATE_NAME: {**trainer_state, **meta}, CONFIG_NAME: self.config_json}
-        ckpt.save(
+        _api.save(
             self.model,
             self.optimizer,
             final,
@@ -267,7 +260,7 @@ class Checkpointer:
             removed = prune_checkpoints(self.folder, self.keep_last, keep=[final])
             if removed:
                 logger.info("removed old checkpoints: %s", ", ".join(p.name for p in removed))
-        _barrier()
+        _api.barrier()
         logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - start)
         return final
 
@@ -283,7 +276,7 @@ class Checkpointer:
                 or written for another model; one line naming file and mismatch.
         """
         folder = Path(path)
-        ckpt.load(self.model, self.optimizer, folder)  # verifies the files first
+        _api.load(self.model, self.optimizer, folder)  # verifies the files first
         trainer_state = read_json(folder / TRAINER_STATE_NAME)
         if not isinstance(trainer_state, dict):
             raise CheckpointError(f"{folder / TRAINER_STATE_NAME} does not hold a JSON object")

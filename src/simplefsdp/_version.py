@@ -1,0 +1,3 @@
+"""The package version (read without importing torch)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,62 @@
+"""Token data pipeline, used by ``simplefsdp train`` and ``simplefsdp bench``.
+
+The pipeline has three small modules:
+
+* :mod:`~simplefsdp.data.tokenizer` - :class:`ByteTokenizer` (UTF-8 bytes plus
+  4 special tokens, no dependencies) and :func:`load_tokenizer`, which also
+  opens local Hugging Face tokenizers when ``tokenizers`` or ``transformers``
+  is installed.
+* :mod:`~simplefsdp.data.corpus` - :func:`read_documents` reads a text file, a
+  folder of text files, or by default this Python's own standard-library
+  sources; :func:`build_corpus` tokenises them into train/validation streams
+  split by a fixed hash of each document's path.
+* :mod:`~simplefsdp.data.loader` - :class:`DistributedTokenLoader`, a
+  resumable, deterministic loader that hands each rank its slice of every
+  global batch, and :func:`build_data`, which builds all three from the
+  ``[data]`` section of a job config.
+
+This package imports nothing else of simplefsdp.
+"""
+
+from .corpus import (
+    DEFAULT_STDLIB_MAX_BYTES,
+    Document,
+    TokenCorpus,
+    build_corpus,
+    data_fingerprint,
+    list_corpus_files,
+    read_documents,
+    stdlib_dir,
+    token_dtype,
+)
+from .loader import (
+    Batch,
+    DataBundle,
+    DataSpec,
+    DistributedTokenLoader,
+    build_data,
+    iter_val_batches,
+)
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "DEFAULT_STDLIB_MAX_BYTES",
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+    "Document",
+    "stdlib_dir",
+    "list_corpus_files",
+    "read_documents",
+    "token_dtype",
+    "TokenCorpus",
+    "build_corpus",
+    "data_fingerprint",
+    "Batch",
+    "DistributedTokenLoader",
+    "iter_val_batches",
+    "DataSpec",
+    "DataBundle",
+    "build_data",
+]

@@ -1,0 +1,141 @@
+"""What an engine returns: :class:`ParallelModel`, and the global gradient clip."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["COLLECTIVE_KINDS", "ParallelModel", "clip_grad_norm_"]
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass
+class ParallelModel:
+    """A model made data parallel by one engine (see :func:`simplefsdp.engines.parallelize`).
+
+    Attributes:
+        module: the model whose ``parameters()``/``state_dict()`` the optimizer
+            and checkpoints use (never a ``torch.compile`` or DDP wrapper).
+        forward: what a training step calls: ``module``, its compiled version
+            or the DDP wrapper.
+        engine: the engine's name (``simplefsdp``, ``simplefsdp_eager``,
+            ``fsdp2``, ``ddp`` or ``replica``).
+        mesh: the data-parallel mesh.
+        compiled: whether the engine compiles the model (on its first call).
+        inductor_patches: Inductor config patches that must be active while
+            the model runs (it compiles in its first step); see
+            :meth:`compile_context`.
+        notes: remarks for reports (e.g. settings an engine ignored).
+    """
+
+    module: nn.Module
+    forward: Callable[..., Any]
+    engine: str
+    mesh: DeviceMesh
+    compiled: bool = False
+    inductor_patches: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def grad_sync(self, enabled: bool) -> Iterator[None]:
+        """Skip gradient communication inside the block when ``enabled`` is false.
+
+        For all micro-batches but the last of an accumulation step: DDP's
+        ``no_sync``, FSDP2's ``set_requires_gradient_sync`` and the eager
+        executor's ``no_sync``. Compiled and uncompiled ``simplefsdp`` reduce
+        every micro-batch's gradient (the reduction is part of the autograd
+        graph), so this is a no-op there, as it is for ``replica``.
+        """
+        if enabled or self.engine in ("simplefsdp", "replica"):
+            yield
+        elif self.engine == "ddp":
+            with self.forward.no_sync():  # type: ignore[attr-defined]
+                yield
+        elif self.engine == "simplefsdp_eager":
+            from simplefsdp.eager_executor import get_eager_executor
+
+            with get_eager_executor(self.module).no_sync():
+                yield
+        else:
+            self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    @contextlib.contextmanager
+    def compile_context(self) -> Iterator[None]:
+        """Apply :attr:`inductor_patches` while the block runs (nothing is left changed)."""
+        if not self.inductor_patches:
+            yield
+            return
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(self.inductor_patches):
+            yield
+
+    def collective_summary(self) -> dict | None:
+        """Collective counts and cost-model predictions of ``simplefsdp.compile``'s graphs.
+
+        ``None`` unless the module was compiled by ``simplefsdp.compile`` and
+        has run a step. Counts add the latest forward and backward graph of
+        each compiled Dynamo graph. ``predicted_step_time_s`` sums the graphs'
+        predicted ``time_s`` (``None`` unless every graph has one);
+        ``predicted_peak_mem_bytes`` is the largest predicted peak of any
+        graph (``None`` when no graph has one).
+        """
+        from simplefsdp.compiler import comm_report
+
+        try:
+            report = comm_report(self.module)
+        except ValueError:
+            return None
+        latest = {(g.graph_id, g.graph): g for g in report.graphs if g.graph != "inference"}
+        counts = {kind: sum(g.count(kind) for g in latest.values()) for kind in COLLECTIVE_KINDS}
+        predicted = {f"{name}{gid}": dict(g.predicted) for (gid, name), g in latest.items()}
+        times = [_number(p, "time_s") for p in predicted.values()]
+        peaks = [p for p in (_number(q, "peak_bytes") for q in predicted.values()) if p is not None]
+        return {
+            "counts": counts,
+            "predicted": {k: v for k, v in predicted.items() if v} or None,
+            "predicted_step_time_s": (
+                sum(times) if times and all(t is not None for t in times) else None  # type: ignore[misc]
+            ),
+            "predicted_peak_mem_bytes": int(max(peaks)) if peaks else None,
+        }
+
+
+def _number(values: dict, key: str) -> float | None:
+    value = values.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global 2-norm of all gradients across shards and ranks; clip if ``max_norm > 0``.
+
+    Works for plain, DTensor (simplefsdp, FSDP2) and mixed-placement gradients:
+    the norm of sharded gradients is reduced over the mesh (``full_tensor``).
+
+    Returns:
+        The total norm before clipping, a plain 0-d tensor.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,360 @@
+"""One adapter per engine, behind :func:`parallelize`.
+
+The trainer and the benchmark describe *how* to parallelise with an
+:class:`EngineSpec` (plain data) and call :func:`parallelize`, which applies,
+in order (as torchtitan's ``parallelize_*`` functions do):
+
+1. activation checkpointing of each repeated block, before sharding;
+2. the engine:
+
+   - ``simplefsdp``: :func:`simplefsdp.data_parallel` on the whole model, then
+     ``simplefsdp.compile`` (our passes) when ``compile`` is on, or plain
+     ``torch.compile`` with Inductor's own bucketing/overlap passes when
+     ``torch_passes`` is on (the peer we compare against);
+   - ``simplefsdp_eager``: ``data_parallel``, then the eager executor
+     (``simplefsdp.eager``), never compiled;
+   - ``fsdp2``: torch's ``fully_shard`` per block and on the root (the root is
+     not resharded after forward); with compile on, each block is compiled in
+     place first;
+   - ``ddp``: ``DistributedDataParallel``; with compile on, each block is
+     compiled in place first;
+   - ``replica``: no data parallelism, each rank trains its own copy (the
+     single-device limit); with compile on, the whole model is compiled.
+
+3. materialisation: a model built on the meta device is moved to ``device``
+   with ``to_empty`` and initialised by ``init_fn`` (after sharding, so each
+   rank only materialises its shards; under ``disable_parametrization`` for
+   simplefsdp). A model with real tensors is moved to ``device`` first; DDP
+   and ``data_parallel`` broadcast rank 0's values, ``fully_shard`` shards the
+   tensors it is given, so every engine trains the same initial weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from simplefsdp.bucket_plan import repeated_blocks
+from simplefsdp.engines.activation import apply_activation_checkpointing
+from simplefsdp.engines.parallel_model import ParallelModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ENGINES", "EngineSpec", "parallelize", "torch_passes_patches"]
+
+#: Engine names, one vocabulary for ``simplefsdp train`` and ``simplefsdp bench``.
+ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+InitFn = Callable[[nn.Module], None]
+
+
+def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"unknown dtype {value!r}; valid: {', '.join(_DTYPES)}")
+    return _DTYPES[value]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to parallelise and execute a model.
+
+    Attributes:
+        engine: one of :data:`ENGINES`.
+        mode: ``"replicate"``, ``"fully_shard"`` or ``"hybrid_shard"``
+            (simplefsdp engines and fsdp2; ddp and replica ignore it).
+        param_dtype / reduce_dtype: mixed precision (``"bfloat16"`` or a
+            ``torch.dtype``; ``None`` keeps the parameter dtype). Not used by
+            ddp and replica.
+        reshard_after_forward: regather parameters in backward (simplefsdp
+            engines: the whole model; fsdp2: the blocks, never the root).
+        compile: compile the model (see the module docstring per engine).
+        backend: ``torch.compile`` backend.
+        bucketing: the bucket plan (simplefsdp engines): ``"auto"``,
+            ``"none"`` or a manual plan spec (``simplefsdp.bucket_plan``). The
+            eager executor has no graph to plan from: ``"auto"`` and
+            ``"none"`` run it with ``"per_block"``.
+        reorder: simplefsdp.compile's reordering pass.
+        torch_passes: compile ``simplefsdp`` with plain ``torch.compile`` and
+            Inductor's own bucketing/overlap passes instead of ours (a peer).
+        activation_checkpoint: ``"none"``, ``"full"`` or ``"selective"``.
+        broadcast_buffers: DDP's ``broadcast_buffers`` (buffers re-sent from
+            rank 0 every forward).
+    """
+
+    engine: str = "simplefsdp"
+    mode: str = "fully_shard"
+    param_dtype: str | torch.dtype | None = None
+    reduce_dtype: str | torch.dtype | None = None
+    reshard_after_forward: bool = True
+    compile: bool = False
+    backend: str = "inductor"
+    bucketing: Any = "auto"
+    reorder: bool = True
+    torch_passes: bool = False
+    activation_checkpoint: str = "none"
+    broadcast_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
+        _dtype(self.param_dtype)
+        _dtype(self.reduce_dtype)
+        if self.torch_passes and self.engine != "simplefsdp":
+            raise ValueError(f"torch_passes applies to engine 'simplefsdp', not {self.engine!r}")
+
+    def describe(self) -> str:
+        """One line for logs: engine, mode and compilation."""
+        if self.engine == "simplefsdp_eager":
+            how = f"eager executor, bucketing {_eager_plan(self.bucketing)!r}"
+        elif not self.compile:
+            how = "not compiled"
+        elif self.torch_passes:
+            how = "torch.compile with Inductor's passes"
+        elif self.engine == "simplefsdp":
+            how = f"simplefsdp.compile {self.backend}, bucketing {self.bucketing!r}"
+        else:
+            how = f"torch.compile {self.backend}"
+        return f"{self.engine} ({self.mode}; {how})"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _quiet_cpu_dtensor_rng() -> Iterator[None]:
+    """Silence DTensor's "random operators may not have complete support on cpu" warning.
+
+    On a CPU mesh each rank initialises its shard from its own generator: the
+    result is deterministic for a given seed and world size (CUDA meshes use
+    DTensor's offset-based RNG tracker).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have")
+        yield
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _materialize(
+    model: nn.Module, device: torch.device, init_fn: InitFn | None, *, sharded_reads: bool
+) -> None:
+    """``to_empty`` + ``init_fn`` for a meta model (``sharded_reads``: simplefsdp's shards)."""
+    if not _is_meta(model):
+        return
+    if init_fn is None:
+        raise ValueError(
+            "the model is on the meta device: pass init_fn (e.g. lambda m: m.init_weights()) "
+            "to initialise it after sharding"
+        )
+    model.to_empty(device=device)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(_quiet_cpu_dtensor_rng())
+        if sharded_reads:
+            from simplefsdp.frontend import disable_parametrization
+
+            stack.enter_context(disable_parametrization())
+        init_fn(model)
+
+
+def _compile_blocks(model: nn.Module, backend: str) -> None:
+    """Compile each repeated block in place (``Module.compile``), as torchtitan does."""
+    for _, block in repeated_blocks(model):
+        block.compile(backend=backend, fullgraph=True)
+
+
+def _eager_plan(bucketing: Any) -> Any:
+    return (
+        "per_block" if isinstance(bucketing, str) and bucketing in ("auto", "none") else bucketing
+    )
+
+
+# Inductor flags of torch's built-in FSDP bucketing and compute/communication
+# overlap passes, for the "torch passes" peer; applied only while that model
+# runs (ParallelModel.compile_context).
+_TORCH_PASS_FLAGS: dict[str, Any] = {
+    "bucket_all_gathers_fx": "only_fsdp",
+    "bucket_reduce_scatters_fx": "all",
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
+
+
+def torch_passes_patches() -> tuple[dict[str, Any], list[str]]:
+    """The Inductor config patches of the torch-passes peer that this torch has.
+
+    Returns:
+        ``(patches, notes)``: the flags that exist in the installed
+        ``torch._inductor.config`` (and, for the reorder passes, only pass
+        names ``torch._inductor.comms`` defines), and one note per flag or
+        pass that is missing.
+    """
+    import torch._inductor.comms as comms
+    import torch._inductor.config as inductor_config
+
+    patches: dict[str, Any] = {}
+    notes: list[str] = []
+    for flag, value in _TORCH_PASS_FLAGS.items():
+        if not hasattr(inductor_config, flag):
+            notes.append(f"inductor flag {flag} does not exist in this torch; not set")
+            continue
+        if flag == "reorder_for_compute_comm_overlap_passes":
+            missing = [p for p in value if not hasattr(comms, p)]
+            notes.extend(f"inductor reorder pass {p} does not exist; skipped" for p in missing)
+            value = [p for p in value if p not in missing]
+        patches[flag] = value
+    return patches, notes
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def _apply_simplefsdp(
+    model: nn.Module, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, init_fn
+) -> ParallelModel:
+    import simplefsdp
+
+    policy = simplefsdp.MixedPrecisionPolicy(
+        param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
+    )
+    simplefsdp.data_parallel(
+        model,
+        mesh,
+        mode=spec.mode,
+        mp_policy=policy,
+        reshard_after_forward=spec.reshard_after_forward,
+    )
+    _materialize(model, device, init_fn, sharded_reads=True)
+    parallel = ParallelModel(model, model, spec.engine, mesh)
+    if spec.engine == "simplefsdp_eager":
+        simplefsdp.eager(model, bucketing=_eager_plan(spec.bucketing))
+        if spec.compile:
+            parallel.notes.append("the eager executor is never compiled; compile settings unused")
+        return parallel
+    if not spec.compile:
+        return parallel
+    parallel.compiled = True
+    if spec.torch_passes:
+        patches, notes = torch_passes_patches()
+        parallel.forward = torch.compile(model, backend=spec.backend, fullgraph=True)
+        parallel.inductor_patches = patches
+        parallel.notes += [
+            *notes,
+            "plain torch.compile: reshard-after-forward is left to the min-cut partitioner",
+            "inductor patches: " + ", ".join(f"{k}={v}" for k, v in patches.items()),
+        ]
+        return parallel
+    simplefsdp.compile(
+        model, backend=spec.backend, bucketing=spec.bucketing, reorder=spec.reorder, fullgraph=True
+    )
+    return parallel
+
+
+def _apply_fsdp2(
+    model: nn.Module, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, init_fn
+) -> ParallelModel:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
+    )
+    for _, block in repeated_blocks(model):
+        if spec.compile:
+            block.compile(backend=spec.backend, fullgraph=True)
+        fully_shard(
+            block, mesh=mesh, mp_policy=policy, reshard_after_forward=spec.reshard_after_forward
+        )
+    # The root keeps embeddings, final norm and output; like torchtitan it is
+    # not resharded after forward, since backward needs it first.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    _materialize(model, device, init_fn, sharded_reads=False)
+    return ParallelModel(model, model, "fsdp2", mesh, compiled=spec.compile)
+
+
+def _apply_ddp(
+    model: nn.Module, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, init_fn
+) -> ParallelModel:
+    from torch.nn.parallel import DistributedDataParallel
+
+    notes = []
+    if spec.param_dtype or spec.reduce_dtype:
+        notes.append("param_dtype/reduce_dtype are not used by the ddp engine")
+        logger.warning(notes[-1])
+    _materialize(model, device, init_fn, sharded_reads=False)
+    if spec.compile:
+        _compile_blocks(model, spec.backend)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=mesh.get_group(),
+        broadcast_buffers=spec.broadcast_buffers,
+    )
+    if not spec.broadcast_buffers:
+        notes.append("broadcast_buffers=False")
+    return ParallelModel(model, ddp, "ddp", mesh, compiled=spec.compile, notes=notes)
+
+
+def _apply_replica(
+    model: nn.Module, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, init_fn
+) -> ParallelModel:
+    _materialize(model, device, init_fn, sharded_reads=False)
+    forward = torch.compile(model, backend=spec.backend, fullgraph=True) if spec.compile else model
+    notes = ["each rank trains its own replica (no gradient sync)"]
+    return ParallelModel(model, forward, "replica", mesh, compiled=spec.compile, notes=notes)
+
+
+_ADAPTERS = {
+    "simplefsdp": _apply_simplefsdp,
+    "simplefsdp_eager": _apply_simplefsdp,
+    "fsdp2": _apply_fsdp2,
+    "ddp": _apply_ddp,
+    "replica": _apply_replica,
+}
+
+
+def parallelize(
+    model: nn.Module,
+    spec: EngineSpec,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    init_fn: InitFn | None = None,
+) -> ParallelModel:
+    """Make ``model`` data parallel with ``spec.engine``; see the module docstring.
+
+    Args:
+        model: any module; on the meta device or with real tensors.
+        spec: what to apply.
+        mesh: the data-parallel mesh (``simplefsdp.engines.build_mesh``).
+        device: the training device.
+        init_fn: initialises a meta-device model in place after sharding
+            (e.g. ``lambda m: m.init_weights()``); required for meta models.
+
+    Raises:
+        ValueError: a meta model without ``init_fn``, or invalid settings
+            (the engines' own errors).
+    """
+    if not _is_meta(model):
+        model.to(device)
+    apply_activation_checkpointing(model, spec.activation_checkpoint)
+    parallel = _ADAPTERS[spec.engine](model, spec, mesh, device, init_fn)
+    logger.info("parallelized with %s", spec.describe())
+    return parallel

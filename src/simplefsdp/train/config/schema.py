@@ -1,0 +1,369 @@
+"""The sections of a ``simplefsdp train`` job config, their choices and :func:`validate_config`.
+
+Pure data and checks: this module imports neither torch nor the rest of
+simplefsdp, so a config can be validated before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "VALID_MODELS",
+    "ENGINES",
+    "REPLICATE_ONLY_ENGINES",
+    "PARALLEL_MODES",
+    "DTYPES",
+    "COMPILE_BACKENDS",
+    "BUCKETING_MODES",
+    "AC_MODES",
+    "ModelConfig",
+    "DataConfig",
+    "TrainingConfig",
+    "ParallelConfig",
+    "CompileConfig",
+    "ActivationCheckpointConfig",
+    "CheckpointConfig",
+    "MetricsConfig",
+    "JobConfig",
+    "SECTIONS",
+    "validate_config",
+]
+
+#: Names of the Llama 3 model configurations ``model.name`` may refer to.
+VALID_MODELS: tuple[str, ...] = ("debug", "small", "8B", "70B", "405B")
+#: Values of ``parallel.engine`` (each is described on :class:`ParallelConfig`).
+ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
+#: Engines that do not shard: they accept ``parallel.mode = "replicate"`` only.
+REPLICATE_ONLY_ENGINES: tuple[str, ...] = ("ddp", "replica")
+#: Data-parallel sharding modes.
+PARALLEL_MODES: tuple[str, ...] = ("replicate", "fully_shard", "hybrid_shard")
+#: Mixed-precision dtypes (``None`` means "keep the parameter dtype").
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+#: ``torch.compile`` backends.
+COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager")
+#: Communication bucketing strategies of the compiler passes.
+BUCKETING_MODES: tuple[str, ...] = ("auto", "none", "per_block")
+#: Activation checkpointing modes.
+AC_MODES: tuple[str, ...] = ("none", "full", "selective")
+
+
+def _choices(values: tuple[str, ...], *, optional: bool = False) -> dict[str, Any]:
+    """Field metadata declaring the valid values of an enumeration field."""
+    return {"choices": values, "optional": optional}
+
+
+def suggest(name: str, candidates: list[str]) -> str:
+    """A ``" Did you mean 'x'?"`` suffix for the closest candidate, or ``""``."""
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """Which Llama 3 model to train.
+
+    Attributes:
+        name: One of :data:`VALID_MODELS`.
+        vocab_size: Overrides the model's vocabulary size (``None``: use the
+            tokenizer's / model's own).
+        max_seq_len: Overrides the model's maximum sequence length.
+    """
+
+    name: str = field(default="debug", metadata=_choices(VALID_MODELS))
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+
+
+@dataclass
+class DataConfig:
+    """Training data.
+
+    Attributes:
+        path: A text file or a folder of text files (read recursively);
+            ``None`` uses the embedded corpus (this Python's stdlib sources).
+        seq_len: Tokens per training sequence.
+        batch_size: Per-rank micro-batch size (sequences).
+        val_fraction: Fraction of documents held out for validation, in [0, 1).
+        tokenizer: ``"byte"`` or a path to a local ``tokenizer.json`` / Hugging
+            Face tokenizer directory.
+        num_workers: Loader worker processes. The token loader is in-memory and
+            synchronous, so this is accepted for compatibility and unused.
+        max_bytes: Cap on the bytes read from the corpus (``None``: 8 MB for
+            the embedded stdlib corpus, unlimited for a user ``path``).
+    """
+
+    path: str | None = None
+    seq_len: int = 128
+    batch_size: int = 8
+    val_fraction: float = 0.05
+    tokenizer: str = "byte"
+    num_workers: int = 0
+    max_bytes: int | None = None
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation.
+
+    Attributes:
+        steps: Number of optimizer steps.
+        lr: Peak learning rate (AdamW).
+        min_lr_ratio: Final learning rate of the cosine decay, as a fraction of ``lr``.
+        warmup_steps: Linear warm-up steps.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        max_norm: Gradient-norm clipping threshold; ``0`` disables clipping.
+        grad_accum_steps: Micro-batches accumulated per optimizer step.
+        seed: Seed for model initialisation and data order.
+        deterministic: Request deterministic algorithms from PyTorch.
+    """
+
+    steps: int = 200
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_norm: float = 1.0
+    grad_accum_steps: int = 1
+    seed: int = 0
+    deterministic: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    """Data parallelism.
+
+    Attributes:
+        engine: One of :data:`ENGINES`: ``simplefsdp`` (``data_parallel``, plus
+            ``simplefsdp.compile`` when ``compile.enable``), ``simplefsdp_eager``
+            (``data_parallel`` plus the eager executor; never compiled,
+            ``compile.enable``/``compile.backend`` are ignored), ``fsdp2``
+            (torch ``fully_shard`` per block and on the root), ``ddp``
+            (``DistributedDataParallel``) or ``replica`` (each rank trains its
+            own full copy, no gradient sync: the single-device limit).
+        mode: One of :data:`PARALLEL_MODES` (``ddp`` and ``replica`` support
+            ``replicate`` only).
+        mesh_shape: ``[replicate, shard]`` sizes for ``hybrid_shard``
+            (``None``: chosen by the trainer).
+        reshard_after_forward: Free gathered parameters after the forward pass.
+        param_dtype: Compute dtype of parameters (``None``: unchanged).
+        reduce_dtype: Gradient reduction dtype (``None``: the ``param_dtype``).
+    """
+
+    engine: str = field(default="simplefsdp", metadata=_choices(ENGINES))
+    mode: str = field(default="fully_shard", metadata=_choices(PARALLEL_MODES))
+    mesh_shape: list[int] | None = None
+    reshard_after_forward: bool = True
+    param_dtype: str | None = field(default=None, metadata=_choices(DTYPES, optional=True))
+    reduce_dtype: str | None = field(default=None, metadata=_choices(DTYPES, optional=True))
+
+
+@dataclass
+class CompileConfig:
+    """``torch.compile``.
+
+    Attributes:
+        enable: Compile the model (engine ``simplefsdp_eager`` never compiles).
+        backend: One of :data:`COMPILE_BACKENDS`.
+        bucketing: One of :data:`BUCKETING_MODES`.
+    """
+
+    enable: bool = True
+    backend: str = field(default="inductor", metadata=_choices(COMPILE_BACKENDS))
+    bucketing: str = field(default="auto", metadata=_choices(BUCKETING_MODES))
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    """Activation checkpointing.
+
+    Attributes:
+        mode: One of :data:`AC_MODES`.
+    """
+
+    mode: str = field(default="none", metadata=_choices(AC_MODES))
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints.
+
+    Attributes:
+        enable: Save checkpoints.
+        folder: Checkpoint folder.
+        interval: Save every ``interval`` steps.
+        keep_last: Number of most recent checkpoints kept.
+        resume: Resume from the latest checkpoint in ``folder``.
+    """
+
+    enable: bool = True
+    folder: str = "outputs/checkpoints"
+    interval: int = 100
+    keep_last: int = 3
+    resume: bool = False
+
+
+@dataclass
+class MetricsConfig:
+    """Logging and validation.
+
+    Attributes:
+        log_interval: Log training metrics every ``log_interval`` steps.
+        output_dir: Folder for logs, metrics and TensorBoard events.
+        tensorboard: Write TensorBoard events.
+        val_interval: Validate every ``val_interval`` steps (``0`` disables).
+        val_batches: Validation batches per evaluation.
+    """
+
+    log_interval: int = 10
+    output_dir: str = "outputs"
+    tensorboard: bool = False
+    val_interval: int = 100
+    val_batches: int = 10
+
+
+@dataclass
+class JobConfig:
+    """The complete configuration of a training job (one attribute per section)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+#: Section name -> section dataclass, in display order.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_config(cfg: JobConfig) -> None:
+    """Check enumerations, numeric ranges and cross-field rules of ``cfg``.
+
+    All problems are collected and reported together.
+
+    Raises:
+        ValueError: one line per problem, each naming the field, the bad value
+            and the valid choices or range.
+    """
+    errors: list[str] = []
+
+    # Enumerations (declared in the field metadata).
+    for section, cls in SECTIONS.items():
+        sec = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            if choices is None:
+                continue
+            value = getattr(sec, f.name)
+            if value is None and f.metadata.get("optional"):
+                continue
+            if value not in choices:
+                valid = list(choices) + (["none"] if f.metadata.get("optional") else [])
+                hint = suggest(str(value), list(choices))
+                errors.append(
+                    f"{section}.{f.name}: invalid value {value!r}; valid choices: {valid}.{hint}"
+                )
+
+    def check(ok: bool, name: str, value: Any, rule: str) -> None:
+        if not ok:
+            errors.append(f"{name}: invalid value {value!r}; must be {rule}")
+
+    def finite(x: float) -> bool:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+
+    m, d, t, p = cfg.model, cfg.data, cfg.training, cfg.parallel
+    ck, mt = cfg.checkpoint, cfg.metrics
+    check(m.vocab_size is None or m.vocab_size >= 1, "model.vocab_size", m.vocab_size, ">= 1")
+    check(m.max_seq_len is None or m.max_seq_len >= 1, "model.max_seq_len", m.max_seq_len, ">= 1")
+
+    check(d.seq_len > 0, "data.seq_len", d.seq_len, "> 0")
+    check(d.batch_size > 0, "data.batch_size", d.batch_size, "> 0")
+    check(
+        finite(d.val_fraction) and 0.0 <= d.val_fraction < 1.0,
+        "data.val_fraction",
+        d.val_fraction,
+        "in [0, 1)",
+    )
+    check(bool(d.tokenizer.strip()), "data.tokenizer", d.tokenizer, "'byte' or a tokenizer path")
+    check(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
+    check(d.max_bytes is None or d.max_bytes > 0, "data.max_bytes", d.max_bytes, "> 0 or none")
+    if m.max_seq_len is not None and d.seq_len > m.max_seq_len:
+        errors.append(
+            f"data.seq_len: invalid value {d.seq_len!r}; must be <= model.max_seq_len ({m.max_seq_len})"
+        )
+
+    check(t.steps > 0, "training.steps", t.steps, "> 0")
+    check(finite(t.lr) and t.lr > 0, "training.lr", t.lr, "> 0")
+    check(
+        finite(t.min_lr_ratio) and 0.0 <= t.min_lr_ratio <= 1.0,
+        "training.min_lr_ratio",
+        t.min_lr_ratio,
+        "in [0, 1]",
+    )
+    check(t.warmup_steps >= 0, "training.warmup_steps", t.warmup_steps, ">= 0")
+    check(
+        finite(t.weight_decay) and t.weight_decay >= 0,
+        "training.weight_decay",
+        t.weight_decay,
+        ">= 0",
+    )
+    check(
+        all(finite(b) and 0.0 <= b < 1.0 for b in t.betas),
+        "training.betas",
+        t.betas,
+        "two values in [0, 1)",
+    )
+    check(finite(t.max_norm) and t.max_norm >= 0, "training.max_norm", t.max_norm, ">= 0")
+    check(t.grad_accum_steps >= 1, "training.grad_accum_steps", t.grad_accum_steps, ">= 1")
+    check(t.seed >= 0, "training.seed", t.seed, ">= 0")
+
+    check(
+        p.mesh_shape is None or (len(p.mesh_shape) == 2 and all(x > 0 for x in p.mesh_shape)),
+        "parallel.mesh_shape",
+        p.mesh_shape,
+        "two positive ints, e.g. [2, 2]",
+    )
+    if p.engine in REPLICATE_ONLY_ENGINES and p.mode != "replicate":
+        errors.append(
+            f"parallel.mode: invalid value {p.mode!r} for engine {p.engine!r}; "
+            "valid choices: ['replicate']"
+        )
+    if p.mesh_shape is not None and p.mode != "hybrid_shard":
+        logger.warning(
+            "parallel.mesh_shape=%s is only used by mode 'hybrid_shard' (mode is %r)",
+            p.mesh_shape,
+            p.mode,
+        )
+
+    check(ck.interval >= 1, "checkpoint.interval", ck.interval, ">= 1")
+    check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, ">= 1")
+    check(bool(ck.folder.strip()), "checkpoint.folder", ck.folder, "a non-empty path")
+
+    check(mt.log_interval >= 1, "metrics.log_interval", mt.log_interval, ">= 1")
+    check(mt.val_interval >= 0, "metrics.val_interval", mt.val_interval, ">= 0 (0 disables)")
+    check(mt.val_batches >= 0, "metrics.val_batches", mt.val_batches, ">= 0")
+    check(bool(mt.output_dir.strip()), "metrics.output_dir", mt.output_dir, "a non-empty path")
+
+    if errors:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
