@@ -588,3 +588,27 @@ def test_api_errors_offload_state_dict_frozen_tied_and_remove(two_rank_outcomes)
 
 def test_llama3_transformer_block_plan_bitwise(two_rank_outcomes) -> None:
     _check(two_rank_outcomes, "llama3")
+
+
+def _one_block_body() -> dict:
+    """A one-block ModuleList: the block itself owns its bucket (the list has no
+    forward, so its hooks would never run and the block's parameters would be
+    gathered one by one through DTensor)."""
+    from simplefsdp.bench.measure import count_collectives
+
+    model = simplefsdp.data_parallel(_build(n_blocks=1), _mesh("fully_shard"))
+    simplefsdp.eager(model, bucketing="per_block")
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()  # records the order
+    model.zero_grad(set_to_none=True)
+    owners = get_eager_executor(model)._owner_ids
+    counts = count_collectives(lambda: nn.functional.mse_loss(model(x), y).backward())
+    return {"counts": counts, "block_owned": any(id(model.blocks[0]) in o for o in owners)}
+
+
+def test_one_block_list_is_gathered_as_one_bucket():
+    result = run_distributed(_one_block_body, 2)[0]
+    # Buckets: rest:scale+inp, blocks.0, rest:head (the root bucket, kept after
+    # forward): 3 gathers in forward, 2 again in backward; one reduction each.
+    assert result["block_owned"], result
+    assert result["counts"]["all_gather"] == 5 and result["counts"]["reduce_scatter"] == 3

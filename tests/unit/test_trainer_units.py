@@ -329,3 +329,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
 def test_load_config_debug_default_is_debug_model():
     job = load_config(cli.DEFAULT_CONFIG)
     assert job.model.name == "debug" and job.compile.enable
+
+
+def test_one_engine_vocabulary():
+    """The config (no torch), the engine layer and the bench spell the engines alike."""
+    from simplefsdp.bench.configs import CONFIGS
+    from simplefsdp.bench.configs import ENGINES as BENCH_ENGINES
+    from simplefsdp.engines import ENGINES
+    from simplefsdp.train.config import ENGINES as CONFIG_ENGINES
+
+    assert set(CONFIG_ENGINES) == set(ENGINES)
+    assert set(BENCH_ENGINES) == {*ENGINES, "comm"}
+    assert {c.engine for c in CONFIGS.values()} <= set(ENGINES)

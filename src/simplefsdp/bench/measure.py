@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from simplefsdp._compat import all_gather_single, reduce_scatter_single
+
 __all__ = [
     "count_collectives",
     "fsdp_unit_numels",
@@ -145,11 +147,11 @@ def _comm_step(buffers: list[tuple[torch.Tensor, torch.Tensor, bool]], group) ->
     """One step's collectives: forward all-gathers in order; in backward, in
     reverse, the all-gather again for resharded units and a reduce-scatter."""
     for shard, full, _ in buffers:
-        dist.all_gather_into_tensor(full, shard, group=group)
+        all_gather_single(full, shard, group=group)
     for shard, full, resharded in reversed(buffers):
         if resharded:
-            dist.all_gather_into_tensor(full, shard, group=group)
-        dist.reduce_scatter_tensor(shard, full, group=group)
+            all_gather_single(full, shard, group=group)
+        reduce_scatter_single(shard, full, group=group)
 
 
 def run_comm_only(

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from simplefsdp._compat import all_gather_single, reduce_scatter_single
 from simplefsdp._version import __version__
 from simplefsdp.compiler.patterns import collective_kind, is_compute, node_bytes
 
@@ -213,9 +214,9 @@ def _calibrate_comm(group, device: torch.device) -> dict[str, LinearFit]:
 
             def run(kind=kind, shard=shard, full=full):
                 if kind == "all_gather":
-                    dist.all_gather_into_tensor(full, shard, group=group)
+                    all_gather_single(full, shard, group=group)
                 elif kind == "reduce_scatter":
-                    dist.reduce_scatter_tensor(shard, full, group=group)
+                    reduce_scatter_single(shard, full, group=group)
                 else:
                     dist.all_reduce(full, group=group)
                 if device.type == "cuda":

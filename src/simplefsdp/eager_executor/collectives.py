@@ -20,10 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-# torch >= 2.13 renames the single-tensor collectives (the old names warn);
-# torch 2.11 has only the old names. Same signatures.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from simplefsdp._compat import all_gather_single, reduce_scatter_single
 
 
 class Work(Protocol):
@@ -52,7 +49,7 @@ class Collectives:
         """All-gather ``shard`` (1-D) of every rank of ``group`` into ``output``
         (1-D, rank-major, ``group size * shard.numel()`` elements)."""
         with record_function(f"simplefsdp.eager::all_gather({label})"):
-            return _all_gather_single(output, shard, group=group, async_op=True)
+            return all_gather_single(output, shard, group=group, async_op=True)
 
     def reduce_scatter(
         self, output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, label: str
@@ -60,7 +57,7 @@ class Collectives:
         """Sum ``full`` (1-D, rank-major) over ``group`` and keep this rank's
         chunk in ``output``."""
         with record_function(f"simplefsdp.eager::reduce_scatter({label})"):
-            return _reduce_scatter_single(
+            return reduce_scatter_single(
                 output, full, op=dist.ReduceOp.SUM, group=group, async_op=True
             )
 

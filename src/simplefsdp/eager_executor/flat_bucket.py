@@ -257,6 +257,11 @@ class FlatBucket:
                 # Strip the padding. Only padded parameters pay for this: the
                 # narrow's backward writes a zero-filled copy of the region.
                 view = view.narrow(dim, 0, shape[dim])
+                if dim != 0:
+                    # Hand module code the contiguous tensor DTensor's gather
+                    # gives: on some CPUs a strided weight takes another GEMM
+                    # kernel, one ulp off the uncompiled data_parallel model.
+                    view = view.contiguous()
             result[slot.fqn] = view if slot.requires_grad else view.detach()
         return result
 

@@ -6,7 +6,8 @@ Note: [Bucket owner modules]
     where the bucket's parameters are registered: start at each module that
     holds one of them directly (every alias of a tied parameter counts, since
     each holder reads it in its own forward) and climb to the parent while the
-    parent's whole subtree holds only this bucket's parameters. For a
+    parent's whole subtree holds only this bucket's parameters and the parent
+    runs a forward of its own (not a ``ModuleList``/``ModuleDict``). For a
     ``"per_block"`` plan that yields one owner per block (the block itself,
     not its linears); for ``[["norm", "output"]]`` the two modules; for a tied
     embedding both the embedding and the output projection. Nested owners are
@@ -61,11 +62,18 @@ def find_owner_modules(root: nn.Module, plan: BucketPlan) -> list[list[nn.Module
             index = bucket_of_param[id(param)]
             owner = module
             up = parent[id(owner)]
-            while up is not None and subtree[id(up)] <= bucket_ids[index]:
+            while up is not None and _runs_forward(up) and subtree[id(up)] <= bucket_ids[index]:
                 owner, up = up, parent[id(up)]
             if all(owner is not m for m in owners[index]):
                 owners[index].append(owner)
     return [_outermost(found) for found in owners]
+
+
+def _runs_forward(module: nn.Module) -> bool:
+    """Containers without a forward (``ModuleList``, ``ModuleDict``) never run
+    their hooks, so they cannot own a bucket (a one-block ``ModuleList``
+    holds exactly its block's parameters)."""
+    return not isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
 def _bucket_items(plan: BucketPlan) -> list[tuple[int, str]]:
