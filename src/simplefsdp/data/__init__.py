@@ -18,45 +18,9 @@ The pipeline has three small modules:
 This package imports nothing else of simplefsdp.
 """
 
-from .corpus import (
-    DEFAULT_STDLIB_MAX_BYTES,
-    Document,
-    TokenCorpus,
-    build_corpus,
-    data_fingerprint,
-    list_corpus_files,
-    read_documents,
-    stdlib_dir,
-    token_dtype,
-)
-from .loader import (
-    Batch,
-    DataBundle,
-    DataSpec,
-    DistributedTokenLoader,
-    build_data,
-    iter_val_batches,
-)
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from . import corpus, loader, tokenizer
+from .corpus import *  # noqa: F403
+from .loader import *  # noqa: F403
+from .tokenizer import *  # noqa: F403
 
-__all__ = [
-    "DEFAULT_STDLIB_MAX_BYTES",
-    "Tokenizer",
-    "ByteTokenizer",
-    "HFTokenizer",
-    "load_tokenizer",
-    "Document",
-    "stdlib_dir",
-    "list_corpus_files",
-    "read_documents",
-    "token_dtype",
-    "TokenCorpus",
-    "build_corpus",
-    "data_fingerprint",
-    "Batch",
-    "DistributedTokenLoader",
-    "iter_val_batches",
-    "DataSpec",
-    "DataBundle",
-    "build_data",
-]
+__all__ = [*corpus.__all__, *loader.__all__, *tokenizer.__all__]

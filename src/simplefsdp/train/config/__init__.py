@@ -41,64 +41,9 @@ Modules: :mod:`.schema` (sections, choices, validation), :mod:`.loading`
 hash). None of them imports torch.
 """
 
-from .loading import (
-    apply_dict,
-    apply_overrides,
-    builtin_configs,
-    config_from_dict,
-    load_config,
-    parse_overrides,
-)
-from .output import config_hash, config_to_dict, format_config
-from .schema import (
-    AC_MODES,
-    BUCKETING_MODES,
-    COMPILE_BACKENDS,
-    DTYPES,
-    ENGINES,
-    PARALLEL_MODES,
-    REPLICATE_ONLY_ENGINES,
-    SECTIONS,
-    VALID_MODELS,
-    ActivationCheckpointConfig,
-    CheckpointConfig,
-    CompileConfig,
-    DataConfig,
-    JobConfig,
-    MetricsConfig,
-    ModelConfig,
-    ParallelConfig,
-    TrainingConfig,
-    validate_config,
-)
+from . import loading, output, schema
+from .loading import *  # noqa: F403
+from .output import *  # noqa: F403
+from .schema import *  # noqa: F403
 
-__all__ = [
-    "VALID_MODELS",
-    "ENGINES",
-    "REPLICATE_ONLY_ENGINES",
-    "PARALLEL_MODES",
-    "DTYPES",
-    "COMPILE_BACKENDS",
-    "BUCKETING_MODES",
-    "AC_MODES",
-    "ModelConfig",
-    "DataConfig",
-    "TrainingConfig",
-    "ParallelConfig",
-    "CompileConfig",
-    "ActivationCheckpointConfig",
-    "CheckpointConfig",
-    "MetricsConfig",
-    "JobConfig",
-    "SECTIONS",
-    "builtin_configs",
-    "parse_overrides",
-    "apply_overrides",
-    "apply_dict",
-    "config_from_dict",
-    "load_config",
-    "validate_config",
-    "config_to_dict",
-    "format_config",
-    "config_hash",
-]
+__all__ = [*loading.__all__, *output.__all__, *schema.__all__]
