@@ -60,7 +60,7 @@ def _train(cwd: Path, name: str, extra: list[str], **kw) -> subprocess.Completed
 
 def _losses(path: Path) -> dict[int, float]:
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
+    return {r["step"]: r["loss"] for r in records if "event" not in r}
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from simplefsdp.train.metrics import (
     mfu,
     peak_flops_for,
 )
-from simplefsdp.train.trainer import _json_ready, build_lr_scheduler, lr_factor
+from simplefsdp.train.schedule import build_lr_scheduler, json_ready, lr_factor
 
 # --------------------------------------------------------------------------- LR schedule
 
@@ -88,7 +88,7 @@ def test_scheduler_state_is_json_and_resumes_the_same_lrs():
     for _ in range(5):
         opt_a.step()
         sched_a.step()
-    state = json.loads(json.dumps(_json_ready(sched_a.state_dict())))
+    state = json.loads(json.dumps(json_ready(sched_a.state_dict())))
     opt_b, sched_b = make()
     sched_b.load_state_dict(state)
     for group, lr in zip(opt_b.param_groups, sched_b.get_last_lr()):

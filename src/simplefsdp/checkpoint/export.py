@@ -7,10 +7,11 @@ Example::
 writes ``model.safetensors`` (every model tensor under its plain state-dict
 name, e.g. ``layers.0.attention.wq.weight``, full shape) and
 ``model.config.json`` (the model's ``ModelArgs``, the training job config and
-the step). The checkpoint is read in this single process with
-``torch.distributed.checkpoint`` (``no_dist=True``): no process group, GPU or
-original world size is needed, and only the model's tensors are read (not the
-optimizer state). Loading the result back::
+the step), both with the mode a new file gets (``0o666 & ~umask``). The
+checkpoint is read in this single process with ``torch.distributed.checkpoint``
+(``no_dist=True``): no process group, GPU or original world size is needed, and
+only the model's tensors are read (not the optimizer state). Loading the result
+back (``examples/load_exported_model.py`` also generates text)::
 
     from safetensors.torch import load_file
     config = json.load(open("model.config.json"))
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -158,15 +160,37 @@ def export_checkpoint(
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
+    mode = _new_file_mode(tmp)
     meta = {"format": "pt", "step": str(manifest.get("step")), "source": str(folder)}
-    st.save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-    with open(tmp, "rb+") as f:  # on disk before the rename publishes it
-        os.fsync(f.fileno())
-    os.replace(tmp, out_path)
+    try:
+        st.save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.chmod(tmp, mode)  # safetensors writes through its own 0600 temporary file
+        with open(tmp, "rb+") as f:  # on disk before the rename publishes it
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(out_path.parent)
     config_path = out_path.with_name(out_path.stem + ".config.json")
     write_json_atomic(config_path, {**config, "step": manifest.get("step"), "source": str(folder)})
+    os.chmod(config_path, mode)
     return out_path, config_path
+
+
+def _new_file_mode(path: Path) -> int:
+    """The mode ``open(path, "w")`` gives a new file: ``0o666 & ~umask``.
+
+    Found by creating ``path`` (removed first, so its old mode does not count),
+    which reads the umask without setting it (``os.umask`` would change it for
+    every thread of the process for a moment).
+    """
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
 
 
 def _build_parser() -> argparse.ArgumentParser:

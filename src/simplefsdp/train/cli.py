@@ -23,11 +23,14 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
-from simplefsdp.engines import default_nproc
-from simplefsdp.train.config import SECTIONS, JobConfig, format_config, load_config
-from simplefsdp.train.launch import launch, under_torchrun
+from simplefsdp.train.config import (
+    SECTIONS,
+    JobConfig,
+    config_warnings,
+    format_config,
+    load_config,
+)
+from simplefsdp.train.launch import ERROR_DIR_ENV, launch, under_torchrun
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0, help="restarts after a worker failure (default: 0)"
     )
     parser.add_argument(
-        "--resume", action="store_true", help="shorthand for --checkpoint.resume true"
+        "--resume",
+        action="store_true",
+        help="continue the latest run from its latest checkpoint (an error if there is none); "
+        "shorthand for --checkpoint.resume true",
+    )
+    parser.add_argument(
+        "--resume-if-possible",
+        action="store_true",
+        help="continue from the latest checkpoint if there is one, else start a new run",
     )
     return parser
 
@@ -102,12 +113,21 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
                 f"data.path {path!r} does not exist; give a text file, a folder of text files, "
                 "or leave data.path unset for the embedded stdlib corpus"
             )
+        _check_data_files(path)
     tok = job.data.tokenizer
-    if tok != "byte" and not Path(tok).expanduser().exists():
-        raise ValueError(
-            f"data.tokenizer {tok!r} does not exist; use 'byte' or the path of a local "
-            "tokenizer.json file or Hugging Face tokenizer folder"
-        )
+    if tok != "byte":
+        if not Path(tok).expanduser().exists():
+            raise ValueError(
+                f"data.tokenizer {tok!r} does not exist; use 'byte' or the path of a local "
+                "tokenizer.json file or Hugging Face tokenizer folder"
+            )
+        from simplefsdp.data import load_tokenizer
+
+        try:
+            load_tokenizer(tok)
+        except ValueError as exc:
+            raise ValueError(f"data.tokenizer {tok!r}: {_one_line(exc)}") from exc
+    _check_resume(job)
     p = job.parallel
     mesh_shape_for(
         p.engine,
@@ -117,11 +137,43 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         local_world_size=local_world_size,
     )
     _check_seq_len(job)
+    import torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and local_world_size > gpus:
         raise ValueError(
             f"{local_world_size} processes per node but only {gpus} GPUs are visible; "
             f"use --nproc between 1 and {gpus}"
+        )
+
+
+def _check_data_files(path: str) -> None:
+    """``data.path`` must hold at least one non-empty text file."""
+    from simplefsdp.data import list_corpus_files
+
+    try:
+        _, files = list_corpus_files(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(f"data.path {path!r}: {_one_line(exc)}") from exc
+    if not any(f.stat().st_size > 0 for f in files):
+        what = "is empty" if Path(path).is_file() else "holds no non-empty text file"
+        raise ValueError(
+            f"data.path {path!r} {what}; give a text file or a folder of text files with "
+            "some text, or leave data.path unset for the embedded stdlib corpus"
+        )
+
+
+def _check_resume(job: JobConfig) -> None:
+    """``--resume`` needs a checkpoint to resume from (``--resume-if-possible`` does not)."""
+    ck = job.checkpoint
+    if not ck.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    from simplefsdp.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(ck.folder) is None:
+        raise ValueError(
+            f"--resume: no complete checkpoint in {ck.folder}; leave out --resume to start a "
+            "new run, or pass --resume-if-possible"
         )
 
 
@@ -147,24 +199,44 @@ def _configure_logging(rank: int) -> None:
     )
 
 
+def _report_worker_error(message: str, code: int) -> int:
+    """One line per error: to the launcher's error folder, or from rank 0 under torchrun."""
+    rank = int(os.environ.get("RANK", "0"))
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        Path(error_dir, f"rank{rank}.txt").write_text(f"{code} {message}\n", encoding="utf-8")
+    elif rank == 0:
+        _error(message)
+    return code
+
+
 def _run_worker(job: JobConfig) -> int:
-    """Train on this rank (under torchrun); rank 0 prints the summary."""
-    from simplefsdp.checkpoint import CheckpointError
-    from simplefsdp.train.trainer import Trainer
+    """Train on this rank (under torchrun); rank 0 prints the summary.
+
+    Errors the user can act on (bad data, a checkpoint that does not fit, a
+    damaged compile cache) end the process with one line and exit code 2
+    (1 for a broken environment); anything else is a bug and keeps its
+    traceback.
+    """
+    from simplefsdp.train.trainer import Trainer, TrainingError
 
     trainer = Trainer(job)
+    clean = False
     try:
-        trainer.setup()
-        summary = trainer.train()
-        if trainer.rank == 0:
+        try:
+            trainer.setup()
+        except (ValueError, FileNotFoundError) as exc:  # includes CheckpointError
+            return _report_worker_error(_one_line(exc), EXIT_CONFIG_ERROR)
+        try:
+            summary = trainer.train()
+        except TrainingError as exc:
+            return _report_worker_error(_one_line(exc), 1)
+        if trainer.rank == 0 and not summary.interrupted_by:  # a stop is reported in one line
             print(summary.format(), flush=True)
-    except CheckpointError as exc:  # a bad checkpoint to resume from: one line, no traceback
-        if int(os.environ.get("RANK", "0")) == 0:
-            _error(_one_line(exc))
-        return EXIT_CONFIG_ERROR
+        clean = True
+        return trainer.exit_code
     finally:
-        trainer.close()
-    return 0
+        trainer.close(clean=clean)
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
@@ -172,6 +244,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     args, overrides = _build_parser().parse_known_args(argv)
     if args.resume:
         overrides = [*overrides, "--checkpoint.resume", "true"]
+    if args.resume_if_possible:
+        overrides = [*overrides, "--checkpoint.resume_if_possible", "true"]
     try:
         job = load_config(args.config, overrides)
     except FileNotFoundError as exc:
@@ -195,7 +269,11 @@ def _worker_argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``simplefsdp train``; returns the process exit code."""
+    """Entry point of ``simplefsdp train``; returns the process exit code.
+
+    The command line and the configuration are parsed and validated before
+    torch is imported, so ``--help`` and configuration errors are immediate.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args, job = _parse(argv)
@@ -205,11 +283,19 @@ def main(argv: list[str] | None = None) -> int:
         print(format_config(job), end="")
         return 0
     worker = under_torchrun()
+    rank = int(os.environ.get("RANK", "0"))
+    if not worker or rank == 0:
+        for warning in config_warnings(job):
+            print(f"simplefsdp train: warning: {warning}", file=sys.stderr)
     if worker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    elif args.nproc is not None:
+        world = local = args.nproc
     else:
-        world = local = args.nproc if args.nproc is not None else default_nproc()
+        from simplefsdp.engines import default_nproc
+
+        world = local = default_nproc()
     try:
         if world < 1 or args.max_restarts < 0:
             raise ValueError(
@@ -217,12 +303,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         preflight(job, world_size=world, local_world_size=local)
     except ValueError as exc:
-        if not worker or int(os.environ.get("RANK", "0")) == 0:
+        if not worker or rank == 0:
             return _error(_one_line(exc))
         return EXIT_CONFIG_ERROR
     if worker:
-        _configure_logging(int(os.environ.get("RANK", "0")))
+        _configure_logging(rank)
         return _run_worker(job)
+    import torch
+
     device = "cuda (nccl)" if torch.cuda.is_available() else "cpu (gloo)"
     print(f"simplefsdp train: starting {world} processes on {device}", flush=True)
     return launch(_worker_argv(argv), nproc=world, max_restarts=args.max_restarts)

@@ -11,13 +11,25 @@ times on failure (restarted workers resume from the latest checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import signal
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["launch", "under_torchrun"]
+__all__ = ["ERROR_DIR_ENV", "STOPPED_MARK", "launch", "under_torchrun"]
+
+#: Folder where workers leave their one-line error reports for the launcher.
+ERROR_DIR_ENV = "SIMPLEFSDP_ERROR_DIR"
+#: File rank 0 leaves in that folder once it has saved and reported a clean stop.
+STOPPED_MARK = "stopped"
 
 WORKER_MODULE = "simplefsdp.train"
 
@@ -40,14 +52,22 @@ def _set_worker_threads(nproc: int) -> None:
 def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
     """Run ``python -m simplefsdp.train *worker_argv`` on ``nproc`` local ranks.
 
+    The workers share one run id (``SIMPLEFSDP_RUN_ID``, see
+    :mod:`simplefsdp.train.runs`) and report errors the user can act on as
+    one line each into a temporary folder (``SIMPLEFSDP_ERROR_DIR``); the
+    launcher prints the lowest rank's line once. On Ctrl-C or SIGTERM
+    torchrun's agent sends SIGTERM to the workers, which finish their step and
+    save (Note: [Clean stop] in :mod:`simplefsdp.train.interrupts`) within the
+    agent's grace period.
+
     Args:
         worker_argv: the arguments every worker gets (config and overrides).
         nproc: number of processes (ranks) on this machine.
         max_restarts: restarts of the whole worker group after a failure.
 
     Returns:
-        0 when every worker succeeded, 1 otherwise (the agent has printed
-        which rank failed and its error).
+        0 when every worker succeeded; otherwise the workers' exit code (2
+        for a reported user error, 128 + signal after a clean stop) or 1.
 
     Raises:
         ValueError: ``nproc < 1`` or ``max_restarts < 0``.
@@ -57,7 +77,10 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from simplefsdp.train.runs import RUN_ID_ENV, new_run_id
 
     _set_worker_threads(nproc)
     if max_restarts > 0:
@@ -65,6 +88,7 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
         # process-group keys in the agent's shared TCPStore and connect to dead
         # peers (pytorch/pytorch#135712); a fresh store per attempt avoids it.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault(RUN_ID_ENV, new_run_id())
     args = torchrun.parse_args(
         [
             "--standalone",
@@ -76,11 +100,76 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
         ]
     )
     logger.info("starting %d local processes (max restarts %d)", nproc, max_restarts)
-    try:
-        torchrun.run(args)
-    except ChildFailedError as exc:
-        failed = sorted(exc.failures)
-        logger.debug("worker failure details: %s", exc.format_msg())
-        print(f"simplefsdp train: error: training failed on rank(s) {failed}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="simplefsdp-errors-") as error_dir:
+        os.environ[ERROR_DIR_ENV] = error_dir
+        try:
+            with _quiet_agent():
+                torchrun.run(args)
+        except ChildFailedError as exc:
+            return _report_failure(exc, Path(error_dir))
+        except (SignalException, KeyboardInterrupt) as exc:
+            # The agent sent SIGTERM to the workers, which finished their step
+            # and saved; rank 0 said so unless it was killed first.
+            signum = int(getattr(exc, "sigval", signal.SIGINT))
+            if not (Path(error_dir) / STOPPED_MARK).exists():
+                name = signal.Signals(signum).name
+                print(f"simplefsdp train: stopped by {name} before saving", file=sys.stderr)
+            return 128 + signum
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
     return 0
+
+
+def _report_failure(exc: Any, error_dir: Path) -> int:
+    """One line for a failed worker group; the exit code to return."""
+    reports = sorted(error_dir.glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+    if reports:
+        code, _, message = reports[0].read_text(encoding="utf-8").strip().partition(" ")
+        print(f"simplefsdp train: error: {message}", file=sys.stderr)
+        return int(code)
+    codes = {failure.exitcode for failure in exc.failures.values()}
+    stopped = {c for c in codes if c in (128 + signal.SIGINT, 128 + signal.SIGTERM)}
+    if stopped and stopped == codes:
+        return stopped.pop()  # a clean stop, already reported by rank 0
+    logger.debug("worker failure details: %s", exc.format_msg())
+    failed = sorted(exc.failures)
+    print(
+        f"simplefsdp train: error: training failed on rank(s) {failed} (exit codes "
+        f"{sorted(codes)}); the workers' output above has the details",
+        file=sys.stderr,
+    )
+    return 1
+
+
+class _AgentNoiseFilter(logging.Filter):
+    """Drops torchelastic's records about exits we report ourselves: a worker that
+    exited with our user-error or clean-stop code, and the signals it sends while
+    tearing a worker group down. Crashes and restarts stay visible."""
+
+    _OURS = re.compile(r"failed \(exitcode: (2|130|143)\)")
+    _TEARDOWN = ("closing signal", "death signal")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self._OURS.search(message):
+            return False
+        return not any(text in message for text in self._TEARDOWN)
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """Install :class:`_AgentNoiseFilter` on torchelastic's loggers while the agent runs."""
+    prefix = "torch.distributed.elastic"
+    loggers = [logging.getLogger(prefix)] + [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(prefix + ".")
+    ]
+    noise = _AgentNoiseFilter()
+    for lg in loggers:
+        lg.addFilter(noise)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(noise)

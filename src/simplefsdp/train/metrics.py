@@ -37,8 +37,10 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -49,6 +51,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "GPU_PEAK_BF16_FLOPS",
     "MMAP_THRESHOLD_BYTES",
+    "Heartbeat",
+    "TrainSummary",
     "MetricsWriter",
     "ProgressDisplay",
     "format_bytes",
@@ -137,6 +141,7 @@ class MetricsWriter:
         tensorboard: also write TensorBoard events when
             ``torch.utils.tensorboard`` can be imported (a warning otherwise).
         filename: name of the JSON lines file.
+        run_id: written into every record (see Note: [One run per folder]).
     """
 
     def __init__(
@@ -145,12 +150,14 @@ class MetricsWriter:
         *,
         tensorboard: bool = False,
         filename: str = "metrics.jsonl",
+        run_id: str = "",
     ) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / filename
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._tb = self._open_tensorboard() if tensorboard else None
+        self.run_id = run_id
 
     def _open_tensorboard(self) -> Any:
         try:
@@ -171,6 +178,8 @@ class MetricsWriter:
     def write(self, record: dict[str, Any], *, step: int) -> None:
         """Append ``record`` (plus ``step`` and a wall-clock ``time``) and flush."""
         full = {"step": step, "time": round(time.time(), 3), **record}
+        if self.run_id:
+            full["run_id"] = self.run_id
         if self._file is not None:
             self._file.write(json.dumps({k: _jsonable(v) for k, v in full.items()}) + "\n")
             self._file.flush()
@@ -236,6 +245,37 @@ class ProgressDisplay:
             self._bar = None
 
 
+class Heartbeat:
+    """While the block runs, call ``emit(message(elapsed_s))`` every ``every_s`` seconds.
+
+    For long silent phases (the first, compiling step): a background thread
+    that only formats and prints.
+    """
+
+    def __init__(
+        self, message: Callable[[float], str], emit: Callable[[str], None], every_s: float = 30.0
+    ) -> None:
+        self.message, self.emit, self.every_s = message, emit, every_s
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self, start: float) -> None:
+        while not self._done.wait(self.every_s):
+            self.emit(self.message(time.perf_counter() - start))
+
+    def __enter__(self) -> Heartbeat:
+        self._thread = threading.Thread(
+            target=self._run, args=(time.perf_counter(),), name="simplefsdp-heartbeat", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def format_step_line(step: int, total_steps: int, record: dict[str, Any]) -> str:
     """One progress line: ``step 10/200 | loss 4.1234 | lr 5.0e-04 | ...``."""
     parts = [f"step {step:>{len(str(total_steps))}d}/{total_steps}"]
@@ -249,3 +289,57 @@ def format_step_line(step: int, total_steps: int, record: dict[str, Any]) -> str
         parts.append(f"mfu {record['mfu_pct']:.1f}%")
     parts.append(f"mem {format_bytes(record.get('peak_memory_bytes'))}")
     return " | ".join(parts)
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports (rank 0's view; losses are global means).
+
+    ``tokens_per_s`` is per rank and excludes the first step (compilation).
+    """
+
+    steps: int = 0
+    start_step: int = 0
+    first_loss: float | None = None
+    final_loss: float | None = None
+    final_val_loss: float | None = None
+    tokens_per_s: float | None = None
+    peak_memory_bytes: int | None = None
+    memory_kind: str = ""
+    elapsed_s: float = 0.0
+    checkpoint: str | None = None
+    output_dir: str = ""
+    metrics_path: str | None = None
+    tensorboard_dir: str | None = None
+    losses: list[float] = field(default_factory=list)
+    run_id: str = ""
+    compile_s: float | None = None
+    archived: list[str] = field(default_factory=list)
+    interrupted_by: str = ""
+
+    def format(self) -> str:
+        """A multi-line human-readable summary."""
+
+        def num(x: float | None, fmt: str) -> str:
+            return "n/a" if x is None else format(x, fmt)
+
+        head = "training finished"
+        if self.interrupted_by:
+            head = f"training stopped by {self.interrupted_by} after step {self.steps}"
+        lines = [
+            head,
+            f"  run            {self.run_id}",
+            f"  steps          {self.start_step} -> {self.steps} in {self.elapsed_s:.1f}s",
+            f"  loss           {num(self.first_loss, '.4f')} -> {num(self.final_loss, '.4f')}",
+            f"  val loss       {num(self.final_val_loss, '.4f')}",
+            f"  tokens/s/rank  {num(self.tokens_per_s, ',.0f')}",
+            f"  peak memory    {format_bytes(self.peak_memory_bytes)} ({self.memory_kind})",
+            f"  compile        {num(self.compile_s, '.1f')}s (first step)"
+            if self.compile_s is not None
+            else "  compile        off",
+            f"  checkpoint     {self.checkpoint or 'none'}",
+            f"  metrics        {self.metrics_path or 'none'}",
+        ]
+        if self.tensorboard_dir:
+            lines.append(f"  tensorboard    {self.tensorboard_dir}")
+        return "\n".join(lines)

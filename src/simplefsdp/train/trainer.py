@@ -4,9 +4,11 @@ The trainer is split into small steps, each a method::
 
     Trainer(job)
       .setup()        process group, seeds, data, model (parallelize), optimizer +
-                      schedule, checkpointer, metrics, resume
+                      schedule, checkpointer, the run (resume or new, see
+                      simplefsdp.train.runs), metrics
       .train()        for each step: train_step (micro-batches, clip, optimizer,
-                      schedule) -> log -> validate -> checkpoint
+                      schedule) -> log -> validate -> checkpoint -> stop on
+                      SIGINT/SIGTERM (simplefsdp.train.interrupts)
       .close()        flush logs, destroy the process group
 
 Run it under ``torchrun`` (or ``simplefsdp train``, which starts the
@@ -15,12 +17,14 @@ processes); with no process-group environment it trains in a single process.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
 import logging
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from functools import partial
+from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from simplefsdp.checkpoint import Checkpointer, latest_checkpoint, step_dir_name
+from simplefsdp.checkpoint import (
+    TRAINER_STATE_NAME,
+    Checkpointer,
+    latest_checkpoint,
+    step_dir_name,
+)
 from simplefsdp.engines import (
     EngineSpec,
     MemoryProbe,
@@ -43,57 +52,28 @@ from simplefsdp.engines import (
 )
 from simplefsdp.testing.faults import maybe_kill_at_step
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
+from simplefsdp.train.interrupts import StopRequest
+from simplefsdp.train.launch import ERROR_DIR_ENV, STOPPED_MARK
 from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
+    Heartbeat,
     MetricsWriter,
     ProgressDisplay,
-    format_bytes,
+    TrainSummary,
     format_step_line,
     mfu,
     peak_flops_for,
 )
+from simplefsdp.train.runs import RUN_ID_ENV, archive_previous_run, find_previous_run, new_run_id
+from simplefsdp.train.schedule import build_lr_scheduler, json_ready
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "TrainSummary",
     "Trainer",
-    "build_lr_scheduler",
     "engine_spec",
-    "lr_factor",
     "parallelize_job",
 ]
-
-
-# --------------------------------------------------------------------------- schedule
-
-
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak learning rate for optimizer step ``step`` (0-based).
-
-    Linear warm-up over ``warmup_steps`` steps (``(step + 1) / warmup_steps``,
-    so the first step already moves), then cosine decay from 1 to
-    ``min_lr_ratio``, reaching it at the last step ``total_steps - 1``.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps - 1)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, job: JobConfig
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warm-up + cosine ``LambdaLR`` for ``job.training``; its state is JSON-ready."""
-    t = job.training
-    fn = partial(
-        lr_factor,
-        warmup_steps=t.warmup_steps,
-        total_steps=t.steps,
-        min_lr_ratio=t.min_lr_ratio,
-    )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=fn)
 
 
 # --------------------------------------------------------------------------- setup helpers
@@ -134,58 +114,30 @@ def parallelize_job(model: torch.nn.Module, job: JobConfig, device: torch.device
     )
 
 
-def _json_ready(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with tuples as lists and only JSON-representable values kept."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, tuple):
-            value = list(value)
-        if value is None or isinstance(value, (bool, int, float, str, list)):
-            out[key] = value
-    return out
+@contextlib.contextmanager
+def _compile_errors() -> Iterator[None]:
+    """A damaged compile cache (``simplefsdp.train.compile_errors``) becomes one line."""
+    try:
+        yield
+    except Exception as exc:
+        from simplefsdp.train.compile_errors import describe_compile_error
+
+        message = describe_compile_error(exc)
+        if message is None:
+            raise
+        raise TrainingError(message) from exc
 
 
-@dataclass
-class TrainSummary:
-    """What a finished run reports (rank 0's view; losses are global means).
+def _read_trainer_state(folder: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((folder / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
-    ``tokens_per_s`` is per rank and excludes the first step (compilation).
-    """
 
-    steps: int = 0
-    start_step: int = 0
-    first_loss: float | None = None
-    final_loss: float | None = None
-    final_val_loss: float | None = None
-    tokens_per_s: float | None = None
-    peak_memory_bytes: int | None = None
-    memory_kind: str = ""
-    elapsed_s: float = 0.0
-    checkpoint: str | None = None
-    output_dir: str = ""
-    metrics_path: str | None = None
-    tensorboard_dir: str | None = None
-    losses: list[float] = field(default_factory=list)
-
-    def format(self) -> str:
-        """A multi-line human-readable summary."""
-
-        def num(x: float | None, fmt: str) -> str:
-            return "n/a" if x is None else format(x, fmt)
-
-        lines = [
-            "training finished",
-            f"  steps          {self.start_step} -> {self.steps} in {self.elapsed_s:.1f}s",
-            f"  loss           {num(self.first_loss, '.4f')} -> {num(self.final_loss, '.4f')}",
-            f"  val loss       {num(self.final_val_loss, '.4f')}",
-            f"  tokens/s/rank  {num(self.tokens_per_s, ',.0f')}",
-            f"  peak memory    {format_bytes(self.peak_memory_bytes)} ({self.memory_kind})",
-            f"  checkpoint     {self.checkpoint or 'none'}",
-            f"  metrics        {self.metrics_path or 'none'}",
-        ]
-        if self.tensorboard_dir:
-            lines.append(f"  tensorboard    {self.tensorboard_dir}")
-        return "\n".join(lines)
+class TrainingError(RuntimeError):
+    """A failure the user can act on, reported as one line (exit code 1)."""
 
 
 # --------------------------------------------------------------------------- trainer
@@ -203,6 +155,8 @@ class Trainer:
         self.device = pick_device()
         self.step = 0
         self.summary = TrainSummary(output_dir=job.metrics.output_dir)
+        self.run_id = ""
+        self.exit_code = 0
         self._writer: MetricsWriter | None = None
         self._progress: ProgressDisplay | None = None
 
@@ -220,8 +174,9 @@ class Trainer:
         self._build_model()
         self._build_optimizer()
         self._build_checkpointer()
+        resume_step = self._start_run()
         self._build_metrics()
-        self._maybe_resume()
+        self._maybe_resume(resume_step)
 
     def _seed(self) -> None:
         t = self.job.training
@@ -295,45 +250,83 @@ class Trainer:
     def _build_metrics(self) -> None:
         out = Path(self.job.metrics.output_dir)
         if self.rank == 0:
-            self._writer = MetricsWriter(out, tensorboard=self.job.metrics.tensorboard)
+            self._writer = MetricsWriter(
+                out, tensorboard=self.job.metrics.tensorboard, run_id=self.run_id
+            )
             (out / "config.toml").write_text(format_config(self.job), encoding="utf-8")
             self.summary.metrics_path = str(self._writer.path)
             tb = self._writer.tensorboard_dir
             self.summary.tensorboard_dir = None if tb is None else str(tb)
 
-    def _resume_step(self) -> int:
-        """Step of the checkpoint to resume from (rank 0 decides), or -1 for none."""
-        ck = self.job.checkpoint
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if not (ck.resume or (restarted and ck.enable)):
-            if self.rank == 0 and ck.enable and latest_checkpoint(ck.folder) is not None:
-                logger.warning(
-                    "%s already holds checkpoints; starting from scratch (pass --resume to "
-                    "continue from the latest)",
-                    ck.folder,
-                )
-            return -1
-        step = -1
-        if self.rank == 0:
-            info = latest_checkpoint(ck.folder)
-            step = -1 if info is None else info.step
-            if info is None:
-                logger.warning("no complete checkpoint in %s; starting from scratch", ck.folder)
-        decided = torch.tensor([step], dtype=torch.int64, device=comm_device(self.device))
-        dist.broadcast(decided, src=0)
-        return int(decided.item())
+    def _start_run(self) -> int:
+        """Decide (on rank 0) whether this run resumes, and its id; move another run's files.
 
-    def _maybe_resume(self) -> None:
-        step = self._resume_step()
-        if step < 0:
-            return
-        state = self.checkpointer.load(Path(self.job.checkpoint.folder) / step_dir_name(step))
-        self.scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
-        self.loader.load_state_dict(state["data_loader"])
-        self.step = int(state["step"])
-        self.summary.checkpoint = str(Path(self.job.checkpoint.folder) / step_dir_name(step))
+        See Note: [One run per folder] in :mod:`simplefsdp.train.runs`.
+
+        Returns:
+            The step of the checkpoint to resume from, or -1 for a new run.
+
+        Raises:
+            ValueError: ``checkpoint.resume`` is set and there is nothing to resume.
+        """
+        decision: list[Any] = [None]
+        if self.rank == 0:
+            decision = [self._decide_run()]
+        dist.broadcast_object_list(decision, src=0, device=comm_device(self.device))
+        step, run_id, archived, error = decision[0]
+        if error:
+            raise ValueError(error)
+        self.run_id = self.summary.run_id = run_id
+        self.summary.archived = archived
+        return step
+
+    def _decide_run(self) -> tuple[int, str, list[str], str | None]:
+        """``(resume step, run id, archived folders, error)``; rank 0 only."""
+        ck, mt = self.job.checkpoint, self.job.metrics
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        elastic_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        run_id = os.environ.get(RUN_ID_ENV) or (elastic_id if elastic_id != "none" else "")
+        if ck.resume or ck.resume_if_possible or (restarted and ck.enable):
+            info = latest_checkpoint(ck.folder)
+            if info is not None:
+                state = _read_trainer_state(info.path)
+                return info.step, str(state.get("run_id") or run_id or new_run_id()), [], None
+            if ck.resume and not restarted:
+                return (
+                    -1,
+                    "",
+                    [],
+                    (
+                        f"--resume: no complete checkpoint in {ck.folder}; leave out --resume to "
+                        "start a new run, or pass --resume-if-possible"
+                    ),
+                )
+        run_id = run_id or new_run_id()
+        previous = find_previous_run(mt.output_dir, ck.folder if ck.enable else None)
+        if previous is None or previous.run_id == run_id:
+            return -1, run_id, [], None
+        moved = archive_previous_run(previous, mt.output_dir, ck.folder if ck.enable else None)
+        print(
+            f"simplefsdp train: new run {run_id}; moved the files of {previous.describe()} to "
+            + ", ".join(str(p) for p in moved)
+            + " (--resume continues the latest run instead)",
+            flush=True,
+        )
+        return -1, run_id, [str(p) for p in moved], None
+
+    def _maybe_resume(self, step: int) -> None:
+        if step >= 0:
+            folder = Path(self.job.checkpoint.folder) / step_dir_name(step)
+            state = self.checkpointer.load(folder)
+            self.scheduler.load_state_dict(state["scheduler"])
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+            self.loader.load_state_dict(state["data_loader"])
+            self.step = int(state["step"])
+            self.summary.checkpoint = str(folder)
+        if self._writer is not None:
+            event = "run_resumed" if step >= 0 else "run_started"
+            self._writer.write({"event": event, "world_size": self.world_size}, step=self.step)
 
     # -- one step ----------------------------------------------------------
 
@@ -419,18 +412,18 @@ class Trainer:
             "peak_memory_bytes": int(self._global_max(self.memory.peak_bytes() or 0)),
         }
 
-    def _should(self, step: int, interval: int) -> bool:
+    def _should(self, interval: int, step: int) -> bool:
         return interval > 0 and (step % interval == 0 or step == self.job.training.steps)
 
     def _validates_or_saves(self, step: int) -> bool:
         ck = self.job.checkpoint
-        return self._should(step, self.job.metrics.val_interval) or (
-            ck.enable and self._should(step, ck.interval)
+        return self._should(self.job.metrics.val_interval, step) or (
+            ck.enable and self._should(ck.interval, step)
         )
 
     def _after_step(self, step: int, record: dict[str, Any] | None) -> None:
         """Validate, write metrics and progress, and checkpoint after ``step``."""
-        if self._should(step, self.job.metrics.val_interval):
+        if self._should(self.job.metrics.val_interval, step):
             val = self.validate()
             if val is not None and record is not None:
                 record["val_loss"] = val
@@ -441,14 +434,15 @@ class Trainer:
             self._progress.update(step)
             self._progress.line(format_step_line(step, self.job.training.steps, record))
         ck = self.job.checkpoint
-        if ck.enable and self._should(step, ck.interval):
+        if ck.enable and self._should(ck.interval, step):
             path = self.checkpointer.save(step, self._trainer_state(step))
             self.summary.checkpoint = str(path)
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {
             "step": step,
-            "scheduler": _json_ready(self.scheduler.state_dict()),
+            "run_id": self.run_id,
+            "scheduler": json_ready(self.scheduler.state_dict()),
             "data_loader": self.loader.state_dict(),
             "tokens_per_step_per_rank": self._tokens_per_step(),
         }
@@ -467,27 +461,77 @@ class Trainer:
             logger.warning("checkpoint is at step %d >= training.steps %d", start_step, total)
         run_start = time.perf_counter()
         window_steps, window_s, steady_s = 0, 0.0, 0.0
-        for step in range(start_step + 1, total + 1):
-            is_log = self._should(step, self.job.metrics.log_interval) or step == start_step + 1
-            t0 = time.perf_counter()
-            loss, grad_norm, lr = self.train_step()
-            # Test-only fault injection (SIMPLEFSDP_TEST_KILL_AT_STEP); a no-op otherwise.
-            maybe_kill_at_step(step, self.rank, self.world_size, self.job.metrics.output_dir)
-            if is_log or self._validates_or_saves(step):
-                # Queued device work must land in this step's window, not in
-                # the validation/checkpoint that follows (on GPU).
-                self._sync()
-            step_s = time.perf_counter() - t0
-            self.step, window_steps, window_s = step, window_steps + 1, window_s + step_s
-            steady_s += step_s if step > start_step + 1 else 0.0
-            record = None
-            if is_log:
-                record = self._log(loss, grad_norm, lr, (window_steps, window_s))
-                self._record_summary(record)
-                window_steps, window_s = 0, 0.0
-            self._after_step(step, record)
+        with StopRequest() as stop:
+            for step in range(start_step + 1, total + 1):
+                is_log = self._should(self.job.metrics.log_interval, step) or step == start_step + 1
+                t0 = time.perf_counter()
+                with self._first_step_notice(step == start_step + 1), _compile_errors():
+                    loss, grad_norm, lr = self.train_step()
+                # Test-only fault injection (SIMPLEFSDP_TEST_KILL_AT_STEP); a no-op otherwise.
+                maybe_kill_at_step(step, self.rank, self.world_size, self.job.metrics.output_dir)
+                if is_log or self._validates_or_saves(step):
+                    # Queued device work must land in this step's window, not in
+                    # the validation/checkpoint that follows (on GPU).
+                    self._sync()
+                step_s = time.perf_counter() - t0
+                self.step, window_steps, window_s = step, window_steps + 1, window_s + step_s
+                steady_s += step_s if step > start_step + 1 else 0.0
+                record = None
+                if is_log:
+                    record = self._log(loss, grad_norm, lr, (window_steps, window_s))
+                    self._record_summary(record)
+                    window_steps, window_s = 0, 0.0
+                self._after_step(step, record)
+                if self._stop_agreed(stop):
+                    self._stop_cleanly(step, stop)
+                    break
         self._finish_summary(time.perf_counter() - run_start, steady_s)
         return self.summary
+
+    @contextlib.contextmanager
+    def _first_step_notice(self, first: bool) -> Iterator[None]:
+        """Say that the first step compiles, every 30 s how long it has taken, and the total."""
+        if not (first and self.parallel.compiled):
+            yield
+            return
+        assert self._progress is not None
+        self._progress.line(
+            f"step 1 compiles the model ({self.job.compile.backend}); this takes a while on CPU"
+        )
+        start = time.perf_counter()
+        with Heartbeat(lambda s: f"  still compiling: {s:.0f}s", self._progress.line):
+            yield
+        self.summary.compile_s = time.perf_counter() - start
+        self._progress.line(f"compiled and ran step 1 in {self.summary.compile_s:.1f}s")
+
+    def _stop_agreed(self, stop: StopRequest) -> bool:
+        """Whether any rank was asked to stop (all ranks stop after the same step)."""
+        flag = torch.tensor([1 if stop.signum is not None else 0], device=comm_device(self.device))
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _stop_cleanly(self, step: int, stop: StopRequest) -> None:
+        """Save a checkpoint of ``step`` (unless just saved) and report; see Note: [Clean stop]."""
+        ck = self.job.checkpoint
+        saved = ck.enable and self._should(ck.interval, step)
+        if ck.enable and not saved:
+            self.summary.checkpoint = str(self.checkpointer.save(step, self._trainer_state(step)))
+        signal_name = stop.name or "another rank's signal"
+        self.summary.interrupted_by = signal_name
+        self.exit_code = stop.exit_code or 128 + 15
+        if self.rank == 0:
+            where = (
+                f"saved {self.summary.checkpoint}; continue with: simplefsdp train --resume"
+                if ck.enable
+                else "checkpoints are off (checkpoint.enable false), nothing saved"
+            )
+            print(
+                f"simplefsdp train: stopped by {signal_name} after step {step}: {where}", flush=True
+            )
+            error_dir = os.environ.get(ERROR_DIR_ENV)
+            if error_dir:  # tells the launcher that the stop was reported
+                Path(error_dir, STOPPED_MARK).touch()
 
     def _record_summary(self, record: dict[str, Any]) -> None:
         if self.summary.first_loss is None:
@@ -503,14 +547,26 @@ class Trainer:
             s.tokens_per_s = steady_steps * self._tokens_per_step() / steady_s
         s.peak_memory_bytes = int(self._global_max(self.memory.peak_bytes() or 0))
 
-    def close(self) -> None:
-        """Flush metrics and destroy the process group."""
+    def close(self, *, clean: bool = True) -> None:
+        """Flush metrics and destroy the process group.
+
+        Args:
+            clean: every rank got here normally. After an error the ranks may
+                not all arrive: then the final barrier waits at most 10 s (gloo),
+                or is skipped (NCCL), so that this process exits and the
+                launcher stops the others.
+        """
         if self._progress is not None:
             self._progress.close()
         if self._writer is not None:
             self._writer.close()
-        if dist.is_initialized():
-            # Let every rank finish its last collective before any rank tears
-            # down gloo's threads (a peer exiting early can abort the other).
+        if not dist.is_initialized():
+            return
+        # Let every rank finish its last collective before any rank tears down
+        # gloo's threads (a peer exiting early can abort the other).
+        if clean:
             dist.barrier()
-            dist.destroy_process_group()
+        elif dist.get_backend() == "gloo":
+            with contextlib.suppress(Exception):
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+        dist.destroy_process_group()

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "VALID_MODELS",
@@ -34,6 +31,7 @@ __all__ = [
     "MetricsConfig",
     "JobConfig",
     "SECTIONS",
+    "config_warnings",
     "validate_config",
 ]
 
@@ -205,7 +203,10 @@ class CheckpointConfig:
         folder: Checkpoint folder.
         interval: Save every ``interval`` steps.
         keep_last: Number of most recent checkpoints kept.
-        resume: Resume from the latest checkpoint in ``folder``.
+        resume: Resume from the latest checkpoint in ``folder``; an error
+            when there is none.
+        resume_if_possible: Resume from the latest checkpoint in ``folder``
+            when there is one, else start a new run.
     """
 
     enable: bool = True
@@ -213,6 +214,7 @@ class CheckpointConfig:
     interval: int = 100
     keep_last: int = 3
     resume: bool = False
+    resume_if_possible: bool = False
 
 
 @dataclass
@@ -349,12 +351,6 @@ def validate_config(cfg: JobConfig) -> None:
             f"parallel.mode: invalid value {p.mode!r} for engine {p.engine!r}; "
             "valid choices: ['replicate']"
         )
-    if p.mesh_shape is not None and p.mode != "hybrid_shard":
-        logger.warning(
-            "parallel.mesh_shape=%s is only used by mode 'hybrid_shard' (mode is %r)",
-            p.mesh_shape,
-            p.mode,
-        )
 
     check(ck.interval >= 1, "checkpoint.interval", ck.interval, ">= 1")
     check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, ">= 1")
@@ -367,3 +363,19 @@ def validate_config(cfg: JobConfig) -> None:
 
     if errors:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def config_warnings(job: JobConfig) -> list[str]:
+    """Settings that are valid but have no effect, one message each.
+
+    The command line prints them once (``simplefsdp train: warning: ...``),
+    not once per rank.
+    """
+    p = job.parallel
+    warnings = []
+    if p.mesh_shape is not None and p.mode != "hybrid_shard":
+        warnings.append(
+            f"parallel.mesh_shape={list(p.mesh_shape)} is only used by mode 'hybrid_shard' "
+            f"(mode is {p.mode!r})"
+        )
+    return warnings

@@ -1,0 +1,147 @@
+"""What a new user meets in the first hour: fast one-line errors, reruns, Ctrl-C.
+
+Runs are tiny and uncompiled (2 CPU processes, seq 64, a few steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SMALL = [
+    "--data.max_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "2",
+    "--metrics.log_interval", "1", "--metrics.val_interval", "0", "--compile.enable", "false",
+    "--metrics.output_dir", "out", "--checkpoint.folder", "out/ck",
+]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "simplefsdp.cli", *args],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _only_line(stderr: str) -> str:
+    """The one error line (rank 0's INFO log lines may come before it)."""
+    lines = [line for line in stderr.splitlines() if line.strip() and "] INFO " not in line]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr and lines[0].startswith("simplefsdp ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["--version"], ["train", "--help"], ["train", "--training.stpes", "3"]],
+    ids=["help", "version", "train-help", "config-error"],
+)
+def test_help_and_config_errors_do_not_import_torch(args):
+    code = (
+        "import sys\n"
+        "from simplefsdp.cli import main\n"
+        "try:\n"
+        f"    code = main({args!r})\n"
+        "except SystemExit as exc:\n"
+        "    code = exc.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    assert proc.stdout.splitlines()[-1] in ("NO-TORCH 0", "NO-TORCH 2"), proc.stdout + proc.stderr
+    if args[-1] == "3":
+        assert "Did you mean 'steps'" in _only_line(proc.stderr)
+
+
+def test_empty_data_and_missing_resume_are_one_line_errors(tmp_path):
+    (tmp_path / "e.txt").write_text("")
+    proc = _cli(["train", *SMALL, "--data.path", "e.txt"], tmp_path)
+    assert proc.returncode == 2
+    assert "data.path 'e.txt' is empty" in _only_line(proc.stderr)
+    proc = _cli(["train", *SMALL, "--resume"], tmp_path)
+    assert proc.returncode == 2
+    assert "--resume: no complete checkpoint in out/ck" in _only_line(proc.stderr)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_a_rerun_is_a_new_run_and_never_mixes_files(tmp_path):
+    first = _cli(["train", *SMALL, "--training.steps", "4", "--checkpoint.interval", "2"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    run1 = {r["run_id"] for r in _records(tmp_path / "out" / "metrics.jsonl")}
+    assert len(run1) == 1
+    second = _cli(["train", *SMALL, "--training.steps", "3", "--checkpoint.interval", "1",
+                   "--checkpoint.keep_last", "2"], tmp_path)  # fmt: skip
+    assert second.returncode == 0, second.stderr
+    (run1_id,) = run1
+    assert f"moved the files of run {run1_id} (checkpoints up to step 4)" in second.stdout
+    records = _records(tmp_path / "out" / "metrics.jsonl")
+    run2 = {r["run_id"] for r in records}
+    assert len(run2) == 1 and run2 != run1
+    assert records[0]["event"] == "run_started"
+    assert [r["step"] for r in records[1:]] == [1, 2, 3]
+    # This run's checkpoints only (keep_last 2), the first run's set aside unchanged.
+    assert sorted(p.name for p in (tmp_path / "out" / "ck").glob("step-*")) == ["step-2", "step-3"]
+    old = tmp_path / "out" / "ck" / "previous_runs" / run1_id
+    assert sorted(p.name for p in old.iterdir()) == ["step-2", "step-4"]
+    old_metrics = tmp_path / "out" / "previous_runs" / run1_id / "metrics.jsonl"
+    assert {r["run_id"] for r in _records(old_metrics)} == run1
+    # "latest" is this run's: export picks step-3, resume continues run 2.
+    export = _cli(["export", "--checkpoint", "out/ck", "--out", "m.safetensors"], tmp_path)
+    assert export.returncode == 0, export.stderr
+    assert json.loads((tmp_path / "m.config.json").read_text())["step"] == 3
+    resumed = _cli(["train", *SMALL, "--training.steps", "4", "--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    records = _records(tmp_path / "out" / "metrics.jsonl")
+    assert {r["run_id"] for r in records} == run2
+    assert records[-2]["event"] == "run_resumed" and records[-1]["step"] == 4
+    # A worker-side error (the checkpoint does not fit this model) is one line, exit 2.
+    bad = _cli(["train", *SMALL, "--training.steps", "5", "--resume", "--model.vocab_size", "300"],
+               tmp_path)  # fmt: skip
+    assert bad.returncode == 2, bad.stderr
+    assert "tok_embeddings.weight" in _only_line(bad.stderr)
+
+
+@pytest.mark.slow
+def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "simplefsdp.cli", "train", *SMALL, "--training.steps", "500",
+         "--checkpoint.interval", "100"],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    assert proc.stdout is not None
+    for line in proc.stdout:  # wait until training runs
+        if line.startswith("step") or time.monotonic() > deadline:
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    (line,) = [x for x in out.splitlines() if "stopped by SIGINT" in x]
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert f"saved out/ck/step-{step}; continue with: simplefsdp train --resume" in line
+    assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
+    resumed = _cli(["train", *SMALL, "--training.steps", str(step + 1), "--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"steps          {step} -> {step + 1}" in resumed.stdout
