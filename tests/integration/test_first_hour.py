@@ -53,8 +53,15 @@ def _only_line(stderr: str) -> str:
 
 @pytest.mark.parametrize(
     "args",
-    [["--help"], ["--version"], ["train", "--help"], ["train", "--training.stpes", "3"]],
-    ids=["help", "version", "train-help", "config-error"],
+    [
+        ["--help"],
+        ["--version"],
+        ["train", "--help"],
+        ["bench", "--help"],
+        ["bench", "--configs", "nope"],
+        ["train", "--training.stpes", "3"],
+    ],
+    ids=["help", "version", "train-help", "bench-help", "bench-error", "config-error"],
 )
 def test_help_and_config_errors_do_not_import_torch(args):
     code = (

@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from simplefsdp.bench.configs import (
     COMM_ONLY,
     CONFIGS,
@@ -48,7 +46,6 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
-from simplefsdp.engines import default_nproc
 
 EXIT_CONFIG_ERROR = 2
 # Variables of an enclosing torchrun that must not leak into the nested one.
@@ -133,7 +130,12 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     from simplefsdp.models.llama3 import get_config
 
     get_config(workload.model, **workload.model_overrides)  # validates names and fields
-    nproc = args.nproc if args.nproc is not None else default_nproc()
+    if args.nproc is not None:
+        nproc = args.nproc
+    else:
+        from simplefsdp.engines import default_nproc
+
+        nproc = default_nproc()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     return BenchSpec(workload=workload, nproc=nproc, seed=args.seed, timeout_s=args.timeout)
@@ -217,6 +219,8 @@ def _run_one(config: BenchConfig, spec: BenchSpec, spec_path: Path, raw_dir: Pat
 
 
 def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
+    import torch
+
     workload = spec.workload
     if torch.cuda.is_available():
         device = f"{spec.nproc} x {torch.cuda.get_device_name(0)} (nccl)"
