@@ -1,7 +1,9 @@
 """Bucketing and reordering passes on real traced graphs, in one process.
 
 A fake process group (no communication) stands in for 2 ranks: the graphs are
-exactly those simplefsdp.compile builds, and the tests inspect them.
+exactly those simplefsdp.compile builds, and the tests inspect them. The mesh
+is built on "cpu" explicitly, where the models live, also on machines with a
+GPU.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from toy_models import BlockStack, ResidualBlock
 
 
 @pytest.fixture
-def fake_pg():
+def fake_mesh():
+    """A 2-rank fake process group and a "cpu" mesh over it."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     # Each test compiles a fresh model of the same class: start from an empty
@@ -26,15 +30,15 @@ def fake_pg():
     torch._dynamo.reset()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        yield
+        yield init_device_mesh("cpu", (2,))
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
 
 
-def _compile_and_run(bucketing, reorder=True, mode="fully_shard", reshard=True, prefetch=1):
+def _compile_and_run(mesh, bucketing, reorder=True, mode="fully_shard", reshard=True, prefetch=1):
     torch.manual_seed(0)
-    model = simplefsdp.data_parallel(BlockStack(), mode=mode, reshard_after_forward=reshard)
+    model = simplefsdp.data_parallel(BlockStack(), mesh, mode=mode, reshard_after_forward=reshard)
     simplefsdp.compile(
         model, backend="aot_eager", bucketing=bucketing, reorder=reorder, prefetch_distance=prefetch
     )
@@ -57,8 +61,8 @@ def _compute_positions(gm):
     return pos
 
 
-def test_bucket_count_equals_plan_buckets(fake_pg) -> None:
-    graphs, report = _compile_and_run("per_block")
+def test_bucket_count_equals_plan_buckets(fake_mesh) -> None:
+    graphs, report = _compile_and_run(fake_mesh, "per_block")
     fw, bw = graphs["forward"], graphs["backward"]
     # embed | 3 blocks | norm + head: five buckets
     assert len(_collectives(fw, "all_gather")) == 5
@@ -77,28 +81,28 @@ def test_bucket_count_equals_plan_buckets(fake_pg) -> None:
     assert "bucketing" in " ".join(report.graph("forward").notes)
 
 
-def test_none_keeps_one_collective_per_parameter(fake_pg) -> None:
-    graphs, _ = _compile_and_run("none", reorder=False)
+def test_none_keeps_one_collective_per_parameter(fake_mesh) -> None:
+    graphs, _ = _compile_and_run(fake_mesh, "none", reorder=False)
     n_params = 1 + 3 * 6 + 2 + 1
     assert len(_collectives(graphs["forward"], "all_gather")) == n_params
     assert len(_collectives(graphs["backward"], "reduce_scatter")) == n_params
 
 
-def test_manual_plan_of_lists_and_uncovered_params(fake_pg) -> None:
+def test_manual_plan_of_lists_and_uncovered_params(fake_mesh) -> None:
     plan = [["embed", "blocks.0"], ["blocks.1", "blocks.2"]]
-    graphs, report = _compile_and_run(plan)
+    graphs, report = _compile_and_run(fake_mesh, plan)
     assert len(_collectives(graphs["forward"], "all_gather")) == 3
     names = [b.name for b in report.graph("forward").buckets]
     assert names == ["embed,blocks.0", "blocks.1,blocks.2", "rest:norm.weight"]
 
 
-def test_class_plan_matches_per_block(fake_pg) -> None:
-    graphs, _ = _compile_and_run(ResidualBlock)
+def test_class_plan_matches_per_block(fake_mesh) -> None:
+    graphs, _ = _compile_and_run(fake_mesh, ResidualBlock)
     assert len(_collectives(graphs["forward"], "all_gather")) == 5
 
 
-def test_forward_prefetch_order(fake_pg) -> None:
-    graphs, _ = _compile_and_run("per_block", prefetch=1)
+def test_forward_prefetch_order(fake_mesh) -> None:
+    graphs, _ = _compile_and_run(fake_mesh, "per_block", prefetch=1)
     fw = graphs["forward"]
     pos = _compute_positions(fw)
     gathers = _collectives(fw, "all_gather")
@@ -115,8 +119,8 @@ def test_forward_prefetch_order(fake_pg) -> None:
         assert pos[first_compute_after] == pos[wait] + 1
 
 
-def test_prefetch_distance_two(fake_pg) -> None:
-    graphs, _ = _compile_and_run("per_block", prefetch=2)
+def test_prefetch_distance_two(fake_mesh) -> None:
+    graphs, _ = _compile_and_run(fake_mesh, "per_block", prefetch=2)
     fw = graphs["forward"]
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
     gathers = _collectives(fw, "all_gather")
@@ -125,15 +129,15 @@ def test_prefetch_distance_two(fake_pg) -> None:
         assert order[gathers[i]] < order[waits[i - 2]]
 
 
-def test_no_reorder_keeps_waits_next_to_issues(fake_pg) -> None:
-    graphs, _ = _compile_and_run("per_block", reorder=False)
+def test_no_reorder_keeps_waits_next_to_issues(fake_mesh) -> None:
+    graphs, _ = _compile_and_run(fake_mesh, "per_block", reorder=False)
     pos = _compute_positions(graphs["forward"])
     for ag in _collectives(graphs["forward"], "all_gather"):
         assert pos[ag] == pos[wait_of(ag)]
 
 
-def test_backward_reductions_issue_early_and_wait_late(fake_pg) -> None:
-    graphs, _ = _compile_and_run("per_block")
+def test_backward_reductions_issue_early_and_wait_late(fake_mesh) -> None:
+    graphs, _ = _compile_and_run(fake_mesh, "per_block")
     bw = graphs["backward"]
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
     reductions = _collectives(bw, "reduce_scatter")
@@ -162,14 +166,14 @@ def test_backward_reductions_issue_early_and_wait_late(fake_pg) -> None:
             in_flight -= 1
 
 
-def test_replicate_mode_buckets_all_reduces(fake_pg) -> None:
-    graphs, _ = _compile_and_run("per_block", mode="replicate")
+def test_replicate_mode_buckets_all_reduces(fake_mesh) -> None:
+    graphs, _ = _compile_and_run(fake_mesh, "per_block", mode="replicate")
     assert _collectives(graphs["forward"], "all_gather") == []
     assert len(_collectives(graphs["backward"], "all_reduce")) == 5
 
 
-def test_bad_plans_raise(fake_pg) -> None:
-    model = simplefsdp.data_parallel(BlockStack())
+def test_bad_plans_raise(fake_mesh) -> None:
+    model = simplefsdp.data_parallel(BlockStack(), fake_mesh)
     with pytest.raises(ValueError, match="'blocks.7' names no module"):
         simplefsdp.compile(model, bucketing=[["blocks.7"]])
     with pytest.raises(ValueError, match="is in two buckets"):
@@ -222,3 +226,60 @@ def test_repeated_blocks_are_the_per_block_buckets() -> None:
         "stages.1",
         "heads.a",
     ]
+
+
+# The default mesh (mesh=None) follows the parameters' device. Where CUDA is
+# visible, the fake backend (which serves every device type) used to get a
+# cuda mesh, and data_parallel moved a CPU model's parameters there, away from
+# its CPU inputs. torch.cuda.is_available is patched to simulate a GPU
+# machine; no CUDA tensor is created.
+
+
+def test_default_mesh_follows_cpu_parameters_with_cuda_visible(fake_mesh, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = simplefsdp.data_parallel(BlockStack())
+    mesh = simplefsdp.get_data_parallel_state(model).mesh
+    assert mesh.device_type == "cpu"
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    model(torch.randint(0, 23, (2, 5))).sum().backward()
+
+
+def test_default_device_type_decision(fake_mesh, monkeypatch) -> None:
+    from simplefsdp.frontend import mesh as mesh_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pick = mesh_module.default_device_type
+    assert pick({"cpu"}) == "cpu"
+    assert pick({"cuda"}) == "cuda"
+    # Nothing to follow (meta, none, mixed): the backend's device.
+    assert pick({"meta"}) == pick(()) == pick({"cpu", "cuda"}) == "cuda"
+    # NCCL cannot serve CPU parameters: cuda mesh (they move there, as FSDP2's).
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist, "get_backend_config", lambda *a: "cuda:nccl")
+    assert pick({"cpu"}) == "cuda"
+    # gloo serves both: follow the parameters; nothing to follow -> cpu.
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    monkeypatch.setattr(dist, "get_backend_config", lambda *a: "cpu:gloo,cuda:gloo")
+    assert pick({"cpu"}) == "cpu"
+    assert pick({"meta"}) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "fake")
+    assert pick({"meta"}) == "cpu"
+
+
+def test_cost_model_calibrates_on_the_mesh_device(fake_mesh, monkeypatch) -> None:
+    from simplefsdp.compiler.backend import _mesh_device_type
+    from simplefsdp.compiler.cost_model import calibration_device
+
+    # torch's default backend with CUDA visible is "cpu:gloo,cuda:nccl": the
+    # backend name alone said cpu, so a cuda mesh was calibrated with gloo.
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert calibration_device("cuda") == torch.device("cuda", 3)
+    assert calibration_device("cpu") == torch.device("cpu")
+    assert calibration_device(None) == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    assert calibration_device(None) == torch.device("cuda", 3)
+    model = simplefsdp.data_parallel(BlockStack(), fake_mesh)
+    assert _mesh_device_type(model) == "cpu"
+    assert _mesh_device_type(BlockStack()) is None

@@ -161,6 +161,16 @@ def _mesh_groups(model: nn.Module) -> list:
     return groups
 
 
+def _mesh_device_type(model: nn.Module) -> str | None:
+    """The device type of the model's data-parallel mesh (``None``: not wrapped)."""
+    from simplefsdp.frontend.data_parallel import get_data_parallel_state
+
+    try:
+        return get_data_parallel_state(model).mesh.device_type
+    except ValueError:
+        return None
+
+
 def resolve_bucketing(model: nn.Module, bucketing: Any) -> BucketPlan | None:
     """The static plan for a ``bucketing`` option: ``None`` for ``"none"``;
     for ``"auto"`` the per-block plan (the planner's reference; replaced by
@@ -286,9 +296,11 @@ class SimpleFSDPBackend:
         self._plan: BucketPlan | None = None
         self._cost_model: CostModel | None = None
         self._mesh_groups: list = []
+        self._mesh_device_type: str | None = None
         if model is not None:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = _mesh_groups(model)
+            self._mesh_device_type = _mesh_device_type(model)
             self._plan = resolve_bucketing(model, options.bucketing)
         elif options.bucketing != "none":
             raise ValueError(
@@ -326,7 +338,7 @@ class SimpleFSDPBackend:
         outside compilation. See Note: [Identical plans without
         compile-time collectives]."""
         if self.is_auto and self.options.cost_model is None and self._cost_model is None:
-            self._cost_model = calibrated_cost_model(self._mesh_groups)
+            self._cost_model = calibrated_cost_model(self._mesh_groups, self._mesh_device_type)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         compilation = _GraphCompilation(

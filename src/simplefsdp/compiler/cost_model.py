@@ -256,20 +256,32 @@ def _all_ranks_agree(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def calibrated_cost_model(groups: list | None = None) -> CostModel:
+def calibration_device(device_type: str | None) -> torch.device:
+    """Where calibration measures: the mesh's device type (``device_type``),
+    or without one the default process group's (cuda for NCCL, else cpu).
+
+    Not the backend alone: under a mixed backend (``cpu:gloo,cuda:nccl``,
+    torch's default when CUDA is visible) a CUDA mesh would otherwise be
+    calibrated with gloo on CPU.
+    """
+    if device_type is None:
+        device_type = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def calibrated_cost_model(groups: list | None = None, device_type: str | None = None) -> CostModel:
     """Measure (or load from cache) this machine's cost model; every rank
     returns rank 0's numbers. Collective: call it on every rank.
 
+    ``device_type``: the data-parallel mesh's (see :func:`calibration_device`).
     Takes a few seconds the first time a configuration is seen.
     """
     if not dist.is_initialized():
         return CostModel()
     backend = str(dist.get_backend())
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend == "nccl"
-        else torch.device("cpu")
-    )
+    device = calibration_device(device_type)
     path = _cache_path(backend, dist.get_world_size(), device.type)
     groups = list(groups or []) or [dist.group.WORLD]
     cached = None

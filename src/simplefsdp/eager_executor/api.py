@@ -57,6 +57,12 @@ def eager(
     (or ``set_requires_gradient_sync(False)``) keeps gradients unsharded and
     unreduced; the next backward with sync reduces their sum once.
 
+    Unused parameters: a parameter that forward did not read gets a zero
+    gradient (its slot of the bucket's flat gradient) when other parameters of
+    its bucket got one, as FSDP1's flat parameters do, where ``data_parallel``
+    alone leaves it ``None``; so an optimizer with weight decay still updates
+    it.
+
     Args:
         model: a module wrapped by ``simplefsdp.data_parallel`` (its parameters
             materialised, not on the meta device). Modified in place.

@@ -215,7 +215,8 @@ def data_parallel(
     Args:
         module: any ``nn.Module``; modified in place and returned.
         mesh: data-parallel ``DeviceMesh``. ``None`` builds a 1-D mesh over the
-            default process group (``cuda`` for NCCL, ``cpu`` for gloo).
+            default process group on the parameters' device type when the
+            backend serves it (else ``cuda`` for NCCL, ``cpu`` for gloo).
             ``hybrid_shard`` needs a 2-D mesh ``(replicate, shard)``.
         mode: ``"replicate"`` (DDP), ``"fully_shard"`` (FSDP, default) or
             ``"hybrid_shard"`` (HSDP).
@@ -237,7 +238,7 @@ def data_parallel(
             of range, or ``module`` already wrapped.
     """
     _validate_args(module, mode, mp_policy, reshard_after_forward, shard_dim, reduce_op)
-    mesh = resolve_mesh(mesh, mode)
+    mesh = resolve_mesh(mesh, mode, {p.device.type for p in module.parameters()})
     _check_shard_dim(module, shard_dim, mode)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     replicate_mesh, shard_mesh = _hybrid_submeshes(mesh) if mode == "hybrid_shard" else (None, None)

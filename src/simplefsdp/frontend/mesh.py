@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -9,8 +11,28 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from simplefsdp.policies import MESH_NDIM_FOR_MODE
 
 
-def default_device_type() -> str:
-    """The device type matching the default process group's backend."""
+def _served_device_types() -> set[str]:
+    """Device types the default process group's backend serves."""
+    config = str(dist.get_backend_config())  # e.g. "cpu:gloo,cuda:gloo"
+    return {part.split(":", 1)[0] for part in config.split(",") if ":" in part}
+
+
+def default_device_type(param_device_types: Iterable[str] = ()) -> str:
+    """The device type of the default mesh.
+
+    The parameters' device type when they all live on one that the default
+    process group's backend serves: the mesh follows the model, so a CPU model
+    under gloo or the fake backend stays on CPU even where CUDA is visible
+    (a cuda mesh would move its parameters there, away from its inputs).
+    Otherwise (meta or no parameters, mixed devices, or a device the backend
+    cannot serve, e.g. CPU parameters under NCCL) the backend's device:
+    ``cpu`` for gloo or without CUDA, ``cuda`` otherwise.
+    """
+    found = {t for t in param_device_types if t != "meta"}
+    if len(found) == 1:
+        (device_type,) = found
+        if device_type in _served_device_types():
+            return device_type
     backend = dist.get_backend()
     if "nccl" in str(backend) and torch.cuda.is_available():
         return "cuda"
@@ -19,11 +41,14 @@ def default_device_type() -> str:
     return "cuda"
 
 
-def resolve_mesh(mesh: DeviceMesh | None, mode: str) -> DeviceMesh:
+def resolve_mesh(
+    mesh: DeviceMesh | None, mode: str, param_device_types: Iterable[str] = ()
+) -> DeviceMesh:
     """Return the mesh to place parameters on, or raise a clear error.
 
-    ``None`` builds a 1-D mesh over the default process group on the device
-    type its backend serves (``cuda`` for NCCL, ``cpu`` for gloo).
+    ``None`` builds a 1-D mesh over the default process group on
+    :func:`default_device_type` (the parameters' device where the backend
+    serves it; else ``cuda`` for NCCL, ``cpu`` for gloo).
     """
     want_ndim = MESH_NDIM_FOR_MODE[mode]
     if mesh is None:
@@ -38,7 +63,8 @@ def resolve_mesh(mesh: DeviceMesh | None, mode: str) -> DeviceMesh:
                 f"mode={mode!r} needs a {want_ndim}-D mesh (replicate dim, shard dim); "
                 "pass mesh=init_device_mesh(device_type, (num_replicas, shard_size))"
             )
-        return init_device_mesh(default_device_type(), (dist.get_world_size(),))
+        device_type = default_device_type(param_device_types)
+        return init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got "
