@@ -32,6 +32,7 @@ in order (as torchtitan's ``parallelize_*`` functions do):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -89,8 +90,9 @@ class EngineSpec:
         torch_passes: compile ``simplefsdp`` with plain ``torch.compile`` and
             Inductor's own bucketing/overlap passes instead of ours (a peer).
         activation_checkpoint: ``"none"``, ``"full"`` or ``"selective"``.
-        broadcast_buffers: DDP's ``broadcast_buffers`` (buffers re-sent from
-            rank 0 every forward).
+        broadcast_buffers: DDP re-sends buffers from rank 0 every forward
+            (``broadcast_buffers``, ``forward_sync_buffers`` in torch >= 2.13);
+            buffers are synced at construction either way.
     """
 
     engine: str = "simplefsdp"
@@ -126,6 +128,8 @@ class EngineSpec:
             how = f"simplefsdp.compile {self.backend}, bucketing {self.bucketing!r}"
         else:
             how = f"torch.compile {self.backend}"
+        if self.engine in ("ddp", "replica"):
+            return f"{self.engine} ({how})"
         return f"{self.engine} ({self.mode}; {how})"
 
 
@@ -301,14 +305,19 @@ def _apply_ddp(
     _materialize(model, device, init_fn, sharded_reads=False)
     if spec.compile:
         _compile_blocks(model, spec.backend)
+    kwargs: dict[str, Any] = {}
+    if not spec.broadcast_buffers:
+        # torch >= 2.13 renames it (the old name warns); both still sync at init.
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+        name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+        kwargs[name] = False
+        notes.append(f"{name}=False")
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=mesh.get_group(),
-        broadcast_buffers=spec.broadcast_buffers,
+        **kwargs,
     )
-    if not spec.broadcast_buffers:
-        notes.append("broadcast_buffers=False")
     return ParallelModel(model, ddp, "ddp", mesh, compiled=spec.compile, notes=notes)
 
 
