@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from simplefsdp.checkpoint import (
     TRAINER_STATE_NAME,
     Checkpointer,
     latest_checkpoint,
+    read_json,
     step_dir_name,
 )
 from simplefsdp.engines import (
@@ -126,14 +126,6 @@ def _compile_errors() -> Iterator[None]:
         if message is None:
             raise
         raise TrainingError(message) from exc
-
-
-def _read_trainer_state(folder: Path) -> dict[str, Any]:
-    try:
-        state = json.loads((folder / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return state if isinstance(state, dict) else {}
 
 
 class TrainingError(RuntimeError):
@@ -289,8 +281,9 @@ class Trainer:
         if ck.resume or ck.resume_if_possible or (restarted and ck.enable):
             info = latest_checkpoint(ck.folder)
             if info is not None:
-                state = _read_trainer_state(info.path)
-                return info.step, str(state.get("run_id") or run_id or new_run_id()), [], None
+                state = read_json(info.path / TRAINER_STATE_NAME)  # verified: it exists
+                run_id = (state.get("run_id") if isinstance(state, dict) else None) or run_id
+                return info.step, str(run_id or new_run_id()), [], None
             if ck.resume and not restarted:
                 return (
                     -1,
