@@ -71,6 +71,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--configs", default="all", help=f"comma-separated subset of: {', '.join(CONFIGS)}"
     )
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: the Llama 3 TP plan (sequence parallel) on a (nproc/tp, tp) "
+        "mesh; runs the fsdp2 and simplefsdp configurations only (default 1)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured steps")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (>= 1)")
     parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch")
@@ -138,7 +145,31 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         nproc = default_nproc()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    return BenchSpec(workload=workload, nproc=nproc, seed=args.seed, timeout_s=args.timeout)
+    if args.tp > 1:
+        _check_tp(args.tp, nproc, workload)
+    elif args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    return BenchSpec(
+        workload=workload, nproc=nproc, seed=args.seed, timeout_s=args.timeout, tp=args.tp
+    )
+
+
+def _check_tp(tp: int, nproc: int, workload: Any) -> None:
+    """``--tp`` must divide the ranks, the model's heads and feed-forward, and the sequence."""
+    from simplefsdp.engines import mesh_shape_for
+    from simplefsdp.models.llama3 import get_config
+
+    mesh_shape_for("simplefsdp", "fully_shard", nproc, tp=tp)
+    args = get_config(workload.model, **workload.model_overrides)
+    sizes = {
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "feed-forward hidden dim": args.ffn_hidden_dim,
+        "seq_len (sequence parallel)": workload.seq_len,
+    }
+    bad = [f"{name} {size}" for name, size in sizes.items() if size % tp]
+    if bad:
+        raise ValueError(f"--tp {tp} does not divide the workload's {', '.join(bad)}")
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
@@ -241,7 +272,8 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
         "num_params": next((r["num_params"] for r in rows if r.get("num_params")), 0),
         "batch_size": workload.batch_size,
         "seq_len": workload.seq_len,
-        "tokens_per_step_per_rank": workload.batch_size * workload.seq_len,
+        "tp": spec.tp,
+        "tokens_per_step_per_rank": workload.batch_size * workload.seq_len / spec.tp,
         "steps": workload.steps,
         "warmup": workload.warmup,
         "seed": spec.seed,
@@ -263,11 +295,14 @@ def run_bench(
     rows: list[dict] = []
     comm_only = comm_only_error = None
     load_avg_1m: list[float] = []
-    for i, config in enumerate([*configs, COMM_ONLY]):
+    # The comm-only replay models data-parallel flat buffers over all ranks;
+    # with tensor parallelism that is not the step's communication.
+    extra = [COMM_ONLY] if spec.tp == 1 else []
+    for i, config in enumerate([*configs, *extra]):
         t0 = time.perf_counter()
         # Other processes on the machine slow every measurement: record it.
         load_avg_1m.append(round(os.getloadavg()[0], 2))
-        print(f"[{i + 1}/{len(configs) + 1}] {config.name} ...", end=" ", flush=True)
+        print(f"[{i + 1}/{len(configs) + len(extra)}] {config.name} ...", end=" ", flush=True)
         outcome, error = _run_one(config, spec, spec_path, raw_dir)
         if config.engine == "comm":
             comm_only, comm_only_error = outcome, error
@@ -312,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = _build_parser().parse_args(argv)
     try:
-        configs = resolve_configs(args.configs)
+        configs = resolve_configs(args.configs, tp=args.tp)
         spec = build_spec(args)
     except ValueError as exc:
         print(f"simplefsdp bench: error: {_one_line(exc)}", file=sys.stderr)

@@ -31,6 +31,8 @@ __all__ = [
 #: (collectives only). Spelled out here so that reading the configurations
 #: does not import torch.
 ENGINES = ("replica", "ddp", "fsdp2", "simplefsdp", "simplefsdp_eager", "comm")
+#: Engines that compose with tensor parallelism (``simplefsdp.engines.TP_ENGINES``).
+TP_ENGINES = ("fsdp2", "simplefsdp")
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,17 @@ class BenchConfig:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
 
-    def engine_spec(self) -> Any:
+    @property
+    def supports_tp(self) -> bool:
+        """Whether the configuration runs with ``--tp > 1``."""
+        return self.engine in TP_ENGINES
+
+    def engine_spec(self, tp: int = 1) -> Any:
         """This configuration as a ``simplefsdp.engines.EngineSpec`` (not for ``comm``)."""
         from simplefsdp.engines import EngineSpec
 
         return EngineSpec(
+            tp=tp,
             engine=self.engine,
             mode="fully_shard",
             compile=self.compiled,
@@ -164,18 +172,22 @@ COMM_ONLY = BenchConfig(
 DEFAULT_CONFIGS: tuple[str, ...] = tuple(CONFIGS)
 
 
-def resolve_configs(names: str | list[str] | tuple[str, ...] | None) -> list[BenchConfig]:
+def resolve_configs(
+    names: str | list[str] | tuple[str, ...] | None, tp: int = 1
+) -> list[BenchConfig]:
     """The configurations named by ``--configs`` (comma-separated or a list).
 
-    ``None`` or ``"all"`` selects every public configuration; the order given
-    is kept and duplicates are dropped.
+    ``None`` or ``"all"`` selects every public configuration (with ``tp > 1``,
+    every one that composes with tensor parallelism); the order given is kept
+    and duplicates are dropped.
 
     Raises:
-        ValueError: an unknown name (the message lists the valid names), or
-            an empty selection.
+        ValueError: an unknown name (the message lists the valid names), a
+            configuration that does not run with ``tp > 1``, or an empty
+            selection.
     """
     if names is None or names == "all":
-        return [CONFIGS[n] for n in DEFAULT_CONFIGS]
+        return [CONFIGS[n] for n in DEFAULT_CONFIGS if tp == 1 or CONFIGS[n].supports_tp]
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",")]
     chosen: list[BenchConfig] = []
@@ -187,6 +199,12 @@ def resolve_configs(names: str | list[str] | tuple[str, ...] | None) -> list[Ben
             raise ValueError(
                 f"unknown configuration {name!r}; valid configurations: "
                 f"{', '.join(DEFAULT_CONFIGS)} (or 'all')"
+            )
+        if tp > 1 and not config.supports_tp:
+            valid = [n for n in DEFAULT_CONFIGS if CONFIGS[n].supports_tp]
+            raise ValueError(
+                f"configuration {name!r} (engine {config.engine}) does not run with --tp {tp}; "
+                f"configurations with tensor parallelism: {', '.join(valid)}"
             )
         if config not in chosen:
             chosen.append(config)
@@ -275,6 +293,8 @@ class BenchSpec:
         seed: model-initialisation and data-order seed.
         data_max_bytes: bytes of the embedded stdlib corpus read.
         timeout_s: per-configuration time limit (also the process-group timeout).
+        tp: tensor-parallel size (the Llama 3 plan with sequence parallelism);
+            the data-parallel ranks are ``nproc // tp``.
     """
 
     workload: Workload
@@ -282,6 +302,7 @@ class BenchSpec:
     seed: int = 0
     data_max_bytes: int = 1_000_000
     timeout_s: float = 900.0
+    tp: int = 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

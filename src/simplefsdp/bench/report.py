@@ -105,7 +105,11 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
         step_time_s_min=min(per_step),
         step_time_s_max=max(per_step),
         step_times_s=per_step,
-        tokens_per_s_per_rank=workload.batch_size * workload.seq_len / median,
+        # a tensor-parallel group's ranks share their batch (as torchtitan counts)
+        tokens_per_s_per_rank=workload.batch_size
+        * workload.seq_len
+        / ranks[0].get("tp", 1)
+        / median,
         peak_mem_bytes=_max_or_none([r["peak_mem_bytes"] for r in ranks]),
         mem_at_measure_start_bytes=_max_or_none([r["mem_at_measure_start_bytes"] for r in ranks]),
         state_mem_bytes=_max_or_none([r["state_mem_bytes"] for r in ranks]),
@@ -243,10 +247,15 @@ def _table_line(row: dict) -> str:
 def format_table(result: dict) -> str:
     """The terminal table of a benchmark ``result`` (the bench.json content)."""
     env = result["env"]
+    tp = env.get("tp", 1)
+    ranks = f"{env['world_size']} ranks" + (
+        f" (dp {env['world_size'] // tp} x tp {tp})" if tp > 1 else ""
+    )
+    per = "per data-parallel rank" if tp > 1 else "per rank"
     lines = [
         f"simplefsdp bench: workload {env['workload']} ({env['model']}, {env['num_params']:,} "
-        f"params), {env['world_size']} ranks on {env['device']}, batch {env['batch_size']} x "
-        f"{env['seq_len']} per rank, {env['warmup']} warm-up + {env['steps']} measured steps",
+        f"params), {ranks} on {env['device']}, batch {env['batch_size']} x "
+        f"{env['seq_len']} {per}, {env['warmup']} warm-up + {env['steps']} measured steps",
         f"{'config':<24} {'ok':>3} {'step s':>8} {'min-max s':>13} {'/limit':>6} "
         f"{'fsdp2/':>6} {'tok/s/rk':>8} {'peak MiB':>8} {'/fsdp2':>6} {'AG/RS/AR':>10} "
         f"{'compile':>7} {'final loss':>9} {'pred s':>7}",
@@ -263,6 +272,8 @@ def format_table(result: dict) -> str:
         )
     elif result.get("comm_only_error"):
         lines.append(f"comm-only: FAILED: {result['comm_only_error']}")
+    elif tp > 1:
+        lines.append("comm-only: not measured with tensor parallelism")
     if result.get("bound_s") is not None:
         lines.append(
             f"best any overlap could reach: max(limit, comm-only) = {result['bound_s']:.3f} s"

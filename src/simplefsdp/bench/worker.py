@@ -49,6 +49,7 @@ from simplefsdp.engines import (
     MemoryProbe,
     ParallelModel,
     build_mesh,
+    data_parallel_rank,
     init_distributed,
     lower_mmap_threshold,
     parallelize,
@@ -123,7 +124,12 @@ def _run_training(
     workload = spec.workload
     probe = MemoryProbe(device)
     model = build_model(workload, spec.seed)
-    parallel = parallelize(model, config.engine_spec(), mesh, device)
+    tp_fn = None
+    if spec.tp > 1:
+        from simplefsdp.models.llama3 import apply_tensor_parallel
+
+        tp_fn = apply_tensor_parallel  # sequence parallel on, loss parallel off
+    parallel = parallelize(model, config.engine_spec(spec.tp), mesh, device, tp_fn=tp_fn)
     optimizer = torch.optim.AdamW(
         parallel.module.parameters(), lr=workload.lr * config.lr_scale, weight_decay=0.0
     )
@@ -176,8 +182,14 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
     """Run ``config`` on this rank (process group from torchrun's environment)."""
     device = pick_device()
     rank, world_size = init_distributed(device, datetime.timedelta(seconds=spec.timeout_s))
-    mesh = build_mesh("simplefsdp", "fully_shard", device.type, world_size)
-    result = {"config": config.name, "rank": rank, "world_size": world_size, "device": str(device)}
+    mesh = build_mesh("simplefsdp", "fully_shard", device.type, world_size, tp=spec.tp)
+    result = {
+        "config": config.name,
+        "rank": rank,
+        "world_size": world_size,
+        "tp": spec.tp,
+        "device": str(device),
+    }
     try:
         if config.engine == "comm":
             result.update(_run_comm_only(spec, device))
@@ -187,7 +199,9 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
             import torch._inductor.compile_fx  # noqa: F401
 
             workload = spec.workload
-            batches = build_batches(spec, rank, world_size, workload.warmup + workload.steps + 1)
+            # The ranks of a tensor-parallel group read the same batches.
+            dp_rank, dp_size = data_parallel_rank(mesh)
+            batches = build_batches(spec, dp_rank, dp_size, workload.warmup + workload.steps + 1)
             result.update(_run_training(config, spec, mesh, device, batches))
         dist.barrier()
     finally:

@@ -90,14 +90,21 @@ def eager(
         ``model``; its executor is ``simplefsdp.get_eager_executor(model)``.
 
     Raises:
-        ValueError: ``model`` is not wrapped by ``data_parallel``, already runs
-            eagerly, has meta parameters, ``limit_all_gathers < 1``, the plan
-            is invalid (``resolve_plan``'s errors), or a bucket mixes
+        ValueError: ``model`` is not wrapped by ``data_parallel``, has
+            tensor-parallel parameters, already runs eagerly, has meta
+            parameters, ``limit_all_gathers < 1``, the plan is invalid
+            (``resolve_plan``'s errors), or a bucket mixes
             parameter dtypes without a ``param_dtype`` to unify them.
         TypeError: wrong argument types.
     """
     _validate_options(forward_prefetch, backward_prefetch, limit_all_gathers, cpu_offload)
     state = get_data_parallel_state(model)
+    if state.tp_mesh is not None:
+        raise ValueError(
+            f"{type(model).__name__} has tensor-parallel parameters (mesh "
+            f"{state.tp_mesh.mesh_dim_names}); the eager executor gathers flat buffers of "
+            "data-parallel shards only. Run it uncompiled or with simplefsdp.compile"
+        )
     if EXECUTOR_ATTR in model.__dict__:
         raise ValueError(
             f"{type(model).__name__} already runs with simplefsdp.eager; call "

@@ -22,19 +22,28 @@ from simplefsdp.engines.activation import AC_MODES, apply_activation_checkpointi
 from simplefsdp.engines.distributed import (
     build_mesh,
     comm_device,
+    data_parallel_rank,
     default_nproc,
     init_distributed,
     mesh_shape_for,
     pick_device,
+    split_mesh,
 )
 from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
 from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, ParallelModel, clip_grad_norm_
-from simplefsdp.engines.parallelize import ENGINES, EngineSpec, parallelize, torch_passes_patches
+from simplefsdp.engines.parallelize import (
+    ENGINES,
+    TP_ENGINES,
+    EngineSpec,
+    parallelize,
+    torch_passes_patches,
+)
 
 __all__ = [
     "AC_MODES",
     "COLLECTIVE_KINDS",
     "ENGINES",
+    "TP_ENGINES",
     "EngineSpec",
     "MemoryProbe",
     "ParallelModel",
@@ -42,11 +51,13 @@ __all__ = [
     "build_mesh",
     "clip_grad_norm_",
     "comm_device",
+    "data_parallel_rank",
     "default_nproc",
     "init_distributed",
     "lower_mmap_threshold",
     "mesh_shape_for",
     "parallelize",
     "pick_device",
+    "split_mesh",
     "torch_passes_patches",
 ]

@@ -25,11 +25,16 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "build_mesh",
     "comm_device",
+    "data_parallel_rank",
     "default_nproc",
     "init_distributed",
     "mesh_shape_for",
     "pick_device",
+    "split_mesh",
 ]
+
+#: The name of the tensor-parallel mesh dim (always the last, innermost dim).
+TP_DIM = "tp"
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -102,40 +107,57 @@ def mesh_shape_for(
     *,
     mesh_shape: Sequence[int] | None = None,
     local_world_size: int | None = None,
+    tp: int = 1,
 ) -> tuple[int, ...]:
-    """The data-parallel mesh shape for ``engine``/``mode`` on ``world_size`` ranks.
+    """The mesh shape for ``engine``/``mode`` on ``world_size`` ranks.
 
-    ``replicate``/``fully_shard`` use a 1-D mesh of all ranks (FSDP2's
-    ``replicate`` is HSDP on ``(world_size, 1)``). ``hybrid_shard`` uses
-    ``mesh_shape`` ``[replicate, shard]`` or, when unset,
-    ``[world_size // local_world_size, local_world_size]`` (replicate across
-    hosts, shard within a host).
+    The data-parallel part: ``replicate``/``fully_shard`` use a 1-D mesh of
+    all data-parallel ranks (FSDP2's ``replicate`` is HSDP on ``(dp, 1)``).
+    ``hybrid_shard`` uses ``mesh_shape`` ``[replicate, shard]`` or, when
+    unset, ``[dp // local, local]`` (replicate across hosts, shard within a
+    host; ``local`` is the data-parallel ranks per host). With ``tp > 1`` a
+    last (innermost) dim of ``tp`` ranks is added for tensor parallelism, so
+    a tensor-parallel group stays within a host where it can, and the data-
+    parallel part covers ``world_size // tp`` ranks.
 
     Raises:
-        ValueError: the shape cannot be built from ``world_size`` ranks.
+        ValueError: the shape cannot be built from ``world_size`` ranks; the
+            message lists the valid ones.
     """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
+        valid = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ValueError(
+            f"tensor-parallel size {tp!r} does not divide the world size {world_size}; "
+            f"valid tensor-parallel sizes for {world_size} ranks: {valid}"
+        )
+    dp = world_size // tp
+    tail = (tp,) if tp > 1 else ()
     if mode != "hybrid_shard":
         if engine == "fsdp2" and mode == "replicate":
-            return (world_size, 1)
-        return (world_size,)
+            return (dp, 1, *tail)
+        return (dp, *tail)
     if mesh_shape is not None:
         shape = tuple(int(x) for x in mesh_shape)
     else:
-        local = local_world_size or world_size
-        if world_size % local:
-            local = world_size
-        shape = (world_size // local, local)
-    if len(shape) != 2 or shape[0] * shape[1] != world_size:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        valid = ", ".join(f"[{d}, {world_size // d}]" for d in divisors)
+        local = max((local_world_size or world_size) // tp, 1)
+        if dp % local:
+            local = dp
+        shape = (dp // local, local)
+    if len(shape) != 2 or shape[0] * shape[1] != dp:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        valid = ", ".join(f"[{d}, {dp // d}]" for d in divisors)
         needs = f"needs {shape[0] * shape[1]} ranks" if len(shape) == 2 else "is not 2-D"
+        if tp > 1:
+            have = f"there are {dp} data-parallel ranks (world size {world_size} / tp {tp})"
+        else:
+            have = f"the world size is {world_size}"
         raise ValueError(
-            f"parallel.mesh_shape {list(shape)} {needs} but the world size is {world_size}; "
-            f"valid shapes for {world_size} ranks: {valid}"
+            f"parallel.mesh_shape {list(shape)} {needs} but {have}; "
+            f"valid shapes for {dp} ranks: {valid}"
         )
-    return shape
+    return (*shape, *tail)
 
 
 def build_mesh(
@@ -146,17 +168,54 @@ def build_mesh(
     *,
     mesh_shape: Sequence[int] | None = None,
     local_world_size: int | None = None,
+    tp: int = 1,
 ) -> DeviceMesh:
-    """The data-parallel ``DeviceMesh`` (shape from :func:`mesh_shape_for`).
+    """The job's ``DeviceMesh`` (shape from :func:`mesh_shape_for`).
 
-    Dimension names: ``("dp",)`` for 1-D meshes, ``("dp_replicate", "dp_shard")``
-    for 2-D ones.
+    Dimension names: ``("dp",)`` for a 1-D data-parallel mesh,
+    ``("dp_replicate", "dp_shard")`` for a 2-D one, followed by ``"tp"`` when
+    ``tp > 1``. :func:`split_mesh` gives the data-parallel and
+    tensor-parallel parts.
     """
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     shape = mesh_shape_for(
-        engine, mode, world_size, mesh_shape=mesh_shape, local_world_size=local_world_size
+        engine, mode, world_size, mesh_shape=mesh_shape, local_world_size=local_world_size, tp=tp
     )
-    names = ("dp_replicate", "dp_shard") if len(shape) == 2 else ("dp",)
-    logger.info("data-parallel mesh %s %s on %s", names, shape, device_type)
+    dp_ndim = len(shape) - (1 if tp > 1 else 0)
+    names: tuple[str, ...] = ("dp_replicate", "dp_shard") if dp_ndim == 2 else ("dp",)
+    if tp > 1:
+        names = (*names, TP_DIM)
+    logger.info("mesh %s %s on %s", names, shape, device_type)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """``(data-parallel mesh, tensor-parallel mesh or None)`` of a job's mesh.
+
+    The tensor-parallel dim is the one named ``"tp"`` (see :func:`build_mesh`);
+    a mesh without it is all data parallel.
+    """
+    names = mesh.mesh_dim_names or ()
+    if TP_DIM not in names:
+        return mesh, None
+    dp_names = tuple(n for n in names if n != TP_DIM)
+    if not dp_names:
+        raise ValueError(f"mesh {names} has no data-parallel dim besides {TP_DIM!r}")
+    return mesh[dp_names], mesh[TP_DIM]
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """``(rank, size)`` of this process among the data-parallel replicas of ``mesh``.
+
+    Ranks of one tensor-parallel group share a data-parallel rank (they must
+    read the same batch); without tensor parallelism it is the global rank.
+    """
+    dp_mesh, _ = split_mesh(mesh)
+    coordinate = dp_mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("this process is not part of the mesh")
+    rank = 0
+    for dim, index in enumerate(coordinate):
+        rank = rank * dp_mesh.size(dim) + index
+    return rank, dp_mesh.size()

@@ -28,6 +28,7 @@ class ParallelModel:
         engine: the engine's name (``simplefsdp``, ``simplefsdp_eager``,
             ``fsdp2``, ``ddp`` or ``replica``).
         mesh: the data-parallel mesh.
+        tp_mesh: the tensor-parallel mesh (``None`` without tensor parallelism).
         compiled: whether the engine compiles the model (on its first call).
         inductor_patches: Inductor config patches that must be active while
             the model runs (it compiles in its first step); see
@@ -42,6 +43,7 @@ class ParallelModel:
     compiled: bool = False
     inductor_patches: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    tp_mesh: DeviceMesh | None = None
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:

@@ -4,8 +4,12 @@ The trainer and the benchmark describe *how* to parallelise with an
 :class:`EngineSpec` (plain data) and call :func:`parallelize`, which applies,
 in order (as torchtitan's ``parallelize_*`` functions do):
 
-1. activation checkpointing of each repeated block, before sharding;
-2. the engine:
+1. tensor parallelism, when ``spec.tp > 1``: the caller's ``tp_fn(model,
+   tp_mesh)`` (e.g. :func:`simplefsdp.models.llama3.apply_tensor_parallel`)
+   on the mesh's ``"tp"`` dim; the engine then shards the data-parallel dims
+   (engines ``simplefsdp`` and ``fsdp2`` only);
+2. activation checkpointing of each repeated block, before sharding;
+3. the engine:
 
    - ``simplefsdp``: :func:`simplefsdp.data_parallel` on the whole model, then
      ``simplefsdp.compile`` (our passes) when ``compile`` is on, or plain
@@ -21,7 +25,7 @@ in order (as torchtitan's ``parallelize_*`` functions do):
    - ``replica``: no data parallelism, each rank trains its own copy (the
      single-device limit); with compile on, the whole model is compiled.
 
-3. materialisation: a model built on the meta device is moved to ``device``
+4. materialisation: a model built on the meta device is moved to ``device``
    with ``to_empty`` and initialised by ``init_fn`` (after sharding, so each
    rank only materialises its shards; under ``disable_parametrization`` for
    simplefsdp). A model with real tensors is moved to ``device`` first; DDP
@@ -45,11 +49,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines.activation import apply_activation_checkpointing
+from simplefsdp.engines.distributed import split_mesh
 from simplefsdp.engines.parallel_model import ParallelModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINES", "EngineSpec", "parallelize", "torch_passes_patches"]
+__all__ = ["ENGINES", "TP_ENGINES", "EngineSpec", "parallelize", "torch_passes_patches"]
 
 #: Engine names, one vocabulary for ``simplefsdp train`` and ``simplefsdp bench``.
 ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
@@ -57,6 +62,10 @@ ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "r
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 InitFn = Callable[[nn.Module], None]
+TensorParallelFn = Callable[[nn.Module, DeviceMesh], Any]
+
+#: Engines that compose with tensor parallelism.
+TP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
 
 
 def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
@@ -93,6 +102,9 @@ class EngineSpec:
         broadcast_buffers: DDP re-sends buffers from rank 0 every forward
             (``broadcast_buffers``, ``forward_sync_buffers`` in torch >= 2.13);
             buffers are synced at construction either way.
+        tp: tensor-parallel size (1: none). The mesh then needs a ``"tp"``
+            dim of this size and :func:`parallelize` a ``tp_fn``; engines
+            :data:`TP_ENGINES` only.
     """
 
     engine: str = "simplefsdp"
@@ -107,10 +119,23 @@ class EngineSpec:
     torch_passes: bool = False
     activation_checkpoint: str = "none"
     broadcast_buffers: bool = True
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {self.tp!r}")
+        if self.tp > 1 and self.engine not in TP_ENGINES:
+            why = {
+                "simplefsdp_eager": "the eager executor gathers flat buffers of plain shards",
+                "ddp": "use engine 'simplefsdp' with mode 'replicate' for DDP semantics",
+                "replica": "the replica limit trains one full copy per rank",
+            }[self.engine]
+            raise ValueError(
+                f"engine {self.engine!r} does not compose with tensor parallelism (tp={self.tp}; "
+                f"{why}); engines with tp > 1: {', '.join(TP_ENGINES)}"
+            )
         _dtype(self.param_dtype)
         _dtype(self.reduce_dtype)
         if self.torch_passes and self.engine != "simplefsdp":
@@ -130,7 +155,8 @@ class EngineSpec:
             how = f"torch.compile {self.backend}"
         if self.engine in ("ddp", "replica"):
             return f"{self.engine} ({how})"
-        return f"{self.engine} ({self.mode}; {how})"
+        tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        return f"{self.engine} ({self.mode}{tp}; {how})"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -282,7 +308,9 @@ def _apply_fsdp2(
     )
     for _, block in repeated_blocks(model):
         if spec.compile:
-            block.compile(backend=spec.backend, fullgraph=True)
+            # As torchtitan: per-block compile; with TP the block's DTensor ops
+            # are traced too (fullgraph may not hold for every TP plan).
+            block.compile(backend=spec.backend, fullgraph=spec.tp == 1)
         fully_shard(
             block, mesh=mesh, mp_policy=policy, reshard_after_forward=spec.reshard_after_forward
         )
@@ -346,24 +374,45 @@ def parallelize(
     device: torch.device,
     *,
     init_fn: InitFn | None = None,
+    tp_fn: TensorParallelFn | None = None,
 ) -> ParallelModel:
-    """Make ``model`` data parallel with ``spec.engine``; see the module docstring.
+    """Parallelise ``model`` with ``spec``; see the module docstring.
 
     Args:
         model: any module; on the meta device or with real tensors.
         spec: what to apply.
-        mesh: the data-parallel mesh (``simplefsdp.engines.build_mesh``).
+        mesh: the job's mesh (``simplefsdp.engines.build_mesh``): data-parallel
+            dims, then a ``"tp"`` dim when ``spec.tp > 1``.
         device: the training device.
         init_fn: initialises a meta-device model in place after sharding
             (e.g. ``lambda m: m.init_weights()``); required for meta models.
+        tp_fn: applies tensor parallelism in place, ``tp_fn(model, tp_mesh)``
+            (e.g. ``simplefsdp.models.llama3.apply_tensor_parallel``);
+            required when ``spec.tp > 1``.
 
     Raises:
-        ValueError: a meta model without ``init_fn``, or invalid settings
-            (the engines' own errors).
+        ValueError: a meta model without ``init_fn``, a mesh that does not
+            match ``spec.tp``, ``spec.tp > 1`` without ``tp_fn``, or invalid
+            settings (the engines' own errors).
     """
+    dp_mesh, tp_mesh = split_mesh(mesh)
+    tp_size = tp_mesh.size() if tp_mesh is not None else 1
+    if tp_size != spec.tp:
+        raise ValueError(
+            f"the mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} has a tensor-parallel size of "
+            f"{tp_size} but spec.tp is {spec.tp}; build it with build_mesh(..., tp={spec.tp})"
+        )
+    if spec.tp > 1 and tp_fn is None:
+        raise ValueError(
+            f"spec.tp={spec.tp} needs tp_fn(model, tp_mesh) to apply tensor parallelism "
+            "(e.g. simplefsdp.models.llama3.apply_tensor_parallel)"
+        )
     if not _is_meta(model):
         model.to(device)
+    if tp_mesh is not None and tp_fn is not None:
+        tp_fn(model, tp_mesh)
     apply_activation_checkpointing(model, spec.activation_checkpoint)
-    parallel = _ADAPTERS[spec.engine](model, spec, mesh, device, init_fn)
+    parallel = _ADAPTERS[spec.engine](model, spec, dp_mesh, device, init_fn)
+    parallel.tp_mesh = tp_mesh
     logger.info("parallelized with %s", spec.describe())
     return parallel

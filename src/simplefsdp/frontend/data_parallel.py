@@ -11,9 +11,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
+from simplefsdp._compat import root_mesh
 from simplefsdp.frontend.mesh import resolve_mesh
 from simplefsdp.frontend.parametrization import (
     ParamSpec,
+    TensorParallelLayout,
     is_swapped,
     make_grad_placements,
     swap_module_class,
@@ -40,6 +42,9 @@ class DataParallelState:
     shard_dim: int
     reduce_op: str
     param_specs: dict[str, ParamSpec] = field(default_factory=dict)  # by FQN
+    # The tensor-parallel mesh of parameters that were DTensors already
+    # (Note: [2-D parameters]); ``None`` for a purely data-parallel model.
+    tp_mesh: DeviceMesh | None = None
 
 
 def get_data_parallel_state(module: nn.Module) -> DataParallelState:
@@ -72,6 +77,26 @@ def _placements_for(param: torch.Tensor, mode: str, shard_dim: int) -> tuple[Pla
     return (shard,)
 
 
+def _stored_tp_placements(
+    dp_placements: tuple[Placement, ...], tp_placements: tuple[Placement, ...], tp_mesh: DeviceMesh
+) -> tuple[Placement, ...]:
+    """The placements of a 2-D parameter on the spanning mesh: a data-parallel
+    shard of a dim that TP also shards is strided (Note: [2-D parameters])."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    stored: list[Placement] = []
+    for placement in dp_placements:
+        if placement.is_shard():
+            split = 1
+            for mesh_dim, tp_placement in enumerate(tp_placements):
+                if tp_placement.is_shard() and tp_placement.dim == placement.dim:
+                    split *= tp_mesh.size(mesh_dim)
+            if split > 1:
+                placement = _StridedShard(placement.dim, split_factor=split)
+        stored.append(placement)
+    return (*stored, *tp_placements)
+
+
 def _validate_args(
     module: object,
     mode: object,
@@ -102,11 +127,75 @@ def _validate_args(
             f"{type(module).__name__} (or one of its submodules) is already wrapped by "
             "simplefsdp.data_parallel; wrap the original module once"
         )
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+    if any(_is_fully_sharded(m) for m in module.modules()):
         raise ValueError(
-            f"{type(module).__name__} already holds DTensor parameters (e.g. from "
-            "fully_shard or tensor parallelism); data_parallel expects plain parameters"
+            f"{type(module).__name__} (or one of its submodules) is already sharded by "
+            "torch's fully_shard; use either fully_shard or simplefsdp.data_parallel"
         )
+
+
+def _is_fully_sharded(module: nn.Module) -> bool:
+    return any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
+
+
+def _tensor_parallel_mesh(module: nn.Module, mesh: DeviceMesh) -> DeviceMesh | None:
+    """The one mesh of ``module``'s DTensor parameters, checked against the
+    data-parallel ``mesh`` (Note: [2-D parameters]); ``None`` if all are plain."""
+    found: dict[str, DTensor] = {
+        name: p for name, p in module.named_parameters() if isinstance(p, DTensor)
+    }
+    if not found:
+        return None
+    name, first = next(iter(found.items()))
+    tp_mesh = first.device_mesh
+    for other_name, param in found.items():
+        if param.device_mesh != tp_mesh:
+            raise ValueError(
+                f"DTensor parameters {name!r} and {other_name!r} live on different meshes "
+                f"({tuple(tp_mesh.shape)} vs {tuple(param.device_mesh.shape)}); "
+                "data_parallel composes with one tensor-parallel mesh"
+            )
+        partial = [p for p in param.placements if p.is_partial()]
+        if partial:
+            raise ValueError(
+                f"parameter {other_name!r} has placements {param.placements}; a parameter "
+                "cannot be Partial (valid: Shard or Replicate on the tensor-parallel mesh)"
+            )
+    dp_names, tp_names = mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    if dp_names is None or tp_names is None:
+        raise ValueError(
+            "composing data_parallel with tensor-parallel (DTensor) parameters needs named "
+            "mesh dims: build one mesh with init_device_mesh(device_type, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')), use mesh['tp'] for the TP plan and pass "
+            "mesh['dp'] to data_parallel"
+        )
+    shared = set(dp_names) & set(tp_names)
+    if shared:
+        raise ValueError(
+            f"parameter {name!r} is already a DTensor on the data-parallel mesh dims "
+            f"{sorted(shared)}; data_parallel shards plain or tensor-parallel parameters, "
+            "pass the mesh dims that are not the tensor-parallel ones (e.g. mesh['dp'])"
+        )
+    if root_mesh(mesh) != root_mesh(tp_mesh):
+        raise ValueError(
+            f"the data-parallel mesh {dp_names} and the tensor-parallel mesh {tp_names} of "
+            f"parameter {name!r} are not slices of one mesh; build one mesh with "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and slice both from it"
+        )
+    return tp_mesh
+
+
+def _spanning_mesh(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The slice of the common root mesh over the data-parallel then TP dims."""
+    names = (*mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
+    try:
+        return root_mesh(mesh)[names]
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"cannot slice mesh dims {names} from the root mesh "
+            f"{root_mesh(mesh).mesh_dim_names}: the data-parallel dims must come before the "
+            f"tensor-parallel dims in init_device_mesh ({exc})"
+        ) from None
 
 
 def _check_shard_dim(module: nn.Module, shard_dim: int, mode: str) -> None:
@@ -129,6 +218,22 @@ def _hybrid_submeshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
         names = ("dp_replicate", "dp_shard")
         mesh = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=names)
     return mesh[names[0]], mesh[names[1]]
+
+
+def _to_2d_dtensor_param(
+    param: nn.Parameter,
+    mesh: DeviceMesh,
+    dp_placements: tuple[Placement, ...],
+    spanning: DeviceMesh,
+    stored: tuple[Placement, ...],
+) -> nn.Parameter:
+    """Shard a tensor-parallel DTensor parameter's local tensor over ``mesh``."""
+    tp_local = param.detach().to_local()
+    dp_local = _to_dtensor_param(nn.Parameter(tp_local), mesh, dp_placements).detach().to_local()
+    dtensor = DTensor.from_local(
+        dp_local, spanning, stored, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
 def _to_dtensor_param(
@@ -207,6 +312,16 @@ def data_parallel(
     shard count is sharded unevenly (the last ranks hold fewer rows), as
     ``torch.chunk`` does.
 
+    Tensor parallelism composes: apply torch's ``parallelize_module`` on
+    ``mesh["tp"]`` first, then pass ``mesh["dp"]`` (or the ``(replicate,
+    shard)`` sub-mesh for ``hybrid_shard``) of the same named mesh. Each
+    parameter the TP plan made a DTensor is then stored as one DTensor on the
+    (dp..., tp) mesh: the data-parallel dims shard its TP-local tensor
+    (``_StridedShard`` where both shard one tensor dim), and reads hand
+    compute the TP-local tensor as a DTensor on ``mesh["tp"]``; the other
+    parameters are sharded on the data-parallel mesh only. See Note:
+    [2-D parameters].
+
     Modules built under ``torch.device("meta")`` can be wrapped directly; then
     call ``module.to_empty(device=...)`` and initialise the parameters inside
     ``simplefsdp.disable_parametrization()`` (so in-place init writes the
@@ -235,10 +350,21 @@ def data_parallel(
         TypeError: wrong argument types.
         ValueError: no process group and no mesh, mesh dimensionality not
             matching ``mode``, unknown ``mode``/``reduce_op``, ``shard_dim`` out
-            of range, or ``module`` already wrapped.
+            of range, ``module`` already wrapped (or sharded by
+            ``fully_shard``), or tensor-parallel parameters whose mesh is not
+            a differently named slice of the data-parallel mesh's root (or
+            ``mesh`` not given for them).
     """
     _validate_args(module, mode, mp_policy, reshard_after_forward, shard_dim, reduce_op)
+    has_tp = any(isinstance(p, DTensor) for p in module.parameters())
+    if has_tp and mesh is None:
+        raise ValueError(
+            f"{type(module).__name__} holds tensor-parallel (DTensor) parameters; pass the "
+            "data-parallel mesh explicitly: mesh=mesh['dp'] of the mesh the TP plan used"
+        )
     mesh = resolve_mesh(mesh, mode, {p.device.type for p in module.parameters()})
+    tp_mesh = _tensor_parallel_mesh(module, mesh)
+    spanning = _spanning_mesh(mesh, tp_mesh) if tp_mesh is not None else None
     _check_shard_dim(module, shard_dim, mode)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     replicate_mesh, shard_mesh = _hybrid_submeshes(mesh) if mode == "hybrid_shard" else (None, None)
@@ -254,8 +380,26 @@ def data_parallel(
                 continue
             key = id(param)
             if key not in new_params:
-                placements = _placements_for(param, mode, shard_dim)
-                new_params[key] = _to_dtensor_param(param, mesh, placements)
+                tp_layout = None
+                if isinstance(param, DTensor):
+                    tp_local = param.to_local()
+                    dp_placements = _placements_for(tp_local, mode, shard_dim)
+                    placements = _stored_tp_placements(dp_placements, param.placements, tp_mesh)
+                    new_params[key] = _to_2d_dtensor_param(
+                        param, mesh, dp_placements, spanning, placements
+                    )
+                    tp_layout = TensorParallelLayout(
+                        mesh=tp_mesh,
+                        placements=tuple(param.placements),
+                        dp_mesh=mesh,
+                        dp_placements=dp_placements,
+                        local_shape=tp_local.shape,
+                        local_stride=tp_local.stride(),
+                    )
+                else:
+                    placements = _placements_for(param, mode, shard_dim)
+                    new_params[key] = _to_dtensor_param(param, mesh, placements)
+                is_sharded = (tp_layout.dp_placements if tp_layout else placements)[-1].is_shard()
                 spec_of[key] = ParamSpec(
                     fqn=fqn_of[key],
                     placements=placements,
@@ -263,8 +407,9 @@ def data_parallel(
                     param_dtype=mp_policy.param_dtype,
                     # Like FSDP2: without a reduce_dtype, reduce in param_dtype.
                     reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype,
-                    replicate_mesh=replicate_mesh if placements[-1].is_shard() else None,
-                    shard_mesh=shard_mesh if placements[-1].is_shard() else None,
+                    replicate_mesh=replicate_mesh if is_sharded else None,
+                    shard_mesh=shard_mesh if is_sharded else None,
+                    tp=tp_layout,
                 )
             submodule._parameters[name] = new_params[key]
             local_specs[name] = spec_of[key]
@@ -282,6 +427,7 @@ def data_parallel(
         shard_dim=shard_dim,
         reduce_op=reduce_op,
         param_specs={spec.fqn: spec for spec in spec_of.values()},
+        tp_mesh=tp_mesh,
     )
     logger.debug("data_parallel: mode=%s mesh=%s params=%d", mode, tuple(mesh.shape), len(spec_of))
     return module

@@ -37,6 +37,32 @@ _VIEWS_ATTR = "_simplefsdp_param_views"
 
 
 @dataclass(frozen=True)
+class TensorParallelLayout:
+    """Where a tensor-parallel parameter lives besides its data-parallel shard.
+
+    Attributes:
+        mesh: the (tensor-parallel) mesh the parameter was a DTensor on before
+            ``data_parallel``; compute sees the parameter as a DTensor there.
+        placements: its placements on ``mesh`` (e.g. ``(Shard(0),)`` for a
+            column-wise linear weight).
+        dp_mesh: the data-parallel mesh (1-D, or 2-D for ``hybrid_shard``).
+        dp_placements: the placements on ``dp_mesh`` of the TP-local tensor
+            (plain ``Shard``/``Replicate``; the stored DTensor may say
+            ``_StridedShard`` for the same layout).
+        local_shape: this rank's tensor-parallel shard's shape: the tensor
+            that the data-parallel dims shard and gather.
+        local_stride: its stride.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    dp_mesh: DeviceMesh
+    dp_placements: tuple[Placement, ...]
+    local_shape: torch.Size
+    local_stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     """How one parameter is stored, gathered and reduced.
 
@@ -57,10 +83,19 @@ class ParamSpec:
     # hybrid_shard only: the 1-D submeshes of the (replicate, shard) mesh.
     replicate_mesh: DeviceMesh | None = None
     shard_mesh: DeviceMesh | None = None
+    # Parameters that tensor parallelism had already made DTensors: how the
+    # TP layout is kept under the data-parallel one (Note: [2-D parameters]).
+    tp: TensorParallelLayout | None = None
+
+    @property
+    def dp_placements(self) -> tuple[Placement, ...]:
+        """The placements on the data-parallel mesh dims only."""
+        return self.placements if self.tp is None else self.tp.dp_placements
 
     @property
     def replicate_placements(self) -> tuple[Placement, ...]:
-        return tuple(Replicate() for _ in self.placements)
+        """The data-parallel placements after the gather (all ``Replicate``)."""
+        return tuple(Replicate() for _ in self.dp_placements)
 
     @property
     def is_sharded(self) -> bool:
@@ -117,6 +152,13 @@ def replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
     dims, all-reduce for replicated ones) and cast it back to the stored dtype.
     See Note: [Hybrid sharding order] for ``hybrid_shard``.
     """
+    if spec.tp is not None:
+        return _tp_replicate_compute(param, spec)
+    return _dp_gather(param, spec)
+
+
+def _dp_gather(param: DTensor, spec: ParamSpec) -> torch.Tensor:
+    """All-gather ``param`` over its data-parallel mesh; the local result."""
     if spec.shard_mesh is not None:
         return _hybrid_replicate_compute(param, spec)
     gathered = param.redistribute(
@@ -125,6 +167,40 @@ def replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
         backward_dtype=spec.reduce_dtype,
     )
     return gathered.to_local(grad_placements=spec.grad_placements)
+
+
+# Note: [2-D parameters]
+# A parameter that tensor parallelism already made a DTensor on a ``tp`` mesh
+# is stored as one DTensor on the mesh spanning the data-parallel dims and the
+# TP dims (their common root sliced by name), placements ``(dp..., tp...)``:
+# the data-parallel dims shard this rank's TP-local tensor. When both shard
+# the same tensor dim the data-parallel placement is ``_StridedShard`` (as in
+# FSDP2 + TP), so ``full_tensor()``, state dicts and DCP see the right global
+# tensor and checkpoints reshard between (dp, tp) and (dp') layouts. Reading
+# it views the local shard as a DTensor on the data-parallel mesh alone,
+# gathers that (the data-parallel all-gather; its autograd is the data-parallel
+# reduce-scatter/all-reduce) and hands compute the TP-local result as a DTensor
+# on the TP mesh, which is what the TP plan's modules expect. TP's own
+# collectives stay where the TP plan put them.
+def _tp_replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
+    tp = spec.tp
+    dp_view = DTensor.from_local(
+        param.to_local(),
+        tp.dp_mesh,
+        spec.dp_placements,
+        run_check=False,
+        shape=tp.local_shape,
+        stride=tp.local_stride,
+    )
+    tp_local = _dp_gather(dp_view, spec)
+    return DTensor.from_local(
+        tp_local,
+        tp.mesh,
+        tp.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 # Note: [Hybrid sharding order]
@@ -145,7 +221,7 @@ def _hybrid_replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
     sharded = DTensor.from_local(
         replicated,
         spec.shard_mesh,
-        (spec.placements[1],),
+        (spec.dp_placements[1],),
         run_check=False,
         shape=param.shape,
         stride=param.stride(),

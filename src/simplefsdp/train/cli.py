@@ -135,8 +135,10 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         world_size,
         mesh_shape=p.mesh_shape,
         local_world_size=local_world_size,
+        tp=p.tp,
     )
     _check_seq_len(job)
+    _check_tensor_parallel(job)
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -174,6 +176,33 @@ def _check_resume(job: JobConfig) -> None:
         raise ValueError(
             f"--resume: no complete checkpoint in {ck.folder}; leave out --resume to start a "
             "new run, or pass --resume-if-possible"
+        )
+
+
+def _check_tensor_parallel(job: JobConfig) -> None:
+    """With ``parallel.tp > 1`` the model's heads and feed-forward must split evenly."""
+    tp = job.parallel.tp
+    if tp == 1:
+        return
+    from simplefsdp.models.llama3 import get_config
+
+    m = job.model
+    args = get_config(m.name, **({} if m.vocab_size is None else {"vocab_size": m.vocab_size}))
+    sizes = {
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "feed-forward hidden dim": args.ffn_hidden_dim,
+    }
+    if m.vocab_size is not None and job.parallel.loss_parallel:
+        sizes["vocab_size"] = args.vocab_size
+    bad = {name: size for name, size in sizes.items() if size % tp}
+    if bad:
+        found = ", ".join(f"{name} {size}" for name, size in bad.items())
+        top = max(sizes.values())
+        valid = [d for d in range(1, top + 1) if all(v % d == 0 for v in sizes.values())]
+        raise ValueError(
+            f"parallel.tp {tp} does not divide model {m.name!r}'s {found}; "
+            f"valid tensor-parallel sizes for this model: {valid}"
         )
 
 

@@ -39,15 +39,13 @@ from simplefsdp.checkpoint import (
     step_dir_name,
 )
 from simplefsdp.engines import (
-    EngineSpec,
     MemoryProbe,
     ParallelModel,
-    build_mesh,
     clip_grad_norm_,
     comm_device,
+    data_parallel_rank,
     init_distributed,
     lower_mmap_threshold,
-    parallelize,
     pick_device,
 )
 from simplefsdp.testing.faults import maybe_kill_at_step
@@ -64,6 +62,7 @@ from simplefsdp.train.metrics import (
     mfu,
     peak_flops_for,
 )
+from simplefsdp.train.parallelism import engine_spec, job_mesh, parallelize_job
 from simplefsdp.train.runs import RUN_ID_ENV, archive_previous_run, find_previous_run, new_run_id
 from simplefsdp.train.schedule import build_lr_scheduler, json_ready
 
@@ -72,6 +71,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Trainer",
     "engine_spec",
+    "job_mesh",
     "parallelize_job",
 ]
 
@@ -79,39 +79,11 @@ __all__ = [
 # --------------------------------------------------------------------------- setup helpers
 
 
-def engine_spec(job: JobConfig) -> EngineSpec:
-    """The engine layer's description of ``job``'s parallel, compile and AC sections."""
-    p, c = job.parallel, job.compile
-    return EngineSpec(
-        engine=p.engine,
-        mode=p.mode,
-        param_dtype=p.param_dtype,
-        reduce_dtype=p.reduce_dtype,
-        reshard_after_forward=p.reshard_after_forward,
-        compile=c.enable,
-        backend=c.backend,
-        bucketing=c.bucketing,
-        activation_checkpoint=job.activation_checkpoint.mode,
-    )
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
 
-
-def parallelize_job(model: torch.nn.Module, job: JobConfig, device: torch.device) -> ParallelModel:
-    """Parallelise a Llama 3 model built on the meta device as ``job`` says.
-
-    Builds the data-parallel mesh over the default process group, applies
-    :func:`engine_spec` through ``simplefsdp.engines.parallelize`` and
-    initialises the weights with the model's ``init_weights`` under the
-    current RNG state.
-    """
-    p = job.parallel
-    mesh = build_mesh(p.engine, p.mode, device.type, dist.get_world_size(), mesh_shape=p.mesh_shape)
-    return parallelize(
-        model,
-        engine_spec(job),
-        mesh,
-        device,
-        init_fn=lambda m: m.init_weights(buffer_device=device),
-    )
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 @contextlib.contextmanager
@@ -157,6 +129,8 @@ class Trainer:
     def setup(self) -> None:
         """Build everything; resume from the latest checkpoint if asked to."""
         self.rank, self.world_size = init_distributed(self.device)
+        self.mesh = job_mesh(self.job, self.device)
+        self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
         self._seed()
         self._build_data()
         if self.device.type == "cpu":
@@ -184,7 +158,7 @@ class Trainer:
         from simplefsdp.data import build_data
 
         bundle = build_data(
-            self.job.data, rank=self.rank, world_size=self.world_size, seed=self.job.training.seed
+            self.job.data, rank=self.dp_rank, world_size=self.dp_size, seed=self.job.training.seed
         )
         self.tokenizer, self.loader = bundle.tokenizer, bundle.loader
 
@@ -209,7 +183,7 @@ class Trainer:
         self.model_args = self._model_args()
         with torch.device("meta"):
             model = Transformer(self.model_args)
-        self.parallel: ParallelModel = parallelize_job(model, self.job, self.device)
+        self.parallel: ParallelModel = parallelize_job(model, self.job, self.device, self.mesh)
         self.model = self.parallel.module
         self.flops_per_token = flops_per_token(self.model_args, self.job.data.seq_len)
         self.peak_flops = peak_flops_for(self.device)
@@ -324,8 +298,15 @@ class Trainer:
     # -- one step ----------------------------------------------------------
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, forward: Any) -> torch.Tensor:
-        logits = forward(inputs.to(self.device))  # (B, T, V)
+        logits = forward(inputs.to(self.device))  # (B, T, V); vocab-sharded with loss_parallel
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """Where the loss and its backward run: torch's ``loss_parallel`` when on."""
+        from simplefsdp.models.llama3 import loss_parallel_context
+
+        p = self.job.parallel
+        return loss_parallel_context(p.tp > 1 and p.loss_parallel)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over ``grad_accum_steps`` micro-batches.
@@ -340,10 +321,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(accum):
             inputs, targets = next(self.loader)
-            with self.parallel.grad_sync(micro == accum - 1):
+            with self.parallel.grad_sync(micro == accum - 1), self._loss_context():
                 loss = self._loss(inputs, targets, self.parallel.forward) / accum
                 loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += _plain(loss.detach())
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -373,7 +354,8 @@ class Trainer:
             return None
         total, count = torch.zeros((), device=self.device), 0
         for inputs, targets in self.loader.val_batches(n):
-            total += self._loss(inputs, targets, self.parallel.forward)
+            with self._loss_context():
+                total += _plain(self._loss(inputs, targets, self.parallel.forward))
             count += 1
         if count == 0:
             return None
@@ -381,9 +363,11 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------
 
-    def _tokens_per_step(self) -> int:
+    def _tokens_per_step(self) -> float:
+        """Tokens per step per rank: a tensor-parallel group's ranks share
+        their batch (counted as torchtitan does)."""
         d = self.job.data
-        return d.batch_size * d.seq_len * self.job.training.grad_accum_steps
+        return d.batch_size * d.seq_len * self.job.training.grad_accum_steps / self.job.parallel.tp
 
     def _sync(self) -> None:
         """Wait for queued device work, so wall-clock windows measure it."""

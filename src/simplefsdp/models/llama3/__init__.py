@@ -22,6 +22,7 @@ from .model import (
     repeat_kv,
     rope_frequencies,
 )
+from .tensor_parallel import apply_tensor_parallel, llama3_tp_plan, loss_parallel_context
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -36,9 +37,12 @@ __all__ = [
     "TransformerBlock",
     "apply_rope_scaling",
     "apply_rotary_emb",
+    "apply_tensor_parallel",
     "ffn_hidden_dim",
     "flops_per_token",
     "get_config",
+    "llama3_tp_plan",
+    "loss_parallel_context",
     "num_params",
     "precompute_freqs_cis",
     "repeat_kv",

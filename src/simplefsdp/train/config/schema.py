@@ -16,6 +16,7 @@ __all__ = [
     "VALID_MODELS",
     "ENGINES",
     "REPLICATE_ONLY_ENGINES",
+    "TP_ENGINES",
     "PARALLEL_MODES",
     "DTYPES",
     "COMPILE_BACKENDS",
@@ -41,6 +42,8 @@ VALID_MODELS: tuple[str, ...] = ("debug", "small", "8B", "70B", "405B")
 ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
 #: Engines that do not shard: they accept ``parallel.mode = "replicate"`` only.
 REPLICATE_ONLY_ENGINES: tuple[str, ...] = ("ddp", "replica")
+#: Engines that compose with tensor parallelism (``parallel.tp > 1``).
+TP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
 #: Data-parallel sharding modes.
 PARALLEL_MODES: tuple[str, ...] = ("replicate", "fully_shard", "hybrid_shard")
 #: Mixed-precision dtypes (``None`` means "keep the parameter dtype").
@@ -141,7 +144,7 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    """Data parallelism.
+    """Data and tensor parallelism.
 
     Attributes:
         engine: One of :data:`ENGINES`: ``simplefsdp`` (``data_parallel``, plus
@@ -158,6 +161,15 @@ class ParallelConfig:
         reshard_after_forward: Free gathered parameters after the forward pass.
         param_dtype: Compute dtype of parameters (``None``: unchanged).
         reduce_dtype: Gradient reduction dtype (``None``: the ``param_dtype``).
+        tp: Tensor-parallel size: each group of ``tp`` ranks splits every
+            block's attention heads and feed-forward (the Llama 3 plan of
+            :mod:`simplefsdp.models.llama3.tensor_parallel`); the data-parallel
+            dims cover ``world_size / tp`` ranks. Engines ``simplefsdp`` and
+            ``fsdp2`` only.
+        sequence_parallel: With ``tp > 1``, shard the norms' activations along
+            the sequence (``data.seq_len`` must divide by ``tp``).
+        loss_parallel: With ``tp > 1``, keep the logits sharded over the
+            vocabulary and compute the cross-entropy on the shards.
     """
 
     engine: str = field(default="simplefsdp", metadata=_choices(ENGINES))
@@ -166,6 +178,9 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     param_dtype: str | None = field(default=None, metadata=_choices(DTYPES, optional=True))
     reduce_dtype: str | None = field(default=None, metadata=_choices(DTYPES, optional=True))
+    tp: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
 
 
 @dataclass
@@ -346,6 +361,18 @@ def validate_config(cfg: JobConfig) -> None:
         p.mesh_shape,
         "two positive ints, e.g. [2, 2]",
     )
+    check(p.tp >= 1, "parallel.tp", p.tp, ">= 1")
+    if p.tp > 1 and p.engine not in TP_ENGINES:
+        errors.append(
+            f"parallel.engine: invalid value {p.engine!r} with parallel.tp={p.tp}; "
+            f"valid choices with tensor parallelism: {list(TP_ENGINES)}"
+        )
+    if p.tp > 1 and p.sequence_parallel and d.seq_len > 0 and d.seq_len % p.tp:
+        errors.append(
+            f"data.seq_len: invalid value {d.seq_len!r} with parallel.tp={p.tp} and "
+            f"sequence parallelism; must be a multiple of {p.tp} (or set "
+            "parallel.sequence_parallel false)"
+        )
     if p.engine in REPLICATE_ONLY_ENGINES and p.mode != "replicate":
         errors.append(
             f"parallel.mode: invalid value {p.mode!r} for engine {p.engine!r}; "
@@ -378,4 +405,6 @@ def config_warnings(job: JobConfig) -> list[str]:
             f"parallel.mesh_shape={list(p.mesh_shape)} is only used by mode 'hybrid_shard' "
             f"(mode is {p.mode!r})"
         )
+    if p.tp == 1 and p.loss_parallel:
+        warnings.append("parallel.loss_parallel is only used with parallel.tp > 1")
     return warnings

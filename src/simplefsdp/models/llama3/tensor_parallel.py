@@ -1,0 +1,246 @@
+"""Tensor-parallel (TP) plan for the Llama 3 :class:`~.model.Transformer`.
+
+The plan lives beside the model, not in it: the model stays a plain
+``nn.Module`` and this file describes, as plain data, how torch's own
+:func:`torch.distributed.tensor.parallel.parallelize_module` should shard it
+over a 1-D ``DeviceMesh`` (Megatron-style, as torchtitan's Llama 3 ``apply_tp``):
+
+* ``tok_embeddings``: :class:`RowwiseParallel` -- a vocabulary-parallel
+  embedding (the table is ``Shard(0)``; each rank looks up the ids it owns and
+  the partial results are summed). Token ids come in replicated; the output is
+  ``Shard(1)`` (a reduce-scatter onto the sequence dim) with sequence
+  parallelism, else ``Replicate`` (an all-reduce).
+* ``layers.*.attention_norm``, ``layers.*.ffn_norm``, ``norm``:
+  :class:`SequenceParallel` with sequence parallelism (each rank normalises its
+  slice of the sequence; the weights are replicated DTensors). Without it they
+  are left alone (plain replicated parameters, replicated activations).
+* ``layers.*.attention`` / ``layers.*.feed_forward``:
+  :class:`PrepareModuleInput` turns the ``Shard(1)`` activation into a
+  ``Replicate`` one (an all-gather) once per module, with sequence
+  parallelism; without it the replicated input is only wrapped, so the
+  backward all-reduces the input gradient once rather than once per
+  projection. ``attention`` also gets ``freqs_cis`` as its second positional
+  input, a plain tensor that is passed through (``None`` in the layouts).
+* ``wq``/``wk``/``wv``/``w1``/``w3``: :class:`ColwiseParallel` (heads and the
+  SwiGLU hidden dim are split across ranks; the attention reshapes with ``-1``
+  head counts, so local heads just work). ``wo``/``w2``:
+  :class:`RowwiseParallel` whose partial output is reduce-scattered to
+  ``Shard(1)`` (sequence parallel) or all-reduced to ``Replicate``.
+* ``output``: :class:`ColwiseParallel` over the vocabulary. With loss
+  parallelism the logits stay a ``Shard(-1)`` DTensor
+  (``use_local_output=False``) and must be consumed by ``F.cross_entropy``
+  inside :func:`loss_parallel_context`; otherwise they are all-gathered to a
+  plain replicated ``(B, T, vocab_size)`` tensor.
+
+Constraints (checked by :func:`apply_tensor_parallel` where possible):
+``n_heads``, ``n_kv_heads`` and the SwiGLU hidden dim must be divisible by the
+TP size, and ``vocab_size`` too when ``loss_parallel`` is on (an uneven
+vocabulary is otherwise fine: DTensor shards it unevenly). With
+``sequence_parallel`` the sequence length of every batch must be divisible by
+the TP size -- only known at run time, so :func:`apply_tensor_parallel`
+registers a forward pre-hook that raises ``ValueError`` otherwise (the bare
+plan does not: an uneven split aborts or hangs the process group).
+
+Example::
+
+    mesh = init_device_mesh("cuda", (tp,))
+    model = apply_tensor_parallel(Transformer(args), mesh, loss_parallel=True)
+    with loss_parallel_context(True):
+        logits = model(tokens[:, :-1])                   # DTensor, Shard(-1)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
+
+__all__ = ["apply_tensor_parallel", "llama3_tp_plan", "loss_parallel_context"]
+
+
+def llama3_tp_plan(
+    model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of a Llama 3 ``Transformer``: FQN -> style.
+
+    The result is plain data: inspect or modify it, then pass it to
+    ``parallelize_module(model, tp_mesh, plan)`` (or use
+    :func:`apply_tensor_parallel`, which also validates the model and mesh).
+    See the module docstring for what each entry does.
+
+    Args:
+        model: The (unsharded) ``Transformer``; only its number of layers is read.
+        sequence_parallel: Shard activations outside attention / feed-forward
+            (norms, residual stream) on the sequence dim. Requires every
+            batch's sequence length to be divisible by the TP size.
+        loss_parallel: Leave the logits sharded on the vocabulary dim (a
+            ``Shard(-1)`` DTensor) for :func:`loss_parallel_context`.
+
+    Returns:
+        A new dict mapping module FQNs (e.g. ``"layers.0.attention.wq"``) to
+        ``ParallelStyle`` objects.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for i in range(len(model.layers)):
+        prefix = f"layers.{i}."
+        if sequence_parallel:
+            plan[prefix + "attention_norm"] = SequenceParallel()
+            plan[prefix + "ffn_norm"] = SequenceParallel()
+        plan[prefix + "attention"] = PrepareModuleInput(
+            input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+        )
+        for name in ("wq", "wk", "wv"):
+            plan[prefix + "attention." + name] = ColwiseParallel()
+        plan[prefix + "attention.wo"] = RowwiseParallel(output_layouts=seq)
+        plan[prefix + "feed_forward"] = PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+        )
+        for name in ("w1", "w3"):
+            plan[prefix + "feed_forward." + name] = ColwiseParallel()
+        plan[prefix + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+    return plan
+
+
+def _check_divisible(name: str, value: int, tp: int, why: str = "") -> None:
+    if value % tp != 0:
+        divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
+        raise ValueError(
+            f"tensor parallel: {name}={value} is not divisible by the TP size {tp}{why}; "
+            f"valid TP sizes divide {value} (e.g. {divisors})"
+        )
+
+
+def _validate(model: nn.Module, tp_mesh: Any, loss_parallel: bool) -> None:
+    if not isinstance(tp_mesh, DeviceMesh):
+        raise ValueError(
+            f"tensor parallel: tp_mesh must be a 1-D DeviceMesh, got {type(tp_mesh).__name__}"
+        )
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"tensor parallel: tp_mesh must be a 1-D DeviceMesh, got a {tp_mesh.ndim}-D mesh "
+            f"of shape {tuple(tp_mesh.shape)}; pass its TP dim, e.g. mesh['tp']"
+        )
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"tensor parallel: parameter {name!r} is already a DTensor "
+                f"(placements {param.placements}); apply tensor parallelism to a model "
+                "of plain tensors, before any other parallelism wraps it"
+            )
+    args = getattr(model, "args", None)
+    if args is None or not hasattr(model, "layers"):
+        raise ValueError(
+            f"tensor parallel: expected a Llama 3 Transformer (with .args and .layers), "
+            f"got {type(model).__name__}"
+        )
+    tp = tp_mesh.size()
+    _check_divisible("n_heads", args.n_heads, tp)
+    _check_divisible("n_kv_heads", args.n_kv_heads, tp)
+    if len(model.layers) > 0:
+        hidden = model.layers[0].feed_forward.w1.out_features
+        _check_divisible("ffn hidden dim (feed_forward.w1.out_features)", hidden, tp)
+    if loss_parallel:
+        _check_divisible("vocab_size", args.vocab_size, tp, " (required with loss_parallel=True)")
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Shard a Llama 3 ``Transformer`` over ``tp_mesh`` with :func:`llama3_tp_plan`.
+
+    Parameters are replaced, in place, by DTensors (``nn.Module``s are kept).
+    Apply TP before any data-parallel wrapping, on a model of plain tensors.
+    All ranks must hold the same initial weights (``parallelize_module``
+    distributes from rank 0's values by default).
+
+    With ``sequence_parallel`` every batch's sequence length must be divisible
+    by the TP size (the residual stream is split on the sequence dim). That is
+    only known at run time: a forward pre-hook on ``model`` raises
+    ``ValueError`` for such a batch (left to torch, the ranks' collectives
+    would disagree in size and abort or hang the process group). With ``loss_parallel`` the model returns a
+    ``Shard(-1)`` DTensor of logits; compute the cross-entropy and its backward
+    inside :func:`loss_parallel_context`.
+
+    Args:
+        model: A Llama 3 ``Transformer`` with plain-tensor parameters.
+        tp_mesh: A 1-D ``DeviceMesh`` (the TP group).
+        sequence_parallel: See :func:`llama3_tp_plan`.
+        loss_parallel: See :func:`llama3_tp_plan`.
+
+    Returns:
+        ``model``, parallelized in place.
+
+    Raises:
+        ValueError: ``tp_mesh`` is not a 1-D ``DeviceMesh``; a parameter is
+            already a DTensor; ``n_heads``, ``n_kv_heads`` or the feed-forward
+            hidden dim (or, with ``loss_parallel``, ``vocab_size``) is not
+            divisible by the TP size. The message names the value. (Later, from
+            ``model(tokens)``: an uneven sequence split with ``sequence_parallel``.)
+    """
+    _validate(model, tp_mesh, loss_parallel)
+    plan = llama3_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:
+        model.register_forward_pre_hook(_SequenceLengthCheck(tp_mesh.size()), with_kwargs=True)
+    return model
+
+
+class _SequenceLengthCheck:
+    """Forward pre-hook: with sequence parallelism an uneven sequence split
+    makes the ranks' all-gathers disagree in size, which aborts or hangs the
+    process group instead of raising; refuse such a batch up front."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens = args[0] if args else kwargs.get("tokens")
+        seqlen = getattr(tokens, "shape", (0, 0))[1]
+        if seqlen % self.tp != 0:
+            raise ValueError(
+                f"tensor parallel: sequence length {seqlen} is not divisible by the TP size "
+                f"{self.tp}, which sequence_parallel=True requires; use a multiple of {self.tp} "
+                "(or sequence_parallel=False)"
+            )
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """torch's ``loss_parallel()`` when ``enabled``, else a no-op context.
+
+    torch's rule: with loss parallelism both ``F.cross_entropy`` on the
+    vocabulary-sharded logits AND the ``backward()`` of that loss must run
+    inside this context (the custom log-softmax / NLL ops and their gradients
+    are only registered while it is active). The logits must be a DTensor
+    sharded on the class dim (what the model returns with
+    ``loss_parallel=True``); targets are class indices (a plain tensor is fine
+    on a 1-D mesh); ``label_smoothing`` is not supported.
+    """
+    return _torch_loss_parallel() if enabled else contextlib.nullcontext()
