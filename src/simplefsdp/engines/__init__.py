@@ -19,6 +19,7 @@ Example::
 """
 
 from simplefsdp.engines.activation import AC_MODES, apply_activation_checkpointing
+from simplefsdp.engines.clip import clip_grad_norm_
 from simplefsdp.engines.distributed import (
     build_mesh,
     comm_device,
@@ -30,7 +31,7 @@ from simplefsdp.engines.distributed import (
     split_mesh,
 )
 from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
-from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, ParallelModel, clip_grad_norm_
+from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, ParallelModel
 from simplefsdp.engines.parallelize import (
     ENGINES,
     TP_ENGINES,

@@ -1,4 +1,4 @@
-"""What an engine returns: :class:`ParallelModel`, and the global gradient clip."""
+"""What an engine returns: :class:`ParallelModel`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["COLLECTIVE_KINDS", "ParallelModel", "clip_grad_norm_"]
+__all__ = ["COLLECTIVE_KINDS", "ParallelModel"]
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -119,25 +118,3 @@ def _number(values: dict, key: str) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return None
-
-
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global 2-norm of all gradients across shards and ranks; clip if ``max_norm > 0``.
-
-    Works for plain, DTensor (simplefsdp, FSDP2) and mixed-placement gradients:
-    the norm of sharded gradients is reduced over the mesh (``full_tensor``).
-
-    Returns:
-        The total norm before clipping, a plain 0-d tensor.
-    """
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
-    return total
