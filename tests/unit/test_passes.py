@@ -283,3 +283,140 @@ def test_cost_model_calibrates_on_the_mesh_device(fake_mesh, monkeypatch) -> Non
     model = simplefsdp.data_parallel(BlockStack(), fake_mesh)
     assert _mesh_device_type(model) == "cpu"
     assert _mesh_device_type(BlockStack()) is None
+
+
+# ------------------------------------------- data-parallel vs other collectives
+
+
+def _node_order(gm) -> list[str]:
+    return [n.name for n in gm.graph.nodes]
+
+
+def test_passes_leave_other_process_groups_alone(fake_mesh) -> None:
+    """Collectives on a group that is not data parallel (e.g. tensor
+    parallelism's) are neither bucketed nor moved."""
+    import copy
+
+    from simplefsdp.compiler.backend import collective_groups
+    from simplefsdp.compiler.passes.bucketing import find_sites
+    from simplefsdp.compiler.passes.reordering import reorder
+    from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups
+
+    torch.manual_seed(0)
+    model = simplefsdp.data_parallel(BlockStack(), fake_mesh)
+    groups = collective_groups(model)
+    assert groups.data_parallel == {fake_mesh.get_group().group_name}
+    assert groups.tensor_parallel == frozenset()
+    graphs, _ = _compile_and_run(fake_mesh, "none", reorder=False)
+    elsewhere = CollectiveGroups(data_parallel=frozenset({"elsewhere"}))
+    for name, gm in graphs.items():
+        primals = {n.name: n.name for n in gm.graph.nodes if n.op == "placeholder"}
+        assert find_sites(gm.graph, primals, {}, elsewhere) == []
+        assert find_sites(gm.graph, primals, {}) == find_sites(gm.graph, primals, {}, groups)
+        for node in gm.graph.nodes:
+            if collective_kind(node):
+                assert elsewhere.role(node) == "other" and groups.role(node) == "dp"
+        untouched, moved = copy.deepcopy(gm), copy.deepcopy(gm)
+        before = _node_order(gm)
+        assert reorder(untouched, 1, elsewhere) == {
+            "prefetched_all_gathers": 0,
+            "early_reductions": 0,
+        }
+        assert _node_order(untouched) == before
+        reorder(moved, 1, ALL_DATA_PARALLEL)
+        assert _node_order(moved) != before, name
+
+
+def test_report_lists_tp_collectives_apart() -> None:
+    from simplefsdp.compiler.report import CollectiveInfo, CommReport, GraphReport
+
+    def info(kind, role, size):
+        return CollectiveInfo(kind, f"n_{kind}_{role}", "float32", size, 2, [], 0, 1, "g", role)
+
+    graph = GraphReport(
+        graph="forward",
+        graph_id=0,
+        num_compute_nodes=3,
+        collectives=[
+            info("all_gather", "dp", 100),
+            info("all_gather", "tp", 10),
+            info("reduce_scatter", "tp", 20),
+            info("all_gather", "tp", 30),
+        ],
+    )
+    report = CommReport(graphs=[graph])
+    assert report.count("forward", "all_gather") == 3  # every collective, as before
+    assert report.count("forward", "all_gather", "dp") == 1
+    assert graph.count("all_gather", "tp") == 2
+    assert graph.total_bytes(role="tp") == 60 and graph.total_bytes() == 160
+    data = report.to_dict()["graphs"][0]
+    assert data["collectives"][1]["role"] == "tp" and data["collectives"][1]["group"] == "g"
+    assert data["by_role"] == {
+        "dp": {"all_gather": {"count": 1, "bytes": 100}},
+        "tp": {
+            "all_gather": {"count": 2, "bytes": 40},
+            "reduce_scatter": {"count": 1, "bytes": 20},
+        },
+    }
+    text = str(report)
+    assert "data parallel: 1 all_gather, 0 reduce_scatter, 0 all_reduce; 100 B" in text
+    assert (
+        "tensor-parallel collectives (left in place): 2 all_gather, 1 reduce_scatter; 60 B" in text
+    )
+
+
+def test_inductor_overlap_counts_data_parallel_groups() -> None:
+    from simplefsdp.compiler.report import inductor_overlap
+
+    source = "\n".join(
+        [
+            "buf1 = torch.ops._c10d_functional.all_gather_into_tensor.default(buf0, 2, '1')",
+            "buf3 = torch.ops._c10d_functional.all_gather_into_tensor.default(buf2, 2, '3')",
+            "cpp_fused_add_0(buf4)",
+            "torch.ops._c10d_functional.wait_tensor.default(buf1)",
+            "torch.ops._c10d_functional.wait_tensor.default(buf3)",
+        ]
+    )
+    assert inductor_overlap(source) == (2, 2)
+    assert inductor_overlap(source, frozenset({"1"})) == (1, 1)
+
+
+def test_cost_model_times_tp_collectives_with_their_fit() -> None:
+    from simplefsdp.compiler.cost_model import CostModel, LinearFit
+
+    model = CostModel(
+        comm={"all_gather/2": LinearFit(1.0, 0.0), "tp:all_gather/2": LinearFit(2.0, 0.0)},
+        default_comm=LinearFit(5.0, 0.0),
+    )
+    assert model.comm_time("all_gather", 2, 10) == 1.0
+    assert model.comm_time("all_gather", 2, 10, "dp") == 1.0
+    assert model.comm_time("all_gather", 2, 10, "tp") == 2.0
+    assert model.comm_time("all_gather", 2, 10, "other") == 1.0  # role-less fit
+    assert model.comm_time("reduce_scatter", 2, 10, "tp") == 5.0  # defaults
+
+
+def test_planner_counts_tp_collectives_as_fixed_communication() -> None:
+    """Note: [Planning around tensor-parallel collectives]."""
+    from simplefsdp.compiler.auto_bucketing import GatherUnit, greedy_buckets, pipeline_time_s
+    from simplefsdp.compiler.cost_model import CostModel, LinearFit
+
+    mib = 2**20
+    fit = LinearFit(1e-3, 1e-3 / mib)
+    cost = CostModel(comm={f"{k}/2": fit for k in ("all_gather", "reduce_scatter")})
+
+    def units(fixed_s):
+        return [GatherUnit(f"p{i}", mib, 2, 1e-3, fixed_s) for i in range(4)]
+
+    plain, fixed = units(0.0), units(2e-3)
+    assert plain == [GatherUnit(f"p{i}", mib, 2, 1e-3) for i in range(4)]
+    # One bucket: its comm (3 * 2 ms) exposed, then its window plus its fixed
+    # TP time (forward and backward).
+    assert pipeline_time_s([plain[:1]], cost, True) == pytest.approx(6e-3 + 3e-3)
+    assert pipeline_time_s([fixed[:1]], cost, True) == pytest.approx(6e-3 + 3e-3 + 4e-3)
+    # Two buckets: the second one's comm shares the link with the first one's
+    # TP collectives, so the TP time never hides data-parallel traffic.
+    two = pipeline_time_s([fixed[:1], fixed[1:2]], cost, True)
+    assert two == pytest.approx(pipeline_time_s([plain[:1], plain[1:2]], cost, True) + 8e-3)
+    kwargs = dict(reshard_after_forward=True, base_peak_bytes=0, memory_budget_bytes=None)
+    buckets = greedy_buckets(fixed, cost, **kwargs)
+    assert [u.fqn for b in buckets for u in b] == [u.fqn for u in fixed]

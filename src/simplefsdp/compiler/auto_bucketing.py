@@ -21,6 +21,24 @@ Note: [Greedy auto-wrapping]
     (parameter FQNs per bucket), computed alike on every rank (Note:
     [Identical plans without compile-time collectives]).
 
+Note: [Planning around tensor-parallel collectives]
+    In a 2-D (data x tensor parallel) graph the TP plan's collectives stay
+    where they are (Note: [Data-parallel collectives only]) and are waited on
+    right away: they are fixed communication that no bucketing can hide. Each
+    unit also carries ``fixed_comm_s``, the cost-model time of the non
+    data-parallel collectives in its forward window (from its first use to
+    the next unit's); a bucket's per-step fixed time is twice its units' sum
+    (the forward ones plus their mirror in backward: an all-gather's backward
+    is a reduce-scatter of the same bytes and vice versa; the small
+    all-reduces of replicated parameters' gradients are left out). In the
+    replay the fixed time of a bucket both lengthens its compute window (the
+    compute stream waits on those collectives) and occupies the one link
+    while the next bucket's communication hides under that window, so it
+    delays that communication by as much: TP time is counted as exposed and
+    never as room to hide data-parallel traffic. Collectives before the
+    first unit's first use are left out, like the compute there. Without TP
+    collectives every ``fixed_comm_s`` is 0 and plans are unchanged.
+
 Note: [Identical plans without compile-time collectives]
     Ranks must bucket identically or their collectives mismatch and hang. The
     plan is a deterministic function of the forward graph and the cost model;
@@ -45,7 +63,14 @@ from simplefsdp.bucket_plan import Bucket, BucketPlan
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.passes.bucketing import CollectiveSite, find_sites
-from simplefsdp.compiler.patterns import is_compute, path_from_placeholder, wait_of
+from simplefsdp.compiler.patterns import (
+    ALL_DATA_PARALLEL,
+    CollectiveGroups,
+    collective_kind,
+    is_compute,
+    path_from_placeholder,
+    wait_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +83,19 @@ class GatherUnit:
     gathered_bytes: int
     group_size: int
     compute_s: float  # forward compute from its first use to the next unit's
+    # Non data-parallel (TP) collectives in that window, seconds (Note:
+    # [Planning around tensor-parallel collectives]).
+    fixed_comm_s: float = 0.0
 
 
 def gather_units(
-    gm: fx.GraphModule, sites: Sequence[CollectiveSite], cost_model: CostModel
+    gm: fx.GraphModule,
+    sites: Sequence[CollectiveSite],
+    cost_model: CostModel,
+    groups: CollectiveGroups = ALL_DATA_PARALLEL,
 ) -> list[GatherUnit]:
-    """All-gather sites in order of first use, with the compute each precedes."""
+    """All-gather sites in order of first use, with the compute each precedes
+    and the fixed (non data-parallel) communication among it."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
 
@@ -91,8 +123,14 @@ def gather_units(
             continue
         seen_fqns.add(site.fqn)
         end = gathers[k + 1][0] if k + 1 < len(gathers) else len(nodes)
-        compute = sum(cost_model.node_time(n) for n in nodes[start:end])
-        units.append(GatherUnit(site.fqn, site.bytes, int(site.node.args[1]), compute))
+        window = nodes[start:end]
+        compute = sum(cost_model.node_time(n) for n in window)
+        fixed = sum(
+            cost_model.collective_time(n, groups.role(n))
+            for n in window
+            if collective_kind(n) is not None and not groups.is_data_parallel(n)
+        )
+        units.append(GatherUnit(site.fqn, site.bytes, int(site.node.args[1]), compute, fixed))
     return units
 
 
@@ -108,6 +146,11 @@ def _comm_s(units: Sequence[GatherUnit], cost_model: CostModel, reshard: bool) -
 
 def _window_s(units: Sequence[GatherUnit]) -> float:
     return 3.0 * sum(u.compute_s for u in units)
+
+
+def _fixed_s(units: Sequence[GatherUnit]) -> float:
+    """Per-step TP communication of a bucket: forward plus its mirror in backward."""
+    return 2.0 * sum(u.fixed_comm_s for u in units)
 
 
 def prefetch_extra_bytes(buckets: Sequence[Sequence[GatherUnit]]) -> int:
@@ -183,19 +226,25 @@ def greedy_buckets(
 @dataclass(frozen=True)
 class _Pipeline:
     """Replay state of ``pipeline_time_s`` after some buckets: when the link is
-    free, when the last bucket's compute ends, and when the one before's did
-    (the issue point of the next bucket's communication)."""
+    free, when the last bucket's compute ends, when the one before's did
+    (the issue point of the next bucket's communication), and the last
+    bucket's fixed (TP) communication, which shares the link with the next
+    bucket's (Note: [Planning around tensor-parallel collectives])."""
 
     comm_end: float = 0.0
     compute_end: float = 0.0
     previous_compute_end: float = 0.0
+    fixed_s: float = 0.0
 
     def then(self, bucket: Sequence[GatherUnit], cost_model: CostModel, reshard: bool):
-        comm_end = max(self.comm_end, self.previous_compute_end) + _comm_s(
-            bucket, cost_model, reshard
+        comm_end = (
+            max(self.comm_end, self.previous_compute_end)
+            + _comm_s(bucket, cost_model, reshard)
+            + self.fixed_s
         )
         start = max(self.compute_end, comm_end)
-        return _Pipeline(comm_end, start + _window_s(bucket), self.compute_end)
+        fixed = _fixed_s(bucket)
+        return _Pipeline(comm_end, start + _window_s(bucket) + fixed, self.compute_end, fixed)
 
 
 def pipeline_time_s(
@@ -204,8 +253,9 @@ def pipeline_time_s(
     """Step time of ``buckets`` on one link and one compute stream, with
     prefetch distance 1: bucket i's communication is issued when the compute
     of bucket i-2 ends (before the wait of bucket i-1), runs after the previous
-    communication, and bucket i's compute starts when both its communication
-    and the previous compute are done."""
+    communication (and after bucket i-1's fixed TP communication), and bucket
+    i's compute (with its own fixed communication) starts when both its
+    communication and the previous compute are done."""
     state = _Pipeline()
     for bucket in buckets:
         state = state.then(bucket, cost_model, reshard)
@@ -251,15 +301,18 @@ def plan_forward_graph(
     reshard_after_forward: bool,
     memory_budget_bytes: int | None,
     reference_plan: BucketPlan | None,
+    groups: CollectiveGroups = ALL_DATA_PARALLEL,
 ) -> AutoPlan:
     """Plan buckets for one Dynamo graph from its (unbucketed) forward graph.
 
     ``reference_plan`` (per block) sets the default budget: no more predicted
-    memory than per-block wrapping needs.
+    memory than per-block wrapping needs. ``groups``: which collectives are
+    data parallel (planned); the others are fixed communication (Note:
+    [Planning around tensor-parallel collectives]).
     """
     start = time.perf_counter()
-    sites = find_sites(gm.graph, primal_names, {})
-    units = gather_units(gm, sites, cost_model)
+    sites = find_sites(gm.graph, primal_names, {}, groups)
+    units = gather_units(gm, sites, cost_model, groups)
     # Ranks with uneven shards pad their all-gather inputs; leave those nodes
     # out so every rank computes the same numbers and so the same plan.
     padding = {
@@ -292,6 +345,7 @@ def plan_forward_graph(
         "memory_budget_bytes": budget,
         "budget_is_default": default_budget is not None,
         "unbucketed_peak_bytes": base_peak,
+        "fixed_comm_s": sum(_fixed_s([u]) for u in units),
     }
     notes = [
         f"auto plan: {data['num_units']} all-gathers -> {data['num_buckets']} buckets in "
@@ -302,5 +356,10 @@ def plan_forward_graph(
             else "none"
         )
     ]
+    if data["fixed_comm_s"]:
+        notes.append(
+            f"auto plan: {1e3 * data['fixed_comm_s']:.3f} ms per step of tensor-parallel "
+            "communication planned around as fixed"
+        )
     logger.debug("%s", notes[0])
     return AutoPlan(plan, notes, data, sites)

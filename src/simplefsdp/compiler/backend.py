@@ -12,6 +12,10 @@ Note: [Backend pipeline]
     ``backend="aot_eager"``, plain FX execution (bitwise equal to eager).
     Inductor settings we need are applied with ``config_patches`` for the
     duration of our compilation only; the user's global config is untouched.
+    The names of the model's data-parallel and tensor-parallel process groups
+    (``CollectiveGroups``, from its ``DataParallelState``) go to every pass,
+    the report and the cost model: only data-parallel collectives are
+    bucketed and reordered (Note: [Data-parallel collectives only]).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
 from simplefsdp.compiler.passes.reshard import mark_reshard
-from simplefsdp.compiler.patterns import placeholders
+from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import (
     CommReport,
@@ -161,6 +165,40 @@ def _mesh_groups(model: nn.Module) -> list:
     return groups
 
 
+def _tp_mesh_groups(model: nn.Module) -> list:
+    """The process groups of the model's tensor-parallel mesh (none: 1-D)."""
+    from simplefsdp.frontend.data_parallel import get_data_parallel_state
+
+    try:
+        tp_mesh = get_data_parallel_state(model).tp_mesh
+    except ValueError:
+        return []
+    if tp_mesh is None:
+        return []
+    return [tp_mesh.get_group(dim) for dim in range(tp_mesh.ndim)]
+
+
+def collective_groups(model: nn.Module) -> CollectiveGroups:
+    """Which process groups of ``model``'s graphs are data parallel (the
+    mesh's dim groups and the hybrid submeshes' groups) and which tensor
+    parallel (the TP mesh's). Not wrapped: every collective counts as data
+    parallel (Note: [Data-parallel collectives only])."""
+    from simplefsdp.frontend.data_parallel import get_data_parallel_state
+
+    try:
+        state = get_data_parallel_state(model)
+    except ValueError:
+        return ALL_DATA_PARALLEL
+    meshes = [state.mesh]
+    for spec in state.param_specs.values():
+        meshes.extend(m for m in (spec.replicate_mesh, spec.shard_mesh) if m is not None)
+        if spec.tp is not None:
+            meshes.append(spec.tp.dp_mesh)
+    dp = {m.get_group(dim).group_name for m in dict.fromkeys(meshes) for dim in range(m.ndim)}
+    tp = {g.group_name for g in _tp_mesh_groups(model)}
+    return CollectiveGroups(data_parallel=frozenset(dp), tensor_parallel=frozenset(tp - dp))
+
+
 def _mesh_device_type(model: nn.Module) -> str | None:
     """The device type of the model's data-parallel mesh (``None``: not wrapped)."""
     from simplefsdp.frontend.data_parallel import get_data_parallel_state
@@ -223,6 +261,7 @@ class _GraphCompilation:
             reshard_after_forward=options.reshard_after_forward,
             memory_budget_bytes=options.memory_budget_bytes,
             reference_plan=self.backend.plan(),
+            groups=self.backend.groups,
         )
         self.plan, self.plan_notes, self.planned_sites = auto.plan, auto.notes, auto.sites
         if not any(b.origin == "auto" for b in self.plan.buckets):
@@ -240,8 +279,9 @@ class _GraphCompilation:
         """
         if source is None:
             return
-        planned = fx_overlap(gm)
-        kept = inductor_overlap(source)
+        groups = self.backend.groups
+        planned = fx_overlap(gm, groups)
+        kept = inductor_overlap(source, groups.data_parallel)
         report = self.backend.report.graph(graph_name, self.graph_id)
         report.overlap = {"planned": list(planned), "inductor": list(kept)}
         report.notes.append(
@@ -267,16 +307,20 @@ class _GraphCompilation:
             self.primal_names,
             output_fqns,
             sites=sites,
+            groups=self.backend.groups,
         )
-        report = build_graph_report(gm, graph_name, self.graph_id, self.primal_names, output_fqns)
+        groups = self.backend.groups
+        report = build_graph_report(
+            gm, graph_name, self.graph_id, self.primal_names, output_fqns, groups
+        )
         report.notes.extend(notes + extra.get("notes", []))
         cost_model = self.backend.cost_model(required=False)
         if cost_model is not None:
-            report.predicted.update(simulate(gm, cost_model))
+            report.predicted.update(simulate(gm, cost_model, groups))
             report.predicted.update(estimate_memory(gm).to_dict())
         report.buckets.extend(extra.get("buckets", []))
         report.predicted.update(extra.get("predicted", {}))
-        report.overlap = {"planned": list(fx_overlap(gm))}
+        report.overlap = {"planned": list(fx_overlap(gm, groups))}
         self.backend.report.graphs.append(report)
         self.backend.graph_modules.append((graph_name, gm))
         self.backend.log_graph(report)
@@ -296,10 +340,15 @@ class SimpleFSDPBackend:
         self._plan: BucketPlan | None = None
         self._cost_model: CostModel | None = None
         self._mesh_groups: list = []
+        self._tp_mesh_groups: list = []
         self._mesh_device_type: str | None = None
+        # Data-parallel vs tensor-parallel process groups of the graphs.
+        self.groups: CollectiveGroups = ALL_DATA_PARALLEL
         if model is not None:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = _mesh_groups(model)
+            self._tp_mesh_groups = _tp_mesh_groups(model)
+            self.groups = collective_groups(model)
             self._mesh_device_type = _mesh_device_type(model)
             self._plan = resolve_bucketing(model, options.bucketing)
         elif options.bucketing != "none":
@@ -338,7 +387,9 @@ class SimpleFSDPBackend:
         outside compilation. See Note: [Identical plans without
         compile-time collectives]."""
         if self.is_auto and self.options.cost_model is None and self._cost_model is None:
-            self._cost_model = calibrated_cost_model(self._mesh_groups, self._mesh_device_type)
+            self._cost_model = calibrated_cost_model(
+                self._mesh_groups, self._mesh_device_type, self._tp_mesh_groups
+            )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         compilation = _GraphCompilation(

@@ -13,6 +13,11 @@ Note: [Cost model calibration]
     agree on using the cache only if every rank has it. Each timing is the
     minimum of 5 runs (load from other processes only slows a run down);
     ``SIMPLEFSDP_RECALIBRATE=1`` ignores the cache.
+    Tensor-parallel groups (a 2-D model's TP mesh) are calibrated too, under
+    ``"tp:kind/group_size"`` keys: TP and data-parallel groups of one size
+    may run over different links (e.g. NVLink within a host, the network
+    across hosts). Collectives of a role fall back to the role-less
+    ``"kind/group_size"`` fit, then to the defaults.
 """
 
 from __future__ import annotations
@@ -30,7 +35,16 @@ import torch.fx as fx
 
 from simplefsdp._compat import all_gather_single, reduce_scatter_single
 from simplefsdp._version import __version__
-from simplefsdp.compiler.patterns import collective_kind, is_compute, node_bytes
+from simplefsdp.compiler.patterns import (
+    ALL_DATA_PARALLEL,
+    DATA_PARALLEL,
+    TENSOR_PARALLEL,
+    CollectiveGroups,
+    collective_group,
+    collective_kind,
+    is_compute,
+    node_bytes,
+)
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -56,7 +70,8 @@ class CostModel:
 
     Attributes:
         comm: ``"kind/group_size"`` -> fit (kind: all_gather, reduce_scatter,
-            all_reduce). Missing keys fall back to ``default_comm``.
+            all_reduce), and ``"tp:kind/group_size"`` for tensor-parallel
+            groups. Missing keys fall back to ``default_comm``.
         flops_per_s: sustained matmul throughput.
         bytes_per_s: sustained memory bandwidth of elementwise kernels.
         kernel_overhead_s: fixed cost per compute node.
@@ -68,9 +83,27 @@ class CostModel:
     bytes_per_s: float = 5e9
     kernel_overhead_s: float = 2e-6
 
-    def comm_time(self, kind: str, group_size: int, num_bytes: int) -> float:
-        fit = self.comm.get(f"{kind}/{group_size}", self.default_comm)
+    def comm_time(
+        self, kind: str, group_size: int, num_bytes: int, role: str | None = None
+    ) -> float:
+        """Seconds of one collective; ``role`` (e.g. ``"tp"``) prefers that
+        role's calibrated fit."""
+        key = f"{kind}/{group_size}"
+        fit = None
+        if role is not None and role != DATA_PARALLEL:
+            fit = self.comm.get(f"{role}:{key}")
+        if fit is None:
+            fit = self.comm.get(key, self.default_comm)
         return fit(num_bytes)
+
+    def collective_time(self, node: fx.Node, role: str | None = None) -> float:
+        """Seconds of a collective node of the graph (0 for other nodes)."""
+        kind = collective_kind(node)
+        if kind is None:
+            return 0.0
+        group_size = int(node.args[2]) if kind != "all_reduce" else _group_size(node)
+        size = node_bytes(node) if kind == "all_gather" else node_bytes(node.args[0])
+        return self.comm_time(kind, group_size, size, role)
 
     def node_time(self, node: fx.Node) -> float:
         """Estimated seconds of one compute node (0 for non-compute nodes)."""
@@ -137,23 +170,30 @@ def graph_compute_time(gm: fx.GraphModule, cost_model: CostModel) -> float:
     return sum(cost_model.node_time(n) for n in gm.graph.nodes)
 
 
-def simulate(gm: fx.GraphModule, cost_model: CostModel) -> dict[str, float]:
+def simulate(
+    gm: fx.GraphModule, cost_model: CostModel, groups: CollectiveGroups = ALL_DATA_PARALLEL
+) -> dict[str, float]:
     """Predicted time of a graph with one compute stream and one comm stream.
 
     Compute nodes run in graph order; a collective starts when issued and the
-    link is free; a wait blocks compute until its collective is done.
+    link is free; a wait blocks compute until its collective is done. All
+    collectives share the link, tensor-parallel ones included (timed with
+    their role's fit); ``comm_s`` covers them all and, when there are any,
+    ``tp_comm_s`` (``other_comm_s``) the tensor-parallel (other groups') part.
     """
     compute_clock = comm_clock = compute_total = comm_total = 0.0
+    by_role: dict[str, float] = {}
     done: dict[fx.Node, float] = {}
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is not None:
-            group_size = int(node.args[2]) if kind != "all_reduce" else _group_size(node)
-            size = node_bytes(node) if kind == "all_gather" else node_bytes(node.args[0])
-            duration = cost_model.comm_time(kind, group_size, size)
+            role = groups.role(node)
+            duration = cost_model.collective_time(node, role)
             start = max(compute_clock, comm_clock)
             comm_clock = done[node] = start + duration
             comm_total += duration
+            if role != DATA_PARALLEL:
+                by_role[role] = by_role.get(role, 0.0) + duration
         elif node.op == "call_function" and node.args and node.args[0] in done:
             compute_clock = max(compute_clock, done.pop(node.args[0]))
         else:
@@ -166,6 +206,7 @@ def simulate(gm: fx.GraphModule, cost_model: CostModel) -> dict[str, float]:
         "compute_s": compute_total,
         "comm_s": comm_total,
         "exposed_comm_s": max(total - compute_total, 0.0),
+        **{f"{role}_comm_s": seconds for role, seconds in by_role.items()},
     }
 
 
@@ -173,7 +214,7 @@ def _group_size(node: fx.Node) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
-        return dist.get_world_size(_resolve_process_group(node.args[2]))
+        return dist.get_world_size(_resolve_process_group(collective_group(node)))
     except Exception:  # unknown group (e.g. a test graph): assume 2 ranks
         return 2
 
@@ -202,7 +243,7 @@ def _fit(points: list[tuple[int, float]]) -> LinearFit:
     return LinearFit(max(mean_y - slope * mean_x, 0.0), slope)
 
 
-def _calibrate_comm(group, device: torch.device) -> dict[str, LinearFit]:
+def _calibrate_comm(group, device: torch.device, prefix: str = "") -> dict[str, LinearFit]:
     group_size = dist.get_world_size(group)
     fits = {}
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -223,7 +264,7 @@ def _calibrate_comm(group, device: torch.device) -> dict[str, LinearFit]:
                     torch.cuda.synchronize(device)
 
             points.append((full.numel() * 4, _time_it(run)))
-        fits[f"{kind}/{group_size}"] = _fit(points)
+        fits[f"{prefix}{kind}/{group_size}"] = _fit(points)
     return fits
 
 
@@ -271,10 +312,16 @@ def calibration_device(device_type: str | None) -> torch.device:
     return torch.device(device_type)
 
 
-def calibrated_cost_model(groups: list | None = None, device_type: str | None = None) -> CostModel:
+def calibrated_cost_model(
+    groups: list | None = None,
+    device_type: str | None = None,
+    tp_groups: list | None = None,
+) -> CostModel:
     """Measure (or load from cache) this machine's cost model; every rank
     returns rank 0's numbers. Collective: call it on every rank.
 
+    ``groups``: the data-parallel process groups (default: the world);
+    ``tp_groups``: the tensor-parallel mesh's groups (``"tp:"`` keys).
     ``device_type``: the data-parallel mesh's (see :func:`calibration_device`).
     Takes a few seconds the first time a configuration is seen.
     """
@@ -290,8 +337,14 @@ def calibrated_cost_model(groups: list | None = None, device_type: str | None = 
             cached = CostModel.from_dict(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError):
             cached = None
+    tp_groups = list(tp_groups or [])
     sizes = sorted({dist.get_world_size(g) for g in groups})
-    have = cached is not None and all(f"all_gather/{s}" in cached.comm for s in sizes)
+    tp_sizes = sorted({dist.get_world_size(g) for g in tp_groups})
+    have = (
+        cached is not None
+        and all(f"all_gather/{s}" in cached.comm for s in sizes)
+        and all(f"{TENSOR_PARALLEL}:all_gather/{s}" in cached.comm for s in tp_sizes)
+    )
     if _all_ranks_agree(have, device):
         model = cached
     else:
@@ -299,6 +352,8 @@ def calibrated_cost_model(groups: list | None = None, device_type: str | None = 
         comm: dict[str, LinearFit] = {}
         for group in groups:
             comm.update(_calibrate_comm(group, device))
+        for group in tp_groups:
+            comm.update(_calibrate_comm(group, device, prefix=f"{TENSOR_PARALLEL}:"))
         flops, bandwidth = _calibrate_compute(device)
         model = CostModel(comm=comm, flops_per_s=flops, bytes_per_s=bandwidth)
         logger.debug("cost model calibrated in %.2fs", time.perf_counter() - start)

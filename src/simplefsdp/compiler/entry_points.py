@@ -128,8 +128,12 @@ def comm_report(compiled: nn.Module | SimpleFSDPBackend) -> CommReport:
     (or of a ``compile_backend`` object).
 
     Per compiled graph (forward, backward): the collectives with kind, dtype,
-    bytes, the parameter FQNs they carry and the positions of their issue and
-    wait among compute nodes; buckets and predictions when passes ran.
+    bytes, the parameter FQNs they carry, the positions of their issue and
+    wait among compute nodes, their process group and ``role`` (``"dp"``:
+    data parallel, bucketed and reordered; ``"tp"``: a 2-D model's tensor
+    parallel ones, left in place and listed apart; ``"other"``); buckets and
+    predictions when passes ran. ``count(graph, kind, role=None)`` and
+    ``to_dict()["graphs"][i]["by_role"]`` summarise them per role.
     ``print(report)`` shows a table; ``report.to_dict()`` is JSON-serialisable.
 
     Raises:

@@ -7,6 +7,7 @@ All functions here only read the graph.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -65,6 +66,64 @@ def collective_kind(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     return COLLECTIVE_KINDS.get(node.target)
+
+
+def collective_group(node: fx.Node) -> str | None:
+    """The process-group name a collective runs on (``None``: not a collective)."""
+    kind = collective_kind(node)
+    if kind is None:
+        return None
+    group = node.args[3] if kind == "reduce_scatter" else node.args[2]
+    return group if isinstance(group, str) else getattr(group, "group_name", str(group))
+
+
+DATA_PARALLEL = "dp"
+TENSOR_PARALLEL = "tp"
+OTHER = "other"
+
+
+@dataclass(frozen=True)
+class CollectiveGroups:
+    """Which process groups carry the data-parallel (FSDP) collectives.
+
+    Note: [Data-parallel collectives only]
+        A graph of a 2-D (data x tensor parallel) model also holds the tensor
+        parallel plan's collectives (sequence-parallel all-gathers and
+        reduce-scatters of activations, all-reduces of rowwise outputs and of
+        replicated parameters' gradients). They sit where the TP plan needs
+        them and carry activations, not parameters: bucketing and reordering
+        act only on collectives whose process group is one of the model's
+        data-parallel groups (the mesh's dim groups and hybrid submeshes),
+        leave every other collective in place, and the report and cost model
+        count them separately (role ``"tp"`` for the TP mesh's groups,
+        ``"other"`` for any other group). ``data_parallel=None`` (a backend
+        built without a model, hand-built test graphs) treats every
+        collective as data parallel, as before 2-D support.
+
+    Attributes:
+        data_parallel: names of the data-parallel process groups; ``None``:
+            every collective counts as data parallel.
+        tensor_parallel: names of the tensor-parallel mesh's process groups.
+    """
+
+    data_parallel: frozenset[str] | None = None
+    tensor_parallel: frozenset[str] = frozenset()
+
+    def role(self, node: fx.Node) -> str | None:
+        """``"dp"``, ``"tp"``, ``"other"``; ``None`` if ``node`` is no collective."""
+        group = collective_group(node)
+        if group is None:
+            return None
+        if self.data_parallel is None or group in self.data_parallel:
+            return DATA_PARALLEL
+        return TENSOR_PARALLEL if group in self.tensor_parallel else OTHER
+
+    def is_data_parallel(self, node: fx.Node) -> bool:
+        return self.role(node) == DATA_PARALLEL
+
+
+# Every collective is data parallel (graphs without a known model).
+ALL_DATA_PARALLEL = CollectiveGroups()
 
 
 def is_wait(node: fx.Node) -> bool:

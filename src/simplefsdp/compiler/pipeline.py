@@ -16,7 +16,7 @@ from simplefsdp.compiler.passes.bucketing import (
     plan_buckets,
 )
 from simplefsdp.compiler.passes.reordering import reorder
-from simplefsdp.compiler.patterns import placeholders
+from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
 from simplefsdp.compiler.report import BucketInfo
 
 logger = logging.getLogger(__name__)
@@ -35,12 +35,15 @@ def run_graph_passes(
     primal_names: dict[str, str],
     output_fqns: dict[int, str | None],
     sites: list[CollectiveSite] | None = None,
+    groups: CollectiveGroups = ALL_DATA_PARALLEL,
 ) -> dict:
     """Bucket (when a plan is given) and reorder (when enabled) ``gm`` in place.
 
     ``sites``: the graph's FSDP collectives when the caller already found
     them (the auto planner does, on the same unchanged forward graph);
-    ``None`` finds them here.
+    ``None`` finds them here. ``groups``: which collectives are data
+    parallel; only those are bucketed and reordered (Note: [Data-parallel
+    collectives only]).
 
     Returns report data: the buckets formed and pass statistics.
     """
@@ -48,7 +51,7 @@ def run_graph_passes(
     result: dict = {"buckets": [], "notes": []}
     if plan is not None:
         if sites is None:
-            sites = find_sites(gm.graph, primal_names, output_fqns)
+            sites = find_sites(gm.graph, primal_names, output_fqns, groups)
         names = [b.name for b in plan.buckets]
         buckets = plan_buckets(sites, plan.bucket_index(), names)
         # Describe the buckets before the rewrite erases their original nodes.
@@ -61,7 +64,7 @@ def run_graph_passes(
             f"bucketing: {len(sites)} collectives -> {len(sites) - removed} ({len(buckets)} buckets)"
         )
     if options.reorder:
-        stats = reorder(gm, options.prefetch_distance)
+        stats = reorder(gm, options.prefetch_distance, groups)
         result["notes"].append(
             "reordering: "
             + ", ".join(f"{k}={v}" for k, v in stats.items())

@@ -1,4 +1,12 @@
-"""What the compiler saw and did, as JSON-serialisable data and as a table."""
+"""What the compiler saw and did, as JSON-serialisable data and as a table.
+
+Each collective carries its process group and its ``role``: ``"dp"`` for the
+data-parallel (FSDP) collectives our passes bucket and reorder, ``"tp"`` for
+the tensor-parallel mesh's, ``"other"`` for any other group (Note:
+[Data-parallel collectives only]). Counts and bytes take an optional role;
+without one they cover every collective of the graph, as the profiler sees
+them.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,12 @@ from dataclasses import asdict, dataclass, field
 import torch.fx as fx
 
 from simplefsdp.compiler.patterns import (
+    ALL_DATA_PARALLEL,
+    DATA_PARALLEL,
+    OTHER,
+    TENSOR_PARALLEL,
+    CollectiveGroups,
+    collective_group,
     collective_kind,
     downstream_output_index,
     is_compute,
@@ -26,7 +40,8 @@ class CollectiveInfo:
 
     ``issue_pos``/``wait_pos`` count the compute nodes that precede the
     collective / its wait in graph order (0 = before any compute), out of the
-    graph's ``num_compute_nodes``.
+    graph's ``num_compute_nodes``. ``group`` is the process group's name and
+    ``role`` is ``"dp"``, ``"tp"`` or ``"other"`` (see the module docstring).
     """
 
     kind: str
@@ -37,6 +52,12 @@ class CollectiveInfo:
     params: list[str]
     issue_pos: int
     wait_pos: int | None
+    group: str = ""
+    role: str = DATA_PARALLEL
+
+
+ROLES = (DATA_PARALLEL, TENSOR_PARALLEL, OTHER)
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass
@@ -65,11 +86,27 @@ class GraphReport:
     # in our graph and, under Inductor, {"inductor": [n, total]} in its code.
     overlap: dict = field(default_factory=dict)
 
-    def count(self, kind: str) -> int:
-        return sum(1 for c in self.collectives if c.kind == kind)
+    def count(self, kind: str, role: str | None = None) -> int:
+        """Collectives of ``kind`` (of ``role`` only, if given)."""
+        return sum(
+            1 for c in self.collectives if c.kind == kind and (role is None or c.role == role)
+        )
 
-    def total_bytes(self, kind: str | None = None) -> int:
-        return sum(c.bytes for c in self.collectives if kind is None or c.kind == kind)
+    def total_bytes(self, kind: str | None = None, role: str | None = None) -> int:
+        return sum(
+            c.bytes
+            for c in self.collectives
+            if (kind is None or c.kind == kind) and (role is None or c.role == role)
+        )
+
+    def by_role(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{role: {kind: {"count": n, "bytes": b}}}`` for the roles present."""
+        result: dict[str, dict[str, dict[str, int]]] = {}
+        for c in self.collectives:
+            entry = result.setdefault(c.role, {}).setdefault(c.kind, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += c.bytes
+        return result
 
 
 @dataclass
@@ -86,11 +123,16 @@ class CommReport:
                 return report
         raise KeyError(f"no {name!r} graph in the report; have {[g.graph for g in self.graphs]}")
 
-    def count(self, graph: str, kind: str) -> int:
-        return sum(g.count(kind) for g in self.graphs if g.graph == graph)
+    def count(self, graph: str, kind: str, role: str | None = None) -> int:
+        return sum(g.count(kind, role) for g in self.graphs if g.graph == graph)
 
     def to_dict(self) -> dict:
-        return {"options": self.options, "graphs": [asdict(g) for g in self.graphs]}
+        """JSON-ready data: per graph its fields plus ``by_role`` (counts and
+        bytes per role and kind)."""
+        return {
+            "options": self.options,
+            "graphs": [{**asdict(g), "by_role": g.by_role()} for g in self.graphs],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -114,17 +156,47 @@ def _fmt_params(params: list[str], limit: int = 3) -> str:
     return shown + (f", +{len(params) - limit} more" if len(params) > limit else "")
 
 
+_ROLE_TITLES = {
+    TENSOR_PARALLEL: "tensor-parallel collectives",
+    OTHER: "collectives of other process groups",
+}
+
+
+def _collective_lines(collectives: list[CollectiveInfo]) -> list[str]:
+    lines = [
+        f"   {'#':>3} {'collective':<15} {'dtype':<9} {'bytes':>10} {'issue@':>7} {'wait@':>6}  params"
+    ]
+    for i, c in enumerate(collectives):
+        wait = "-" if c.wait_pos is None else str(c.wait_pos)
+        lines.append(
+            f"   {i:>3} {c.kind:<15} {c.dtype:<9} {_fmt_bytes(c.bytes):>10} "
+            f"{c.issue_pos:>7} {wait:>6}  {_fmt_params(c.params)}"
+        )
+    return lines
+
+
 def format_report(report: CommReport) -> str:
-    """A readable multi-table view of ``report``."""
+    """A readable multi-table view of ``report``.
+
+    The header and the main table show the data-parallel collectives; those
+    of other roles (tensor parallelism's) follow in their own sections.
+    """
     lines = []
     for g in report.graphs:
-        counts = ", ".join(
-            f"{g.count(k)} {k}" for k in ("all_gather", "reduce_scatter", "all_reduce")
-        )
+        others = [r for r in ROLES[1:] if any(c.role == r for c in g.collectives)]
+        dp = DATA_PARALLEL if others else None
+        counts = ", ".join(f"{g.count(k, dp)} {k}" for k in KINDS)
         lines.append(
-            f"== {g.graph} graph {g.graph_id}: {counts}; {_fmt_bytes(g.total_bytes())} "
-            f"communicated; {g.num_compute_nodes} compute nodes"
+            f"== {g.graph} graph {g.graph_id}: {'data parallel: ' if dp else ''}{counts}; "
+            f"{_fmt_bytes(g.total_bytes(role=dp))} communicated; "
+            f"{g.num_compute_nodes} compute nodes"
         )
+        for role in others:
+            counts = ", ".join(f"{g.count(k, role)} {k}" for k in KINDS if g.count(k, role))
+            lines.append(
+                f"   {_ROLE_TITLES[role]} (left in place): {counts}; "
+                f"{_fmt_bytes(g.total_bytes(role=role))}"
+            )
         if g.predicted:
             lines.append("   predicted: " + ", ".join(f"{k}={v}" for k, v in g.predicted.items()))
         for note in g.notes:
@@ -136,20 +208,18 @@ def format_report(report: CommReport) -> str:
                     f"   {b.name[:28]:<28} {b.kind:<15} {b.dtype:<9} {_fmt_bytes(b.bytes):>10}  "
                     f"{_fmt_params(b.params)}"
                 )
-        header = f"   {'#':>3} {'collective':<15} {'dtype':<9} {'bytes':>10} {'issue@':>7} {'wait@':>6}  params"
-        lines.append(header)
-        for i, c in enumerate(g.collectives):
-            wait = "-" if c.wait_pos is None else str(c.wait_pos)
-            lines.append(
-                f"   {i:>3} {c.kind:<15} {c.dtype:<9} {_fmt_bytes(c.bytes):>10} "
-                f"{c.issue_pos:>7} {wait:>6}  {_fmt_params(c.params)}"
-            )
+        lines.extend(_collective_lines([c for c in g.collectives if c.role == DATA_PARALLEL]))
+        for role in others:
+            lines.append(f"   {_ROLE_TITLES[role]}:")
+            lines.extend(_collective_lines([c for c in g.collectives if c.role == role]))
     return "\n".join(lines)
 
 
 def _collective_params(
-    node: fx.Node, kind: str, primal_fqns: dict[str, str], output_fqns: dict[int, str]
+    node: fx.Node, kind: str, primal_fqns: dict[str, str], output_fqns: dict[int, str], role: str
 ) -> list[str]:
+    if role != DATA_PARALLEL:  # activations (or a gradient on its way to the DP reduction)
+        return []
     tagged = node.meta.get("simplefsdp_params")
     if tagged is not None:
         return list(tagged)
@@ -168,12 +238,14 @@ def build_graph_report(
     graph_id: int,
     primal_fqns: dict[str, str],
     output_fqns: dict[int, str],
+    groups: CollectiveGroups = ALL_DATA_PARALLEL,
 ) -> GraphReport:
     """Describe the collectives of ``gm`` (after our passes ran on it).
 
     Args:
         primal_fqns: placeholder name -> parameter FQN (stored shards).
         output_fqns: output position -> parameter FQN (gradients, backward).
+        groups: which process groups are data parallel (the ``role``s).
     """
     compute_seen = 0
     issued: dict[fx.Node, CollectiveInfo] = {}
@@ -186,15 +258,18 @@ def build_graph_report(
         if kind is not None:
             group_size = int(node.args[2]) if kind != "all_reduce" else 0
             size = node_bytes(node) if kind == "all_gather" else node_bytes(node.args[0])
+            role = groups.role(node)
             info = CollectiveInfo(
                 kind=kind,
                 node=node.name,
                 dtype=str(node_dtype(node)).replace("torch.", ""),
                 bytes=size,
                 group_size=group_size,
-                params=_collective_params(node, kind, primal_fqns, output_fqns),
+                params=_collective_params(node, kind, primal_fqns, output_fqns, role),
                 issue_pos=compute_seen,
                 wait_pos=None,
+                group=str(collective_group(node)),
+                role=role,
             )
             issued[node] = info
             collectives.append(info)
@@ -208,9 +283,11 @@ def build_graph_report(
     )
 
 
-# Overlap: how many collectives have compute between their issue and their
-# wait, in our FX graph (as planned) and in Inductor's generated wrapper code
-# (what runs, after Inductor's fusions and scheduling).
+# Overlap: how many (data-parallel) collectives have compute between their
+# issue and their wait, in our FX graph (as planned) and in Inductor's
+# generated wrapper code (what runs, after Inductor's fusions and scheduling).
+# Tensor-parallel collectives are waited on where the TP plan needs their
+# result and are not ours to overlap, so they are not counted.
 
 _ISSUE_LINE = re.compile(
     r"^(\w+) = torch\.ops\._c10d_functional\."
@@ -218,17 +295,32 @@ _ISSUE_LINE = re.compile(
 )
 _WAIT_LINE = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
 _KERNEL_LINE = re.compile(r"^(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+)\(|\.run\(")
+# The group name is a collective's last argument, a string literal.
+_STRING_LITERAL = re.compile(r"'([^']*)'|\"([^\"]*)\"")
 
 
-def inductor_overlap(source: str) -> tuple[int, int]:
+def _issue_group(line: str) -> str | None:
+    literals = _STRING_LITERAL.findall(line)
+    return (literals[-1][0] or literals[-1][1]) if literals else None
+
+
+def inductor_overlap(
+    source: str, data_parallel_groups: frozenset[str] | None = None
+) -> tuple[int, int]:
     """(collectives with at least one compute kernel between issue and wait,
-    all collectives) in Inductor's generated wrapper code."""
+    all collectives) in Inductor's generated wrapper code; only those on
+    ``data_parallel_groups`` when given (a line whose group cannot be read
+    counts)."""
     open_issues: dict[str, int] = {}  # buffer -> kernels seen since its issue
     overlapped = total = 0
     for raw in source.splitlines():
         line = raw.strip()
         issue = _ISSUE_LINE.match(line)
         if issue:
+            group = _issue_group(line)
+            if data_parallel_groups is not None and group is not None:
+                if group not in data_parallel_groups:
+                    continue
             open_issues[issue.group(1)] = 0
             total += 1
             continue
@@ -242,12 +334,13 @@ def inductor_overlap(source: str) -> tuple[int, int]:
     return overlapped, total
 
 
-def fx_overlap(gm: fx.GraphModule) -> tuple[int, int]:
-    """The same count on an FX graph (compute nodes between issue and wait)."""
+def fx_overlap(gm: fx.GraphModule, groups: CollectiveGroups = ALL_DATA_PARALLEL) -> tuple[int, int]:
+    """The same count on an FX graph (compute nodes between issue and wait),
+    of the data-parallel collectives of ``groups``."""
     open_issues: dict[fx.Node, int] = {}
     overlapped = total = 0
     for node in gm.graph.nodes:
-        if collective_kind(node) is not None:
+        if collective_kind(node) is not None and groups.is_data_parallel(node):
             open_issues[node] = 0
             total += 1
         elif is_wait(node) and node.args[0] in open_issues:

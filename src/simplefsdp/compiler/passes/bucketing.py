@@ -30,10 +30,12 @@ import torch
 import torch.fx as fx
 
 from simplefsdp.compiler.patterns import (
+    ALL_DATA_PARALLEL,
     ALL_GATHER,
     ALL_REDUCE,
     REDUCE_SCATTER,
     WAIT,
+    CollectiveGroups,
     collective_kind,
     downstream_output_index,
     node_bytes,
@@ -103,16 +105,23 @@ def _site_fqn(node: fx.Node, kind: str, primal_fqns: dict[str, str], output_fqns
 
 
 def find_sites(
-    graph: fx.Graph, primal_fqns: dict[str, str], output_fqns: dict[int, str | None]
+    graph: fx.Graph,
+    primal_fqns: dict[str, str],
+    output_fqns: dict[int, str | None],
+    groups: CollectiveGroups = ALL_DATA_PARALLEL,
 ) -> list[CollectiveSite]:
     """FSDP collectives of ``graph``: all-gathers of stored shards (graph
     inputs), and reductions whose result is returned as a parameter gradient.
-    Collectives that cannot be attributed to a parameter are left alone."""
+    Collectives that cannot be attributed to a parameter, and those on other
+    than the data-parallel process groups of ``groups`` (Note: [Data-parallel
+    collectives only]), are left alone."""
     sites = []
     for node in graph.nodes:
         kind = collective_kind(node)
         wait = wait_of(node) if kind else None
         if kind is None or wait is None or "val" not in node.args[0].meta:
+            continue
+        if not groups.is_data_parallel(node):
             continue
         fqn = _site_fqn(node, kind, primal_fqns, output_fqns)
         if fqn is None:

@@ -14,6 +14,9 @@ Note: [Reordering rules]
     is issued (one reduction in flight per group), or before the graph's
     output for the last one, unless something reads the result earlier.
     The rules are functions of the graph only, so every rank reorders alike.
+    Only data-parallel collectives move (Note: [Data-parallel collectives
+    only]); the others (tensor parallelism's) keep their place, and the
+    prefetch distance counts data-parallel all-gathers only.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import logging
 import torch.fx as fx
 
 from simplefsdp.compiler.patterns import (
+    ALL_DATA_PARALLEL,
+    CollectiveGroups,
+    collective_group,
     collective_kind,
     is_shaping,
     is_view,
@@ -98,10 +104,16 @@ def _inputs_ready_before(nodes: list[fx.Node], anchor: fx.Node, order) -> bool:
     return True
 
 
-def reorder_all_gathers(graph: fx.Graph, prefetch_distance: int) -> int:
+def reorder_all_gathers(
+    graph: fx.Graph, prefetch_distance: int, groups: CollectiveGroups = ALL_DATA_PARALLEL
+) -> int:
     """Late waits and prefetched all-gathers; returns how many were prefetched."""
     order = _order(graph)
-    gathers = [n for n in graph.nodes if collective_kind(n) == "all_gather" and wait_of(n)]
+    gathers = [
+        n
+        for n in graph.nodes
+        if collective_kind(n) == "all_gather" and wait_of(n) and groups.is_data_parallel(n)
+    ]
     # 1. waits right before their first consumer
     for ag in gathers:
         wait = wait_of(ag)
@@ -127,18 +139,15 @@ def reorder_all_gathers(graph: fx.Graph, prefetch_distance: int) -> int:
     return prefetched
 
 
-def _group_of(node: fx.Node) -> object:
-    kind = collective_kind(node)
-    return node.args[3] if kind == "reduce_scatter" else node.args[2]
-
-
-def reorder_reductions(graph: fx.Graph) -> int:
+def reorder_reductions(graph: fx.Graph, groups: CollectiveGroups = ALL_DATA_PARALLEL) -> int:
     """Issue reductions early and wait late; returns how many were moved."""
     order = _order(graph)
     reductions = [
         n
         for n in graph.nodes
-        if collective_kind(n) in ("reduce_scatter", "all_reduce") and wait_of(n)
+        if collective_kind(n) in ("reduce_scatter", "all_reduce")
+        and wait_of(n)
+        and groups.is_data_parallel(n)
     ]
     moved = 0
     # 1. issue right after the last input (its copy-in moves along)
@@ -157,7 +166,7 @@ def reorder_reductions(graph: fx.Graph) -> int:
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     by_group: dict[object, list[fx.Node]] = {}
     for red in sorted(reductions, key=order.__getitem__):
-        by_group.setdefault(_group_of(red), []).append(red)
+        by_group.setdefault(collective_group(red), []).append(red)
     for members in by_group.values():
         for i, red in enumerate(members):
             wait = wait_of(red)
@@ -171,10 +180,13 @@ def reorder_reductions(graph: fx.Graph) -> int:
     return moved
 
 
-def reorder(gm: fx.GraphModule, prefetch_distance: int) -> dict[str, int]:
-    """Apply the rules of Note: [Reordering rules] to ``gm`` in place."""
-    prefetched = reorder_all_gathers(gm.graph, prefetch_distance)
-    moved = reorder_reductions(gm.graph)
+def reorder(
+    gm: fx.GraphModule, prefetch_distance: int, groups: CollectiveGroups = ALL_DATA_PARALLEL
+) -> dict[str, int]:
+    """Apply the rules of Note: [Reordering rules] to ``gm`` in place, to the
+    data-parallel collectives of ``groups``."""
+    prefetched = reorder_all_gathers(gm.graph, prefetch_distance, groups)
+    moved = reorder_reductions(gm.graph, groups)
     gm.graph.lint()
     gm.recompile()
     return {"prefetched_all_gathers": prefetched, "early_reductions": moved}
