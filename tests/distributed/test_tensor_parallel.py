@@ -167,6 +167,25 @@ def _mlp_hybrid_body():
         ref(x).pow(2).mean().backward()
         ref_opt.step()
         ref_opt.zero_grad()
+    # mixed precision composes: bf16 gathers and compute, fp32 shards and reduction
+    model = UnevenMLP()
+    model.load_state_dict(ref.state_dict())
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    policy = simplefsdp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
+    simplefsdp.data_parallel(model, mesh["rep", "shard"], mode="hybrid_shard", mp_policy=policy)
+    x = x_all[0][replica * 2 : replica * 2 + 2]
+    out = model(x)
+    out.pow(2).mean().backward()
+    assert out.dtype == torch.float32
+    for fqn, param in model.named_parameters():
+        assert param.dtype == param.grad.dtype == torch.float32, fqn
+        assert param.grad.placements == param.placements, fqn
+    ref_out = ref(x_all[0])[replica * 2 : replica * 2 + 2]
+    torch.testing.assert_close(_full(out), ref_out, rtol=2e-2, atol=2e-2)
+    ref.zero_grad()
+
     for fqn, value in finals["eager"].items():
         expected = dict(ref.named_parameters())[fqn].detach()
         torch.testing.assert_close(value, expected, msg=fqn)
