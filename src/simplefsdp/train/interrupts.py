@@ -2,10 +2,13 @@
 
 Note: [Clean stop]
     A SIGINT or SIGTERM only sets a flag; the step in progress finishes.
-    After every step the ranks agree (one all-reduce of a flag) whether any of
-    them was asked to stop, so they all stop after the same step, save a
-    checkpoint of it (when checkpoints are on) and exit with 128 + the signal
-    number, rank 0 printing one line. On Ctrl-C the terminal signals every
+    After every step each rank posts its flag in an asynchronous all-reduce
+    (MAX) and reads the result of the *previous* step's (``StopAgreement``),
+    so all ranks stop after the same step, one step after the signal, without
+    a per-step device synchronisation (on CUDA the result is copied to pinned
+    host memory on a side stream and only that copy is waited for). They save
+    a checkpoint of that step (when checkpoints are on) and exit with 128 +
+    the signal number, rank 0 printing one line. On Ctrl-C the terminal signals every
     process; torchrun's agent then also sends SIGTERM to its workers and kills
     them 30 s later, which bounds how long the final save may take (a save cut
     short leaves the previous checkpoint intact: saves are atomic).
@@ -16,7 +19,7 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-__all__ = ["StopRequest"]
+__all__ = ["StopAgreement", "StopRequest"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -53,3 +56,54 @@ class StopRequest:
     @property
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum is not None else 0
+
+
+class StopAgreement:
+    """Whether any rank was asked to stop, agreed one step late (Note: [Clean stop]).
+
+    Every rank calls :meth:`after_step` once per step, in the same order as
+    its other collectives; the result for step N is known after step N + 1.
+
+    Args:
+        device: where the default process group's collectives run (``cuda``
+            for NCCL, else ``cpu``).
+        world_size: ranks in the default process group (1: no communication).
+    """
+
+    def __init__(self, device, world_size: int) -> None:
+        self.device = device
+        self.world_size = world_size
+        self._pending = None  # (flag, work, host copy, event) of the previous step
+
+    def after_step(self, asked: bool) -> bool:
+        """Post this step's flag; return the agreed flag of the previous step."""
+        if self.world_size == 1:
+            return asked
+        previous, self._pending = self._pending, self._post(asked)
+        return previous is not None and self._read(previous)
+
+    def _post(self, asked: bool):
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if asked else 0], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        if self.device.type != "cuda":
+            return flag, work, None, None
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        side = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(side):
+            work.wait()  # the side stream waits for the all-reduce, the CPU does not
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return flag, work, host, event
+
+    @staticmethod
+    def _read(pending) -> bool:
+        flag, work, host, event = pending
+        if event is None:
+            work.wait()
+            return bool(flag.item())
+        event.synchronize()  # the previous step's flag only, not this step's work
+        return bool(host.item())

@@ -50,7 +50,7 @@ from simplefsdp.engines import (
 )
 from simplefsdp.testing.faults import maybe_kill_at_step
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
-from simplefsdp.train.interrupts import StopRequest
+from simplefsdp.train.interrupts import StopAgreement, StopRequest
 from simplefsdp.train.launch import ERROR_DIR_ENV, STOPPED_MARK
 from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
@@ -123,6 +123,7 @@ class Trainer:
         self.exit_code = 0
         self._writer: MetricsWriter | None = None
         self._progress: ProgressDisplay | None = None
+        self._stop_agreement: StopAgreement | None = None
 
     # -- setup -------------------------------------------------------------
 
@@ -482,11 +483,11 @@ class Trainer:
         self._progress.line(f"compiled and ran step 1 in {self.summary.compile_s:.1f}s")
 
     def _stop_agreed(self, stop: StopRequest) -> bool:
-        """Whether any rank was asked to stop (all ranks stop after the same step)."""
-        flag = torch.tensor([1 if stop.signum is not None else 0], device=comm_device(self.device))
-        if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """Whether any rank was asked to stop, agreed one step late so that all
+        ranks stop after the same step (Note: [Clean stop])."""
+        if self._stop_agreement is None:
+            self._stop_agreement = StopAgreement(comm_device(self.device), self.world_size)
+        return self._stop_agreement.after_step(stop.signum is not None)
 
     def _stop_cleanly(self, step: int, stop: StopRequest) -> None:
         """Save a checkpoint of ``step`` (unless just saved) and report; see Note: [Clean stop]."""
