@@ -35,7 +35,7 @@ def _build(config: str, engine: str) -> torch.nn.Module:
     if engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.layers:
+        for block in model.layers.values():
             fully_shard(block)
         return fully_shard(model)
     simplefsdp.data_parallel(model, reshard_after_forward=engine != "executor-keep")

@@ -44,8 +44,8 @@ def _parity_body(sequence_parallel: bool, loss_parallel: bool) -> dict:
     apply_tensor_parallel(
         tp, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
     )
-    assert tp.layers[0].attention.wq.weight.placements == (Shard(0),)
-    assert tp.layers[0].attention.wo.weight.placements == (Shard(1),)
+    assert tp.layers["0"].attention.wq.weight.placements == (Shard(0),)
+    assert tp.layers["0"].attention.wo.weight.placements == (Shard(1),)
     assert tp.tok_embeddings.weight.placements == (Shard(0),)
     tokens = torch.randint(
         0, ref.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1)

@@ -302,10 +302,10 @@ def test_init_statistics_and_in_place() -> None:
     model.init_weights()
     assert all(p is params[n] for n, p in model.named_parameters())
     assert (model.norm.weight == 1).all()
-    assert (model.layers[2].ffn_norm.weight == 1).all()
+    assert (model.layers["2"].ffn_norm.weight == 1).all()
     assert model.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.05)
-    assert model.layers[0].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.1)
-    for i, layer in enumerate(model.layers):
+    assert model.layers["0"].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    for i, layer in enumerate(model.layers.values()):
         std = 0.02 / math.sqrt(2 * (i + 1))
         for w in (layer.attention.wo.weight, layer.feed_forward.w2.weight):
             assert w.std().item() == pytest.approx(std, rel=0.1)

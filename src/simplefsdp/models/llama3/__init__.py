@@ -22,6 +22,7 @@ from .model import (
     repeat_kv,
     rope_frequencies,
 )
+from .pipeline import layer_ranges, pipeline_split, stage_ids_for_rank
 from .tensor_parallel import apply_tensor_parallel, llama3_tp_plan, loss_parallel_context
 
 __all__ = [
@@ -41,10 +42,13 @@ __all__ = [
     "ffn_hidden_dim",
     "flops_per_token",
     "get_config",
+    "layer_ranges",
     "llama3_tp_plan",
     "loss_parallel_context",
     "num_params",
+    "pipeline_split",
     "precompute_freqs_cis",
     "repeat_kv",
     "rope_frequencies",
+    "stage_ids_for_rank",
 ]

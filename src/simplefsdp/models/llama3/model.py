@@ -379,7 +379,12 @@ class Transformer(nn.Module):
         self.vocab_size = args.vocab_size
         self.n_layers = args.n_layers
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        # A dict keyed by layer index: a pipeline stage keeps a subset of the
+        # layers under their original names (``layers.7.…`` stays ``layers.7.…``),
+        # so checkpoints move between pipeline layouts (see ``pipeline.py``).
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(None), persistent=False)
@@ -419,14 +424,21 @@ class Transformer(nn.Module):
         """
         device = self.freqs_cis.device if buffer_device is None else buffer_device
         self.freqs_cis = self._precompute_freqs_cis(device)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-        for layer in self.layers:
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for layer in self.layers.values():
             layer.init_weights()
-        self.norm.reset_parameters()
-        _trunc_normal_(self.output.weight, self.args.dim**-0.5)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            _trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Compute next-token logits.
+
+        A pipeline stage (see :mod:`.pipeline`) may lack ``tok_embeddings``
+        (it then takes hidden states ``(B, T, D)``) or ``norm``/``output`` (it
+        then returns hidden states).
 
         Args:
             tokens: Token ids of shape ``(B, T)`` with ``T <= max_seq_len``.
@@ -443,9 +455,9 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"sequence length {seqlen} exceeds max_seq_len={self.args.max_seq_len}"
             )
-        h = self.tok_embeddings(tokens)  # (B, T, D)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, D)
         freqs_cis = self.freqs_cis[:seqlen]  # (T, hd/2, 2)
-        for layer in self.layers:
+        for layer in self.layers.values():
             h = layer(h, freqs_cis)  # (B, T, D)
-        h = self.norm(h)  # (B, T, D)
-        return self.output(h)  # (B, T, V)
+        h = self.norm(h) if self.norm is not None else h  # (B, T, D)
+        return self.output(h) if self.output is not None else h  # (B, T, V)

@@ -95,18 +95,20 @@ def llama3_tp_plan(
         ``ParallelStyle`` objects.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(
+    plan: dict[str, ParallelStyle] = {}
+    # A pipeline stage may lack the embedding or the head (they are None).
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "output", None) is not None:
+        plan["output"] = ColwiseParallel(
             input_layouts=seq,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
-        ),
-    }
-    if sequence_parallel:
+        )
+    if sequence_parallel and getattr(model, "norm", None) is not None:
         plan["norm"] = SequenceParallel()
-    for i in range(len(model.layers)):
-        prefix = f"layers.{i}."
+    for key in model.layers.keys():
+        prefix = f"layers.{key}."
         if sequence_parallel:
             plan[prefix + "attention_norm"] = SequenceParallel()
             plan[prefix + "ffn_norm"] = SequenceParallel()
@@ -161,7 +163,7 @@ def _validate(model: nn.Module, tp_mesh: Any, loss_parallel: bool) -> None:
     _check_divisible("n_heads", args.n_heads, tp)
     _check_divisible("n_kv_heads", args.n_kv_heads, tp)
     if len(model.layers) > 0:
-        hidden = model.layers[0].feed_forward.w1.out_features
+        hidden = next(iter(model.layers.values())).feed_forward.w1.out_features
         _check_divisible("ffn hidden dim (feed_forward.w1.out_features)", hidden, tp)
     if loss_parallel:
         _check_divisible("vocab_size", args.vocab_size, tp, " (required with loss_parallel=True)")
