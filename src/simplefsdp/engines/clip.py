@@ -11,10 +11,13 @@ Note: [Global norm over mixed meshes]
     * a DTensor gradient's local tensor counts if this rank's coordinate is 0
       on every mesh dim where the gradient is ``Replicate`` (``Shard``,
       ``_StridedShard`` and uneven shards split the tensor into disjoint
-      pieces, so every piece counts once), and if its mesh is the copy of
-      its root mesh slice holding the root's first rank: a DTensor on
+      pieces, so every piece counts once), and if this rank's coordinate is
+      0 on every *replica dim* of the root mesh: a dim that some parameter's
+      mesh spans but this gradient's mesh does not. A DTensor on
       ``mesh["dp"]`` exists once per TP rank, and these copies are replicas
-      (a parameter that TP does not shard is the same on every TP rank);
+      (a parameter that TP does not shard is the same on every TP rank); a
+      dim that no parameter spans (pipeline stages: each holds its own
+      parameters) is not one;
     * a ``Partial`` gradient (not reduced yet) is first reduced to
       ``Replicate`` on those mesh dims (a collective on its mesh);
     * plain-tensor gradients (DDP, one process, the replica engine) are the
@@ -65,16 +68,36 @@ def _max_norm(max_norm: float) -> float:
     return value
 
 
-def _is_canonical_copy(mesh, cache: dict[int, bool]) -> bool:
-    """Whether ``mesh`` is the copy of its slice that holds its root's first rank."""
+def _spanned_dims(params: list[torch.Tensor]) -> dict[int, set[str]]:
+    """Per root mesh (by id), the dim names that some parameter's mesh spans."""
+    spanned: dict[int, set[str]] = {}
+    for param in params:
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            names = spanned.setdefault(id(root_mesh(mesh)), set())
+            names.update(mesh.mesh_dim_names or ())
+    return spanned
+
+
+def _counts_here(mesh, spanned: dict[int, set[str]], cache: dict[int, bool]) -> bool:
+    """Whether this rank is coordinate 0 on ``mesh``'s replica dims of its root."""
     key = id(mesh)
     if key not in cache:
-        first = int(root_mesh(mesh).mesh.flatten()[0])
-        cache[key] = bool((mesh.mesh == first).any())
+        root = root_mesh(mesh)
+        root_names = root.mesh_dim_names
+        own = set(mesh.mesh_dim_names or ())
+        ok = True
+        if root_names is not None and root is not mesh:
+            coordinate = root.get_coordinate() or ()
+            replica = spanned.get(id(root), set()) - own
+            ok = all(c == 0 for name, c in zip(root_names, coordinate) if name in replica)
+        cache[key] = ok
     return cache[key]
 
 
-def _counted_local(grad: DTensor, cache: dict[int, bool]) -> torch.Tensor | None:
+def _counted_local(
+    grad: DTensor, spanned: dict[int, set[str]], cache: dict[int, bool]
+) -> torch.Tensor | None:
     """This rank's piece of ``grad`` to count (see [Global norm over mixed meshes])."""
     mesh = grad.device_mesh
     coordinate = mesh.get_coordinate()
@@ -87,7 +110,7 @@ def _counted_local(grad: DTensor, cache: dict[int, bool]) -> torch.Tensor | None
     for placement, coord in zip(grad.placements, coordinate):
         if placement.is_replicate() and coord != 0:
             return None
-    if not _is_canonical_copy(mesh, cache):
+    if not _counts_here(mesh, spanned, cache):
         return None
     return grad.to_local()
 
@@ -161,7 +184,8 @@ def clip_grad_norm_(
         total = _local_norm(plain, p)
     else:
         cache: dict[int, bool] = {}
-        counted = (_counted_local(g, cache) for g in grads if isinstance(g, DTensor))
+        spanned = _spanned_dims(params)
+        counted = (_counted_local(g, spanned, cache) for g in grads if isinstance(g, DTensor))
         shards = _local_norm([t for t in counted if t is not None], p)
         device = _comm_device(params)
         # From the parameters, not this rank's gradients: the same on every rank.

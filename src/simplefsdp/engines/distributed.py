@@ -79,10 +79,26 @@ def init_distributed(
             kwargs: dict[str, Any] = {"timeout": timeout}
             if device.type == "cuda":
                 kwargs["device_id"] = device
-            if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                _warn_multinode_restarts()
                 kwargs.update(_per_attempt_store(timeout))
             dist.init_process_group(backend, **kwargs)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _warn_multinode_restarts() -> None:
+    """Restarts on several nodes need a fresh store per attempt (see below)."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if nodes > 1 and restarts > 0 and os.environ.get("RANK") == "0":
+        logger.warning(
+            "torchrun on %d nodes with --max-restarts %d shares its rendezvous store with the "
+            "workers, whose restart counts differ per node: set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that every restart gets a fresh store "
+            "(examples/slurm/train.sbatch does)",
+            nodes,
+            restarts,
+        )
 
 
 def _per_attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
@@ -92,7 +108,11 @@ def _per_attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
     a restarted attempt would read the previous attempt's process-group keys
     (e.g. gloo addresses of dead peers) and fail to connect
     (pytorch/pytorch#135712). A per-attempt key prefix keeps the attempts apart,
-    so ``torchrun --max-restarts K`` works without further settings.
+    so ``torchrun --max-restarts K`` works without further settings on one
+    node. The attempt count is each node's own (a node restarted because of
+    another node's failure does not count it), so on several nodes the
+    prefixes would differ: there ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    gives every attempt a fresh store and no prefix is used.
     """
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

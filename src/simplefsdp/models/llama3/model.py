@@ -259,7 +259,9 @@ class Attention(nn.Module):
 
         Args:
             x: Input of shape ``(B, T, D)``.
-            freqs_cis: Rotary table of shape ``(T, head_dim // 2, 2)``.
+            freqs_cis: Rotary table of shape ``(>= T, head_dim // 2, 2)``; its
+                first ``T`` positions are used (``T`` is read here, where the
+                sequence is whole even under sequence parallelism).
 
         Returns:
             Output of shape ``(B, T, D)``.
@@ -269,7 +271,7 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H, hd)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
         keys = repeat_kv(xk, self.n_rep)  # (B, T, H, hd)
         values = repeat_kv(xv, self.n_rep)  # (B, T, H, hd)
         out = F.scaled_dot_product_attention(
@@ -344,7 +346,7 @@ class TransformerBlock(nn.Module):
 
         Args:
             x: Input of shape ``(B, T, D)``.
-            freqs_cis: Rotary table of shape ``(T, head_dim // 2, 2)``.
+            freqs_cis: Rotary table of shape ``(>= T, head_dim // 2, 2)``.
 
         Returns:
             Output of shape ``(B, T, D)``.
@@ -456,7 +458,9 @@ class Transformer(nn.Module):
                 f"sequence length {seqlen} exceeds max_seq_len={self.args.max_seq_len}"
             )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, D)
-        freqs_cis = self.freqs_cis[:seqlen]  # (T, hd/2, 2)
+        # The whole table: a pipeline stage's input may be a sequence shard
+        # (sequence parallelism); attention slices it to the sequence it sees.
+        freqs_cis = self.freqs_cis  # (max_seq_len, hd/2, 2)
         for layer in self.layers.values():
             h = layer(h, freqs_cis)  # (B, T, D)
         h = self.norm(h) if self.norm is not None else h  # (B, T, D)
