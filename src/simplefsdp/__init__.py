@@ -7,6 +7,8 @@ Public API::
         model.init_weights()
     simplefsdp.compile(model, bucketing="auto")         # or:
     simplefsdp.eager(model, bucketing="per_block")      # the eager executor
+    with simplefsdp.no_sync(model):                     # accumulate, reduce later
+        loss_fn(model(micro_batch)).backward()
 
 The names are loaded on first use (PEP 562), so ``import simplefsdp`` (and the
 ``simplefsdp`` command's ``--help``/``--version``) does not import torch.
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from simplefsdp.compiler.report import CommReport
     from simplefsdp.eager_executor.api import eager, get_eager_executor, remove_eager
     from simplefsdp.eager_executor.runtime import EagerExecutor
+    from simplefsdp.frontend.accumulation import no_sync
     from simplefsdp.frontend.data_parallel import (
         DataParallelState,
         data_parallel,
@@ -46,6 +49,7 @@ _LAZY: dict[str, str] = {
     "eager": "simplefsdp.eager_executor.api",
     "get_data_parallel_state": "simplefsdp.frontend.data_parallel",
     "get_eager_executor": "simplefsdp.eager_executor.api",
+    "no_sync": "simplefsdp.frontend.accumulation",
     "remove_eager": "simplefsdp.eager_executor.api",
 }
 
@@ -63,6 +67,7 @@ __all__ = [
     "eager",
     "get_data_parallel_state",
     "get_eager_executor",
+    "no_sync",
     "remove_eager",
 ]
 

@@ -49,13 +49,19 @@ class ParallelModel:
         """Skip gradient communication inside the block when ``enabled`` is false.
 
         For all micro-batches but the last of an accumulation step: DDP's
-        ``no_sync``, FSDP2's ``set_requires_gradient_sync`` and the eager
-        executor's ``no_sync``. Compiled and uncompiled ``simplefsdp`` reduce
-        every micro-batch's gradient (the reduction is part of the autograd
-        graph), so this is a no-op there, as it is for ``replica``.
+        ``no_sync``, FSDP2's ``set_requires_gradient_sync``, the eager
+        executor's ``no_sync`` and, for compiled and uncompiled ``simplefsdp``,
+        :func:`simplefsdp.no_sync` (unreduced gradients summed on each rank,
+        reduced with the next synced micro-batch's). A no-op for ``replica``.
+        Run each micro-batch's forward and backward inside the block.
         """
-        if enabled or self.engine in ("simplefsdp", "replica"):
+        if enabled or self.engine == "replica":
             yield
+        elif self.engine == "simplefsdp":
+            from simplefsdp.frontend.accumulation import no_sync
+
+            with no_sync(self.module):
+                yield
         elif self.engine == "ddp":
             with self.forward.no_sync():  # type: ignore[attr-defined]
                 yield

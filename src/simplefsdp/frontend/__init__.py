@@ -1,5 +1,6 @@
 """The data-parallel frontend: sharded DTensor parameters read through a parametrization."""
 
+from simplefsdp.frontend.accumulation import no_sync
 from simplefsdp.frontend.data_parallel import (
     DataParallelState,
     data_parallel,
@@ -17,5 +18,6 @@ __all__ = [
     "data_parallel",
     "disable_parametrization",
     "get_data_parallel_state",
+    "no_sync",
     "parametrization_enabled",
 ]

@@ -29,6 +29,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
+from simplefsdp.frontend.accumulation import ACCUMULATORS_ATTR, GradAccumulator, accumulating_read
+
 # The attribute of a swapped module holding {param_name: ParamSpec}.
 SPECS_ATTR = "_simplefsdp_param_specs"
 # The attribute holding a module's registered views dict (Note: [Parameter
@@ -143,22 +145,30 @@ def disable_parametrization() -> Iterator[None]:
         _parametrization_enabled = previous
 
 
-def replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
+def replicate_compute(
+    param: DTensor, spec: ParamSpec, accumulator: GradAccumulator | None = None
+) -> torch.Tensor:
     """The unsharded local tensor that compute uses in place of ``param``.
 
     Forward: cast the shard to ``param_dtype`` and all-gather it (no-op gather
     for replicated parameters). Backward: cast the gradient to
     ``reduce_dtype``, reduce it over the mesh (reduce-scatter for sharded mesh
     dims, all-reduce for replicated ones) and cast it back to the stored dtype.
-    See Note: [Hybrid sharding order] for ``hybrid_shard``.
+    See Note: [Hybrid sharding order] for ``hybrid_shard``. With an
+    ``accumulator`` (the model entered ``no_sync`` once), see Note:
+    [Accumulating unreduced gradients].
     """
     if spec.tp is not None:
-        return _tp_replicate_compute(param, spec)
-    return _dp_gather(param, spec)
+        return _tp_replicate_compute(param, spec, accumulator)
+    return _dp_gather(param, spec, accumulator)
 
 
-def _dp_gather(param: DTensor, spec: ParamSpec) -> torch.Tensor:
+def _dp_gather(
+    param: DTensor, spec: ParamSpec, accumulator: GradAccumulator | None = None
+) -> torch.Tensor:
     """All-gather ``param`` over its data-parallel mesh; the local result."""
+    if accumulator is not None and param.requires_grad:
+        return accumulating_read(_dp_gather(param, spec), accumulator)
     if spec.shard_mesh is not None:
         return _hybrid_replicate_compute(param, spec)
     gathered = param.redistribute(
@@ -182,7 +192,9 @@ def _dp_gather(param: DTensor, spec: ParamSpec) -> torch.Tensor:
 # reduce-scatter/all-reduce) and hands compute the TP-local result as a DTensor
 # on the TP mesh, which is what the TP plan's modules expect. TP's own
 # collectives stay where the TP plan put them.
-def _tp_replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
+def _tp_replicate_compute(
+    param: DTensor, spec: ParamSpec, accumulator: GradAccumulator | None
+) -> torch.Tensor:
     tp = spec.tp
     dp_view = DTensor.from_local(
         param.to_local(),
@@ -192,7 +204,7 @@ def _tp_replicate_compute(param: DTensor, spec: ParamSpec) -> torch.Tensor:
         shape=tp.local_shape,
         stride=tp.local_stride,
     )
-    tp_local = _dp_gather(dp_view, spec)
+    tp_local = _dp_gather(dp_view, spec, accumulator)
     return DTensor.from_local(
         tp_local,
         tp.mesh,
@@ -272,7 +284,11 @@ def _make_property(name: str) -> property:
         views = self.__dict__.get(_VIEWS_ATTR)
         if views is not None and name in views:
             return views[name]
-        return replicate_compute(param, self.__dict__[SPECS_ATTR][name])
+        # Note: [Accumulating unreduced gradients]: no accumulators (reads as
+        # before) unless the model has entered no_sync.
+        accumulators = self.__dict__.get(ACCUMULATORS_ATTR)
+        accumulator = None if accumulators is None else accumulators.get(name)
+        return replicate_compute(param, self.__dict__[SPECS_ATTR][name], accumulator)
 
     def setter(self: nn.Module, value: torch.Tensor | None) -> None:
         # nn.Module.__setattr__ handles Parameter assignment before reaching the
