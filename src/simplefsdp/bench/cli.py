@@ -157,16 +157,11 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
 def _check_tp(tp: int, nproc: int, workload: Any) -> None:
     """``--tp`` must divide the ranks, the model's heads and feed-forward, and the sequence."""
     from simplefsdp.engines import mesh_shape_for
-    from simplefsdp.models.llama3 import get_config
+    from simplefsdp.models.llama3 import get_config, tp_split_sizes
 
     mesh_shape_for("simplefsdp", "fully_shard", nproc, tp=tp)
-    args = get_config(workload.model, **workload.model_overrides)
-    sizes = {
-        "n_heads": args.n_heads,
-        "n_kv_heads": args.n_kv_heads,
-        "feed-forward hidden dim": args.ffn_hidden_dim,
-        "seq_len (sequence parallel)": workload.seq_len,
-    }
+    sizes = tp_split_sizes(get_config(workload.model, **workload.model_overrides))
+    sizes["seq_len (sequence parallel)"] = workload.seq_len
     bad = [f"{name} {size}" for name, size in sizes.items() if size % tp]
     if bad:
         raise ValueError(f"--tp {tp} does not divide the workload's {', '.join(bad)}")

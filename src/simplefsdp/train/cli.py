@@ -184,17 +184,13 @@ def _check_tensor_parallel(job: JobConfig) -> None:
     tp = job.parallel.tp
     if tp == 1:
         return
-    from simplefsdp.models.llama3 import get_config
+    from simplefsdp.models.llama3 import get_config, tp_split_sizes
 
     m = job.model
     args = get_config(m.name, **({} if m.vocab_size is None else {"vocab_size": m.vocab_size}))
-    sizes = {
-        "n_heads": args.n_heads,
-        "n_kv_heads": args.n_kv_heads,
-        "feed-forward hidden dim": args.ffn_hidden_dim,
-    }
-    if m.vocab_size is not None and job.parallel.loss_parallel:
-        sizes["vocab_size"] = args.vocab_size
+    # the vocabulary is only known here when given (else it is the tokenizer's)
+    loss_parallel = m.vocab_size is not None and job.parallel.loss_parallel
+    sizes = tp_split_sizes(args, loss_parallel=loss_parallel)
     bad = {name: size for name, size in sizes.items() if size % tp}
     if bad:
         found = ", ".join(f"{name} {size}" for name, size in bad.items())

@@ -23,7 +23,12 @@ from .model import (
     rope_frequencies,
 )
 from .pipeline import layer_ranges, pipeline_split, stage_ids_for_rank
-from .tensor_parallel import apply_tensor_parallel, llama3_tp_plan, loss_parallel_context
+from .tensor_parallel import (
+    apply_tensor_parallel,
+    llama3_tp_plan,
+    loss_parallel_context,
+    tp_split_sizes,
+)
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -51,4 +56,5 @@ __all__ = [
     "repeat_kv",
     "rope_frequencies",
     "stage_ids_for_rank",
+    "tp_split_sizes",
 ]

@@ -127,6 +127,21 @@ def llama3_tp_plan(
     return plan
 
 
+def tp_split_sizes(args: Any, *, loss_parallel: bool = False) -> dict[str, int]:
+    """The model sizes the plan splits over the TP ranks (each must divide by ``tp``).
+
+    The one list the checks here and the command lines' pre-flight checks use.
+    """
+    sizes = {
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "feed-forward hidden dim": args.ffn_hidden_dim,
+    }
+    if loss_parallel:
+        sizes["vocab_size"] = args.vocab_size
+    return sizes
+
+
 def _check_divisible(name: str, value: int, tp: int, why: str = "") -> None:
     if value % tp != 0:
         divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
@@ -160,13 +175,14 @@ def _validate(model: nn.Module, tp_mesh: Any, loss_parallel: bool) -> None:
             f"got {type(model).__name__}"
         )
     tp = tp_mesh.size()
-    _check_divisible("n_heads", args.n_heads, tp)
-    _check_divisible("n_kv_heads", args.n_kv_heads, tp)
-    if len(model.layers) > 0:
-        hidden = next(iter(model.layers.values())).feed_forward.w1.out_features
-        _check_divisible("ffn hidden dim (feed_forward.w1.out_features)", hidden, tp)
-    if loss_parallel:
-        _check_divisible("vocab_size", args.vocab_size, tp, " (required with loss_parallel=True)")
+    sizes = tp_split_sizes(args, loss_parallel=loss_parallel)
+    if len(model.layers) > 0:  # the built layers' size, in case it differs from args
+        w1 = next(iter(model.layers.values())).feed_forward.w1
+        sizes["feed-forward hidden dim"] = w1.out_features
+    labels = {"feed-forward hidden dim": "ffn hidden dim (feed_forward.w1.out_features)"}
+    why = {"vocab_size": " (required with loss_parallel=True)"}
+    for name, value in sizes.items():
+        _check_divisible(labels.get(name, name), value, tp, why.get(name, ""))
 
 
 def apply_tensor_parallel(
