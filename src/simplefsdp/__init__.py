@@ -9,6 +9,7 @@ Public API::
     simplefsdp.eager(model, bucketing="per_block")      # the eager executor
     with simplefsdp.no_sync(model):                     # accumulate, reduce later
         loss_fn(model(micro_batch)).backward()
+    simplefsdp.reduce_accumulated(model)                # or reduce the sum now (pipelines)
 
 The names are loaded on first use (PEP 562), so ``import simplefsdp`` (and the
 ``simplefsdp`` command's ``--help``/``--version``) does not import torch.
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from simplefsdp.compiler.report import CommReport
     from simplefsdp.eager_executor.api import eager, get_eager_executor, remove_eager
     from simplefsdp.eager_executor.runtime import EagerExecutor
-    from simplefsdp.frontend.accumulation import no_sync
+    from simplefsdp.frontend.accumulation import no_sync, reduce_accumulated
     from simplefsdp.frontend.data_parallel import (
         DataParallelState,
         data_parallel,
@@ -50,6 +51,7 @@ _LAZY: dict[str, str] = {
     "get_data_parallel_state": "simplefsdp.frontend.data_parallel",
     "get_eager_executor": "simplefsdp.eager_executor.api",
     "no_sync": "simplefsdp.frontend.accumulation",
+    "reduce_accumulated": "simplefsdp.frontend.accumulation",
     "remove_eager": "simplefsdp.eager_executor.api",
 }
 
@@ -68,6 +70,7 @@ __all__ = [
     "get_data_parallel_state",
     "get_eager_executor",
     "no_sync",
+    "reduce_accumulated",
     "remove_eager",
 ]
 

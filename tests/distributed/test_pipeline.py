@@ -9,6 +9,8 @@ model in the same process.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -94,8 +96,81 @@ def _case(schedule_name: str, stages_per_rank: int, second: str, backend: str | 
     return worst
 
 
+def _engine_case(schedule: str, engine: str, backend: str | None, accum: int):
+    """pp2 x dp2 through ``simplefsdp.engines.parallelize_pipeline``, ``accum``
+    pipeline steps per optimizer step; returns the reduce-scatters per step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountReduceScatters(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += "reduce_scatter" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    from simplefsdp.engines import (
+        EngineSpec,
+        PipelineSpec,
+        build_mesh,
+        clip_grad_norm_,
+        parallelize_pipeline,
+    )
+    from simplefsdp.models.llama3 import Transformer, get_config, pipeline_split
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = Transformer(get_config("debug", dim=32, n_layers=4, n_heads=4, n_kv_heads=2))
+    mesh = build_mesh(engine, "fully_shard", "cpu", 4, pp=2)
+    assert mesh.mesh_dim_names == ("pp", "dp")
+    spec = EngineSpec(engine, compile=backend is not None, backend=backend or "inductor")
+    pipe = PipelineSpec(2, schedule, microbatches=MICRO)
+    model = parallelize_pipeline(
+        ref, spec, pipe, mesh, torch.device("cpu"), split_fn=pipeline_split, loss_fn=_loss
+    )
+    params = list(model.module.parameters())
+    opt = torch.optim.SGD(params, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    dp = mesh["dp"].get_local_rank()
+    rows = BATCH // 2
+    reduce_scatters = []
+    for _ in range(STEPS):
+        comm = CountReduceScatters()
+        with comm if backend is None else contextlib.nullcontext():
+            for micro in range(accum):
+                tokens = torch.randint(0, ref.vocab_size, (BATCH, SEQ + 1), generator=g)
+                mine = tokens[dp * rows : (dp + 1) * rows]
+                loss = model.step(
+                    mine[:, :-1], mine[:, 1:], scale=1 / accum, sync=micro == accum - 1
+                )
+                assert (loss is None) == (not model.has_last)
+                (_loss(ref(tokens[:, :-1]), tokens[:, 1:]) / accum).backward()
+        if backend is None:
+            reduce_scatters.append(comm.count)
+        norm = clip_grad_norm_(params, 1.0)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=1e-6)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    expected = ref.state_dict()
+    got = model.module.state_dict()
+    assert set(got) <= set(expected) and got, sorted(got)
+    for key, value in got.items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        torch.testing.assert_close(full, expected[key], rtol=1e-4, atol=1e-5, msg=key)
+    return reduce_scatters, len(params)
+
+
 def _body(cases):
     return [_case(*case) for case in cases]
+
+
+def _engine_body(cases):
+    return [_engine_case(*case) for case in cases]
 
 
 def test_pipeline_stages_match_single_process():
@@ -107,3 +182,21 @@ def test_pipeline_stages_match_single_process():
     ]
     results = run_distributed(_body, world_size=4, args=(cases,), timeout_s=600)
     assert len(results[0]) == len(cases)
+
+
+def test_engine_pipeline_reduces_once_per_step():
+    """``parallelize_pipeline`` (the path ``simplefsdp train --parallel.pp``
+    takes): simplefsdp stages reduce each parameter once per optimizer step
+    (not once per micro-batch or pipeline step), compiled or not; FSDP2 stages
+    as torch's schedules drive them."""
+    cases = [
+        ("gpipe", "simplefsdp", None, 2),
+        ("1f1b", "simplefsdp", "aot_eager", 1),
+        ("1f1b", "fsdp2", None, 1),
+    ]
+    results = run_distributed(_engine_body, world_size=4, args=(cases,), timeout_s=600)
+    for rank_result in results:
+        (rs_gpipe, n_params), _, _ = rank_result
+        # one reduce-scatter per parameter per optimizer step (2 pipeline
+        # steps of 4 micro-batches each), not 8 per parameter
+        assert rs_gpipe == [n_params] * STEPS, (rs_gpipe, n_params)

@@ -341,3 +341,13 @@ def test_one_engine_vocabulary():
     assert set(CONFIG_ENGINES) == set(ENGINES)
     assert set(BENCH_ENGINES) == {*ENGINES, "comm"}
     assert {c.engine for c in CONFIGS.values()} <= set(ENGINES)
+
+
+def test_one_pipeline_vocabulary():
+    """The config (no torch) and the engine layer name the same schedules and engines."""
+    from simplefsdp.engines import PIPELINE_SCHEDULES, PP_ENGINES, TP_ENGINES
+    from simplefsdp.train import config as C
+
+    assert set(C.PP_SCHEDULES) == set(PIPELINE_SCHEDULES)
+    assert set(C.PP_ENGINES) == set(PP_ENGINES)
+    assert set(C.TP_ENGINES) == set(TP_ENGINES)

@@ -28,7 +28,9 @@ from simplefsdp.engines.distributed import (
     init_distributed,
     mesh_shape_for,
     pick_device,
+    pipeline_mesh,
     split_mesh,
+    stage_mesh,
 )
 from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
 from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, ParallelModel
@@ -39,15 +41,27 @@ from simplefsdp.engines.parallelize import (
     parallelize,
     torch_passes_patches,
 )
+from simplefsdp.engines.pipeline import (
+    PIPELINE_SCHEDULES,
+    PP_ENGINES,
+    PipelinedModel,
+    PipelineSpec,
+    parallelize_pipeline,
+    stage_view,
+)
 
 __all__ = [
     "AC_MODES",
     "COLLECTIVE_KINDS",
     "ENGINES",
+    "PIPELINE_SCHEDULES",
+    "PP_ENGINES",
     "TP_ENGINES",
     "EngineSpec",
     "MemoryProbe",
     "ParallelModel",
+    "PipelineSpec",
+    "PipelinedModel",
     "apply_activation_checkpointing",
     "build_mesh",
     "clip_grad_norm_",
@@ -58,7 +72,11 @@ __all__ = [
     "lower_mmap_threshold",
     "mesh_shape_for",
     "parallelize",
+    "parallelize_pipeline",
     "pick_device",
+    "pipeline_mesh",
     "split_mesh",
+    "stage_mesh",
+    "stage_view",
     "torch_passes_patches",
 ]

@@ -30,11 +30,15 @@ __all__ = [
     "init_distributed",
     "mesh_shape_for",
     "pick_device",
+    "pipeline_mesh",
     "split_mesh",
+    "stage_mesh",
 ]
 
 #: The name of the tensor-parallel mesh dim (always the last, innermost dim).
 TP_DIM = "tp"
+#: The name of the pipeline-parallel mesh dim (always the first, outermost dim).
+PP_DIM = "pp"
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -120,6 +124,15 @@ def _per_attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
     return {"store": prefixed, "rank": rank, "world_size": world_size}
 
 
+def _check_degree(name: str, value: object, world_size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or world_size % value:
+        valid = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ValueError(
+            f"{name} size {value!r} does not divide the world size {world_size}; "
+            f"valid {name} sizes for {world_size} ranks: {valid}"
+        )
+
+
 def mesh_shape_for(
     engine: str,
     mode: str,
@@ -128,6 +141,7 @@ def mesh_shape_for(
     mesh_shape: Sequence[int] | None = None,
     local_world_size: int | None = None,
     tp: int = 1,
+    pp: int = 1,
 ) -> tuple[int, ...]:
     """The mesh shape for ``engine``/``mode`` on ``world_size`` ranks.
 
@@ -137,8 +151,9 @@ def mesh_shape_for(
     unset, ``[dp // local, local]`` (replicate across hosts, shard within a
     host; ``local`` is the data-parallel ranks per host). With ``tp > 1`` a
     last (innermost) dim of ``tp`` ranks is added for tensor parallelism, so
-    a tensor-parallel group stays within a host where it can, and the data-
-    parallel part covers ``world_size // tp`` ranks.
+    a tensor-parallel group stays within a host where it can; with ``pp > 1``
+    a first (outermost) dim of ``pp`` pipeline stages. The data-parallel part
+    covers ``world_size // (pp * tp)`` ranks.
 
     Raises:
         ValueError: the shape cannot be built from ``world_size`` ranks; the
@@ -146,18 +161,20 @@ def mesh_shape_for(
     """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
-        valid = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+    _check_degree("tensor-parallel", tp, world_size)
+    _check_degree("pipeline-parallel", pp, world_size)
+    if world_size % (pp * tp):
         raise ValueError(
-            f"tensor-parallel size {tp!r} does not divide the world size {world_size}; "
-            f"valid tensor-parallel sizes for {world_size} ranks: {valid}"
+            f"pipeline-parallel size {pp} x tensor-parallel size {tp} does not divide the "
+            f"world size {world_size}; pp * tp must divide it"
         )
-    dp = world_size // tp
+    dp = world_size // (tp * pp)
+    head = (pp,) if pp > 1 else ()
     tail = (tp,) if tp > 1 else ()
     if mode != "hybrid_shard":
         if engine == "fsdp2" and mode == "replicate":
-            return (dp, 1, *tail)
-        return (dp, *tail)
+            return (*head, dp, 1, *tail)
+        return (*head, dp, *tail)
     if mesh_shape is not None:
         shape = tuple(int(x) for x in mesh_shape)
     else:
@@ -169,15 +186,18 @@ def mesh_shape_for(
         divisors = [d for d in range(1, dp + 1) if dp % d == 0]
         valid = ", ".join(f"[{d}, {dp // d}]" for d in divisors)
         needs = f"needs {shape[0] * shape[1]} ranks" if len(shape) == 2 else "is not 2-D"
-        if tp > 1:
-            have = f"there are {dp} data-parallel ranks (world size {world_size} / tp {tp})"
+        if tp > 1 or pp > 1:
+            have = (
+                f"there are {dp} data-parallel ranks "
+                f"(world size {world_size} / (pp {pp} x tp {tp}))"
+            )
         else:
             have = f"the world size is {world_size}"
         raise ValueError(
             f"parallel.mesh_shape {list(shape)} {needs} but {have}; "
             f"valid shapes for {dp} ranks: {valid}"
         )
-    return (*shape, *tail)
+    return (*head, *shape, *tail)
 
 
 def build_mesh(
@@ -189,23 +209,32 @@ def build_mesh(
     mesh_shape: Sequence[int] | None = None,
     local_world_size: int | None = None,
     tp: int = 1,
+    pp: int = 1,
 ) -> DeviceMesh:
     """The job's ``DeviceMesh`` (shape from :func:`mesh_shape_for`).
 
-    Dimension names: ``("dp",)`` for a 1-D data-parallel mesh,
-    ``("dp_replicate", "dp_shard")`` for a 2-D one, followed by ``"tp"`` when
-    ``tp > 1``. :func:`split_mesh` gives the data-parallel and
-    tensor-parallel parts.
+    Dimension names: ``"pp"`` first when ``pp > 1``, then ``("dp",)`` for a
+    1-D data-parallel mesh or ``("dp_replicate", "dp_shard")`` for a 2-D one,
+    then ``"tp"`` when ``tp > 1``. :func:`split_mesh` gives the data-parallel
+    and tensor-parallel parts, :func:`pipeline_mesh` the pipeline part.
     """
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     shape = mesh_shape_for(
-        engine, mode, world_size, mesh_shape=mesh_shape, local_world_size=local_world_size, tp=tp
+        engine,
+        mode,
+        world_size,
+        mesh_shape=mesh_shape,
+        local_world_size=local_world_size,
+        tp=tp,
+        pp=pp,
     )
-    dp_ndim = len(shape) - (1 if tp > 1 else 0)
+    dp_ndim = len(shape) - (1 if tp > 1 else 0) - (1 if pp > 1 else 0)
     names: tuple[str, ...] = ("dp_replicate", "dp_shard") if dp_ndim == 2 else ("dp",)
     if tp > 1:
         names = (*names, TP_DIM)
+    if pp > 1:
+        names = (PP_DIM, *names)
     logger.info("mesh %s %s on %s", names, shape, device_type)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
@@ -214,15 +243,31 @@ def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
     """``(data-parallel mesh, tensor-parallel mesh or None)`` of a job's mesh.
 
     The tensor-parallel dim is the one named ``"tp"`` (see :func:`build_mesh`);
-    a mesh without it is all data parallel.
+    the pipeline dim ``"pp"`` is neither; the other dims are data parallel.
     """
     names = mesh.mesh_dim_names or ()
-    if TP_DIM not in names:
+    if TP_DIM not in names and PP_DIM not in names:
         return mesh, None
-    dp_names = tuple(n for n in names if n != TP_DIM)
+    dp_names = tuple(n for n in names if n not in (TP_DIM, PP_DIM))
     if not dp_names:
-        raise ValueError(f"mesh {names} has no data-parallel dim besides {TP_DIM!r}")
-    return mesh[dp_names], mesh[TP_DIM]
+        raise ValueError(f"mesh {names} has no data-parallel dim besides {TP_DIM!r}/{PP_DIM!r}")
+    dp_mesh = mesh[dp_names] if dp_names != names else mesh
+    return dp_mesh, (mesh[TP_DIM] if TP_DIM in names else None)
+
+
+def pipeline_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The pipeline-parallel dim of a job's mesh (named ``"pp"``), or ``None``."""
+    names = mesh.mesh_dim_names or ()
+    return mesh[PP_DIM] if PP_DIM in names else None
+
+
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A job's mesh without its pipeline dim: what each pipeline stage is sharded on."""
+    names = mesh.mesh_dim_names or ()
+    if PP_DIM not in names:
+        return mesh
+    rest = tuple(n for n in names if n != PP_DIM)
+    return mesh[rest]
 
 
 def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:

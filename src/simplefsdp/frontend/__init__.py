@@ -1,6 +1,6 @@
 """The data-parallel frontend: sharded DTensor parameters read through a parametrization."""
 
-from simplefsdp.frontend.accumulation import no_sync
+from simplefsdp.frontend.accumulation import no_sync, reduce_accumulated
 from simplefsdp.frontend.data_parallel import (
     DataParallelState,
     data_parallel,
@@ -20,4 +20,5 @@ __all__ = [
     "get_data_parallel_state",
     "no_sync",
     "parametrization_enabled",
+    "reduce_accumulated",
 ]

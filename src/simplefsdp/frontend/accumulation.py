@@ -50,7 +50,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ["AccumulationState", "GradAccumulator", "no_sync"]
+__all__ = ["AccumulationState", "GradAccumulator", "no_sync", "reduce_accumulated"]
 
 # The attribute of a swapped module holding {param_name: GradAccumulator};
 # absent until the wrapped root first enters ``no_sync``.
@@ -259,3 +259,75 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         state.no_sync = previous
+
+
+def reduce_accumulated(model: nn.Module, *, scale: float | None = None) -> int:
+    """Reduce the gradients summed inside :func:`no_sync` now, without a forward.
+
+    For schedules whose last micro-batch's forward runs before the other
+    micro-batches' backwards (every pipeline schedule), a synced read cannot
+    carry the sum: run every micro-batch inside ``no_sync`` and call this
+    once after the last backward. Each parameter with an accumulated
+    gradient is read again (its all-gather, uncompiled) and that read's
+    backward gets the sum as its gradient: the read's own reduction
+    (reduce-scatter, all-reduce or both, in ``reduce_dtype``) runs once and
+    adds the result to ``param.grad``, exactly as a synced backward would.
+
+    Args:
+        model: a ``data_parallel`` model (compiled or not).
+        scale: multiply the sums by this before reducing (e.g. ``1 /
+            micro_batches`` for a mean); exact for powers of two.
+
+    Returns:
+        The number of parameters reduced (0 if nothing was accumulated).
+
+    Raises:
+        ValueError: ``model`` is not wrapped by ``data_parallel`` or runs the
+            eager executor (use its own ``no_sync`` and a synced backward).
+    """
+    from torch.distributed.tensor import DTensor
+
+    from simplefsdp.frontend.parametrization import SPECS_ATTR, replicate_compute
+
+    root = _wrapped_root(model)
+    if root.__dict__.get(_EAGER_EXECUTOR_ATTR) is not None:
+        raise ValueError(
+            "reduce_accumulated does not apply to a model running the eager executor "
+            "(simplefsdp.eager); end its no_sync with a synced backward instead"
+        )
+    state = root.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return 0
+    outputs: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    done: set[int] = set()
+    with torch.enable_grad():
+        for module in root.modules():
+            accumulators = module.__dict__.get(ACCUMULATORS_ATTR)
+            if not accumulators:
+                continue
+            for name, accumulator in accumulators.items():
+                pending = accumulator.leaf.grad
+                if pending is None or id(accumulator) in done:
+                    continue
+                done.add(id(accumulator))
+                param = module._parameters[name]
+                read = replicate_compute(param, module.__dict__[SPECS_ATTR][name])
+                grad = pending if scale is None else pending * scale
+                local = read.to_local() if isinstance(read, DTensor) else read
+                grad = grad.to(local.dtype)
+                if isinstance(read, DTensor):
+                    grad = DTensor.from_local(
+                        grad,
+                        read.device_mesh,
+                        read.placements,
+                        run_check=False,
+                        shape=read.shape,
+                        stride=read.stride(),
+                    )
+                outputs.append(read)
+                grads.append(grad)
+                accumulator.leaf.grad = None
+    if outputs:
+        torch.autograd.backward(outputs, grads)
+    return len(outputs)

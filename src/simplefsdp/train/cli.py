@@ -136,9 +136,11 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         mesh_shape=p.mesh_shape,
         local_world_size=local_world_size,
         tp=p.tp,
+        pp=p.pp,
     )
     _check_seq_len(job)
     _check_tensor_parallel(job)
+    _check_pipeline(job)
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -199,6 +201,22 @@ def _check_tensor_parallel(job: JobConfig) -> None:
         raise ValueError(
             f"parallel.tp {tp} does not divide model {m.name!r}'s {found}; "
             f"valid tensor-parallel sizes for this model: {valid}"
+        )
+
+
+def _check_pipeline(job: JobConfig) -> None:
+    """With ``parallel.pp > 1`` every stage needs at least one layer."""
+    p = job.parallel
+    if p.pp == 1:
+        return
+    from simplefsdp.models.llama3 import get_config
+
+    n_layers = get_config(job.model.name).n_layers
+    per_rank = p.pp_stages_per_rank or (2 if p.pp_schedule == "interleaved_1f1b" else 1)
+    if p.pp * per_rank > n_layers:
+        raise ValueError(
+            f"parallel.pp {p.pp} x {per_rank} stages per rank = {p.pp * per_rank} stages but "
+            f"model {job.model.name!r} has {n_layers} layers; use at most {n_layers} stages"
         )
 
 

@@ -2,7 +2,9 @@
 
 ``simplefsdp train``'s parallel, compile and activation-checkpoint sections
 become one :class:`~simplefsdp.engines.EngineSpec`; ``parallel.tp > 1`` adds
-the Llama 3 tensor-parallel plan.
+the Llama 3 tensor-parallel plan, ``parallel.pp > 1`` splits the model into
+pipeline stages (:func:`simplefsdp.models.llama3.pipeline_split`) run by
+torch's schedules (:class:`~simplefsdp.engines.PipelinedModel`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,26 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from simplefsdp.engines import EngineSpec, ParallelModel, build_mesh, parallelize
+from simplefsdp.engines import (
+    EngineSpec,
+    ParallelModel,
+    PipelinedModel,
+    PipelineSpec,
+    build_mesh,
+    parallelize,
+    parallelize_pipeline,
+)
 from simplefsdp.train.config import JobConfig
 
-__all__ = ["engine_spec", "job_mesh", "parallelize_job"]
+__all__ = ["cross_entropy", "engine_spec", "job_mesh", "parallelize_job", "pipeline_spec"]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss: mean token cross-entropy of ``(B, T, V)`` logits, in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def engine_spec(job: JobConfig) -> EngineSpec:
@@ -36,11 +52,28 @@ def engine_spec(job: JobConfig) -> EngineSpec:
     )
 
 
+def pipeline_spec(job: JobConfig) -> PipelineSpec:
+    """The engine layer's description of ``job``'s pipeline settings (``parallel.pp``)."""
+    p = job.parallel
+    return PipelineSpec(
+        p.pp,
+        p.pp_schedule,
+        microbatches=p.microbatches if p.microbatches is not None else p.pp,
+        stages_per_rank=p.pp_stages_per_rank,
+    )
+
+
 def job_mesh(job: JobConfig, device: torch.device) -> DeviceMesh:
-    """The job's mesh over the default process group: data-parallel dims, then ``tp``."""
+    """The job's mesh over the default process group: ``pp``, data-parallel dims, ``tp``."""
     p = job.parallel
     return build_mesh(
-        p.engine, p.mode, device.type, dist.get_world_size(), mesh_shape=p.mesh_shape, tp=p.tp
+        p.engine,
+        p.mode,
+        device.type,
+        dist.get_world_size(),
+        mesh_shape=p.mesh_shape,
+        tp=p.tp,
+        pp=p.pp,
     )
 
 
@@ -49,25 +82,38 @@ def parallelize_job(
     job: JobConfig,
     device: torch.device,
     mesh: DeviceMesh | None = None,
-) -> ParallelModel:
+) -> ParallelModel | PipelinedModel:
     """Parallelise a Llama 3 model built on the meta device as ``job`` says.
 
     Uses ``mesh`` (default: :func:`job_mesh`), applies the Llama 3 tensor-parallel
     plan when ``parallel.tp > 1`` and :func:`engine_spec` through
     ``simplefsdp.engines.parallelize``, and initialises the weights with the
-    model's ``init_weights`` under the current RNG state.
+    model's ``init_weights`` under the current RNG state. With ``parallel.pp >
+    1`` each of this rank's pipeline stages is parallelised so (and
+    initialised on its own: the initial weights differ from an unsplit run's)
+    and a :class:`~simplefsdp.engines.PipelinedModel` is returned, whose loss
+    is :func:`cross_entropy`.
     """
-    from simplefsdp.models.llama3 import apply_tensor_parallel
+    from simplefsdp.models.llama3 import apply_tensor_parallel, pipeline_split
 
     p = job.parallel
     tp_fn = functools.partial(
         apply_tensor_parallel, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel
     )
-    return parallelize(
-        model,
-        engine_spec(job),
-        mesh if mesh is not None else job_mesh(job, device),
-        device,
-        init_fn=lambda m: m.init_weights(buffer_device=device),
-        tp_fn=tp_fn if p.tp > 1 else None,
-    )
+    mesh = mesh if mesh is not None else job_mesh(job, device)
+    kwargs = {
+        "init_fn": lambda m: m.init_weights(buffer_device=device),
+        "tp_fn": tp_fn if p.tp > 1 else None,
+    }
+    if p.pp > 1:
+        return parallelize_pipeline(
+            model,
+            engine_spec(job),
+            pipeline_spec(job),
+            mesh,
+            device,
+            split_fn=pipeline_split,
+            loss_fn=cross_entropy,
+            **kwargs,
+        )
+    return parallelize(model, engine_spec(job), mesh, device, **kwargs)

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from simplefsdp.checkpoint import (
     TRAINER_STATE_NAME,
@@ -41,6 +40,7 @@ from simplefsdp.checkpoint import (
 from simplefsdp.engines import (
     MemoryProbe,
     ParallelModel,
+    PipelinedModel,
     clip_grad_norm_,
     comm_device,
     data_parallel_rank,
@@ -62,7 +62,7 @@ from simplefsdp.train.metrics import (
     mfu,
     peak_flops_for,
 )
-from simplefsdp.train.parallelism import engine_spec, job_mesh, parallelize_job
+from simplefsdp.train.parallelism import cross_entropy, engine_spec, job_mesh, parallelize_job
 from simplefsdp.train.runs import RUN_ID_ENV, archive_previous_run, find_previous_run, new_run_id
 from simplefsdp.train.schedule import build_lr_scheduler, json_ready
 
@@ -184,8 +184,14 @@ class Trainer:
         self.model_args = self._model_args()
         with torch.device("meta"):
             model = Transformer(self.model_args)
-        self.parallel: ParallelModel = parallelize_job(model, self.job, self.device, self.mesh)
+        self.parallel: ParallelModel | PipelinedModel = parallelize_job(
+            model, self.job, self.device, self.mesh
+        )
+        self.pipeline = self.parallel if isinstance(self.parallel, PipelinedModel) else None
+        # A pipeline's loss exists on its last stage only: see _global_mean.
+        self._loss_weight = 0.0 if self.pipeline and not self.pipeline.has_last else 1.0
         self.model = self.parallel.module
+        self.forward = None if self.pipeline else self.parallel.forward  # type: ignore[union-attr]
         self.flops_per_token = flops_per_token(self.model_args, self.job.data.seq_len)
         self.peak_flops = peak_flops_for(self.device)
         logger.info(
@@ -299,8 +305,11 @@ class Trainer:
     # -- one step ----------------------------------------------------------
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, forward: Any) -> torch.Tensor:
+        if self.pipeline is not None:  # the last stage's mean loss, else zero (see _global_mean)
+            loss = self.pipeline.eval_loss(inputs.to(self.device), targets.to(self.device))
+            return torch.zeros((), device=self.device) if loss is None else loss
         logits = forward(inputs.to(self.device))  # (B, T, V); vocab-sharded with loss_parallel
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+        return cross_entropy(logits, targets.to(self.device))
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: torch's ``loss_parallel`` when on."""
@@ -322,8 +331,19 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(accum):
             inputs, targets = next(self.loader)
-            with self.parallel.grad_sync(micro == accum - 1), self._loss_context():
-                loss = self._loss(inputs, targets, self.parallel.forward) / accum
+            if self.pipeline is not None:  # the schedule runs forward and backward
+                with self._loss_context():
+                    loss = self.pipeline.step(
+                        inputs.to(self.device),
+                        targets.to(self.device),
+                        scale=1 / accum,
+                        sync=micro == accum - 1,
+                    )
+                if loss is not None:
+                    loss_sum += loss
+                continue
+            with self.parallel.grad_sync(micro == accum - 1), self._loss_context():  # type: ignore[union-attr]
+                loss = self._loss(inputs, targets, self.forward) / accum
                 loss.backward()
             loss_sum += _plain(loss.detach())
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
@@ -332,9 +352,13 @@ class Trainer:
         return loss_sum, grad_norm, float(lr)
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        reduced = value.detach().to(comm_device(self.device), torch.float32).clone()
-        dist.all_reduce(reduced)
-        return float(reduced.item()) / self.world_size
+        """The mean of ``value`` over the ranks that hold a loss (a pipeline's
+        last stage; every rank otherwise)."""
+        weight = torch.tensor(self._loss_weight, dtype=torch.float32, device=value.device)
+        pair = torch.stack([value.detach().float() * weight, weight]).to(comm_device(self.device))
+        dist.all_reduce(pair)
+        total, count = pair.tolist()
+        return total / count
 
     def _global_max(self, value: float) -> float:
         reduced = torch.tensor([value], dtype=torch.float64, device=comm_device(self.device))
@@ -348,15 +372,19 @@ class Trainer:
         """Mean loss over ``metrics.val_batches`` validation batches (global mean).
 
         Runs the model the training step runs (compiled, if enabled; the first
-        call under ``no_grad`` compiles an inference graph once).
+        call under ``no_grad`` compiles an inference graph once); a pipeline
+        runs its schedule's forward-only ``eval`` (none before torch 2.12:
+        then no validation, with a warning).
         """
         n = self.job.metrics.val_batches
-        if n <= 0:
+        if n <= 0 or (self.pipeline is not None and not hasattr(self.pipeline.schedule, "eval")):
+            if n > 0 and self.rank == 0:
+                logger.warning("this torch's pipeline schedules cannot evaluate: no val_loss")
             return None
         total, count = torch.zeros((), device=self.device), 0
         for inputs, targets in self.loader.val_batches(n):
             with self._loss_context():
-                total += _plain(self._loss(inputs, targets, self.parallel.forward))
+                total += _plain(self._loss(inputs, targets, self.forward))
             count += 1
         if count == 0:
             return None
@@ -365,10 +393,10 @@ class Trainer:
     # -- the loop ----------------------------------------------------------
 
     def _tokens_per_step(self) -> float:
-        """Tokens per step per rank: a tensor-parallel group's ranks share
-        their batch (counted as torchtitan does)."""
-        d = self.job.data
-        return d.batch_size * d.seq_len * self.job.training.grad_accum_steps / self.job.parallel.tp
+        """Tokens per step per rank: a tensor-parallel group's and a pipeline's
+        ranks share their batch (global tokens / world size)."""
+        d, p = self.job.data, self.job.parallel
+        return d.batch_size * d.seq_len * self.job.training.grad_accum_steps / (p.tp * p.pp)
 
     def _sync(self) -> None:
         """Wait for queued device work, so wall-clock windows measure it."""

@@ -16,6 +16,8 @@ __all__ = [
     "VALID_MODELS",
     "ENGINES",
     "REPLICATE_ONLY_ENGINES",
+    "PP_ENGINES",
+    "PP_SCHEDULES",
     "TP_ENGINES",
     "PARALLEL_MODES",
     "DTYPES",
@@ -44,6 +46,10 @@ ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "r
 REPLICATE_ONLY_ENGINES: tuple[str, ...] = ("ddp", "replica")
 #: Engines that compose with tensor parallelism (``parallel.tp > 1``).
 TP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
+#: Engines that compose with pipeline parallelism (``parallel.pp > 1``).
+PP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
+#: Pipeline schedules (``parallel.pp_schedule``), torch's GPipe, 1F1B and interleaved 1F1B.
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 #: Data-parallel sharding modes.
 PARALLEL_MODES: tuple[str, ...] = ("replicate", "fully_shard", "hybrid_shard")
 #: Mixed-precision dtypes (``None`` means "keep the parameter dtype").
@@ -170,6 +176,15 @@ class ParallelConfig:
             the sequence (``data.seq_len`` must divide by ``tp``).
         loss_parallel: With ``tp > 1``, keep the logits sharded over the
             vocabulary and compute the cross-entropy on the shards.
+        pp: Pipeline-parallel size: the model's layers are split into
+            stages over ``pp`` groups of ranks (outermost mesh dim), each
+            stage sharded on the remaining data-parallel (and ``tp``) dims.
+            Engines ``simplefsdp`` and ``fsdp2`` only.
+        pp_schedule: One of :data:`PP_SCHEDULES` (torch's schedules).
+        microbatches: Micro-batches per pipeline step (``data.batch_size``
+            must divide by it; ``None``: ``pp``).
+        pp_stages_per_rank: Stages per pipeline rank (``None``: 2 for
+            ``interleaved_1f1b``, else 1).
     """
 
     engine: str = field(default="simplefsdp", metadata=_choices(ENGINES))
@@ -181,6 +196,10 @@ class ParallelConfig:
     tp: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = False
+    pp: int = 1
+    pp_schedule: str = field(default="1f1b", metadata=_choices(PP_SCHEDULES))
+    microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
 
 
 @dataclass
@@ -373,6 +392,28 @@ def validate_config(cfg: JobConfig) -> None:
             f"sequence parallelism; must be a multiple of {p.tp} (or set "
             "parallel.sequence_parallel false)"
         )
+    check(p.pp >= 1, "parallel.pp", p.pp, ">= 1")
+    if p.pp > 1 and p.engine not in PP_ENGINES:
+        errors.append(
+            f"parallel.engine: invalid value {p.engine!r} with parallel.pp={p.pp}; "
+            f"valid choices with pipeline parallelism: {list(PP_ENGINES)}"
+        )
+    micro = p.microbatches if p.microbatches is not None else p.pp
+    check(micro >= 1, "parallel.microbatches", p.microbatches, ">= 1")
+    if p.pp > 1 and micro >= 1 and d.batch_size > 0 and d.batch_size % micro:
+        errors.append(
+            f"data.batch_size: invalid value {d.batch_size!r} with parallel.microbatches={micro}; "
+            f"must be a multiple of {micro} (each micro-batch gets batch_size / microbatches rows)"
+        )
+    interleaved = p.pp_schedule == "interleaved_1f1b"
+    if p.pp_stages_per_rank is not None:
+        valid = ">= 2 for 'interleaved_1f1b'" if interleaved else f"1 for {p.pp_schedule!r}"
+        check(
+            p.pp_stages_per_rank >= 2 if interleaved else p.pp_stages_per_rank == 1,
+            "parallel.pp_stages_per_rank",
+            p.pp_stages_per_rank,
+            valid,
+        )
     if p.engine in REPLICATE_ONLY_ENGINES and p.mode != "replicate":
         errors.append(
             f"parallel.mode: invalid value {p.mode!r} for engine {p.engine!r}; "
@@ -407,4 +448,9 @@ def config_warnings(job: JobConfig) -> list[str]:
         )
     if p.tp == 1 and p.loss_parallel:
         warnings.append("parallel.loss_parallel is only used with parallel.tp > 1")
+    if p.pp == 1 and (p.microbatches is not None or p.pp_stages_per_rank is not None):
+        warnings.append(
+            "parallel.microbatches and parallel.pp_stages_per_rank are only used with "
+            "parallel.pp > 1"
+        )
     return warnings

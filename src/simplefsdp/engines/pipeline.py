@@ -1,0 +1,371 @@
+"""Pipeline parallelism over the engines: stages that are sharded (and compiled)
+by an engine and run by torch's own schedules (``torch.distributed.pipelining``).
+
+:func:`parallelize_pipeline` splits a model into stages with a user
+``split_fn`` (for Llama 3, :func:`simplefsdp.models.llama3.pipeline_split`),
+parallelises each stage of this rank with :func:`~.parallelize.parallelize` on
+the job's mesh without its ``"pp"`` dim, and builds the schedule. The
+:class:`PipelinedModel` it returns runs one step (:meth:`PipelinedModel.step`)
+and exposes the rank's stages as one module under the whole model's names
+(:attr:`PipelinedModel.module`) for the optimizer, gradient clipping and
+distributed checkpoints, so checkpoints move between pipeline layouts.
+
+Note: [Gradient reduction once per pipeline step]
+    A pipeline schedule runs every micro-batch's forward before the
+    backwards of the earlier ones finish (GPipe: all forwards first; 1F1B:
+    the last forward before the last few backwards), so the last
+    micro-batch's forward cannot carry the other micro-batches' gradients
+    into its reduction, which is what ``simplefsdp.no_sync`` relies on. For
+    engine ``simplefsdp`` (compiled or not) the whole schedule step runs
+    inside ``no_sync`` of each stage: every backward sums its unreduced
+    gradient on the rank; after the step :func:`simplefsdp.reduce_accumulated`
+    reduces each parameter's sum once (a read whose backward gets the sum:
+    one all-gather and one reduce-scatter per parameter and step, uncompiled,
+    instead of a reduce-scatter per micro-batch). For ``fsdp2`` torch's
+    stages call ``set_requires_gradient_sync`` themselves. Losses are scaled
+    by ``1 / micro-batches`` in the loss function (``scale_grads=False``), so
+    every engine gets the mean over micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from simplefsdp.engines.distributed import pipeline_mesh, stage_mesh
+from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, ParallelModel
+from simplefsdp.engines.parallelize import EngineSpec, InitFn, TensorParallelFn, parallelize
+
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "PP_ENGINES",
+    "PipelineSpec",
+    "PipelinedModel",
+    "parallelize_pipeline",
+    "stage_view",
+]
+
+#: ``parallel.pp_schedule`` names -> (torch schedule class, stages per rank > 1)
+PIPELINE_SCHEDULES: dict[str, tuple[str, bool]] = {
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+}
+#: Engines whose stages can be pipelined.
+PP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
+
+#: split_fn(model, stage_ids, num_stages) -> one module per stage id
+SplitFn = Callable[[nn.Module, Sequence[int], int], list[nn.Module]]
+
+
+@dataclass
+class PipelineSpec:
+    """How to pipeline a model.
+
+    Attributes:
+        pp: pipeline ranks (the mesh's ``"pp"`` dim).
+        schedule: one of :data:`PIPELINE_SCHEDULES`.
+        microbatches: micro-batches per step (the batch must divide by it).
+        stages_per_rank: stages each rank holds (``None``: 2 for interleaved
+            schedules, else 1); interleaved schedules need >= 2, the others 1.
+    """
+
+    pp: int
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    stages_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"pp must be an int >= 1, got {self.pp!r}")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"unknown pipeline schedule {self.schedule!r}; valid: "
+                + ", ".join(PIPELINE_SCHEDULES)
+            )
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        interleaved = PIPELINE_SCHEDULES[self.schedule][1]
+        if self.stages_per_rank is None:
+            self.stages_per_rank = 2 if interleaved else 1
+        if interleaved and self.stages_per_rank < 2:
+            raise ValueError(
+                f"schedule {self.schedule!r} needs stages_per_rank >= 2, got {self.stages_per_rank}"
+            )
+        if not interleaved and self.stages_per_rank != 1:
+            raise ValueError(
+                f"schedule {self.schedule!r} runs one stage per rank, got stages_per_rank "
+                f"{self.stages_per_rank}; use 'interleaved_1f1b' for more"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        assert self.stages_per_rank is not None
+        return self.pp * self.stages_per_rank
+
+
+def stage_view(parts: Sequence[nn.Module]) -> nn.Module:
+    """One module holding ``parts``' submodules under the whole model's names.
+
+    The parts are copies of one model that each keep some children (for
+    Llama 3, layers under their original keys of ``layers``, the embedding on
+    the first stage and the head on the last): children of the same name
+    that are ``nn.ModuleDict`` are merged, others must be held by one part.
+    ``view.parameters()`` are the parts' own parameters, and
+    ``view.state_dict()`` has the same keys as the unsplit model's, so
+    optimizers and distributed checkpoints see one model.
+
+    Raises:
+        ValueError: two parts hold a child of the same name that is not a
+            ``ModuleDict``, or a part holds parameters of its own.
+    """
+    view = nn.Module()
+    for part in parts:
+        if any(p is not None for p in part._parameters.values()):
+            raise ValueError(
+                f"stage {type(part).__name__} holds parameters outside its submodules "
+                f"({', '.join(part._parameters)}); stage_view merges submodules only"
+            )
+        for name, child in part.named_children():
+            existing = view._modules.get(name)
+            if isinstance(child, nn.ModuleDict):
+                if existing is None:
+                    existing = nn.ModuleDict()
+                    view.add_module(name, existing)
+                for key, sub in child.items():
+                    existing[key] = sub
+            elif existing is not None:
+                raise ValueError(f"two pipeline stages hold the same submodule {name!r}")
+            else:
+                view.add_module(name, child)
+    return view
+
+
+class PipelinedModel:
+    """This rank's pipeline stages, each an engine's :class:`ParallelModel`, and
+    the schedule that runs them (see :func:`parallelize_pipeline`).
+
+    Attributes:
+        parts: one :class:`ParallelModel` per stage of this rank.
+        stage_ids: the stages' indices (model order).
+        num_stages: stages in the whole pipeline.
+        module: :func:`stage_view` of the parts (optimizer, clipping, checkpoints).
+        engine: the engine's name.
+        mesh: the data-parallel mesh of the stages.
+        tp_mesh: the tensor-parallel mesh (``None`` without TP).
+        pp_mesh: the pipeline mesh.
+        spec: the :class:`PipelineSpec`.
+        compiled: whether the stages are compiled.
+        has_first / has_last: this rank holds the first / last stage (it
+            feeds the inputs / computes the loss).
+    """
+
+    def __init__(
+        self,
+        parts: list[ParallelModel],
+        stage_ids: list[int],
+        spec: PipelineSpec,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        self.parts = parts
+        self.stage_ids = stage_ids
+        self.spec = spec
+        self.num_stages = spec.num_stages
+        self.pp_mesh = pp_mesh
+        self.engine = parts[0].engine
+        self.mesh = parts[0].mesh
+        self.tp_mesh = parts[0].tp_mesh
+        self.compiled = parts[0].compiled
+        self.notes = parts[0].notes
+        self.module = stage_view([p.module for p in parts])
+        self.has_first = 0 in stage_ids
+        self.has_last = self.num_stages - 1 in stage_ids
+        self._loss_fn = loss_fn
+        self._scale = 1.0
+        stages = [
+            PipelineStage(
+                p.forward if isinstance(p.forward, nn.Module) else p.module,
+                stage_id,
+                self.num_stages,
+                device,
+                group=pp_mesh.get_group(),
+            )
+            for stage_id, p in zip(stage_ids, parts)
+        ]
+        cls = getattr(schedules, PIPELINE_SCHEDULES[spec.schedule][0])
+        self.schedule = cls(
+            stages if PIPELINE_SCHEDULES[spec.schedule][1] else stages[0],
+            n_microbatches=spec.microbatches,
+            loss_fn=self._scaled_loss,
+            scale_grads=False,
+        )
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, target) * self._scale
+
+    @contextlib.contextmanager
+    def compile_context(self) -> Iterator[None]:
+        """The parts' Inductor patches (see :meth:`ParallelModel.compile_context`)."""
+        with self.parts[0].compile_context():
+            yield
+
+    @contextlib.contextmanager
+    def _accumulating(self, enabled: bool) -> Iterator[None]:
+        if not enabled:
+            yield
+            return
+        from simplefsdp.frontend.accumulation import no_sync
+
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(no_sync(part.module))
+            yield
+
+    def step(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        scale: float = 1.0,
+        sync: bool = True,
+    ) -> torch.Tensor | None:
+        """One forward and backward of the pipeline over ``spec.microbatches``
+        micro-batches of ``inputs``; gradients go to ``param.grad``.
+
+        Every pipeline rank of one data-parallel replica calls it with the
+        same batch (the first stage reads ``inputs``, the last ``targets``).
+
+        Args:
+            scale: multiplies the loss (e.g. ``1 / grad_accum_steps``); the
+                mean over micro-batches is applied on top.
+            sync: reduce the gradients after this step (``False``: keep
+                summing them on the rank, for gradient accumulation over
+                several steps; the next ``sync=True`` step reduces all).
+
+        Returns:
+            On a rank holding the last stage, the scaled mean loss of the
+            micro-batches (detached); elsewhere ``None``.
+        """
+        self._scale = scale / self.spec.microbatches
+        losses: list[torch.Tensor] = []
+        accumulate = self.engine == "simplefsdp"
+        args = (inputs,) if self.has_first else ()
+        with self._accumulating(accumulate):
+            if self.engine == "fsdp2" and not sync:
+                for part in self.parts:
+                    part.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+            try:
+                self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
+            finally:
+                if self.engine == "fsdp2" and not sync:
+                    for part in self.parts:
+                        part.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+        if accumulate and sync:
+            from simplefsdp.frontend.accumulation import reduce_accumulated
+
+            for part in self.parts:
+                reduce_accumulated(part.module)
+        if not self.has_last:
+            return None
+        return torch.stack([_plain(loss).detach() for loss in losses]).sum()
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> Any:
+        """The mean loss of a forward-only pass (last stage; ``None`` elsewhere).
+
+        Raises:
+            NotImplementedError: this torch's schedules have no ``eval``.
+        """
+        if not hasattr(self.schedule, "eval"):
+            raise NotImplementedError("this torch's pipeline schedules cannot evaluate")
+        self._scale = 1.0 / self.spec.microbatches
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.schedule.eval(*args, target=targets if self.has_last else None, losses=losses)
+        if not self.has_last:
+            return None
+        return torch.stack([_plain(loss).detach() for loss in losses]).sum()
+
+    def collective_summary(self) -> dict | None:
+        """The parts' :meth:`ParallelModel.collective_summary`, counts added."""
+        summaries = [s for s in (p.collective_summary() for p in self.parts) if s is not None]
+        if not summaries:
+            return None
+        counts = {k: sum(s["counts"][k] for s in summaries) for k in COLLECTIVE_KINDS}
+        return {
+            "counts": counts,
+            "predicted": None,
+            "predicted_step_time_s": None,
+            "predicted_peak_mem_bytes": None,
+        }
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def parallelize_pipeline(
+    model: nn.Module,
+    spec: EngineSpec,
+    pipeline: PipelineSpec,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    split_fn: SplitFn,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    init_fn: InitFn | None = None,
+    tp_fn: TensorParallelFn | None = None,
+) -> PipelinedModel:
+    """Split ``model`` into stages and parallelise this rank's with ``spec``.
+
+    Args:
+        model: the whole model, best on the meta device (each stage is a copy).
+        spec: the engine spec each stage gets (engines :data:`PP_ENGINES`).
+        pipeline: the schedule, micro-batches and stages per rank.
+        mesh: the job's mesh with a ``"pp"`` dim of size ``pipeline.pp``
+            (``simplefsdp.engines.build_mesh(..., pp=...)``).
+        device: the training device.
+        split_fn: ``split_fn(model, stage_ids, num_stages)``, one module per
+            stage id (e.g. :func:`simplefsdp.models.llama3.pipeline_split`).
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch, a mean.
+        init_fn / tp_fn: as for :func:`~.parallelize.parallelize`, per stage.
+
+    Raises:
+        ValueError: an engine that cannot be pipelined, or a mesh whose
+            ``"pp"`` dim does not match ``pipeline.pp``.
+    """
+    if spec.engine not in PP_ENGINES:
+        raise ValueError(
+            f"engine {spec.engine!r} does not compose with pipeline parallelism; "
+            f"valid engines with pp > 1: {', '.join(PP_ENGINES)}"
+        )
+    pp_mesh = pipeline_mesh(mesh)
+    pp_size = pp_mesh.size() if pp_mesh is not None else 1
+    if pp_mesh is None or pp_size != pipeline.pp:
+        raise ValueError(
+            f"the mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} has a pipeline size of "
+            f"{pp_size} but pipeline.pp is {pipeline.pp}; build it with "
+            f"build_mesh(..., pp={pipeline.pp})"
+        )
+    assert pipeline.stages_per_rank is not None
+    # torch's "loop" placement, as simplefsdp.models.llama3.stage_ids_for_rank
+    pp_rank = pp_mesh.get_local_rank()
+    stage_ids = [pp_rank + k * pipeline.pp for k in range(pipeline.stages_per_rank)]
+    modules = split_fn(model, stage_ids, pipeline.num_stages)
+    rest = stage_mesh(mesh)
+    parts = [
+        parallelize(module, spec, rest, device, init_fn=init_fn, tp_fn=tp_fn) for module in modules
+    ]
+    return PipelinedModel(parts, stage_ids, pipeline, pp_mesh, device, loss_fn)
