@@ -10,8 +10,6 @@ corpus, checkpoints every 2 steps); rank 1 is killed by the test-only hook
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,25 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_runs import losses, small_args, train_env
 from simplefsdp.testing.faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
 KILL_AT = 3  # after the checkpoint of step 2: the restart resumes from step 2
-SMALL = [
-    "--data.max_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "2",
-    "--training.warmup_steps", "2", "--training.lr", "3e-3", "--training.steps", str(STEPS),
-    "--metrics.log_interval", "1", "--metrics.val_interval", "0", "--compile.enable", "false",
-    "--checkpoint.interval", "2",
-]  # fmt: skip
+SMALL = small_args(STEPS)
 TIMEOUT_S = 240
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # restarts must work without it
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _train(cwd: Path, name: str, *, launcher: str = "simplefsdp", extra=(), env=None):
@@ -49,7 +37,7 @@ def _train(cwd: Path, name: str, *, launcher: str = "simplefsdp", extra=(), env=
     else:
         cmd = [sys.executable, "-m", "simplefsdp.cli", "train", *args]
     return subprocess.run(
-        cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        cmd, cwd=cwd, env=env or train_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
 
 
@@ -70,13 +58,6 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _losses(path: Path) -> dict[int, float]:
-    """Loss per step; a step logged twice (before and after a restart) keeps the last.
-    Event records (``run_started``, ``run_resumed``) carry no loss."""
-    records = map(json.loads, path.read_text().splitlines())
-    return {r["step"]: r["loss"] for r in records if "event" not in r}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run."""
@@ -93,7 +74,7 @@ def test_sigkill_of_a_rank_restarts_and_matches_the_uninterrupted_run(reference,
     name = f"killed-{launcher}"
     extra = ["--max-restarts", "1"] if launcher == "simplefsdp" else []
     proc = _train(
-        cwd, name, launcher=launcher, extra=extra, env=_env(**{KILL_AT_STEP_ENV: str(KILL_AT)})
+        cwd, name, launcher=launcher, extra=extra, env=train_env(**{KILL_AT_STEP_ENV: str(KILL_AT)})
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert (cwd / name / DEFAULT_KILL_MARKER).is_file()  # rank 1 was killed ...
@@ -104,7 +85,7 @@ def test_sigkill_of_a_rank_restarts_and_matches_the_uninterrupted_run(reference,
     assert got.keys() == want.keys() and any(k.endswith("exp_avg_sq") for k in got)
     for key, tensor in want.items():
         assert torch.equal(got[key], tensor), key  # bitwise
-    assert _losses(cwd / name / "metrics.jsonl") == _losses(cwd / "ref" / "metrics.jsonl")
+    assert losses(cwd / name / "metrics.jsonl") == losses(cwd / "ref" / "metrics.jsonl")
 
 
 def test_export_of_a_truncated_checkpoint_is_a_one_line_error(reference, tmp_path):
@@ -114,7 +95,7 @@ def test_export_of_a_truncated_checkpoint_is_a_one_line_error(reference, tmp_pat
     shard.write_bytes(shard.read_bytes()[:-10])
     cmd = [sys.executable, "-m", "simplefsdp.cli", "export", "--checkpoint", str(damaged),
            "--out", str(tmp_path / "x.safetensors")]  # fmt: skip
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(shard) in lines[0] and "truncated" in lines[0], proc.stderr

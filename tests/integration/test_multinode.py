@@ -30,25 +30,15 @@ from pathlib import Path
 
 import pytest
 
+from cli_runs import losses, small_args, train_env
 from simplefsdp.testing.faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV, KILL_RANK_ENV
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
 KILL_AT = 3  # after the checkpoint of step 2: the restart resumes from step 2
-SMALL = [
-    "--data.max_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "2",
-    "--training.warmup_steps", "2", "--training.lr", "3e-3", "--training.steps", str(STEPS),
-    "--metrics.log_interval", "1", "--metrics.val_interval", "0", "--compile.enable", "false",
-    "--checkpoint.interval", "2",
-]  # fmt: skip
+SMALL = small_args(STEPS)
 TIMEOUT_S = 150  # per two-node run; a hung rendezvous or collective fails the test
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # restarts must work without it
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _free_port() -> int:
@@ -114,7 +104,7 @@ def _two_nodes(cwd: Path, name: str, extra: list[str], *, restarts: int = 0, env
                     subprocess.Popen(
                         cmd,
                         cwd=cwd,
-                        env=env or _env(),
+                        env=env or train_env(),
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
@@ -140,11 +130,6 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _losses(path: Path) -> dict[int, float]:
-    """Loss per step; a step logged twice (before and after a restart) keeps the last."""
-    return {r["step"]: r["loss"] for r in _records(path) if "event" not in r}
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """One working directory for both nodes (a shared file system)."""
@@ -160,13 +145,13 @@ def fully_shard(workdir):
 def _check_trained(cwd: Path, name: str) -> dict[int, float]:
     records = _records(cwd / name / "metrics.jsonl")
     assert records[0]["event"] == "run_started" and records[0]["world_size"] == 2
-    losses = _losses(cwd / name / "metrics.jsonl")
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses[1] > 5.5
-    assert max(losses[STEPS - 1], losses[STEPS]) < losses[1] - 1.0, losses
+    trained = losses(cwd / name / "metrics.jsonl")
+    assert sorted(trained) == list(range(1, STEPS + 1))
+    assert trained[1] > 5.5
+    assert max(trained[STEPS - 1], trained[STEPS]) < trained[1] - 1.0, trained
     manifest = json.loads((cwd / name / "ck" / f"step-{STEPS}" / "manifest.json").read_text())
     assert manifest["step"] == STEPS and manifest["world_size"] == 2
-    return losses
+    return trained
 
 
 def test_hybrid_shard_replicates_across_two_nodes(workdir):
@@ -189,7 +174,7 @@ def test_sigkill_on_one_node_restarts_both_and_resumes(workdir, fully_shard):
     # As examples/slurm/train.sbatch: a fresh TCPStore per rendezvous round, since
     # the agents' restart counts differ (a node restarted for a peer's failure
     # does not count it); LOGLEVEL=INFO shows the agents' restart decisions.
-    env = _env(
+    env = train_env(
         **{KILL_AT_STEP_ENV: str(KILL_AT), KILL_RANK_ENV: "1"},
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         LOGLEVEL="INFO",
@@ -207,6 +192,6 @@ def test_sigkill_on_one_node_restarts_both_and_resumes(workdir, fully_shard):
     assert events == [("run_started", 0, 2), ("run_resumed", 2, 2)], events
     steps = [r["step"] for r in records if "event" not in r]
     assert steps == list(range(1, STEPS + 1)), steps  # step 3 died before its log
-    assert _losses(workdir / "killed" / "metrics.jsonl") == _losses(
+    assert losses(workdir / "killed" / "metrics.jsonl") == losses(
         workdir / "fsdp" / "metrics.jsonl"
     )

@@ -4,7 +4,6 @@ then the run resumed from its checkpoint on another layout (dp2, no TP)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,35 +11,25 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from cli_runs import losses, small_args, train_env
 
-SMALL = [
-    "--data.max_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "2",
-    "--training.warmup_steps", "2", "--training.lr", "3e-3", "--compile.enable", "false",
-    "--metrics.log_interval", "1", "--metrics.val_interval", "0",
-    "--training.steps", "4", "--checkpoint.interval", "2",
-]  # fmt: skip
+pytestmark = pytest.mark.slow
 
 
 def _train(cwd: Path, name: str, extra: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "simplefsdp.cli", "train", *SMALL,
+    cmd = [sys.executable, "-m", "simplefsdp.cli", "train", *small_args(4),
            "--metrics.output_dir", name, "--checkpoint.folder", f"{name}/ck", *extra]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
-
-
-def _losses(path: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "event" not in r}
 
 
 def test_tp_run_resumes_on_another_layout(tmp_path):
     proc = _train(tmp_path, "tp", ["--nproc", "4", "--parallel.tp", "2"])
     assert "starting 4 processes on cpu" in proc.stdout
-    two_d = _losses(tmp_path / "tp" / "metrics.jsonl")
+    two_d = losses(tmp_path / "tp" / "metrics.jsonl")
     assert sorted(two_d) == [1, 2, 3, 4] and two_d[4] < two_d[1]
     state = json.loads((tmp_path / "tp" / "ck" / "step-2" / "trainer_state.json").read_text())
     # a TP group reads one batch: the loader advanced by the 2 data-parallel ranks only
@@ -50,7 +39,7 @@ def test_tp_run_resumes_on_another_layout(tmp_path):
     shutil.copytree(tmp_path / "tp" / "ck" / "step-2", tmp_path / "dp" / "ck" / "step-2")
     proc = _train(tmp_path, "dp", ["--nproc", "2", "--resume"])
     assert "steps          2 -> 4" in proc.stdout
-    resumed = _losses(tmp_path / "dp" / "metrics.jsonl")
+    resumed = losses(tmp_path / "dp" / "metrics.jsonl")
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):  # same math, TP's reduction order: fp32 tolerance
         assert resumed[step] == pytest.approx(two_d[step], rel=1e-4), (resumed, two_d)

@@ -1,0 +1,35 @@
+"""Shared pieces of the tests that run ``simplefsdp train`` as a subprocess.
+
+A small run: 300 kB of the stdlib corpus, the debug model, eager, every step
+logged, no validation, a checkpoint every 2 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def small_args(steps: int) -> list[str]:
+    """Arguments of a small run of ``steps`` steps."""
+    return [
+        "--data.max_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "2",
+        "--training.warmup_steps", "2", "--training.lr", "3e-3", "--training.steps", str(steps),
+        "--metrics.log_interval", "1", "--metrics.val_interval", "0", "--compile.enable", "false",
+        "--checkpoint.interval", "2",
+    ]  # fmt: skip
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    """This process's environment without a launcher's variables, one thread per rank."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # restarts must work without it
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def losses(path: Path, key: str = "loss") -> dict[int, float]:
+    """``key`` per step of a metrics file; a step logged twice (before and after a
+    restart) keeps the last. Event records (``run_started``, ...) are skipped."""
+    records = map(json.loads, Path(path).read_text().splitlines())
+    return {r["step"]: r[key] for r in records if "event" not in r and key in r}
