@@ -109,3 +109,23 @@ def test_parallelize_pipeline_refuses_other_engines_and_meshes():
             split_fn=None,  # type: ignore[arg-type]
             loss_fn=None,  # type: ignore[arg-type]
         )
+
+
+def test_bench_pipeline_arguments():
+    from simplefsdp.bench.cli import _build_parser, build_spec
+    from simplefsdp.bench.configs import resolve_configs
+
+    def spec(*argv):
+        return build_spec(_build_parser().parse_args(["--nproc", "4", *argv]))
+
+    s = spec("--pp", "2", "--pp-schedule", "gpipe")
+    assert (s.pp, s.pp_schedule, s.microbatches) == (2, "gpipe", 2)
+    with pytest.raises(ValueError, match="--microbatches 3 does not divide the per-rank batch 4"):
+        spec("--pp", "2", "--microbatches", "3")
+    with pytest.raises(ValueError, match="needs 8 stages but the workload's model has 4 layers"):
+        spec("--pp", "4", "--pp-schedule", "interleaved_1f1b")
+    with pytest.raises(ValueError, match="valid pipeline-parallel sizes for 4 ranks: 1, 2, 4"):
+        spec("--pp", "3", "--microbatches", "1")
+    with pytest.raises(ValueError, match="does not run with --pp 2"):
+        resolve_configs("ddp", pp=2)
+    assert {c.engine for c in resolve_configs("all", pp=2)} == {"simplefsdp", "fsdp2"}

@@ -78,6 +78,22 @@ def _build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel size: the Llama 3 TP plan (sequence parallel) on a (nproc/tp, tp) "
         "mesh; runs the fsdp2 and simplefsdp configurations only (default 1)",
     )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel size: the Llama 3 layers split into stages over the outermost "
+        "mesh dim, run by torch's schedules; fsdp2 and simplefsdp configurations only (default 1)",
+    )
+    parser.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        choices=("gpipe", "1f1b", "interleaved_1f1b"),
+        help="pipeline schedule with --pp > 1 (default 1f1b; interleaved: 2 stages per rank)",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=None, help="micro-batches per step (default: --pp)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured steps")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (>= 1)")
     parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch")
@@ -149,9 +165,41 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         _check_tp(args.tp, nproc, workload)
     elif args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.pp < 1:
+        raise ValueError(f"--pp must be >= 1, got {args.pp}")
+    microbatches = args.microbatches if args.microbatches is not None else args.pp
+    if args.pp > 1:
+        _check_pp(args.pp, args.pp_schedule, microbatches, nproc, args.tp, workload)
     return BenchSpec(
-        workload=workload, nproc=nproc, seed=args.seed, timeout_s=args.timeout, tp=args.tp
+        workload=workload,
+        nproc=nproc,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        tp=args.tp,
+        pp=args.pp,
+        pp_schedule=args.pp_schedule,
+        microbatches=microbatches,
     )
+
+
+def _check_pp(pp: int, schedule: str, microbatches: int, nproc: int, tp: int, workload) -> None:
+    """``--pp`` must divide the ranks, the stages the layers, micro-batches the batch."""
+    from simplefsdp.engines import PipelineSpec, mesh_shape_for
+    from simplefsdp.models.llama3 import get_config
+
+    mesh_shape_for("simplefsdp", "fully_shard", nproc, tp=tp, pp=pp)
+    stages = PipelineSpec(pp, schedule, microbatches=microbatches).num_stages
+    n_layers = get_config(workload.model, **workload.model_overrides).n_layers
+    if stages > n_layers:
+        raise ValueError(
+            f"--pp {pp} with {schedule} needs {stages} stages but the workload's model has "
+            f"{n_layers} layers"
+        )
+    if workload.batch_size % microbatches:
+        raise ValueError(
+            f"--microbatches {microbatches} does not divide the per-rank batch "
+            f"{workload.batch_size}"
+        )
 
 
 def _check_tp(tp: int, nproc: int, workload: Any) -> None:
@@ -268,7 +316,10 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
         "batch_size": workload.batch_size,
         "seq_len": workload.seq_len,
         "tp": spec.tp,
-        "tokens_per_step_per_rank": workload.batch_size * workload.seq_len / spec.tp,
+        "pp": spec.pp,
+        "pp_schedule": spec.pp_schedule if spec.pp > 1 else None,
+        "microbatches": spec.microbatches if spec.pp > 1 else None,
+        "tokens_per_step_per_rank": workload.batch_size * workload.seq_len / (spec.tp * spec.pp),
         "steps": workload.steps,
         "warmup": workload.warmup,
         "seed": spec.seed,
@@ -291,8 +342,8 @@ def run_bench(
     comm_only = comm_only_error = None
     load_avg_1m: list[float] = []
     # The comm-only replay models data-parallel flat buffers over all ranks;
-    # with tensor parallelism that is not the step's communication.
-    extra = [COMM_ONLY] if spec.tp == 1 else []
+    # with tensor or pipeline parallelism that is not the step's communication.
+    extra = [COMM_ONLY] if spec.tp == 1 and spec.pp == 1 else []
     for i, config in enumerate([*configs, *extra]):
         t0 = time.perf_counter()
         # Other processes on the machine slow every measurement: record it.
@@ -342,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = _build_parser().parse_args(argv)
     try:
-        configs = resolve_configs(args.configs, tp=args.tp)
+        configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp)
         spec = build_spec(args)
     except ValueError as exc:
         print(f"simplefsdp bench: error: {_one_line(exc)}", file=sys.stderr)

@@ -74,7 +74,7 @@ class BenchConfig:
 
     @property
     def supports_tp(self) -> bool:
-        """Whether the configuration runs with ``--tp > 1``."""
+        """Whether the configuration runs with ``--tp > 1`` (and ``--pp > 1``)."""
         return self.engine in TP_ENGINES
 
     def engine_spec(self, tp: int = 1) -> Any:
@@ -173,19 +173,22 @@ DEFAULT_CONFIGS: tuple[str, ...] = tuple(CONFIGS)
 
 
 def resolve_configs(
-    names: str | list[str] | tuple[str, ...] | None, tp: int = 1
+    names: str | list[str] | tuple[str, ...] | None, tp: int = 1, pp: int = 1
 ) -> list[BenchConfig]:
     """The configurations named by ``--configs`` (comma-separated or a list).
 
-    ``None`` or ``"all"`` selects every public configuration (with ``tp > 1``,
-    every one that composes with tensor parallelism); the order given is kept
-    and duplicates are dropped.
+    ``None`` or ``"all"`` selects every public configuration (with ``tp > 1``
+    or ``pp > 1``, every one that composes with tensor and pipeline
+    parallelism: the engines ``simplefsdp`` and ``fsdp2``); the order given
+    is kept and duplicates are dropped.
 
     Raises:
         ValueError: an unknown name (the message lists the valid names), a
-            configuration that does not run with ``tp > 1``, or an empty
-            selection.
+            configuration that does not run with ``tp > 1`` or ``pp > 1``,
+            or an empty selection.
     """
+    flag = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
+    tp = max(tp, pp)  # the same engines compose with both
     if names is None or names == "all":
         return [CONFIGS[n] for n in DEFAULT_CONFIGS if tp == 1 or CONFIGS[n].supports_tp]
     if isinstance(names, str):
@@ -203,8 +206,8 @@ def resolve_configs(
         if tp > 1 and not config.supports_tp:
             valid = [n for n in DEFAULT_CONFIGS if CONFIGS[n].supports_tp]
             raise ValueError(
-                f"configuration {name!r} (engine {config.engine}) does not run with --tp {tp}; "
-                f"configurations with tensor parallelism: {', '.join(valid)}"
+                f"configuration {name!r} (engine {config.engine}) does not run with {flag}; "
+                f"configurations with tensor/pipeline parallelism: {', '.join(valid)}"
             )
         if config not in chosen:
             chosen.append(config)
@@ -294,7 +297,11 @@ class BenchSpec:
         data_max_bytes: bytes of the embedded stdlib corpus read.
         timeout_s: per-configuration time limit (also the process-group timeout).
         tp: tensor-parallel size (the Llama 3 plan with sequence parallelism);
-            the data-parallel ranks are ``nproc // tp``.
+            the data-parallel ranks are ``nproc // (tp * pp)``.
+        pp: pipeline-parallel size (``simplefsdp.models.llama3.pipeline_split``
+            stages run by torch's schedules).
+        pp_schedule: the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``).
+        microbatches: micro-batches per pipeline step (``None``: ``pp``).
     """
 
     workload: Workload
@@ -303,6 +310,9 @@ class BenchSpec:
     data_max_bytes: int = 1_000_000
     timeout_s: float = 900.0
     tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

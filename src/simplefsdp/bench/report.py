@@ -97,7 +97,11 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
     ranks = sorted(ranks, key=lambda r: r["rank"])
     per_step, first = _step_stats(ranks)
     median = statistics.median(per_step)
-    losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks))]
+    # A pipeline's loss exists on its last stage's ranks only (None elsewhere).
+    losses = [
+        statistics.fmean(v for v in step if v is not None)
+        for step in zip(*(r["losses"] for r in ranks))
+    ]
     row = _empty_row(config)
     row.update(
         ok=True,
@@ -105,10 +109,10 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
         step_time_s_min=min(per_step),
         step_time_s_max=max(per_step),
         step_times_s=per_step,
-        # a tensor-parallel group's ranks share their batch (as torchtitan counts)
+        # a tensor-parallel group's and a pipeline's ranks share their batch
         tokens_per_s_per_rank=workload.batch_size
         * workload.seq_len
-        / ranks[0].get("tp", 1)
+        / (ranks[0].get("tp", 1) * ranks[0].get("pp", 1))
         / median,
         peak_mem_bytes=_max_or_none([r["peak_mem_bytes"] for r in ranks]),
         mem_at_measure_start_bytes=_max_or_none([r["mem_at_measure_start_bytes"] for r in ranks]),
@@ -132,6 +136,10 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
     )
     for kind, key in _COUNT_FIELDS.items():
         row[key] = int(ranks[0]["collectives"].get(kind, 0))
+    if all(r.get("bubble_fractions") for r in ranks):
+        per_rank = [statistics.median(r["bubble_fractions"]) for r in ranks]
+        row["bubble_fraction_per_rank"] = per_rank
+        row["bubble_fraction"] = statistics.fmean(per_rank)
     return row
 
 
@@ -251,7 +259,10 @@ def format_table(result: dict) -> str:
     ranks = f"{env['world_size']} ranks" + (
         f" (dp {env['world_size'] // tp} x tp {tp})" if tp > 1 else ""
     )
-    per = "per data-parallel rank" if tp > 1 else "per rank"
+    pp = env.get("pp", 1)
+    if pp > 1:
+        ranks += f", pp {pp} ({env.get('pp_schedule')}, {env.get('microbatches')} micro-batches)"
+    per = "per data-parallel rank" if tp > 1 or pp > 1 else "per rank"
     lines = [
         f"simplefsdp bench: workload {env['workload']} ({env['model']}, {env['num_params']:,} "
         f"params), {ranks} on {env['device']}, batch {env['batch_size']} x "
@@ -272,8 +283,15 @@ def format_table(result: dict) -> str:
         )
     elif result.get("comm_only_error"):
         lines.append(f"comm-only: FAILED: {result['comm_only_error']}")
-    elif tp > 1:
-        lines.append("comm-only: not measured with tensor parallelism")
+    elif tp > 1 or pp > 1:
+        lines.append("comm-only: not measured with tensor or pipeline parallelism")
+    for row in result["configs"]:
+        if row.get("bubble_fraction") is not None:
+            per_rank = ", ".join(f"{b:.2f}" for b in row["bubble_fraction_per_rank"])
+            lines.append(
+                f"pipeline bubble {row['name']}: {row['bubble_fraction']:.2f} (ranks: {per_rank}; "
+                "share of the pipeline step outside this rank's stage compute)"
+            )
     if result.get("bound_s") is not None:
         lines.append(
             f"best any overlap could reach: max(limit, comm-only) = {result['bound_s']:.3f} s"

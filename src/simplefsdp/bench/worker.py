@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
@@ -48,11 +49,14 @@ from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines import (
     MemoryProbe,
     ParallelModel,
+    PipelinedModel,
+    PipelineSpec,
     build_mesh,
     data_parallel_rank,
     init_distributed,
     lower_mmap_threshold,
     parallelize,
+    parallelize_pipeline,
     pick_device,
 )
 
@@ -113,6 +117,46 @@ def _train_step(parallel: ParallelModel, optimizer, batch: Batch, device: torch.
     return float(loss.detach().item())
 
 
+def _pipeline_step(
+    pipe: PipelinedModel, optimizer, batch: Batch, device: torch.device
+) -> float | None:
+    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+    loss = pipe.step(inputs, targets)  # forward and backward of every micro-batch
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return None if loss is None else float(loss.item())
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _parallelize(
+    config: BenchConfig, spec: BenchSpec, model: nn.Module, mesh: DeviceMesh, device
+) -> ParallelModel | PipelinedModel:
+    tp_fn = None
+    if spec.tp > 1:
+        from simplefsdp.models.llama3 import apply_tensor_parallel
+
+        tp_fn = apply_tensor_parallel  # sequence parallel on, loss parallel off
+    if spec.pp == 1:
+        return parallelize(model, config.engine_spec(spec.tp), mesh, device, tp_fn=tp_fn)
+    from simplefsdp.models.llama3 import pipeline_split
+
+    pipeline = PipelineSpec(spec.pp, spec.pp_schedule, microbatches=spec.microbatches or spec.pp)
+    return parallelize_pipeline(
+        model,
+        config.engine_spec(spec.tp),
+        pipeline,
+        mesh,
+        device,
+        split_fn=pipeline_split,
+        loss_fn=_cross_entropy,
+        tp_fn=tp_fn,
+        measure_times=True,
+    )
+
+
 def _run_training(
     config: BenchConfig,
     spec: BenchSpec,
@@ -124,16 +168,19 @@ def _run_training(
     workload = spec.workload
     probe = MemoryProbe(device)
     model = build_model(workload, spec.seed)
-    tp_fn = None
-    if spec.tp > 1:
-        from simplefsdp.models.llama3 import apply_tensor_parallel
-
-        tp_fn = apply_tensor_parallel  # sequence parallel on, loss parallel off
-    parallel = parallelize(model, config.engine_spec(spec.tp), mesh, device, tp_fn=tp_fn)
+    num_params = sum(p.numel() for p in model.parameters())
+    parallel = _parallelize(config, spec, model, mesh, device)
+    del model  # pipeline stages are copies
     optimizer = torch.optim.AdamW(
         parallel.module.parameters(), lr=workload.lr * config.lr_scale, weight_decay=0.0
     )
-    warmup_s, step_s, losses = [], [], []
+    if isinstance(parallel, PipelinedModel):
+        pipe = parallel
+        step_fn = functools.partial(_pipeline_step, pipe, optimizer, device=device)
+    else:
+        pipe = None
+        step_fn = functools.partial(_train_step, parallel, optimizer, device=device)
+    warmup_s, step_s, losses, bubbles = [], [], [], []
     state: int | None = None
     dist.barrier()
     with parallel.compile_context():
@@ -141,15 +188,16 @@ def _run_training(
             if i == workload.warmup:
                 state = state_bytes(parallel.module, optimizer)
                 probe.reset()
-            seconds, loss = timed(
-                lambda i=i: _train_step(parallel, optimizer, batches[i], device), device
-            )
+            seconds, loss = timed(lambda i=i: step_fn(batch=batches[i]), device)
             (warmup_s if i < workload.warmup else step_s).append(seconds)
             losses.append(loss)
+            if pipe is not None and i >= workload.warmup:
+                bubbles.append(pipe.times.bubble_fraction)
         peak = probe.peak_bytes()
-        profiled = count_collectives(lambda: _train_step(parallel, optimizer, batches[-1], device))
+        profiled = count_collectives(lambda: step_fn(batch=batches[-1]))
     summary = parallel.collective_summary() if config.compiled else None
     return {
+        "bubble_fractions": bubbles or None,
         "warmup_times_s": warmup_s,
         "step_times_s": step_s,
         "losses": losses,
@@ -164,7 +212,7 @@ def _run_training(
         "predicted": summary["predicted"] if summary else None,
         "predicted_step_time_s": summary["predicted_step_time_s"] if summary else None,
         "predicted_peak_mem_bytes": summary["predicted_peak_mem_bytes"] if summary else None,
-        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_params": num_params,
         "notes": parallel.notes,
     }
 
@@ -182,12 +230,13 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
     """Run ``config`` on this rank (process group from torchrun's environment)."""
     device = pick_device()
     rank, world_size = init_distributed(device, datetime.timedelta(seconds=spec.timeout_s))
-    mesh = build_mesh("simplefsdp", "fully_shard", device.type, world_size, tp=spec.tp)
+    mesh = build_mesh("simplefsdp", "fully_shard", device.type, world_size, tp=spec.tp, pp=spec.pp)
     result = {
         "config": config.name,
         "rank": rank,
         "world_size": world_size,
         "tp": spec.tp,
+        "pp": spec.pp,
         "device": str(device),
     }
     try:
@@ -199,7 +248,7 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
             import torch._inductor.compile_fx  # noqa: F401
 
             workload = spec.workload
-            # The ranks of a tensor-parallel group read the same batches.
+            # The ranks of a tensor-parallel group and of a pipeline read the same batches.
             dp_rank, dp_size = data_parallel_rank(mesh)
             batches = build_batches(spec, dp_rank, dp_size, workload.warmup + workload.steps + 1)
             result.update(_run_training(config, spec, mesh, device, batches))

@@ -30,6 +30,8 @@ Note: [Gradient reduction once per pipeline step]
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,7 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "PP_ENGINES",
     "PipelineSpec",
+    "PipelineTimes",
     "PipelinedModel",
     "parallelize_pipeline",
     "stage_view",
@@ -147,6 +150,26 @@ def stage_view(parts: Sequence[nn.Module]) -> nn.Module:
     return view
 
 
+@dataclass
+class PipelineTimes:
+    """Wall-clock seconds of this rank's last :meth:`PipelinedModel.step`.
+
+    Attributes:
+        step_s: the whole step (schedule and gradient reduction).
+        busy_s: inside this rank's stages' forward and backward computations
+            (their data-parallel collectives included) and the gradient
+            reduction after the schedule.
+    """
+
+    step_s: float = 0.0
+    busy_s: float = 0.0
+
+    @property
+    def bubble_fraction(self) -> float | None:
+        """The share of the step this rank waited on its pipeline neighbours."""
+        return None if self.step_s <= 0 else max(0.0, 1.0 - self.busy_s / self.step_s)
+
+
 class PipelinedModel:
     """This rank's pipeline stages, each an engine's :class:`ParallelModel`, and
     the schedule that runs them (see :func:`parallelize_pipeline`).
@@ -164,6 +187,9 @@ class PipelinedModel:
         compiled: whether the stages are compiled.
         has_first / has_last: this rank holds the first / last stage (it
             feeds the inputs / computes the loss).
+        times: the last step's :class:`PipelineTimes`, measured when
+            ``measure_times`` (on CUDA each stage computation then
+            synchronises the device, which costs overlap).
     """
 
     def __init__(
@@ -174,6 +200,8 @@ class PipelinedModel:
         pp_mesh: DeviceMesh,
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        measure_times: bool = False,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -192,6 +220,9 @@ class PipelinedModel:
         self.has_last = self.num_stages - 1 in stage_ids
         self._loss_fn = loss_fn
         self._scale = 1.0
+        self._device = device
+        self.measure_times = measure_times
+        self.times = PipelineTimes()
         stages = [
             PipelineStage(
                 p.forward if isinstance(p.forward, nn.Module) else p.module,
@@ -202,6 +233,12 @@ class PipelinedModel:
             )
             for stage_id, p in zip(stage_ids, parts)
         ]
+        for stage in stages:  # the schedule calls these per micro-batch
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                method = getattr(stage, name, None)
+                if method is not None:
+                    setattr(stage, name, self._timed(method))
+        self.stages = stages
         cls = getattr(schedules, PIPELINE_SCHEDULES[spec.schedule][0])
         self.schedule = cls(
             stages if PIPELINE_SCHEDULES[spec.schedule][1] else stages[0],
@@ -209,6 +246,25 @@ class PipelinedModel:
             loss_fn=self._scaled_loss,
             scale_grads=False,
         )
+
+    def _sync(self) -> None:
+        if self.measure_times and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.measure_times:
+                return fn(*args, **kwargs)
+            self._sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                self.times.busy_s += time.perf_counter() - start
+
+        return timed
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target) * self._scale
@@ -257,6 +313,9 @@ class PipelinedModel:
             micro-batches (detached); elsewhere ``None``.
         """
         self._scale = scale / self.spec.microbatches
+        self.times = PipelineTimes()
+        self._sync()
+        start = time.perf_counter()
         losses: list[torch.Tensor] = []
         accumulate = self.engine == "simplefsdp"
         args = (inputs,) if self.has_first else ()
@@ -271,13 +330,18 @@ class PipelinedModel:
                     for part in self.parts:
                         part.module.set_requires_gradient_sync(True)  # type: ignore[operator]
         if accumulate and sync:
-            from simplefsdp.frontend.accumulation import reduce_accumulated
-
-            for part in self.parts:
-                reduce_accumulated(part.module)
+            self._timed(self._reduce)()
+        self._sync()
+        self.times.step_s = time.perf_counter() - start
         if not self.has_last:
             return None
         return torch.stack([_plain(loss).detach() for loss in losses]).sum()
+
+    def _reduce(self) -> None:
+        from simplefsdp.frontend.accumulation import reduce_accumulated
+
+        for part in self.parts:
+            reduce_accumulated(part.module)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> Any:
@@ -327,6 +391,7 @@ def parallelize_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     init_fn: InitFn | None = None,
     tp_fn: TensorParallelFn | None = None,
+    measure_times: bool = False,
 ) -> PipelinedModel:
     """Split ``model`` into stages and parallelise this rank's with ``spec``.
 
@@ -341,6 +406,7 @@ def parallelize_pipeline(
             stage id (e.g. :func:`simplefsdp.models.llama3.pipeline_split`).
         loss_fn: ``loss_fn(output, target)`` of one micro-batch, a mean.
         init_fn / tp_fn: as for :func:`~.parallelize.parallelize`, per stage.
+        measure_times: record :attr:`PipelinedModel.times` each step.
 
     Raises:
         ValueError: an engine that cannot be pipelined, or a mesh whose
@@ -368,4 +434,6 @@ def parallelize_pipeline(
     parts = [
         parallelize(module, spec, rest, device, init_fn=init_fn, tp_fn=tp_fn) for module in modules
     ]
-    return PipelinedModel(parts, stage_ids, pipeline, pp_mesh, device, loss_fn)
+    return PipelinedModel(
+        parts, stage_ids, pipeline, pp_mesh, device, loss_fn, measure_times=measure_times
+    )
