@@ -373,7 +373,7 @@ class Trainer:
 
         Runs the model the training step runs (compiled, if enabled; the first
         call under ``no_grad`` compiles an inference graph once); a pipeline
-        runs its schedule's forward-only ``eval`` (none before torch 2.12:
+        runs its schedule's forward-only ``eval`` (where a torch lacks it:
         then no validation, with a warning).
         """
         n = self.job.metrics.val_batches
