@@ -351,3 +351,18 @@ def test_one_pipeline_vocabulary():
     assert set(C.PP_SCHEDULES) == set(PIPELINE_SCHEDULES)
     assert set(C.PP_ENGINES) == set(PP_ENGINES)
     assert set(C.TP_ENGINES) == set(TP_ENGINES)
+
+
+def test_worker_errors_under_torchrun_name_their_rank(monkeypatch, capsys):
+    from simplefsdp.train import cli
+    from simplefsdp.train.launch import ERROR_DIR_ENV
+
+    monkeypatch.delenv(ERROR_DIR_ENV, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    assert cli._report_worker_error("checkpoint step-2 is damaged", 2) == 2
+    assert capsys.readouterr().err == (
+        "simplefsdp train: error on rank 3: checkpoint step-2 is damaged\n"
+    )
+    monkeypatch.setenv("RANK", "0")
+    cli._report_worker_error("bad", 2)
+    assert capsys.readouterr().err == "simplefsdp train: error: bad\n"

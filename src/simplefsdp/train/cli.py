@@ -243,13 +243,17 @@ def _configure_logging(rank: int) -> None:
 
 
 def _report_worker_error(message: str, code: int) -> int:
-    """One line per error: to the launcher's error folder, or from rank 0 under torchrun."""
+    """One line per error: to the launcher's error folder (``simplefsdp train``
+    prints each distinct one once), or under torchrun from every failing rank
+    (other ranks name themselves: an error on one node only is not lost)."""
     rank = int(os.environ.get("RANK", "0"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
         Path(error_dir, f"rank{rank}.txt").write_text(f"{code} {message}\n", encoding="utf-8")
     elif rank == 0:
         _error(message)
+    else:
+        print(f"simplefsdp train: error on rank {rank}: {message}", file=sys.stderr, flush=True)
     return code
 
 

@@ -162,6 +162,20 @@ class Trainer:
             self.job.data, rank=self.dp_rank, world_size=self.dp_size, seed=self.job.training.seed
         )
         self.tokenizer, self.loader = bundle.tokenizer, bundle.loader
+        self._check_same_data(self.loader.fingerprint)
+
+    def _check_same_data(self, fingerprint: dict[str, int]) -> None:
+        """Every rank must have read the same tokens (each node reads its own
+        copy of ``data.path`` in a multi-node job)."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, fingerprint)
+        differ = [r for r, f in enumerate(gathered) if f != gathered[0]]
+        if differ:
+            raise ValueError(
+                f"ranks {differ} read other data than rank 0 ({gathered[differ[0]]} vs "
+                f"{gathered[0]}: tokens and hash of the training split); every node must see "
+                f"the same data.path {self.job.data.path!r} and tokenizer"
+            )
 
     def _model_args(self) -> Any:
         from simplefsdp.models.llama3 import get_config
