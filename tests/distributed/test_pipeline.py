@@ -178,7 +178,9 @@ def test_pipeline_stages_match_single_process():
         ("ScheduleGPipe", 1, "dp", None),
         ("Schedule1F1B", 1, "dp", "aot_eager"),
         ("ScheduleInterleaved1F1B", 2, "dp", None),
+        ("ScheduleGPipe", 1, "tp", None),
         ("Schedule1F1B", 1, "tp", None),
+        ("ScheduleInterleaved1F1B", 2, "tp", None),
     ]
     results = run_distributed(_body, world_size=4, args=(cases,), timeout_s=600)
     assert len(results[0]) == len(cases)
