@@ -392,3 +392,52 @@ def test_auto_reports_predictions_from_a_calibrated_cost_model(tmp_path, monkeyp
         assert p["peak_bytes"] > 0
     cached = list((tmp_path / "simplefsdp").glob("cost-*.json"))
     assert len(cached) == 1  # calibration is cached for later runs
+
+
+def _keep_gathered_body(options) -> list[dict]:
+    """Keeping buckets gathered for backward changes no number, only where the
+    all-gathers run (fewer in backward)."""
+    base = build("blocks")
+    results = []
+    for option in (None, *options):
+        model = simplefsdp.data_parallel(copy.deepcopy(base), _mesh("fully_shard"))
+        simplefsdp.compile(model, backend="aot_eager", bucketing="per_block", keep_gathered=option)
+        losses = _train(model, "blocks", 3)
+        report = simplefsdp.comm_report(model)
+        results.append(
+            {
+                "losses": losses,
+                "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
+                "backward_all_gathers": report.graph("backward").count("all_gather"),
+                "kept": report.graph("forward").kept_gathered,
+                "notes": report.graph("forward").notes,
+            }
+        )
+    reference = results[0]
+    for result in results[1:]:
+        for step, (a, b) in enumerate(zip(reference["losses"], result["losses"])):
+            assert torch.equal(a, b), (step, a.item(), b.item())
+        for name, value in reference["params"].items():
+            assert torch.equal(value, result["params"][name]), name
+    return [{k: v for k, v in r.items() if k not in ("losses", "params")} for r in results]
+
+
+def test_keep_gathered_buckets_skip_their_backward_all_gather() -> None:
+    options = ["auto", 1, ["blocks.1", "head"]]
+    reference, *results = run_distributed(_keep_gathered_body, 2, args=(options,))[0]
+    # 5 per-block buckets (embed, 3 blocks, norm + head); backward regathers all
+    # but the embedding's (its weight gradient does not read the weight)
+    assert reference["backward_all_gathers"] == 4 and not reference["kept"]
+    for result, kept_buckets in zip(results, (2, 1, 2)):
+        assert result["backward_all_gathers"] == 4 - kept_buckets, result
+        assert len(result["kept"]["buckets"]) == kept_buckets and result["kept"]["bytes"] > 0
+        assert any(n.startswith("kept gathered for backward") for n in result["notes"])
+    assert results[0]["kept"]["buckets"] == ["blocks.2", "rest:norm.weight"]  # the last two
+
+
+def test_keep_gathered_rejects_bad_values() -> None:
+    from simplefsdp.compiler.backend import CompileOptions
+
+    for bad in (-1, "some", [""], True):
+        with pytest.raises(ValueError, match="keep_gathered must be None, 'auto', an int >= 0"):
+            CompileOptions(keep_gathered=bad)

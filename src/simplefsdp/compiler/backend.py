@@ -39,12 +39,13 @@ from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, sim
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
-from simplefsdp.compiler.passes.reshard import mark_reshard
+from simplefsdp.compiler.passes.reshard import kept_buckets, mark_reshard
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import (
     CommReport,
     GraphReport,
+    _fmt_bytes,
     build_graph_report,
     fx_overlap,
     inductor_overlap,
@@ -66,6 +67,8 @@ class CompileOptions:
     memory_budget_bytes: int | None = None
     reshard_after_forward: bool = True
     prefetch_distance: int = 1
+    # Buckets kept gathered for backward (Note: [Keeping gathered parameters]).
+    keep_gathered: Any = None
     # Injected cost model (tests, reproducible plans); None: calibrate on first use.
     cost_model: Any = None
 
@@ -77,6 +80,18 @@ class CompileOptions:
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(
                 f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}"
+            )
+        keep = self.keep_gathered
+        valid_keep = (
+            keep is None
+            or keep == "auto"
+            or (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 0)
+            or (isinstance(keep, (list, tuple)) and all(isinstance(k, str) and k for k in keep))
+        )
+        if not valid_keep:
+            raise ValueError(
+                f"keep_gathered must be None, 'auto', an int >= 0 or a list of module/parameter "
+                f"FQNs, got {keep!r}"
             )
         budget = self.memory_budget_bytes
         if budget is not None and (
@@ -103,6 +118,11 @@ class CompileOptions:
             "memory_budget_bytes": self.memory_budget_bytes,
             "reshard_after_forward": self.reshard_after_forward,
             "prefetch_distance": self.prefetch_distance,
+            "keep_gathered": (
+                list(self.keep_gathered)
+                if isinstance(self.keep_gathered, (list, tuple))
+                else self.keep_gathered
+            ),
             "cost_model": "injected" if self.cost_model is not None else "calibrated",
         }
 
@@ -236,6 +256,9 @@ class _GraphCompilation:
         # The auto planner's collective sites of the forward graph, handed to
         # the bucketing pass so it does not find them again.
         self.planned_sites: list[CollectiveSite] | None = None
+        # What the joint pass kept gathered (keep_gathered), for the forward report.
+        self.kept_gathered: dict = {}
+        self.plan_notes_joint: list[str] = []
 
     def joint_pass(self, graph: fx.Graph) -> None:
         primals = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
@@ -246,7 +269,37 @@ class _GraphCompilation:
                 len(primals),
                 len(self.fqns),
             )
-        mark_reshard(graph, self.backend.options.reshard_after_forward)
+        options = self.backend.options
+        keep: set[str] = set()
+        if options.reshard_after_forward and options.keep_gathered is not None:
+            keep = self._kept(graph, options)
+        mark_reshard(graph, options.reshard_after_forward, keep)
+
+    def _kept(self, graph: fx.Graph, options: CompileOptions) -> set[str]:
+        """The shards kept gathered (Note: [Keeping gathered parameters]),
+        with a note for the forward graph's report."""
+        plan = self.backend.plan()
+        index = plan.bucket_index() if plan is not None else {}
+        singles: dict[str, int] = {}
+
+        def bucket_of(fqn: str) -> tuple[int, str] | None:
+            if fqn in index:
+                return index[fqn], plan.buckets[index[fqn]].name  # type: ignore[union-attr]
+            return len(index) + singles.setdefault(fqn, len(singles)), fqn
+
+        keep = options.keep_gathered
+        if keep == "auto":  # the buckets gathered at the forward/backward boundary anyway
+            keep = options.prefetch_distance + 1 if options.reorder else 1
+        kept, names, nbytes = kept_buckets(graph, bucket_of, keep, self.primal_names.get)
+        self.kept_gathered = {"buckets": names, "bytes": nbytes}
+        if names:
+            self.plan_notes_joint.append(
+                f"kept gathered for backward (not resharded): {', '.join(names)} "
+                f"({_fmt_bytes(nbytes)} held from forward to backward)"
+            )
+        else:
+            self.plan_notes_joint.append("kept gathered for backward: none matched keep_gathered")
+        return kept
 
     def _plan_auto(self, gm: fx.GraphModule) -> None:
         from simplefsdp.compiler.auto_bucketing import plan_forward_graph
@@ -314,6 +367,9 @@ class _GraphCompilation:
             gm, graph_name, self.graph_id, self.primal_names, output_fqns, groups
         )
         report.notes.extend(notes + extra.get("notes", []))
+        if graph_name == "forward" and self.kept_gathered:
+            report.notes.extend(self.plan_notes_joint)
+            report.kept_gathered = dict(self.kept_gathered)
         cost_model = self.backend.cost_model(required=False)
         if cost_model is not None:
             report.predicted.update(simulate(gm, cost_model, groups))

@@ -22,6 +22,7 @@ def compile_backend(
     memory_budget_bytes: int | None = None,
     reshard_after_forward: bool = True,
     prefetch_distance: int = 1,
+    keep_gathered: int | str | list[str] | None = None,
     cost_model: CostModel | None = None,
     model: nn.Module | None = None,
 ) -> SimpleFSDPBackend:
@@ -48,6 +49,7 @@ def compile_backend(
         memory_budget_bytes=memory_budget_bytes,
         reshard_after_forward=reshard_after_forward,
         prefetch_distance=prefetch_distance,
+        keep_gathered=keep_gathered,
         cost_model=cost_model,
     )
     backend_obj = SimpleFSDPBackend(options, model)
@@ -63,6 +65,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     reorder: bool = True,
     memory_budget_bytes: int | None = None,
     prefetch_distance: int = 1,
+    keep_gathered: int | str | list[str] | None = None,
     cost_model: CostModel | None = None,
     fullgraph: bool = True,
     **torch_compile_kwargs: Any,
@@ -90,6 +93,14 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         memory_budget_bytes: peak-memory budget (bytes) for the auto planner;
             ``None``: no more predicted memory than the per-block plan.
         prefetch_distance: how many buckets ahead all-gathers are issued.
+        keep_gathered: with ``reshard_after_forward=True``, buckets whose
+            gathered parameters are kept for backward instead of regathered:
+            ``None`` (none), ``"auto"`` (the last ``prefetch_distance + 1``
+            buckets of the forward, which are gathered at the
+            forward/backward boundary anyway: no higher memory there), an
+            int N (the last N buckets) or a list of module/parameter FQNs
+            (the buckets holding them). The forward graph's report lists
+            the kept buckets and their bytes.
         cost_model: a ``simplefsdp.compiler.CostModel`` to plan with (must be
             identical on every rank); ``None`` calibrates one on this machine
             when ``bucketing="auto"`` (here, on every rank together; cached on
@@ -115,6 +126,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         memory_budget_bytes=memory_budget_bytes,
         reshard_after_forward=state.reshard_after_forward,
         prefetch_distance=prefetch_distance,
+        keep_gathered=keep_gathered,
         cost_model=cost_model,
         model=model,
     )

@@ -85,6 +85,9 @@ class GraphReport:
     # Collectives with compute between issue and wait: {"planned": [n, total]}
     # in our graph and, under Inductor, {"inductor": [n, total]} in its code.
     overlap: dict = field(default_factory=dict)
+    # Forward graphs: the buckets kept gathered for backward (keep_gathered)
+    # and their gathered bytes: {"buckets": [names], "bytes": n}.
+    kept_gathered: dict = field(default_factory=dict)
 
     def count(self, kind: str, role: str | None = None) -> int:
         """Collectives of ``kind`` (of ``role`` only, if given)."""
