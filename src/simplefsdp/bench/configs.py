@@ -65,6 +65,7 @@ class BenchConfig:
     bucketing: str | None = None
     reorder: bool = False
     torch_passes: bool = False
+    keep_gathered: Any = None
     syncs_grads: bool = True
     lr_scale: float = 1.0
 
@@ -89,6 +90,7 @@ class BenchConfig:
             backend="inductor",
             bucketing=self.bucketing or "auto",
             reorder=self.reorder,
+            keep_gathered=self.keep_gathered,
             torch_passes=self.torch_passes,
             # The only buffer (the rotary table) is constant: no per-step broadcast.
             broadcast_buffers=False,
@@ -149,9 +151,19 @@ CONFIGS: dict[str, BenchConfig] = {
     )
 }
 
-# Not listed in --help nor run by default: a deliberately wrong configuration
-# (10x learning rate) that the loss-agreement check must flag.
+# Not listed in --help nor run by default: candidates being measured, and a
+# deliberately wrong configuration (10x learning rate) that the
+# loss-agreement check must flag.
 TEST_CONFIGS: dict[str, BenchConfig] = {
+    "simplefsdp-auto-keep": BenchConfig(
+        "simplefsdp-auto-keep",
+        "simplefsdp",
+        True,
+        "simplefsdp-auto, keeping the last buckets gathered for backward (keep_gathered='auto')",
+        bucketing="auto",
+        reorder=True,
+        keep_gathered="auto",
+    ),
     "test-wrong-lr": BenchConfig(
         "test-wrong-lr",
         "simplefsdp",

@@ -96,6 +96,8 @@ class EngineSpec:
             eager executor has no graph to plan from: ``"auto"`` and
             ``"none"`` run it with ``"per_block"``.
         reorder: simplefsdp.compile's reordering pass.
+        keep_gathered: simplefsdp.compile's per-bucket resharding choice
+            (``None``, ``"auto"``, N or module FQNs; see ``simplefsdp.compile``).
         torch_passes: compile ``simplefsdp`` with plain ``torch.compile`` and
             Inductor's own bucketing/overlap passes instead of ours (a peer).
         activation_checkpoint: ``"none"``, ``"full"`` or ``"selective"``.
@@ -116,6 +118,7 @@ class EngineSpec:
     backend: str = "inductor"
     bucketing: Any = "auto"
     reorder: bool = True
+    keep_gathered: Any = None
     torch_passes: bool = False
     activation_checkpoint: str = "none"
     broadcast_buffers: bool = True
@@ -293,7 +296,12 @@ def _apply_simplefsdp(
         ]
         return parallel
     simplefsdp.compile(
-        model, backend=spec.backend, bucketing=spec.bucketing, reorder=spec.reorder, fullgraph=True
+        model,
+        backend=spec.backend,
+        bucketing=spec.bucketing,
+        reorder=spec.reorder,
+        keep_gathered=spec.keep_gathered,
+        fullgraph=True,
     )
     return parallel
 
