@@ -129,3 +129,6 @@ def test_bench_pipeline_arguments():
     with pytest.raises(ValueError, match="does not run with --pp 2"):
         resolve_configs("ddp", pp=2)
     assert {c.engine for c in resolve_configs("all", pp=2)} == {"simplefsdp", "fsdp2"}
+    assert spec("--grad-accum", "4").grad_accum == 4
+    with pytest.raises(ValueError, match="--grad-accum must be >= 1, got 0"):
+        spec("--grad-accum", "0")

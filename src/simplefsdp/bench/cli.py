@@ -94,6 +94,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--microbatches", type=int, default=None, help="micro-batches per step (default: --pp)"
     )
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="batches per optimizer step, gradients communicated on the last only (default 1)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured steps")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (>= 1)")
     parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch")
@@ -167,6 +173,8 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
     if args.pp < 1:
         raise ValueError(f"--pp must be >= 1, got {args.pp}")
+    if args.grad_accum < 1:
+        raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     microbatches = args.microbatches if args.microbatches is not None else args.pp
     if args.pp > 1:
         _check_pp(args.pp, args.pp_schedule, microbatches, nproc, args.tp, workload)
@@ -179,6 +187,7 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         pp=args.pp,
         pp_schedule=args.pp_schedule,
         microbatches=microbatches,
+        grad_accum=args.grad_accum,
     )
 
 
@@ -319,7 +328,11 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
         "pp": spec.pp,
         "pp_schedule": spec.pp_schedule if spec.pp > 1 else None,
         "microbatches": spec.microbatches if spec.pp > 1 else None,
-        "tokens_per_step_per_rank": workload.batch_size * workload.seq_len / (spec.tp * spec.pp),
+        "grad_accum": spec.grad_accum,
+        "tokens_per_step_per_rank": workload.batch_size
+        * workload.seq_len
+        * spec.grad_accum
+        / (spec.tp * spec.pp),
         "steps": workload.steps,
         "warmup": workload.warmup,
         "seed": spec.seed,

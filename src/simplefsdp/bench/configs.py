@@ -314,6 +314,8 @@ class BenchSpec:
             stages run by torch's schedules).
         pp_schedule: the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``).
         microbatches: micro-batches per pipeline step (``None``: ``pp``).
+        grad_accum: batches per optimizer step; all but the last run without
+            gradient communication (``ParallelModel.grad_sync(False)``).
     """
 
     workload: Workload
@@ -325,6 +327,7 @@ class BenchSpec:
     pp: int = 1
     pp_schedule: str = "1f1b"
     microbatches: int | None = None
+    grad_accum: int = 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -112,6 +112,7 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
         # a tensor-parallel group's and a pipeline's ranks share their batch
         tokens_per_s_per_rank=workload.batch_size
         * workload.seq_len
+        * ranks[0].get("grad_accum", 1)
         / (ranks[0].get("tp", 1) * ranks[0].get("pp", 1))
         / median,
         peak_mem_bytes=_max_or_none([r["peak_mem_bytes"] for r in ranks]),
@@ -259,6 +260,9 @@ def format_table(result: dict) -> str:
     ranks = f"{env['world_size']} ranks" + (
         f" (dp {env['world_size'] // tp} x tp {tp})" if tp > 1 else ""
     )
+    accum = env.get("grad_accum", 1)
+    if accum > 1:
+        ranks += f", {accum} accumulation batches per step"
     pp = env.get("pp", 1)
     if pp > 1:
         ranks += f", pp {pp} ({env.get('pp_schedule')}, {env.get('microbatches')} micro-batches)"

@@ -107,24 +107,36 @@ def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> li
     return [next(loader) for _ in range(count)]
 
 
-def _train_step(parallel: ParallelModel, optimizer, batch: Batch, device: torch.device) -> float:
-    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
-    logits = parallel.forward(inputs)  # (B, T, V)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    loss.backward()
+def _train_step(
+    parallel: ParallelModel, optimizer, batch: list[Batch], device: torch.device
+) -> float:
+    """One optimizer step over ``batch``'s accumulation batches (the mean loss)."""
+    total = 0.0
+    for i, (inputs, targets) in enumerate(batch):
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
+        with parallel.grad_sync(i == len(batch) - 1):
+            logits = parallel.forward(inputs)  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(batch)
+            loss.backward()
+        total += float(loss.detach().item())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach().item())
+    return total
 
 
 def _pipeline_step(
-    pipe: PipelinedModel, optimizer, batch: Batch, device: torch.device
+    pipe: PipelinedModel, optimizer, batch: list[Batch], device: torch.device
 ) -> float | None:
-    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
-    loss = pipe.step(inputs, targets)  # forward and backward of every micro-batch
+    total = None
+    for i, (inputs, targets) in enumerate(batch):
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
+        # forward and backward of every micro-batch; reduced after the last batch
+        loss = pipe.step(inputs, targets, scale=1 / len(batch), sync=i == len(batch) - 1)
+        if loss is not None:
+            total = (total or 0.0) + float(loss.item())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return None if loss is None else float(loss.item())
+    return total
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -162,9 +174,12 @@ def _run_training(
     spec: BenchSpec,
     mesh: DeviceMesh,
     device: torch.device,
-    batches: list[Batch],
+    batches: list[list[Batch]],
 ) -> dict:
-    """Warm-up and measured steps, then one counted step; this rank's raw result."""
+    """Warm-up and measured steps, then one counted step; this rank's raw result.
+
+    ``batches``: per step, its accumulation batches (``spec.grad_accum``).
+    """
     workload = spec.workload
     probe = MemoryProbe(device)
     model = build_model(workload, spec.seed)
@@ -195,7 +210,9 @@ def _run_training(
                 bubbles.append(pipe.times.bubble_fraction)
         peak = probe.peak_bytes()
         profiled = count_collectives(lambda: step_fn(batch=batches[-1]))
-    summary = parallel.collective_summary() if config.compiled else None
+    # With accumulation a step runs two compiled graphs a different number of
+    # times: only the profiler counts per step.
+    summary = parallel.collective_summary() if config.compiled and spec.grad_accum == 1 else None
     return {
         "bubble_fractions": bubbles or None,
         "warmup_times_s": warmup_s,
@@ -237,6 +254,7 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
         "world_size": world_size,
         "tp": spec.tp,
         "pp": spec.pp,
+        "grad_accum": spec.grad_accum,
         "device": str(device),
     }
     try:
@@ -250,7 +268,10 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
             workload = spec.workload
             # The ranks of a tensor-parallel group and of a pipeline read the same batches.
             dp_rank, dp_size = data_parallel_rank(mesh)
-            batches = build_batches(spec, dp_rank, dp_size, workload.warmup + workload.steps + 1)
+            count = (workload.warmup + workload.steps + 1) * spec.grad_accum
+            flat = build_batches(spec, dp_rank, dp_size, count)
+            accum = spec.grad_accum
+            batches = [flat[i : i + accum] for i in range(0, count, accum)]
             result.update(_run_training(config, spec, mesh, device, batches))
         dist.barrier()
     finally:
