@@ -141,6 +141,7 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
         per_rank = [statistics.median(r["bubble_fractions"]) for r in ranks]
         row["bubble_fraction_per_rank"] = per_rank
         row["bubble_fraction"] = statistics.fmean(per_rank)
+        row["peak_mem_bytes_per_rank"] = [r["peak_mem_bytes"] for r in ranks]
     return row
 
 
@@ -292,9 +293,13 @@ def format_table(result: dict) -> str:
     for row in result["configs"]:
         if row.get("bubble_fraction") is not None:
             per_rank = ", ".join(f"{b:.2f}" for b in row["bubble_fraction_per_rank"])
+            mems = ", ".join(
+                "-" if m is None else f"{m / _MIB:.1f}" for m in row["peak_mem_bytes_per_rank"]
+            )
             lines.append(
                 f"pipeline bubble {row['name']}: {row['bubble_fraction']:.2f} (ranks: {per_rank}; "
-                "share of the pipeline step outside this rank's stage compute)"
+                f"share of the pipeline step outside this rank's stage compute); "
+                f"peak MiB per rank: {mems}"
             )
     if result.get("bound_s") is not None:
         lines.append(
