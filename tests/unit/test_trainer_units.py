@@ -366,3 +366,16 @@ def test_worker_errors_under_torchrun_name_their_rank(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     cli._report_worker_error("bad", 2)
     assert capsys.readouterr().err == "simplefsdp train: error: bad\n"
+
+
+def test_keep_gathered_setting_reaches_the_engine_spec():
+    from simplefsdp.train.config import load_config
+    from simplefsdp.train.parallelism import engine_spec, keep_gathered_option
+
+    assert keep_gathered_option(None) is None
+    assert keep_gathered_option("auto") == "auto"
+    assert keep_gathered_option("2") == 2
+    assert keep_gathered_option("layers.3, norm,output") == ["layers.3", "norm", "output"]
+    job = load_config(None, ["--compile.keep_gathered", "auto"])
+    assert engine_spec(job).keep_gathered == "auto"
+    assert engine_spec(load_config(None, [])).keep_gathered is None

@@ -27,7 +27,14 @@ from simplefsdp.engines import (
 )
 from simplefsdp.train.config import JobConfig
 
-__all__ = ["cross_entropy", "engine_spec", "job_mesh", "parallelize_job", "pipeline_spec"]
+__all__ = [
+    "cross_entropy",
+    "engine_spec",
+    "job_mesh",
+    "keep_gathered_option",
+    "parallelize_job",
+    "pipeline_spec",
+]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -47,9 +54,20 @@ def engine_spec(job: JobConfig) -> EngineSpec:
         compile=c.enable,
         backend=c.backend,
         bucketing=c.bucketing,
+        keep_gathered=keep_gathered_option(c.keep_gathered),
         activation_checkpoint=job.activation_checkpoint.mode,
         tp=p.tp,
     )
+
+
+def keep_gathered_option(value: str | None) -> int | str | list[str] | None:
+    """``compile.keep_gathered`` as ``simplefsdp.compile`` takes it: ``None``,
+    ``"auto"``, an int (a number) or a list of module names (comma-separated)."""
+    if value is None or value.strip() in ("", "auto"):
+        return None if value is None or not value.strip() else "auto"
+    if value.strip().isdigit():
+        return int(value)
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def pipeline_spec(job: JobConfig) -> PipelineSpec:

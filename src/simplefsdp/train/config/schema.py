@@ -210,11 +210,17 @@ class CompileConfig:
         enable: Compile the model (engine ``simplefsdp_eager`` never compiles).
         backend: One of :data:`COMPILE_BACKENDS`.
         bucketing: One of :data:`BUCKETING_MODES`.
+        keep_gathered: With ``parallel.reshard_after_forward``, the buckets
+            kept gathered for backward (engine ``simplefsdp``): ``"auto"``
+            (the last ones, gathered at the forward/backward boundary
+            anyway), a number N (the last N buckets) or comma-separated
+            module names (``"layers.31,norm,output"``); unset: none.
     """
 
     enable: bool = True
     backend: str = field(default="inductor", metadata=_choices(COMPILE_BACKENDS))
     bucketing: str = field(default="auto", metadata=_choices(BUCKETING_MODES))
+    keep_gathered: str | None = None
 
 
 @dataclass
@@ -448,6 +454,13 @@ def config_warnings(job: JobConfig) -> list[str]:
         )
     if p.tp == 1 and p.loss_parallel:
         warnings.append("parallel.loss_parallel is only used with parallel.tp > 1")
+    if job.compile.keep_gathered is not None and (
+        p.engine != "simplefsdp" or not job.compile.enable or not p.reshard_after_forward
+    ):
+        warnings.append(
+            "compile.keep_gathered is only used by engine 'simplefsdp' when compiled with "
+            "parallel.reshard_after_forward true"
+        )
     if p.pp == 1 and (p.microbatches is not None or p.pp_stages_per_rank is not None):
         warnings.append(
             "parallel.microbatches and parallel.pp_stages_per_rank are only used with "
