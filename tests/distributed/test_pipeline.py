@@ -96,9 +96,9 @@ def _case(schedule_name: str, stages_per_rank: int, second: str, backend: str | 
     return worst
 
 
-def _engine_case(schedule: str, engine: str, backend: str | None, accum: int):
-    """pp2 x dp2 through ``simplefsdp.engines.parallelize_pipeline``, ``accum``
-    pipeline steps per optimizer step; returns the reduce-scatters per step."""
+def _engine_case(schedule: str, engine: str, backend: str | None, accum: int, tp: int = 1):
+    """pp2 x dp2 (or pp2 x tp2) through ``simplefsdp.engines.parallelize_pipeline``,
+    ``accum`` pipeline steps per optimizer step; returns the reduce-scatters per step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountReduceScatters(TorchDispatchMode):
@@ -117,24 +117,36 @@ def _engine_case(schedule: str, engine: str, backend: str | None, accum: int):
         clip_grad_norm_,
         parallelize_pipeline,
     )
-    from simplefsdp.models.llama3 import Transformer, get_config, pipeline_split
+    from simplefsdp.models.llama3 import (
+        Transformer,
+        apply_tensor_parallel,
+        get_config,
+        pipeline_split,
+    )
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref = Transformer(get_config("debug", dim=32, n_layers=4, n_heads=4, n_kv_heads=2))
-    mesh = build_mesh(engine, "fully_shard", "cpu", 4, pp=2)
-    assert mesh.mesh_dim_names == ("pp", "dp")
-    spec = EngineSpec(engine, compile=backend is not None, backend=backend or "inductor")
+    mesh = build_mesh(engine, "fully_shard", "cpu", 4, pp=2, tp=tp)
+    assert mesh.mesh_dim_names == (("pp", "dp", "tp") if tp > 1 else ("pp", "dp"))
+    spec = EngineSpec(engine, compile=backend is not None, backend=backend or "inductor", tp=tp)
     pipe = PipelineSpec(2, schedule, microbatches=MICRO)
     model = parallelize_pipeline(
-        ref, spec, pipe, mesh, torch.device("cpu"), split_fn=pipeline_split, loss_fn=_loss
+        ref,
+        spec,
+        pipe,
+        mesh,
+        torch.device("cpu"),
+        split_fn=pipeline_split,
+        loss_fn=_loss,
+        tp_fn=apply_tensor_parallel if tp > 1 else None,
     )
     params = list(model.module.parameters())
     opt = torch.optim.SGD(params, lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(1)
     dp = mesh["dp"].get_local_rank()
-    rows = BATCH // 2
+    rows = BATCH // mesh["dp"].size()
     reduce_scatters = []
     for _ in range(STEPS):
         comm = CountReduceScatters()
@@ -195,10 +207,11 @@ def test_engine_pipeline_reduces_once_per_step():
         ("gpipe", "simplefsdp", None, 2),
         ("1f1b", "simplefsdp", "aot_eager", 1),
         ("1f1b", "fsdp2", None, 1),
+        ("interleaved_1f1b", "simplefsdp", None, 2, 2),  # pp2 x tp2: TP-local sums
     ]
     results = run_distributed(_engine_body, world_size=4, args=(cases,), timeout_s=600)
     for rank_result in results:
-        (rs_gpipe, n_params), _, _ = rank_result
+        (rs_gpipe, n_params), *_ = rank_result
         # one reduce-scatter per parameter per optimizer step (2 pipeline
         # steps of 4 micro-batches each), not 8 per parameter
         assert rs_gpipe == [n_params] * STEPS, (rs_gpipe, n_params)
