@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "write a checkpoint's full weights to one safetensors file",
     ),
     "bench": ("simplefsdp.bench.cli", "compare simplefsdp with torch FSDP2/DDP on this machine"),
+    "plan": (
+        "simplefsdp.plan.cli",
+        "predict per-GPU memory and throughput of a job on a GPU cluster, without GPUs",
+    ),
 }
 
 

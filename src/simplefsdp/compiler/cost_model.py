@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -101,7 +102,14 @@ class CostModel:
         kind = collective_kind(node)
         if kind is None:
             return 0.0
-        group_size = int(node.args[2]) if kind != "all_reduce" else _group_size(node)
+        # all_gather_into_tensor(input, group_size, group_name),
+        # reduce_scatter_tensor(input, op, group_size, group_name).
+        if kind == "all_gather":
+            group_size = int(node.args[1])
+        elif kind == "reduce_scatter":
+            group_size = int(node.args[2])
+        else:
+            group_size = _group_size(node)
         size = node_bytes(node) if kind == "all_gather" else node_bytes(node.args[0])
         return self.comm_time(kind, group_size, size, role)
 
@@ -243,12 +251,21 @@ def _fit(points: list[tuple[int, float]]) -> LinearFit:
     return LinearFit(max(mean_y - slope * mean_x, 0.0), slope)
 
 
-def _calibrate_comm(group, device: torch.device, prefix: str = "") -> dict[str, LinearFit]:
+def _calibrate_comm(
+    group,
+    device: torch.device,
+    prefix: str = "",
+    *,
+    sizes: tuple[int, ...] = CALIBRATION_SIZES_BYTES,
+    timer: Callable[[Callable[[], None]], float] | None = None,
+) -> dict[str, LinearFit]:
+    """Linear fits of each collective's time over ``sizes`` (bytes) on ``group``."""
+    timer = timer or _time_it
     group_size = dist.get_world_size(group)
     fits = {}
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         points = []
-        for size in CALIBRATION_SIZES_BYTES:
+        for size in sizes:
             numel = size // 4
             shard = torch.ones(max(numel // group_size, 1), device=device)
             full = torch.ones(shard.numel() * group_size, device=device)
@@ -263,7 +280,7 @@ def _calibrate_comm(group, device: torch.device, prefix: str = "") -> dict[str, 
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
 
-            points.append((full.numel() * 4, _time_it(run)))
+            points.append((full.numel() * 4, timer(run)))
         fits[f"{prefix}{kind}/{group_size}"] = _fit(points)
     return fits
 

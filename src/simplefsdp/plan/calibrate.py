@@ -1,0 +1,210 @@
+"""``simplefsdp plan --calibrate``: measure this machine into a hardware profile.
+
+Two processes (gloo on CPU, or NCCL on two GPUs when CUDA is available)
+measure, at the same time as in training:
+
+* the collectives: a least-squares ``latency + bytes * seconds_per_byte`` fit
+  over 1-64 MiB buffers (training-sized; the compiler's own calibration stops
+  at 4 MiB), turned into the profile's ring bus bandwidth and latency;
+* compute: a square fp32 matmul (FLOP/s) and a large add (bytes/s), so
+  efficiencies are 1;
+* the fixed cost of one small op (dispatch and launch);
+* how much a collective slows down while a matmul runs (``comm_overlap``:
+  1 when they run fully in parallel, 0 when they take turns).
+
+Each timing is the median over repeats (see ``_median_time``): calibrate under
+the load the predicted runs will see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from simplefsdp.plan.hardware import HardwareProfile
+
+WORLD = 2
+
+
+def _median_time(fn, repeats: int = 7) -> float:
+    """The median of ``repeats`` timings (after one warm-up): unlike the
+    compiler's calibration (the minimum), the machine's load at calibration
+    time stays in the profile, as it stays in the runs the profile predicts."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+COMM_SIZES_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)  # training-sized buffers
+
+
+def _comm_fits(group, device) -> dict:
+    from simplefsdp.compiler.cost_model import _calibrate_comm
+
+    return _calibrate_comm(
+        group, device, sizes=COMM_SIZES_BYTES, timer=lambda run: _median_time(run, repeats=5)
+    )
+
+
+def _compute_rates(device, sync) -> tuple[float, float]:
+    import torch
+
+    n = 1024 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device)
+    mm_s = _median_time(lambda: (torch.mm(a, a), sync()), repeats=5)
+    x = torch.randn(16 << 20, device=device)
+    add_s = _median_time(lambda: (torch.add(x, x), sync()), repeats=5)
+    return 2.0 * n**3 / mm_s, 3 * x.numel() * 4 / add_s
+
+
+def _worker(rank: int, port: int, out: str, device_type: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+
+    def sync():
+        if device_type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        fits = _comm_fits(dist.group.WORLD, device)
+        flops, bytes_per_s = _compute_rates(device, sync)
+        # Per-op framework cost: a tiny autograd chain (4 ops forward, 4 backward).
+        tiny = torch.ones(8, device=device, requires_grad=True)
+
+        def chain():
+            ((tiny * 2 + 1).relu().sum()).backward()
+            sync()
+
+        op_s = _median_time(chain, repeats=200) / 8
+        buf = torch.ones(4 << 20, device=device)  # 16 MiB
+        n = 512 if device_type == "cpu" else 8192
+        a = torch.randn(n, n, device=device)
+
+        def comm():
+            dist.all_reduce(buf)
+            sync()
+
+        t_comm = _median_time(comm)
+        t_mm = _median_time(lambda: (torch.mm(a, a), sync()))
+        reps = max(1, round(t_comm / t_mm))  # compute about as long as the collective
+
+        def compute():
+            for _ in range(reps):
+                torch.mm(a, a)
+            sync()
+
+        def both():
+            work = dist.all_reduce(buf, async_op=True)
+            compute()
+            work.wait()
+            sync()
+
+        t_compute, t_both = _median_time(compute), _median_time(both)
+        hidden = t_compute + t_comm - t_both
+        overlap = max(0.0, min(1.0, hidden / min(t_compute, t_comm)))
+        if rank == 0:
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
+                        "flops": flops,
+                        "bytes_per_s": bytes_per_s,
+                        "op_s": op_s,
+                        "overlap": overlap,
+                        "times": [t_compute, t_comm, t_both],
+                    }
+                )
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(device_type: str = "cpu") -> dict:
+    """Run the two measuring processes; the raw measurements (rank 0's)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "calibration.json")
+        mp.spawn(_worker, args=(_free_port(), out, device_type), nprocs=WORLD, join=True)
+        raw = json.loads(Path(out).read_text())
+    raw["load_avg_1m"] = os.getloadavg()[0]
+    return raw
+
+
+def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
+    """A profile from ``measure``'s numbers (ring factor 1/2 for 2 ranks)."""
+    import torch
+
+    fits = raw["fits"]
+    # One bus bandwidth for all kinds: the mean of the all-gather's and the
+    # reduce-scatter's (the FSDP collectives) per-byte costs.
+    gather, scatter = fits[f"all_gather/{WORLD}"], fits[f"reduce_scatter/{WORLD}"]
+    latency, per_byte = (gather[0] + scatter[0]) / 2, (gather[1] + scatter[1]) / 2
+    factor = (WORLD - 1) / WORLD
+    bandwidth = factor / per_byte if per_byte > 0 else float("inf")
+    if device_type == "cuda":
+        memory = torch.cuda.get_device_properties(0).total_memory
+        description = torch.cuda.get_device_name(0)
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        description = f"this machine's CPU ({os.cpu_count()} cores), gloo"
+    return HardwareProfile(
+        name=name,
+        description=description,
+        peak_bf16_flops=raw["flops"],
+        peak_fp32_flops=raw["flops"],
+        matmul_efficiency=1.0,
+        memory_bytes=float(memory),
+        usable_memory_fraction=0.9,
+        memory_bandwidth=raw["bytes_per_s"],
+        memory_efficiency=1.0,
+        kernel_overhead_s=raw["op_s"],
+        gpus_per_node=1 << 20,  # every rank on this machine
+        intra_bandwidth=bandwidth,
+        intra_latency_s=latency,
+        inter_bandwidth=bandwidth,
+        inter_latency_s=latency,
+        comm_overlap=raw["overlap"],
+        source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
+    )
+
+
+def calibrate_main(ns) -> int:
+    import torch
+
+    device_type = "cuda" if torch.cuda.device_count() >= WORLD else "cpu"
+    raw = measure(device_type)
+    name = "calibrated-" + ("gpu" if device_type == "cuda" else "cpu-gloo")
+    profile = profile_from(raw, name, device_type)
+    out = Path(ns.out or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"profile": profile.to_dict(), "raw": raw}, indent=2))
+    print(json.dumps(profile.to_dict(), indent=2))
+    print(f"wrote {path} (use it with --hardware {path})", file=sys.stderr)
+    return 0

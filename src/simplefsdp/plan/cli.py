@@ -1,0 +1,326 @@
+"""``simplefsdp plan``: predict per-GPU memory and throughput of a training job.
+
+Examples::
+
+    simplefsdp plan --model llama3_8b --gpus 8 --hardware h100 --batch 2 --seq 8192
+    simplefsdp plan --model llama3_405b --gpus 512 --tp 8 --pp 8 --microbatches 8 \\
+        --batch 32 --ac full --out plans/405b
+    simplefsdp plan --model llama3_8b --gpus 8 --sweep
+    simplefsdp plan --calibrate --out profiles/   # measure this machine (gloo, CPU)
+
+Runs in one process on this machine: the model is traced on the meta device
+with a fake process group of the target size (see ``simplefsdp.plan.trace``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from simplefsdp.plan.hardware import get_profile, profile_names
+
+GiB = 2**30
+
+MODEL_ALIASES = {
+    "llama3_8b": "8B",
+    "llama3_70b": "70B",
+    "llama3_405b": "405B",
+    "llama3_debug": "debug",
+    "llama3_small": "small",
+}
+
+
+def model_args(model: str | None, config: str | None):
+    """``ModelArgs`` from ``--model`` (a name) or ``--config`` (a JSON file of
+    ``ModelArgs`` fields, optionally with ``"base"``: a config name)."""
+    from simplefsdp.models.llama3 import LLAMA3_CONFIGS, get_config
+
+    if config is not None:
+        try:
+            data = json.loads(Path(config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read --config {config!r}: {exc}") from None
+        base = data.pop("base", "8B")
+        return get_config(MODEL_ALIASES.get(base, base), **data)
+    name = MODEL_ALIASES.get(model or "llama3_8b", model or "8B")
+    if name not in LLAMA3_CONFIGS:
+        valid = ", ".join([*MODEL_ALIASES, *LLAMA3_CONFIGS])
+        raise ValueError(f"unknown --model {model!r}; valid: {valid}, or --config FILE.json")
+    return get_config(name)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="simplefsdp plan",
+        description="Predict per-GPU peak memory, step time, tokens/s and MFU of a Llama 3 "
+        "training job from its traced graphs, without GPUs.",
+    )
+    p.add_argument("--model", default="llama3_8b", help="llama3_8b, llama3_70b, llama3_405b")
+    p.add_argument("--config", help="JSON file of ModelArgs fields (optional key 'base')")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument(
+        "--hardware", default="h100", help=f"{', '.join(profile_names())} or a .json profile"
+    )
+    p.add_argument("--batch", type=int, default=2, help="per data-parallel rank, per step")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--ac", default="selective", help="none, selective, full")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=None, help="default: pp")
+    p.add_argument("--engine", default="simplefsdp", help="simplefsdp (compiled) or fsdp2")
+    p.add_argument("--dtype", default="bf16", help="bf16 (mixed precision, default) or fp32")
+    p.add_argument("--bucketing", default="auto", help="auto, per_block, none")
+    p.add_argument(
+        "--no-reshard", action="store_true", help="keep gathered parameters after forward"
+    )
+    p.add_argument("--sweep", action="store_true", help="rank layouts and options")
+    p.add_argument("--out", help="directory for plan.json and plan.png")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (2 gloo processes on CPU) and write a profile JSON",
+    )
+    return p
+
+
+def _layout(ns: argparse.Namespace):
+    from simplefsdp.plan.predict import Layout
+
+    return Layout(
+        gpus=ns.gpus,
+        batch=ns.batch,
+        seq=ns.seq,
+        tp=ns.tp,
+        pp=ns.pp,
+        ac=ns.ac,
+        microbatches=ns.microbatches or max(ns.pp, 1),
+        reshard_after_forward=not ns.no_reshard,
+        bucketing=ns.bucketing,
+        engine=ns.engine,
+        dtype=ns.dtype,
+    )
+
+
+def format_prediction(pred) -> str:
+    """A terminal table of one prediction."""
+    lines = [
+        f"{pred.layout.describe()}  engine={pred.layout.engine}  hardware={pred.hardware}",
+        f"  peak memory / GPU     {pred.peak_bytes / GiB:8.1f} GiB  "
+        f"(usable {pred.usable_bytes / GiB:.1f} GiB){'' if pred.fits else '  DOES NOT FIT'}",
+    ]
+    for name, value in pred.memory.items():
+        lines.append(f"    {name:<20}{value / GiB:8.2f} GiB")
+    lines.append(f"  step time             {pred.step_s:8.3f} s")
+    for name in ("compute", "exposed_comm", "bubble", "optimizer"):
+        lines.append(f"    {name:<20}{pred.time[name]:8.3f} s")
+    lines += [
+        f"    (all DP comm {pred.time['dp_comm_total']:.3f} s, TP comm "
+        f"{pred.time['tp_comm_total']:.3f} s)",
+        f"  tokens/s/GPU          {pred.tokens_per_s_per_gpu:8.0f}",
+        f"  MFU                   {100 * pred.mfu:8.1f} %",
+        f"  bucket plan           {len(pred.buckets)} buckets"
+        + (f"; first: {len(pred.buckets[0])} params" if pred.buckets else ""),
+    ]
+    lines += [f"  note: {n}" for n in pred.notes]
+    return "\n".join(lines)
+
+
+def why_loses(pred, best) -> str:
+    if not pred.fits:
+        return f"out of memory ({pred.peak_bytes / GiB:.1f} > {pred.usable_bytes / GiB:.1f} GiB)"
+    if pred is best:
+        return "best"
+    t, b = pred.time, best.time
+    reasons = {
+        "exposed communication": t["exposed_comm"] - b["exposed_comm"],
+        "pipeline bubble": t["bubble"] - b["bubble"],
+        "recomputation / compute": t["compute"] - b["compute"],
+        "optimizer": t["optimizer"] - b["optimizer"],
+    }
+    name, extra = max(reasons.items(), key=lambda kv: kv[1])
+    per_token = pred.step_s / (pred.layout.batch * pred.layout.dp) - best.step_s / (
+        best.layout.batch * best.layout.dp
+    )
+    if pred.tokens_per_s_per_gpu >= best.tokens_per_s_per_gpu * (1 - 1e-9):
+        return "tie with the best"
+    if extra <= 0:
+        return f"slower per token ({1e3 * per_token:+.3g} ms per sample per DP rank)"
+    return f"{name} (+{_seconds(extra)} per step)"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f} s" if value >= 0.1 else f"{1e3 * value:.3g} ms"
+
+
+def format_sweep(preds) -> str:
+    ranked = sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
+    best = ranked[0] if ranked and ranked[0].fits else None
+    header = (
+        f"{'#':>3} {'layout':<44} {'peak GiB':>9} {'step s':>9} {'tok/s/GPU':>10} {'MFU%':>6}  why"
+    )
+    lines = [header]
+    for i, p in enumerate(ranked, 1):
+        reason = why_loses(p, best) if best is not None else why_loses(p, p)
+        lines.append(
+            f"{i:>3} {p.layout.describe():<44} {p.peak_bytes / GiB:>9.3g} {p.step_s:>9.4g} "
+            f"{p.tokens_per_s_per_gpu:>10.0f} {100 * p.mfu:>6.1f}  {reason}"
+        )
+    return "\n".join(lines)
+
+
+def sweep_layouts(args, base) -> list:
+    """Layouts and options around ``base``: AC modes, bucketing, reshard
+    policy, TP degree (1 and ``base.tp`` or 8), PP degree (1 and ``base.pp``)
+    and microbatches (``pp`` and ``2 * pp``); invalid ones are left out."""
+    from simplefsdp.plan.predict import validate
+
+    tps = sorted({1, base.tp} | ({8} if base.gpus % 8 == 0 and base.gpus >= 8 else set()))
+    pps = sorted({1, base.pp})
+    layouts = []
+    for tp in tps:
+        for pp in pps:
+            micro = [1] if pp == 1 else sorted({pp, 2 * pp})
+            for m in micro:
+                for ac in ("none", "selective", "full"):
+                    for reshard in (True, False):
+                        for bucketing in ("auto", "per_block"):
+                            layout = dataclasses.replace(
+                                base,
+                                tp=tp,
+                                pp=pp,
+                                microbatches=m,
+                                ac=ac,
+                                reshard_after_forward=reshard,
+                                bucketing=bucketing,
+                            )
+                            try:
+                                validate(args, layout)
+                            except ValueError:
+                                continue
+                            if layout.dp == 1 and (bucketing != "auto" or not reshard):
+                                continue  # nothing to gather: these options do not apply
+                            layouts.append(layout)
+    return layouts
+
+
+def largest_fitting_batch(pred) -> int:
+    """About the largest per-rank batch that fits: activations and temporaries
+    scale with the batch, the rest does not."""
+    per_batch = (pred.memory["activations"] + pred.memory["temporary"]) / pred.layout.batch
+    fixed = pred.peak_bytes - per_batch * pred.layout.batch
+    room = pred.usable_bytes - fixed
+    step = pred.layout.microbatches
+    if room <= 0 or per_batch <= 0:
+        return 0
+    return int(room // per_batch) // step * step
+
+
+def write_png(preds, path: Path) -> bool:
+    """Memory and step-time breakdown per option; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [p.layout.describe() for p in preds]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.5 * len(preds) + 2), squeeze=False)
+    for ax, parts, key, unit, scale in (
+        (axes[0][0], list(preds[0].memory), "memory", "GiB", GiB),
+        (axes[0][1], ["compute", "exposed_comm", "bubble", "optimizer"], "time", "s", 1.0),
+    ):
+        left = [0.0] * len(preds)
+        for part in parts:
+            values = [getattr(p, key)[part] / scale for p in preds]
+            ax.barh(labels, values, left=left, label=part)
+            left = [a + b for a, b in zip(left, values)]
+        if key == "memory":
+            ax.axvline(preds[0].usable_bytes / GiB, color="k", ls="--", lw=1, label="usable")
+        ax.set_xlabel(f"{key} per GPU ({unit})")
+        ax.legend(fontsize=7)
+        ax.invert_yaxis()
+    axes[0][1].set_yticklabels([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TORCH_LOGS", "-all")
+    if ns.calibrate:
+        from simplefsdp.plan.calibrate import calibrate_main
+
+        return calibrate_main(ns)
+    start = time.perf_counter()
+    try:
+        from simplefsdp.plan.predict import predict, validate
+
+        args = model_args(ns.model, ns.config)
+        hw = get_profile(ns.hardware)
+        base = _layout(ns)
+        validate(args, base)
+        if ns.sweep:
+            preds = [predict(args, layout, hw) for layout in sweep_layouts(args, base)]
+            preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
+        else:
+            preds = [predict(args, base, hw)]
+    except ValueError as exc:
+        print(f"simplefsdp plan: error: {exc}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    pred = preds[0]
+    if not ns.sweep and not pred.fits:
+        largest = largest_fitting_batch(pred)
+        hint = (
+            f"largest batch that fits: about {largest}"
+            if largest
+            else "no batch fits: the model state alone is too large"
+        )
+        print(format_prediction(pred))  # the breakdown shows what to cut
+        print(
+            f"simplefsdp plan: error: --batch {pred.layout.batch} does not fit on "
+            f"{hw.name}: predicted {pred.peak_bytes / GiB:.2f} GiB of "
+            f"{pred.usable_bytes / GiB:.2f} GiB usable per GPU; {hint} "
+            "(or use --ac full, more --gpus, --tp/--pp)",
+            file=sys.stderr,
+        )
+        return 2
+    result = {
+        "model": dataclasses.asdict(args),
+        "hardware": hw.to_dict(),
+        "planning_s": elapsed,
+        "predictions": [p.to_dict() for p in preds],
+    }
+    if ns.json:
+        print(json.dumps(result, indent=2, default=str))
+    elif ns.sweep:
+        print(format_sweep(preds))
+    else:
+        print(format_prediction(pred))
+    if ns.out:
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(result, indent=2, default=str))
+        png = write_png(preds, out / "plan.png")
+        if not ns.json:
+            print(f"wrote {out / 'plan.json'}" + (f" and {out / 'plan.png'}" if png else ""))
+    if not ns.json:
+        print(f"planned in {elapsed:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""Predict per-GPU peak memory and step time of a training job from traced graphs.
+
+Note: [Plan model]
+    Graph quantities come from the traced forward and backward graphs (Note:
+    [Planning traces]), extrapolated from 1 and 2 traced blocks to the
+    model's (or pipeline stage's) blocks.
+
+    Memory per GPU (bytes), for the most loaded pipeline stage:
+      parameters   fp32 shards (the graphs' parameter inputs),
+      gradients    fp32 shards, the same size,
+      optimizer    AdamW's two fp32 moments, twice the parameters,
+      activations  what the forward graph saves for backward, times the
+                   microbatches in flight on the stage (1F1B: up to ``pp``),
+      gathered     the bucket plan's extra gathered buffers beyond the
+                   unbucketed graph (the compiler's own model: worst
+                   ``2 * B_i + B_{i+1}``, ``prefetch_extra_bytes``),
+      temporary    the rest of the larger of the forward graph's and the
+                   backward graph's liveness peaks (``estimate_memory``):
+                   logits and their fp32 loss, casts, one gathered parameter.
+    The peak is the sum; the breakdown adds up to it.
+
+    Step time: compute per node from the hardware profile (``CostModel``:
+    matmul FLOPs at the achievable rate, other ops by the bytes they move
+    at the achievable HBM bandwidth, plus a per-kernel overhead). For the
+    compiled engine (simplefsdp) chains of non-matmul ops count as one fused
+    kernel each, moving only the tensors that enter and leave the chain (what
+    Inductor generates); for the eager engine (FSDP2) each op is a kernel.
+    The bucket plan (our greedy planner, or FSDP2's per-block groups) is
+    replayed on one link and one compute stream (``pipeline_time_s``, with
+    each unit's window scaled to its share of the traced forward + backward
+    compute); what does not hide is exposed communication. The optimizer
+    step (AdamW, memory bound: 28 bytes moved per fp32 parameter) follows.
+    Pipeline parallelism (1F1B) takes ``(m + pp - 1)`` microbatch slots of the
+    slowest stage; the ``pp - 1`` idle ones are the bubble.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from simplefsdp.compiler.auto_bucketing import (
+    GatherUnit,
+    gather_units,
+    greedy_buckets,
+    pipeline_time_s,
+    prefetch_extra_bytes,
+)
+from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops
+from simplefsdp.compiler.memory_estimate import estimate_memory
+from simplefsdp.compiler.passes.bucketing import find_sites
+from simplefsdp.compiler.patterns import (
+    collective_kind,
+    is_compute,
+    node_bytes,
+)
+from simplefsdp.models.llama3 import ModelArgs, flops_per_token, layer_ranges
+from simplefsdp.plan.hardware import HardwareProfile
+from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
+
+ENGINES = ("simplefsdp", "fsdp2")
+BUCKETINGS = ("auto", "per_block", "none")
+AC_MODES = ("none", "selective", "full")
+DTYPES = ("bf16", "fp32")
+ADAMW_BYTES_PER_PARAM = 28  # read param, grad, exp_avg, exp_avg_sq; write 3 (fp32)
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and its options. ``batch`` is per data-parallel rank
+    per step (split into ``microbatches`` under pipeline parallelism)."""
+
+    gpus: int
+    batch: int
+    seq: int
+    tp: int = 1
+    pp: int = 1
+    ac: str = "selective"
+    microbatches: int = 1
+    reshard_after_forward: bool = True
+    bucketing: str = "auto"
+    engine: str = "simplefsdp"
+    dtype: str = "bf16"  # bf16: bf16 compute and gathers, fp32 reduce; fp32: all fp32
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}"]
+        if self.dtype != "bf16":
+            parts.append(self.dtype)
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp} m{self.microbatches}")
+        parts += [
+            f"ac={self.ac}",
+            "per_block" if self.engine == "fsdp2" else self.bucketing,
+            "reshard" if self.reshard_after_forward else "no-reshard",
+        ]
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(args: ModelArgs, layout: Layout) -> None:
+    """One-line ``ValueError`` naming the bad value and what would be valid."""
+    if layout.gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {layout.gpus}")
+    if layout.engine not in ENGINES:
+        raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
+    if layout.bucketing not in BUCKETINGS:
+        raise ValueError(f"unknown bucketing {layout.bucketing!r}; valid: {', '.join(BUCKETINGS)}")
+    if layout.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {layout.dtype!r}; valid: {', '.join(DTYPES)}")
+    if layout.ac not in AC_MODES:
+        raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
+    for name, value in (("--batch", layout.batch), ("--seq", layout.seq)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if layout.gpus % (layout.tp * layout.pp):
+        raise ValueError(
+            f"--gpus {layout.gpus} is not divisible by tp*pp = {layout.tp}*{layout.pp}; "
+            f"valid tp*pp: {', '.join(map(str, _divisors(layout.gpus)))}"
+        )
+    if layout.seq > args.max_seq_len:
+        raise ValueError(f"--seq {layout.seq} exceeds the model's max_seq_len {args.max_seq_len}")
+    if layout.tp > 1:
+        valid = [d for d in _divisors(math.gcd(args.n_heads, args.n_kv_heads)) if d > 1]
+        if args.n_kv_heads % layout.tp or args.n_heads % layout.tp:
+            raise ValueError(
+                f"--tp {layout.tp} does not divide n_heads={args.n_heads} and "
+                f"n_kv_heads={args.n_kv_heads}; valid --tp: 1, {', '.join(map(str, valid))}"
+            )
+        if layout.seq % layout.tp:
+            raise ValueError(
+                f"--seq {layout.seq} is not divisible by --tp {layout.tp} (sequence parallelism)"
+            )
+    if layout.pp > args.n_layers:
+        raise ValueError(
+            f"--pp {layout.pp} exceeds n_layers={args.n_layers}; valid: 1..{args.n_layers}"
+        )
+    if layout.batch % layout.microbatches:
+        raise ValueError(
+            f"--batch {layout.batch} is not divisible by --microbatches {layout.microbatches}; "
+            f"valid: {', '.join(map(str, _divisors(layout.batch)))}"
+        )
+    if layout.pp > 1 and layout.microbatches < layout.pp:
+        raise ValueError(
+            f"--microbatches {layout.microbatches} is below --pp {layout.pp} "
+            f"(1F1B needs at least one microbatch per stage)"
+        )
+
+
+# ------------------------------------------------------------ graph measures
+
+
+_HEAVY = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def _is_heavy(node: fx.Node) -> bool:
+    """Matmuls, attention and embeddings: their own kernels, never fused."""
+    if node.target in _HEAVY:
+        return True
+    name = str(node.target)
+    return "scaled_dot_product" in name or "embedding" in name
+
+
+def compute_time(gm: fx.GraphModule, cost_model: CostModel, fused: bool) -> dict[str, float]:
+    """Seconds and FLOPs of the compute nodes of ``gm``.
+
+    ``fused``: non-matmul compute nodes are grouped as Inductor would (Note:
+    [Plan model]): such a node pays for the inputs it reads from outside the
+    chain and for its output only if something outside the chain reads it;
+    one kernel overhead per chain output.
+    """
+    flops = matmul_s = other_s = 0.0
+    kernels = chains = 0
+    for node in gm.graph.nodes:
+        if not is_compute(node):
+            continue
+        if _is_heavy(node) or not fused:
+            flops += node_flops(node)
+            matmul_s += cost_model.node_time(node)  # includes its kernel overhead
+            kernels += 1
+            continue
+        moved = 0
+        for source in node.all_input_nodes:
+            if not (is_compute(source) and not _is_heavy(source)):
+                moved += node_bytes(source)
+        leaves = any(not is_compute(u) or _is_heavy(u) for u in node.users) or not node.users
+        if leaves:
+            moved += node_bytes(node)
+            chains += 1
+        other_s += moved / cost_model.bytes_per_s
+    overhead = chains * cost_model.kernel_overhead_s
+    kernels += chains
+    return {"flops": flops, "seconds": matmul_s + other_s + overhead, "kernels": kernels}
+
+
+@dataclass
+class GraphMeasures:
+    """Per-trace quantities, linear in the number of blocks."""
+
+    fw_flops: float
+    bw_flops: float
+    fw_s: float
+    bw_s: float
+    param_bytes: float  # fp32 shards (graph parameter inputs)
+    saved_bytes: float  # forward outputs kept for backward
+    fw_peak: float
+    bw_peak: float
+    grad_bytes: float  # backward outputs (gradient shards)
+    rs_to_ag_ratio: float  # bytes reduced per byte gathered (fp32 reduce / bf16 gather)
+
+    def extrapolate(self, other: GraphMeasures, blocks: float) -> GraphMeasures:
+        """``self`` at 1 block, ``other`` at 2: the value at ``blocks``."""
+        values = {}
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            values[f.name] = a if f.name == "rs_to_ag_ratio" else a + (blocks - 1) * (b - a)
+        return GraphMeasures(**values)
+
+    def per_block(self, other: GraphMeasures) -> GraphMeasures:
+        return self.extrapolate(other, 2).minus(self)
+
+    def minus(self, other: GraphMeasures) -> GraphMeasures:
+        values = {
+            f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)
+        }
+        values["rs_to_ag_ratio"] = self.rs_to_ag_ratio
+        return GraphMeasures(**values)
+
+
+def measure(traced: Traced, cost_model: CostModel, fused: bool) -> GraphMeasures:
+    fw, bw = traced.forward, traced.backward
+    fw_mem, bw_mem = estimate_memory(fw), estimate_memory(bw)
+    fw_t, bw_t = compute_time(fw, cost_model, fused), compute_time(bw, cost_model, fused)
+    params = traced.local_param_bytes
+    # Data-parallel bytes reduced per byte gathered (fp32 reduce / bf16 gather).
+    dp = traced.groups.is_data_parallel
+    rs = sum(
+        node_bytes(n.args[0])
+        for n in bw.graph.nodes
+        if collective_kind(n) == "reduce_scatter" and dp(n)
+    )
+    fw_ag = sum(
+        node_bytes(n) for n in fw.graph.nodes if collective_kind(n) == "all_gather" and dp(n)
+    )
+    return GraphMeasures(
+        fw_flops=fw_t["flops"],
+        bw_flops=bw_t["flops"],
+        fw_s=fw_t["seconds"],
+        bw_s=bw_t["seconds"],
+        param_bytes=params,
+        saved_bytes=fw_mem.output_bytes,
+        fw_peak=fw_mem.peak_bytes,
+        bw_peak=bw_mem.peak_bytes,
+        grad_bytes=bw_mem.output_bytes,
+        rs_to_ag_ratio=(rs / fw_ag) if fw_ag and rs else 1.0,
+    )
+
+
+# ------------------------------------------------------------ cost model
+
+
+def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 2.0) -> CostModel:
+    """The compiler's ``CostModel`` for ``hw`` and the layout's groups.
+
+    Data-parallel groups are strided by ``tp`` (TP is the inner mesh dim), so a
+    DP group of ``dp`` ranks spans ``dp * tp`` GPUs. The reduce-scatter fit is
+    scaled by ``rs_to_ag_ratio`` because the planner sizes it by the gathered
+    (bf16) bytes while the gradients are reduced in fp32.
+    """
+    comm: dict[str, LinearFit] = {}
+    span_dp = layout.dp * layout.tp
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        one = hw.comm_seconds(kind, layout.dp, 0.0, span_dp)
+        per_byte = hw.comm_seconds(kind, layout.dp, 1e9, span_dp) - one
+        scale = rs_to_ag_ratio if kind == "reduce_scatter" else 1.0
+        comm[f"{kind}/{layout.dp}"] = LinearFit(one, scale * per_byte / 1e9)
+        if layout.tp > 1:
+            one = hw.comm_seconds(kind, layout.tp, 0.0, layout.tp)
+            per_byte = hw.comm_seconds(kind, layout.tp, 1e9, layout.tp) - one
+            comm[f"tp:{kind}/{layout.tp}"] = LinearFit(one, per_byte / 1e9)
+    return CostModel(
+        comm=comm,
+        default_comm=LinearFit(hw.inter_latency_s, 1 / hw.inter_bandwidth),
+        flops_per_s=(hw.peak_bf16_flops if layout.dtype == "bf16" else hw.peak_fp32_flops)
+        * hw.matmul_efficiency,
+        bytes_per_s=hw.memory_bandwidth * hw.memory_efficiency,
+        kernel_overhead_s=hw.kernel_overhead_s,
+    )
+
+
+# ------------------------------------------------------------ prediction
+
+
+@dataclass
+class Prediction:
+    """Per-GPU prediction of one layout (bytes, seconds)."""
+
+    layout: Layout
+    hardware: str
+    memory: dict[str, float]
+    peak_bytes: float
+    usable_bytes: float
+    time: dict[str, float]
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    buckets: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": dataclasses.asdict(self.layout) | {"dp": self.layout.dp},
+            "hardware": self.hardware,
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "usable_bytes": self.usable_bytes,
+            "memory_bytes": self.memory,
+            "time_s": self.time,
+            "step_s": self.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "num_buckets": len(self.buckets),
+            "buckets": self.buckets,
+            "notes": self.notes,
+        }
+
+
+_TRACES: dict[TraceKey, Traced] = {}
+
+
+def traced(key: TraceKey) -> Traced:
+    """``trace_step(key)``, cached for the process (a sweep reuses traces)."""
+    if key not in _TRACES:
+        _TRACES[key] = trace_step(key)
+    return _TRACES[key]
+
+
+def _units_for(
+    t2: Traced, cost_model: CostModel, blocks: int, has_first: bool, has_last: bool
+) -> list[GatherUnit]:
+    """Gather units of a stage of ``blocks`` blocks, from the 2-block trace:
+    the first block's units stand for every block but the last (the second's,
+    which precede the norm and output)."""
+    sites = find_sites(t2.forward.graph, t2.primal_names, {}, t2.groups)
+    units = gather_units(t2.forward, sites, cost_model, t2.groups)
+    before, block0, block1, after = [], [], [], []
+    for u in units:
+        if u.fqn.startswith("model.layers.0."):
+            block0.append(u)
+        elif u.fqn.startswith("model.layers.1."):
+            block1.append(u)
+        elif block0 or block1:
+            after.append(u)
+        else:
+            before.append(u)
+    result = list(before) if has_first else []
+    for i in range(blocks - 1):
+        result += [
+            dataclasses.replace(u, fqn=u.fqn.replace("layers.0.", f"layers.{i}.", 1))
+            for u in block0
+        ]
+    result += [
+        dataclasses.replace(u, fqn=u.fqn.replace("layers.1.", f"layers.{blocks - 1}.", 1))
+        for u in block1
+    ]
+    if has_last:
+        result += after
+    return result
+
+
+def _group_units(units: list[GatherUnit], how: str) -> list[list[GatherUnit]]:
+    if how == "none":
+        return [[u] for u in units]
+    groups: dict[str, list[GatherUnit]] = {}
+    for u in units:
+        parts = u.fqn.split(".")
+        key = ".".join(parts[:3]) if parts[1] == "layers" else "root"
+        groups.setdefault(key, []).append(u)
+    root = groups.pop("root", [])
+    blocks = list(groups.values())
+    # FSDP2 (and our per-block plan) gathers the root's parameters (embedding,
+    # norm, output) in one group at the start.
+    return ([root] if root else []) + blocks
+
+
+def predict(
+    args: ModelArgs,
+    layout: Layout,
+    hw: HardwareProfile,
+) -> Prediction:
+    """Predict ``layout`` of ``args`` on ``hw`` (Note: [Plan model])."""
+    validate(args, layout)
+    mb = layout.batch // layout.microbatches
+    # Uneven splits as ``layer_ranges``: the first stages take one more block.
+    stage_blocks = max(len(r) for r in layer_ranges(args.n_layers, layout.pp))
+    keys = [
+        TraceKey(
+            layer_variant(args, n),
+            layout.dp,
+            layout.tp,
+            mb,
+            layout.seq,
+            layout.ac,
+            layout.reshard_after_forward,
+            layout.dtype,
+        )
+        for n in (1, 2)
+    ]
+    t1, t2 = traced(keys[0]), traced(keys[1])
+    fused = layout.engine == "simplefsdp"
+    probe = cost_model_for(hw, layout, 1.0)
+    m1, m2 = measure(t1, probe, fused), measure(t2, probe, fused)
+    cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
+    per_block = m1.per_block(m2)
+    # Pipeline stages: the blocks of the most loaded stage plus all the rest
+    # (embedding, norm, output, loss; the last stage holds the costly part of
+    # it): conservative by the embedding.
+    stage = m1.extrapolate(m2, stage_blocks)
+    inflight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
+    first_stage_saved = per_block.saved_bytes * stage_blocks * inflight
+    notes = []
+
+    # Bucket plan and communication replay for one microbatch of the stage.
+    units = _units_for(t2, cost_model, stage_blocks, True, True)
+    compute_s = stage.fw_s + stage.bw_s
+    fw_window = sum(u.compute_s for u in units)
+    scale = compute_s / (3 * fw_window) if fw_window else 0.0
+    units = [dataclasses.replace(u, compute_s=u.compute_s * scale) for u in units]
+    param_bytes = stage.param_bytes
+    grad_bytes = param_bytes
+    optimizer_bytes = 2 * param_bytes
+    resident = param_bytes + grad_bytes + optimizer_bytes
+    usable = hw.memory_bytes * hw.usable_memory_fraction
+    base_peak = max(stage.fw_peak, stage.saved_bytes + stage.bw_peak - stage.grad_bytes)
+    if layout.engine == "fsdp2" or layout.bucketing == "per_block":
+        buckets = _group_units(units, "per_block")
+    elif layout.bucketing == "none":
+        buckets = _group_units(units, "none")
+    else:
+        budget = usable - resident - max(first_stage_saved - stage.saved_bytes, 0)
+        try:
+            buckets = greedy_buckets(
+                units,
+                cost_model,
+                reshard_after_forward=layout.reshard_after_forward,
+                base_peak_bytes=int(base_peak),
+                memory_budget_bytes=int(budget),
+            )
+        except ValueError:  # not even one parameter at a time fits: the tightest plan
+            buckets = _group_units(units, "none")
+    if not units:
+        buckets = []
+    pipe_s = pipeline_time_s(buckets, cost_model, layout.reshard_after_forward)
+    fixed_s = 2.0 * sum(u.fixed_comm_s for u in units)
+    dp_comm_s = sum(
+        (2 if layout.reshard_after_forward else 1)
+        * cost_model.comm_time("all_gather", layout.dp, sum(u.gathered_bytes for u in b))
+        + cost_model.comm_time("reduce_scatter", layout.dp, sum(u.gathered_bytes for u in b))
+        for b in buckets
+    )
+    if layout.dp == 1:
+        pipe_s, dp_comm_s = compute_s + fixed_s, 0.0
+    mb_s = max(pipe_s, compute_s)
+    exposed_s = mb_s - compute_s
+    hidden_s = max(dp_comm_s + fixed_s - exposed_s, 0.0)
+    exposed_s += (1.0 - hw.comm_overlap) * hidden_s  # comm competing with compute (CPU)
+    mb_s = compute_s + exposed_s
+    slots = layout.microbatches + (layout.pp - 1 if layout.pp > 1 else 0)
+    bubble_s = (layout.pp - 1) * mb_s if layout.pp > 1 else 0.0
+    optimizer_s = (param_bytes / 4) * ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
+    optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)  # grad norm
+    step_s = slots * mb_s + optimizer_s
+    gathered = prefetch_extra_bytes(buckets) if layout.dp > 1 else 0.0
+    activations = first_stage_saved
+    temporary = max(base_peak - stage.saved_bytes, 0.0)
+    memory = {
+        "parameters": param_bytes,
+        "gradients": grad_bytes,
+        "optimizer": optimizer_bytes,
+        "activations": activations,
+        "gathered": gathered,
+        "temporary": temporary,
+    }
+    peak = sum(memory.values())
+    tokens = layout.batch * layout.seq * layout.dp
+    tps = tokens / step_s / layout.gpus
+    mfu = tps * flops_per_token(args, layout.seq) / hw.peak_bf16_flops
+    time = {
+        "compute": layout.microbatches * compute_s,
+        "exposed_comm": layout.microbatches * exposed_s,
+        "bubble": bubble_s,
+        "optimizer": optimizer_s,
+        "dp_comm_total": layout.microbatches * dp_comm_s,
+        "tp_comm_total": layout.microbatches * fixed_s,
+        "flops": layout.microbatches * (stage.fw_flops + stage.bw_flops),
+    }
+    if layout.pp > 1:
+        notes.append("pipeline: 1F1B; activation send/recv between stages not modelled")
+    return Prediction(
+        layout=layout,
+        hardware=hw.name,
+        memory=memory,
+        peak_bytes=peak,
+        usable_bytes=usable,
+        time=time,
+        step_s=step_s,
+        tokens_per_s_per_gpu=tps,
+        mfu=mfu,
+        buckets=[[u.fqn for u in b] for b in buckets],
+        notes=notes,
+    )
+
+
+__all__ = [
+    "AC_MODES",
+    "BUCKETINGS",
+    "ENGINES",
+    "GraphMeasures",
+    "Layout",
+    "Prediction",
+    "compute_time",
+    "cost_model_for",
+    "measure",
+    "predict",
+    "validate",
+]

@@ -1,0 +1,247 @@
+"""Trace a Llama 3 training step for a target layout, in one process, without GPUs.
+
+Note: [Planning traces]
+    The model is built on the meta device (nothing is allocated), wrapped by
+    ``simplefsdp.data_parallel`` over a *fake* process group of the target
+    data-parallel size (times the TP size for a 2-D mesh, with
+    ``apply_tensor_parallel`` first), and compiled with the ``aot_eager``
+    backend, no bucketing and no reordering. One call of the model plus its
+    cross-entropy loss and one backward on meta inputs produce the forward and
+    backward graphs simplefsdp.compile would build: every collective, every
+    tensor shape of the local shard, mixed precision (bf16 compute, fp32
+    reduce) and the activation-checkpointing recomputation included.
+
+    Attention is traced as one fused (flash) attention op, as it runs on a GPU:
+    torch's CPU build would otherwise decompose ``scaled_dot_product_attention``
+    into a math path that materialises the (T x T) score matrix. Under full
+    activation checkpointing the op is a planning-only custom op (ATen's CPU
+    flash op counts as random, and the meta device cannot save RNG state).
+
+    A model of ``L`` identical blocks is traced with 1 and 2 blocks only: a
+    quantity ``q`` of the graphs (FLOPs, node times, saved bytes, liveness
+    peaks) is taken as ``q(1) + (L - 1) * (q(2) - q(1))``. Tests check this
+    against a full trace of a small model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from simplefsdp.models.llama3 import ModelArgs, Transformer
+
+_LIB_NAME = "simplefsdp_plan"
+
+
+@functools.cache
+def _planning_attention_ops():
+    """A non-random fused attention op with its backward (see the Note)."""
+
+    @torch.library.custom_op(f"{_LIB_NAME}::scaled_dot_product_flash", mutates_args=())
+    def attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        return out, lse
+
+    @attention.register_fake
+    def _(q, k, v):
+        b, h, t, _ = q.shape
+        return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
+
+    @torch.library.custom_op(f"{_LIB_NAME}::scaled_dot_product_flash_backward", mutates_args=())
+    def attention_backward(
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, True
+        )
+
+    @attention_backward.register_fake
+    def _(grad, q, k, v, out, lse):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, *output)
+
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return attention_backward(grad_out.contiguous(), q, k, v, out, lse)
+
+    attention.register_autograd(backward, setup_context=setup_context)
+    return attention
+
+
+def _flash_sdpa(full_ac: bool):
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **_kwargs):
+        if full_ac:
+            return torch.ops.simplefsdp_plan.scaled_dot_product_flash(q, k, v)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)[
+            0
+        ]
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def _patched_attention(full_ac: bool) -> Iterator[None]:
+    if full_ac:
+        _planning_attention_ops()  # registered before Dynamo sees a call
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _flash_sdpa(full_ac)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+class _WithLoss(nn.Module):
+    """The model and its cross-entropy (fp32 logits, as torchtitan computes it)
+    in one module, so the loss's memory is part of the traced graphs.
+
+    Under TP the logits are replicated (all-gathered) before the loss, as in
+    ``simplefsdp train`` without loss parallelism: a vocabulary-parallel loss
+    (``loss_parallel_context``) does not trace under Dynamo, so its memory
+    saving is not modelled.
+    """
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens)
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+        # log_softmax + gather: the memory of F.cross_entropy (fp32 logits and
+        # log-probabilities), which does not trace through DTensor's backward here.
+        logprobs = logits.float().log_softmax(-1)
+        return -logprobs.gather(-1, tokens[..., None]).mean()
+
+
+@dataclass(frozen=True)
+class TraceKey:
+    """What the traced graphs depend on."""
+
+    args: ModelArgs
+    dp: int
+    tp: int
+    batch: int  # per data-parallel rank, per microbatch
+    seq: int
+    ac: str
+    reshard_after_forward: bool = True
+    dtype: str = "bf16"  # compute dtype: bf16 (mixed precision) or fp32
+
+
+@dataclass
+class Traced:
+    """Forward and backward graphs of one trace and its model's parameter FQNs."""
+
+    key: TraceKey
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    param_fqns: list[str]
+    primal_names: dict[str, str]
+    groups: object  # simplefsdp.compiler.patterns.CollectiveGroups
+    local_param_bytes: int = 0  # this rank's parameter shards (fp32)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks (rank 0) for the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "simplefsdp plan traces with its own fake process group; "
+            "call it outside torch.distributed (no process group initialised)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_step(key: TraceKey) -> Traced:
+    """Trace one training step of ``key`` (Note: [Planning traces])."""
+    import simplefsdp
+    from simplefsdp.compiler.cost_model import CostModel
+    from simplefsdp.engines.activation import apply_activation_checkpointing
+    from simplefsdp.models.llama3 import apply_tensor_parallel
+    from simplefsdp.policies import MixedPrecisionPolicy
+
+    torch._dynamo.reset()
+    world = key.dp * key.tp
+    with fake_process_group(world):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (key.dp, key.tp), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = Transformer(key.args)
+        if key.tp > 1:
+            apply_tensor_parallel(model, mesh["tp"])
+        apply_activation_checkpointing(model, key.ac)
+        wrapped = _WithLoss(model)
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if key.dtype == "bf16"
+            else None
+        )
+        simplefsdp.data_parallel(
+            wrapped, mesh["dp"], mp_policy=mp, reshard_after_forward=key.reshard_after_forward
+        )
+        simplefsdp.compile(
+            wrapped, backend="aot_eager", bucketing="none", reorder=False, cost_model=CostModel()
+        )
+        tokens = torch.zeros(key.batch, key.seq, dtype=torch.long, device="meta")
+        with _patched_attention(full_ac=key.ac == "full"):
+            wrapped(tokens).backward()
+        backend = wrapped.__dict__["_simplefsdp_backend"]
+        graphs = dict(backend.graph_modules)
+        fqns = [name for name, _ in wrapped.named_parameters()]
+        primals = _primal_names(graphs["forward"], simplefsdp.comm_report(wrapped))
+        groups = backend.groups
+        local = sum(_local(p).numel() * _local(p).element_size() for p in wrapped.parameters())
+    torch._dynamo.reset()
+    return Traced(key, graphs["forward"], graphs["backward"], fqns, primals, groups, local)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    data = param.data if isinstance(param, nn.Parameter) else param
+    return data.to_local() if hasattr(data, "to_local") else data
+
+
+def _primal_names(gm: fx.GraphModule, report) -> dict[str, str]:
+    """Placeholder name -> parameter FQN, from the forward graph's report (each
+    data-parallel all-gather names its parameter)."""
+    from simplefsdp.compiler.patterns import source_placeholder
+
+    nodes = {n.name: n for n in gm.graph.nodes}
+    names = {}
+    for info in report.graph("forward").collectives:
+        node = nodes.get(info.node)
+        if info.kind != "all_gather" or node is None or len(info.params) != 1:
+            continue
+        placeholder = source_placeholder(node.args[0])
+        if placeholder is not None:
+            names[placeholder.name] = info.params[0]
+    return names
+
+
+def layer_variant(args: ModelArgs, n_layers: int) -> ModelArgs:
+    return dataclasses.replace(args, n_layers=n_layers)

@@ -1,0 +1,279 @@
+"""``simplefsdp plan``: traces, memory and time accounting, profiles, errors.
+
+Traces run in this process with a fake process group (no communication) on
+the meta device; small configurations keep them to a second or two each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from simplefsdp.compiler.cost_model import CostModel
+from simplefsdp.models.llama3 import get_config, num_params
+from simplefsdp.plan import cli as plan_cli
+from simplefsdp.plan.hardware import PROFILES, HardwareProfile, get_profile
+from simplefsdp.plan.predict import (
+    ADAMW_BYTES_PER_PARAM,
+    Layout,
+    compute_time,
+    measure,
+    predict,
+    traced,
+    validate,
+)
+from simplefsdp.plan.trace import TraceKey
+
+GiB = 2**30
+
+# A round-number profile for hand-computed checks.
+FIXED = HardwareProfile(
+    name="fixed",
+    description="test",
+    peak_bf16_flops=1e12,
+    peak_fp32_flops=1e11,
+    matmul_efficiency=0.5,
+    memory_bytes=64 * GiB,
+    usable_memory_fraction=1.0,
+    memory_bandwidth=1e11,
+    memory_efficiency=0.5,
+    kernel_overhead_s=0.0,
+    gpus_per_node=4,
+    intra_bandwidth=1e10,
+    intra_latency_s=1e-5,
+    inter_bandwidth=1e9,
+    inter_latency_s=1e-4,
+)
+
+
+def _debug(**overrides):
+    return get_config("debug", **overrides)
+
+
+# ------------------------------------------------------------ profiles
+
+
+def test_every_builtin_profile_is_complete_and_sourced() -> None:
+    assert {"h100", "h200", "a100", "cpu-gloo"} <= set(PROFILES)
+    for profile in PROFILES.values():
+        assert profile.source, profile.name
+        assert 0 < profile.matmul_efficiency <= 1 and 0 < profile.memory_efficiency <= 1
+        assert HardwareProfile.from_dict(profile.to_dict()) == profile
+
+
+def test_unknown_hardware_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError, match=r"unknown hardware 'h300'; valid: .*h100.*h200"):
+        get_profile("h300")
+
+
+def test_ring_collective_time_by_hand() -> None:
+    # 4 ranks in one node: 10 us + 3/4 * 8e9 B / 1e10 B/s = 0.61001 s
+    assert FIXED.comm_seconds("all_gather", 4, 8e9, span=4) == pytest.approx(1e-5 + 0.6)
+    # 8 ranks span two nodes: inter-node link; all-reduce moves twice the bytes
+    assert FIXED.comm_seconds("all_reduce", 8, 8e8, span=8) == pytest.approx(1e-4 + 2 * 7 / 8 * 0.8)
+    assert FIXED.comm_seconds("all_gather", 1, 8e9, span=1) == 0.0
+
+
+def test_profile_round_trips_through_json(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(FIXED.to_dict()))
+    assert get_profile(str(path)) == FIXED
+
+
+# ------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (Layout(gpus=8, batch=2, seq=64, tp=3), r"--gpus 8 is not divisible by tp\*pp = 3\*1"),
+        (Layout(gpus=6, batch=2, seq=64, tp=3), r"--tp 3 does not divide n_heads=8"),
+        (Layout(gpus=8, batch=2, seq=64, pp=8, microbatches=8), r"--pp 8 exceeds n_layers=4"),
+        (Layout(gpus=4, batch=3, seq=64, pp=2, microbatches=2), r"--batch 3 is not divisible"),
+        (Layout(gpus=2, batch=2, seq=4096), r"--seq 4096 exceeds the model's max_seq_len 512"),
+        (Layout(gpus=2, batch=2, seq=64, ac="most"), r"unknown --ac 'most'; valid: none"),
+    ],
+)
+def test_bad_layouts_name_the_value_and_what_is_valid(layout, message) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        validate(_debug(), layout)
+    assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------ graph measures
+
+
+def test_fused_compute_time_by_hand() -> None:
+    def f(x, w):
+        h = x @ w  # 2*8*16*32 FLOPs
+        return (torch.relu(h) * 2.0).sum()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 32))
+    cm = CostModel(flops_per_s=1e9, bytes_per_s=1e6, kernel_overhead_s=1e-3)
+    unfused = compute_time(gm, cm, fused=False)
+    h = 8 * 32 * 4  # bytes of the (8, 32) fp32 intermediates
+    # each op a kernel: mm (max of FLOPs and bytes moved), relu, mul, sum
+    mm_s = max(2 * 8 * 16 * 32 / 1e9, (8 * 16 + 16 * 32 + 8 * 32) * 4 / 1e6)
+    expected = mm_s + (2 * h) / 1e6 + (2 * h) / 1e6 + (h + 4) / 1e6 + 4 * 1e-3
+    assert unfused["seconds"] == pytest.approx(expected)
+    fused = compute_time(gm, cm, fused=True)
+    # relu, mul, sum fuse: the chain reads h once and writes the scalar; one
+    # kernel overhead for the chain, one for the matmul.
+    assert fused["seconds"] == pytest.approx(mm_s + 1e-3 + (h + 4) / 1e6 + 1e-3)
+    assert fused["kernels"] == 2
+    assert fused["flops"] == unfused["flops"] == 2 * 8 * 16 * 32
+
+
+def _key(n_layers: int, dp: int = 2, ac: str = "selective", **kw) -> TraceKey:
+    return TraceKey(_debug(n_layers=n_layers), dp, kw.get("tp", 1), 2, 64, ac)
+
+
+def test_parameter_gradient_optimizer_bytes_are_exact() -> None:
+    args = _debug()
+    pred = predict(args, Layout(gpus=2, batch=2, seq=64), FIXED)
+    shard = 4 * num_params(args) / 2  # fp32, evenly sharded over 2 ranks
+    assert pred.memory["parameters"] == shard
+    assert pred.memory["gradients"] == shard
+    assert pred.memory["optimizer"] == 2 * shard
+    assert pred.peak_bytes == pytest.approx(sum(pred.memory.values()))
+
+
+@pytest.mark.slow
+def test_block_extrapolation_matches_a_full_trace() -> None:
+    cm = CostModel()
+    m1, m2, m4 = (measure(traced(_key(n)), cm, fused=True) for n in (1, 2, 4))
+    guess = m1.extrapolate(m2, 4)
+    for name in ("fw_flops", "bw_flops", "param_bytes", "saved_bytes", "grad_bytes"):
+        assert getattr(guess, name) == pytest.approx(getattr(m4, name), rel=1e-9), name
+    for name in ("fw_s", "bw_s", "fw_peak", "bw_peak"):
+        assert getattr(guess, name) == pytest.approx(getattr(m4, name), rel=0.02), name
+
+
+def test_step_time_adds_up_by_hand() -> None:
+    # step = traced compute + exposed communication + AdamW step, which moves
+    # 28 bytes per fp32 parameter at 0.5 * 1e11 B/s plus the gradient-norm
+    # all-reduce of one number (intra-node: 10 us + 2 * 1/2 * 4 B / 1e10 B/s).
+    args = _debug()
+    pred = predict(args, Layout(gpus=2, batch=2, seq=64), FIXED)
+    optimizer_s = num_params(args) / 2 * ADAMW_BYTES_PER_PARAM / (0.5 * 1e11)
+    optimizer_s += 1e-5 + 4 / 1e10
+    assert pred.time["optimizer"] == pytest.approx(optimizer_s)
+    assert pred.time["bubble"] == 0
+    assert pred.step_s == pytest.approx(
+        pred.time["compute"] + pred.time["exposed_comm"] + optimizer_s
+    )
+    assert pred.tokens_per_s_per_gpu == pytest.approx(2 * 64 * 2 / pred.step_s / 2)
+    assert 0 <= pred.time["exposed_comm"] <= pred.time["dp_comm_total"]
+
+
+def test_full_ac_recomputes_and_saves_less() -> None:
+    layout = Layout(gpus=2, batch=2, seq=64)
+    preds = {
+        ac: predict(_debug(), dataclasses.replace(layout, ac=ac), FIXED)
+        for ac in ("selective", "full")
+    }
+    assert preds["full"].memory["activations"] < preds["selective"].memory["activations"]
+    assert preds["full"].time["flops"] > preds["selective"].time["flops"]
+
+
+def test_pipeline_bubble_is_pp_minus_one_microbatch_slots() -> None:
+    pred = predict(_debug(), Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2), FIXED)
+    per_microbatch = (pred.time["compute"] + pred.time["exposed_comm"]) / 2
+    assert pred.time["bubble"] == pytest.approx(per_microbatch)
+
+
+@pytest.mark.slow
+def test_llama3_8b_traces_at_world_size_8() -> None:
+    # The real 8B shapes (two blocks), fake process group of 8 ranks, no GPU.
+    pred = predict(get_config("8B"), Layout(gpus=8, batch=2, seq=8192), get_profile("h100"))
+    n = num_params(get_config("8B"))
+    assert pred.memory["parameters"] == pytest.approx(4 * n / 8, rel=1e-3)
+    assert 0 < pred.peak_bytes < 200 * GiB and pred.tokens_per_s_per_gpu > 0
+    assert len(pred.buckets) >= 2
+
+
+# ------------------------------------------------------------ CLI
+
+
+def test_cli_bad_inputs_give_one_line_errors(capsys) -> None:
+    cases = [
+        (["--hardware", "tpu"], "unknown hardware 'tpu'"),
+        (["--gpus", "8", "--tp", "3", "--model", "llama3_debug"], "not divisible by tp*pp"),
+        (["--model", "llama3_9b"], "unknown --model 'llama3_9b'"),
+    ]
+    for argv, message in cases:
+        assert plan_cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+
+
+def test_cli_batch_that_cannot_fit(tmp_path, capsys) -> None:
+    # A GPU with room for the model state and half the batch's activations
+    # (per-block buckets: the auto plan would shrink its buckets to fit).
+    pred = predict(_debug(), Layout(gpus=2, batch=2, seq=64, bucketing="per_block"), FIXED)
+    per_batch = pred.memory["activations"] + pred.memory["temporary"]
+    small = dataclasses.replace(FIXED, memory_bytes=pred.peak_bytes - 0.4 * per_batch)
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(small.to_dict()))
+    argv = ["--model", "llama3_debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
+    argv += ["--bucketing", "per_block"]
+    assert plan_cli.main([*argv, "--hardware", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--batch 2 does not fit" in err and "largest batch that fits: about 1" in err
+    assert "\n" not in err
+
+
+def test_cli_table_json_and_png(tmp_path, capsys) -> None:
+    argv = ["--model", "llama3_debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
+    assert plan_cli.main([*argv, "--hardware", "h100", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "peak memory / GPU" in out and "tokens/s/GPU" in out
+    data = json.loads((tmp_path / "plan.json").read_text())
+    pred = data["predictions"][0]
+    assert pred["peak_bytes"] == pytest.approx(sum(pred["memory_bytes"].values()))
+    assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_sweep_ranks_by_throughput_and_says_why_losers_lose() -> None:
+    base = Layout(gpus=8, batch=2, seq=64)
+    layouts = plan_cli.sweep_layouts(_debug(), base)
+    assert {lay.ac for lay in layouts} == {"none", "selective", "full"}
+    assert {lay.bucketing for lay in layouts} == {"auto", "per_block"}
+    # tp=8 is tried on 8 GPUs but does not divide the debug model's 4 KV heads
+    assert {lay.tp for lay in layouts} == {1}
+    # Three options that share one trace; one of them made not to fit.
+    preds = [
+        predict(_debug(), Layout(gpus=2, batch=2, seq=64, bucketing=b), FIXED)
+        for b in ("auto", "per_block", "none")
+    ]
+    preds[2].usable_bytes = preds[2].peak_bytes / 2
+    table = plan_cli.format_sweep(preds).splitlines()
+    assert len(table) == 4 and "best" in table[1]
+    assert "out of memory" in table[3]
+
+
+def test_simplefsdp_plan_subcommand_prints_json(capsys) -> None:
+    from simplefsdp.cli import main
+
+    argv = ["plan", "--model", "llama3_debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
+    assert main([*argv, "--hardware", "cpu-gloo", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (pred,) = data["predictions"]
+    assert pred["layout"]["dp"] == 2 and pred["hardware"] == "cpu-gloo"
+    assert set(pred["time_s"]) >= {"compute", "exposed_comm", "bubble", "optimizer"}
+
+
+def test_cost_model_times_an_all_gather_by_its_group_size() -> None:
+    # all_gather_into_tensor(input, group_size, group_name): the size, not the
+    # group name, picks the fit.
+    from simplefsdp.compiler.cost_model import LinearFit
+    from simplefsdp.compiler.patterns import collective_kind, node_bytes
+
+    t = traced(_key(1))
+    node = next(n for n in t.forward.graph.nodes if collective_kind(n) == "all_gather")
+    cm = CostModel(comm={"all_gather/2": LinearFit(1.0, 0.0)}, default_comm=LinearFit(0.0, 0.0))
+    assert node_bytes(node) > 0 and cm.collective_time(node) == 1.0
