@@ -1,10 +1,20 @@
-"""Names that differ between the torch versions we support (2.11 to 2.13)."""
+"""Names that differ between the torch versions we support (2.11 to 2.13),
+and workarounds for torch bugs (see docs/crashes.md)."""
 
 from __future__ import annotations
 
+import os
+
+import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_single", "reduce_scatter_single", "root_mesh"]
+__all__ = [
+    "GLOO_ALL_GATHER_WORKAROUND_ENV_VAR",
+    "all_gather_single",
+    "install_gloo_all_gather_workaround",
+    "reduce_scatter_single",
+    "root_mesh",
+]
 
 # torch >= 2.13 renames the single-tensor collectives and the old names warn
 # (FutureWarning); torch 2.11 has only the old names. Same signatures.
@@ -24,3 +34,62 @@ def root_mesh(mesh):
     from torch.distributed.device_mesh import _mesh_resources
 
     return _mesh_resources.get_root_mesh(mesh)
+
+
+# Note: [Gloo all-gather workaround]
+# ``_c10d_functional.all_gather_into_tensor`` (what DTensor's redistribute and
+# every compiled FSDP all-gather call, under aot_eager and Inductor alike)
+# goes through the backend's ``allgather_into_tensor_coalesced``; on gloo that
+# is ``allgather_coalesced`` (a flat staging buffer, filled and copied out on
+# a gloo worker thread). With several small all-gathers in flight we saw it
+# corrupt the heap, in a loop of bare functional collectives with no
+# simplefsdp code (glibc: "malloc(): unaligned fastbin chunk detected",
+# "free(): invalid pointer", SIGSEGV in the main thread's next collective);
+# docs/crashes.md has the reproduction and counts. The out variant,
+# ``all_gather_into_tensor_out``, takes ``_allgather_base`` (gloo's plain
+# allgather into the output) and did not crash in the same loops. So for CPU
+# tensors (gloo) the functional op's kernel is replaced by one that allocates
+# the output and calls the out variant: same result, same work registration
+# (``wait_tensor`` waits on it), a different gloo path. Tracing is unaffected
+# (the Meta/fake kernels stay), so compiled graphs are unchanged; only the
+# CPU kernel that runs them is. CUDA (NCCL) is not touched.
+GLOO_ALL_GATHER_WORKAROUND_ENV_VAR = "SIMPLEFSDP_GLOO_ALLGATHER_WORKAROUND"
+_workaround_lib = None
+
+
+def _all_gather_into_tensor_cpu(
+    input: torch.Tensor,  # noqa: A002 - the op's argument name
+    group_size: int,
+    group_name: str,
+) -> torch.Tensor:
+    out = input.new_empty((input.shape[0] * group_size, *input.shape[1:]))
+    return torch.ops._c10d_functional.all_gather_into_tensor_out.default(
+        input, group_size, group_name, out=out
+    )
+
+
+def install_gloo_all_gather_workaround() -> bool:
+    """Route CPU functional all-gathers through gloo's ``_allgather_base``.
+
+    See Note: [Gloo all-gather workaround]. Idempotent; ``data_parallel``
+    calls it. ``SIMPLEFSDP_GLOO_ALLGATHER_WORKAROUND=0`` (read on the first
+    call) leaves torch's kernel in place, to reproduce the crash. Returns
+    whether the workaround is installed.
+    """
+    global _workaround_lib
+    if _workaround_lib is not None:
+        return True
+    if os.environ.get(GLOO_ALL_GATHER_WORKAROUND_ENV_VAR, "1") == "0":
+        return False
+    ops = torch.ops._c10d_functional
+    if not (hasattr(ops, "all_gather_into_tensor") and hasattr(ops, "all_gather_into_tensor_out")):
+        return False
+    import warnings
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")  # noqa: TOR901
+    with warnings.catch_warnings():
+        # torch warns that an existing kernel is overridden: that is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        lib.impl("all_gather_into_tensor", _all_gather_into_tensor_cpu, "CPU")
+    _workaround_lib = lib
+    return True

@@ -71,8 +71,14 @@ def init_distributed(
     NCCL on CUDA (and the current device set), gloo on CPU. Without a
     launcher's environment (no ``WORLD_SIZE``) a single-process group is made
     on an in-memory store. Under torchelastic with restarts the rendezvous
-    store gets a per-attempt prefix (see :func:`_per_attempt_store`).
+    store gets a per-attempt prefix (see :func:`_per_attempt_store`). On
+    gloo, CPU all-gathers avoid torch's coalesced gloo path (Note: [Gloo
+    all-gather workaround] in ``simplefsdp._compat``), for every engine.
     """
+    if device.type != "cuda":
+        from simplefsdp._compat import install_gloo_all_gather_workaround
+
+        install_gloo_all_gather_workaround()
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
-from simplefsdp._compat import root_mesh
+from simplefsdp._compat import install_gloo_all_gather_workaround, root_mesh
 from simplefsdp.frontend.mesh import resolve_mesh
 from simplefsdp.frontend.parametrization import (
     ParamSpec,
@@ -356,6 +356,7 @@ def data_parallel(
             ``mesh`` not given for them).
     """
     _validate_args(module, mode, mp_policy, reshard_after_forward, shard_dim, reduce_op)
+    install_gloo_all_gather_workaround()  # Note: [Gloo all-gather workaround]
     has_tp = any(isinstance(p, DTensor) for p in module.parameters())
     if has_tp and mesh is None:
         raise ValueError(

@@ -90,6 +90,12 @@ def _worker(
         torch._C._set_print_stack_traces_on_fatal_signal(True)
     import torch.distributed as dist
 
+    if backend == "gloo":
+        # Also for tests that use DTensor collectives without data_parallel
+        # (which installs it): Note: [Gloo all-gather workaround].
+        from simplefsdp._compat import install_gloo_all_gather_workaround
+
+        install_gloo_all_gather_workaround()
     try:
         dist.init_process_group(
             backend,
