@@ -210,9 +210,11 @@ def _run_training(
                 bubbles.append(pipe.times.bubble_fraction)
         peak = probe.peak_bytes()
         profiled = count_collectives(lambda: step_fn(batch=batches[-1]))
-    # With accumulation a step runs two compiled graphs a different number of
-    # times: only the profiler counts per step.
-    summary = parallel.collective_summary() if config.compiled and spec.grad_accum == 1 else None
+    # With accumulation or a pipeline a step runs compiled graphs a different
+    # number of times, and a pipeline reduces outside them (reduce_accumulated):
+    # only the profiler counts per step.
+    per_step_graphs = spec.grad_accum == 1 and spec.pp == 1
+    summary = parallel.collective_summary() if config.compiled and per_step_graphs else None
     return {
         "bubble_fractions": bubbles or None,
         "warmup_times_s": warmup_s,
