@@ -155,14 +155,14 @@ CONFIGS: dict[str, BenchConfig] = {
 # deliberately wrong configuration (10x learning rate) that the
 # loss-agreement check must flag.
 TEST_CONFIGS: dict[str, BenchConfig] = {
-    "simplefsdp-auto-keep": BenchConfig(
-        "simplefsdp-auto-keep",
+    "simplefsdp-auto-reshard-all": BenchConfig(
+        "simplefsdp-auto-reshard-all",
         "simplefsdp",
         True,
-        "simplefsdp-auto, keeping the last buckets gathered for backward (keep_gathered='auto')",
+        "simplefsdp-auto regathering every bucket in backward (keep_gathered=0)",
         bucketing="auto",
         reorder=True,
-        keep_gathered="auto",
+        keep_gathered=0,
     ),
     "test-wrong-lr": BenchConfig(
         "test-wrong-lr",

@@ -107,6 +107,13 @@ class CompileOptions:
                 f"prefetch_distance must be an int >= 0, got {self.prefetch_distance!r}"
             )
 
+    def resolved_keep_gathered(self) -> Any:
+        """``keep_gathered`` with its default applied: ``"auto"`` for
+        ``bucketing="auto"`` (the planner's choice), else keep nothing."""
+        if self.keep_gathered is None:
+            return "auto" if isinstance(self.bucketing, str) and self.bucketing == "auto" else 0
+        return self.keep_gathered
+
     def describe(self) -> dict:
         bucketing = self.bucketing
         if not isinstance(bucketing, (str, list, tuple)):
@@ -271,7 +278,7 @@ class _GraphCompilation:
             )
         options = self.backend.options
         keep: set[str] = set()
-        if options.reshard_after_forward and options.keep_gathered is not None:
+        if options.reshard_after_forward and options.resolved_keep_gathered() not in (None, 0):
             keep = self._kept(graph, options)
         mark_reshard(graph, options.reshard_after_forward, keep)
 
@@ -287,7 +294,7 @@ class _GraphCompilation:
                 return index[fqn], plan.buckets[index[fqn]].name  # type: ignore[union-attr]
             return len(index) + singles.setdefault(fqn, len(singles)), fqn
 
-        keep = options.keep_gathered
+        keep = options.resolved_keep_gathered()
         if keep == "auto":  # the buckets gathered at the forward/backward boundary anyway
             keep = options.prefetch_distance + 1 if options.reorder else 1
         kept, names, nbytes = kept_buckets(graph, bucket_of, keep, self.primal_names.get)

@@ -95,12 +95,13 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         prefetch_distance: how many buckets ahead all-gathers are issued.
         keep_gathered: with ``reshard_after_forward=True``, buckets whose
             gathered parameters are kept for backward instead of regathered:
-            ``None`` (none), ``"auto"`` (the last ``prefetch_distance + 1``
-            buckets of the forward, which are gathered at the
-            forward/backward boundary anyway: no higher memory there), an
-            int N (the last N buckets) or a list of module/parameter FQNs
-            (the buckets holding them). The forward graph's report lists
-            the kept buckets and their bytes.
+            ``"auto"`` (the last ``prefetch_distance + 1`` buckets of the
+            forward, which are gathered at the forward/backward boundary
+            anyway: no higher memory there), an int N (the last N buckets;
+            0: none) or a list of module/parameter FQNs (the buckets holding
+            them). ``None`` (default): ``"auto"`` with ``bucketing="auto"``,
+            else 0. The forward graph's report lists the kept buckets and
+            their bytes.
         cost_model: a ``simplefsdp.compiler.CostModel`` to plan with (must be
             identical on every rank); ``None`` calibrates one on this machine
             when ``bucketing="auto"`` (here, on every rank together; cached on

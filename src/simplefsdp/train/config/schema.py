@@ -214,7 +214,8 @@ class CompileConfig:
             kept gathered for backward (engine ``simplefsdp``): ``"auto"``
             (the last ones, gathered at the forward/backward boundary
             anyway), a number N (the last N buckets) or comma-separated
-            module names (``"layers.31,norm,output"``); unset: none.
+            module names (``"layers.31,norm,output"``); unset: ``"auto"``
+            with ``bucketing = "auto"``, else none.
     """
 
     enable: bool = True
