@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "bucket_plan": set(),
     "models": set(),
     "data": {"_version"},
-    "testing": set(),
+    "testing": {"_compat"},
     "frontend": {"policies", "bucket_plan", "_compat"},
     "compiler": _CORE,
     "eager_executor": _CORE,
