@@ -126,9 +126,9 @@ class CompileOptions:
             "reshard_after_forward": self.reshard_after_forward,
             "prefetch_distance": self.prefetch_distance,
             "keep_gathered": (
-                list(self.keep_gathered)
-                if isinstance(self.keep_gathered, (list, tuple))
-                else self.keep_gathered
+                list(keep)
+                if isinstance(keep := self.resolved_keep_gathered(), (list, tuple))
+                else keep
             ),
             "cost_model": "injected" if self.cost_model is not None else "calibrated",
         }

@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.engines.distributed import pipeline_mesh, stage_mesh
-from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, ParallelModel
+from simplefsdp.engines.parallel_model import ParallelModel
 from simplefsdp.engines.parallelize import EngineSpec, InitFn, TensorParallelFn, parallelize
 
 __all__ = [
@@ -359,19 +359,6 @@ class PipelinedModel:
         if not self.has_last:
             return None
         return torch.stack([_plain(loss).detach() for loss in losses]).sum()
-
-    def collective_summary(self) -> dict | None:
-        """The parts' :meth:`ParallelModel.collective_summary`, counts added."""
-        summaries = [s for s in (p.collective_summary() for p in self.parts) if s is not None]
-        if not summaries:
-            return None
-        counts = {k: sum(s["counts"][k] for s in summaries) for k in COLLECTIVE_KINDS}
-        return {
-            "counts": counts,
-            "predicted": None,
-            "predicted_step_time_s": None,
-            "predicted_peak_mem_bytes": None,
-        }
 
 
 def _plain(value: torch.Tensor) -> torch.Tensor:

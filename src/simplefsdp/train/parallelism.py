@@ -63,11 +63,14 @@ def engine_spec(job: JobConfig) -> EngineSpec:
 def keep_gathered_option(value: str | None) -> int | str | list[str] | None:
     """``compile.keep_gathered`` as ``simplefsdp.compile`` takes it: ``None``,
     ``"auto"``, an int (a number) or a list of module names (comma-separated)."""
-    if value is None or value.strip() in ("", "auto"):
-        return None if value is None or not value.strip() else "auto"
-    if value.strip().isdigit():
-        return int(value)
-    return [name.strip() for name in value.split(",") if name.strip()]
+    text = "" if value is None else value.strip()
+    if not text:
+        return None
+    if text == "auto":
+        return "auto"
+    if text.isdigit():
+        return int(text)
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def pipeline_spec(job: JobConfig) -> PipelineSpec:
