@@ -58,6 +58,7 @@ from simplefsdp.engines import (
     parallelize,
     parallelize_pipeline,
     pick_device,
+    teardown_process_group,
 )
 
 logger = logging.getLogger(__name__)
@@ -278,7 +279,7 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
         dist.barrier()
     finally:
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            teardown_process_group()  # the models are gone: Note: [Process group teardown]
     return result
 
 

@@ -31,6 +31,7 @@ from simplefsdp.engines.distributed import (
     pipeline_mesh,
     split_mesh,
     stage_mesh,
+    teardown_process_group,
 )
 from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
 from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, ParallelModel
@@ -78,5 +79,6 @@ __all__ = [
     "split_mesh",
     "stage_mesh",
     "stage_view",
+    "teardown_process_group",
     "torch_passes_patches",
 ]

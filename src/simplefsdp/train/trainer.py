@@ -47,6 +47,7 @@ from simplefsdp.engines import (
     init_distributed,
     lower_mmap_threshold,
     pick_device,
+    teardown_process_group,
 )
 from simplefsdp.testing.faults import maybe_kill_at_step
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
@@ -589,4 +590,8 @@ class Trainer:
         elif dist.get_backend() == "gloo":
             with contextlib.suppress(Exception):
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
-        dist.destroy_process_group()
+        # The model goes before the group (Note: [Process group teardown]).
+        for name in ("forward", "pipeline", "parallel", "model", "params", "optimizer",
+                     "scheduler", "checkpointer"):  # fmt: skip
+            self.__dict__.pop(name, None)
+        teardown_process_group()
