@@ -5,6 +5,7 @@ and measured memory."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -441,3 +442,63 @@ def test_keep_gathered_rejects_bad_values() -> None:
     for bad in (-1, "some", [""], True):
         with pytest.raises(ValueError, match="keep_gathered must be None, 'auto', an int >= 0"):
             CompileOptions(keep_gathered=bad)
+
+
+def _gathers(graph) -> list[dict]:
+    return [dataclasses.asdict(c) for c in graph.collectives if c.kind == "all_gather"]
+
+
+def _partial_reshard_body() -> list[dict]:
+    """reshard_after_forward=2 on 4 ranks: the numbers of full resharding,
+    backward all-gathers over groups of 2 (Note: [Partial resharding])."""
+    base = build("blocks")
+    results = []
+    for reshard in (True, 2):
+        model = simplefsdp.data_parallel(
+            copy.deepcopy(base), _mesh("fully_shard"), reshard_after_forward=reshard
+        )
+        simplefsdp.compile(model, backend="aot_eager", bucketing="per_block", keep_gathered=0)
+        losses = _train(model, "blocks", 3)
+        report = simplefsdp.comm_report(model)
+        results.append(
+            {
+                "losses": losses,
+                "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
+                "forward": _gathers(report.graph("forward")),
+                "backward": _gathers(report.graph("backward")),
+                "notes": report.graph("forward").notes,
+            }
+        )
+    full, partial = results
+    for step, (a, b) in enumerate(zip(full["losses"], partial["losses"])):
+        assert torch.equal(a, b), (step, a.item(), b.item())
+    for name, value in full["params"].items():
+        assert torch.equal(value, partial["params"][name]), name
+    return [{k: v for k, v in r.items() if k not in ("losses", "params")} for r in results]
+
+
+def test_partial_reshard_regathers_within_groups_bitwise() -> None:
+    full, partial = run_distributed(_partial_reshard_body, 4)[0]
+    assert {c["group_size"] for c in full["forward"] + full["backward"]} == {4}
+    assert {c["group_size"] for c in partial["forward"]} == {4}
+    # the same bucketed backward all-gathers, each over a group of 2 and of
+    # the same bytes (the gathered parameters)
+    assert len(partial["backward"]) == len(full["backward"]) > 0
+    assert {c["group_size"] for c in partial["backward"]} == {2}
+    assert [c["bytes"] for c in partial["backward"]] == [c["bytes"] for c in full["backward"]]
+    assert [c["params"] for c in partial["backward"]] == [c["params"] for c in full["backward"]]
+    assert any(n.startswith("resharded to groups of 2 after forward") for n in partial["notes"])
+
+
+def _partial_reshard_errors_body() -> None:
+    for bad, match in ((3, "must divide the shard group size 4"), (4, "strictly between")):
+        with pytest.raises(ValueError, match=match):
+            simplefsdp.data_parallel(build("blocks"), _mesh("fully_shard"),
+                                     reshard_after_forward=bad)  # fmt: skip
+    with pytest.raises(ValueError, match="mode='replicate' gathers nothing"):
+        simplefsdp.data_parallel(build("blocks"), _mesh("replicate"), mode="replicate",
+                                 reshard_after_forward=2)  # fmt: skip
+
+
+def test_partial_reshard_rejects_bad_group_sizes() -> None:
+    run_distributed(_partial_reshard_errors_body, 4)

@@ -39,7 +39,7 @@ from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, sim
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
-from simplefsdp.compiler.passes.reshard import kept_buckets, mark_reshard
+from simplefsdp.compiler.passes.reshard import drop_unused_gathers, kept_buckets, mark_reshard
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import (
@@ -65,7 +65,7 @@ class CompileOptions:
     bucketing: Any = "auto"
     reorder: bool = True
     memory_budget_bytes: int | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     prefetch_distance: int = 1
     # Buckets kept gathered for backward (Note: [Keeping gathered parameters]).
     keep_gathered: Any = None
@@ -77,9 +77,11 @@ class CompileOptions:
             raise ValueError(f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
         if not isinstance(self.reorder, bool):
             raise TypeError(f"reorder must be a bool, got {self.reorder!r}")
-        if not isinstance(self.reshard_after_forward, bool):
+        rf = self.reshard_after_forward
+        if not isinstance(rf, int) or (not isinstance(rf, bool) and rf < 2):
             raise TypeError(
-                f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}"
+                f"reshard_after_forward must be a bool or an int >= 2 (the group size to "
+                f"reshard to), got {rf!r}"
             )
         keep = self.keep_gathered
         valid_keep = (
@@ -222,8 +224,28 @@ def collective_groups(model: nn.Module) -> CollectiveGroups:
         if spec.tp is not None:
             meshes.append(spec.tp.dp_mesh)
     dp = {m.get_group(dim).group_name for m in dict.fromkeys(meshes) for dim in range(m.ndim)}
+    dp |= {g.group_name for g in state.reshard_groups.values()}  # Note: [Partial resharding]
     tp = {g.group_name for g in _tp_mesh_groups(model)}
     return CollectiveGroups(data_parallel=frozenset(dp), tensor_parallel=frozenset(tp - dp))
+
+
+def _partial_reshard_groups(model: nn.Module, reshard_after_forward: bool | int) -> dict:
+    """The model's groups for ``reshard_after_forward=N`` (Note: [Partial resharding])."""
+    from simplefsdp.frontend.data_parallel import get_data_parallel_state
+
+    if isinstance(reshard_after_forward, bool):
+        return {}
+    try:
+        state = get_data_parallel_state(model)
+    except ValueError:
+        state = None
+    if state is None or state.reshard_after_forward != reshard_after_forward:
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward} needs the model wrapped with "
+            f"simplefsdp.data_parallel(..., reshard_after_forward={reshard_after_forward}), "
+            "which makes the smaller groups"
+        )
+    return dict(state.reshard_groups)
 
 
 def _mesh_device_type(model: nn.Module) -> str | None:
@@ -280,7 +302,23 @@ class _GraphCompilation:
         keep: set[str] = set()
         if options.reshard_after_forward and options.resolved_keep_gathered() not in (None, 0):
             keep = self._kept(graph, options)
-        mark_reshard(graph, options.reshard_after_forward, keep)
+        done = mark_reshard(
+            graph, bool(options.reshard_after_forward), keep, self.backend.partial_groups
+        )
+        for piece, primal in done.pieces.items():  # names the backward's regathers
+            if primal in self.primal_names:
+                self.primal_names[piece] = self.primal_names[primal]
+        if self.backend.partial_groups:
+            size = options.reshard_after_forward
+            self.plan_notes_joint.append(
+                f"resharded to groups of {size} after forward: {done.partial} parameters "
+                f"({_fmt_bytes(done.partial_bytes)} of pieces held from forward to backward)"
+                + (
+                    f"; {done.partial_skipped} fully (activation checkpointing or uneven rows)"
+                    if done.partial_skipped
+                    else ""
+                )  # fmt: skip
+            )
 
     def _kept(self, graph: fx.Graph, options: CompileOptions) -> set[str]:
         """The shards kept gathered (Note: [Keeping gathered parameters]),
@@ -354,6 +392,9 @@ class _GraphCompilation:
         output_fqns = dict(enumerate(self.fqns)) if graph_name == "backward" else {}
         notes: list[str] = []
         sites = None
+        partial = {g.group_name for g in self.backend.partial_groups.values()}
+        if partial and graph_name == "forward" and drop_unused_gathers(gm.graph, partial):
+            gm.recompile()  # Note: [Partial resharding in the graph]
         if not self.planned and graph_name in ("forward", "inference"):
             self._plan_auto(gm)
             notes.extend(self.plan_notes)
@@ -374,7 +415,7 @@ class _GraphCompilation:
             gm, graph_name, self.graph_id, self.primal_names, output_fqns, groups
         )
         report.notes.extend(notes + extra.get("notes", []))
-        if graph_name == "forward" and self.kept_gathered:
+        if graph_name == "forward":
             report.notes.extend(self.plan_notes_joint)
             report.kept_gathered = dict(self.kept_gathered)
         cost_model = self.backend.cost_model(required=False)
@@ -407,6 +448,8 @@ class SimpleFSDPBackend:
         self._mesh_device_type: str | None = None
         # Data-parallel vs tensor-parallel process groups of the graphs.
         self.groups: CollectiveGroups = ALL_DATA_PARALLEL
+        # reshard_after_forward=N: shard group name -> PartialReshardGroup.
+        self.partial_groups: dict[str, Any] = {}
         if model is not None:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = _mesh_groups(model)
@@ -414,10 +457,12 @@ class SimpleFSDPBackend:
             self.groups = collective_groups(model)
             self._mesh_device_type = _mesh_device_type(model)
             self._plan = resolve_bucketing(model, options.bucketing)
-        elif options.bucketing != "none":
+            self.partial_groups = _partial_reshard_groups(model, options.reshard_after_forward)
+        elif options.bucketing != "none" or not isinstance(options.reshard_after_forward, bool):
             raise ValueError(
-                f"bucketing={options.bucketing!r} needs the model to resolve module names: "
-                "pass compile_backend(..., model=model), or use simplefsdp.compile(model)"
+                f"bucketing={options.bucketing!r} and reshard_after_forward="
+                f"{options.reshard_after_forward!r} need the model (module names, process "
+                "groups): pass compile_backend(..., model=model), or use simplefsdp.compile(model)"
             )
         self._graph_ids = itertools.count()
         # (graph name, graph module after our passes), for inspection and tests.

@@ -20,7 +20,7 @@ def compile_backend(
     bucketing: Any = "auto",
     reorder: bool = True,
     memory_budget_bytes: int | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     prefetch_distance: int = 1,
     keep_gathered: int | str | list[str] | None = None,
     cost_model: CostModel | None = None,

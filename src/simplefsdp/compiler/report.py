@@ -259,7 +259,10 @@ def build_graph_report(
             continue
         kind = collective_kind(node)
         if kind is not None:
-            group_size = int(node.args[2]) if kind != "all_reduce" else 0
+            # all_gather(input, size, group), reduce_scatter(input, op, size, group)
+            group_size = (
+                int(node.args[1 if kind == "all_gather" else 2]) if kind != "all_reduce" else 0
+            )
             size = node_bytes(node) if kind == "all_gather" else node_bytes(node.args[0])
             role = groups.role(node)
             info = CollectiveInfo(

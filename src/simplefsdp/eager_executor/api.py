@@ -46,7 +46,8 @@ def eager(
     the gradient to ``param.grad`` (a DTensor with the parameter's placements,
     averaged or summed per the model's ``reduce_op``, cast to its dtype).
     Gathered buckets are freed after forward and regathered before their
-    backward when the model was wrapped with ``reshard_after_forward=True``,
+    backward when the model was wrapped with ``reshard_after_forward=True``
+    (or an int N: this executor regathers over the whole shard group),
     or kept until their backward (ZeRO-2) otherwise; the root bucket (the last
     to finish forward) is never freed after forward. The model's
     ``MixedPrecisionPolicy`` applies: gathers and compute in ``param_dtype``,
@@ -126,7 +127,8 @@ def eager(
         backward_prefetch=backward_prefetch,
         limit_all_gathers=limit_all_gathers,
         cpu_offload=offload,
-        reshard_after_forward=state.reshard_after_forward,
+        # An int (a smaller group, Note: [Partial resharding]) reshards fully here.
+        reshard_after_forward=bool(state.reshard_after_forward),
         reduce_op=state.reduce_op,
     )
     flat_buckets = _build_buckets(model, plan, state, device)

@@ -88,7 +88,9 @@ class EngineSpec:
             ``torch.dtype``; ``None`` keeps the parameter dtype). Not used by
             ddp and replica.
         reshard_after_forward: regather parameters in backward (simplefsdp
-            engines: the whole model; fsdp2: the blocks, never the root).
+            engines: the whole model; fsdp2: the blocks, never the root); an
+            int N regathers over groups of N ranks (simplefsdp compiled and
+            fsdp2; the eager executor reshards fully).
         compile: compile the model (see the module docstring per engine).
         backend: ``torch.compile`` backend.
         bucketing: the bucket plan (simplefsdp engines): ``"auto"``,
@@ -113,7 +115,7 @@ class EngineSpec:
     mode: str = "fully_shard"
     param_dtype: str | torch.dtype | None = None
     reduce_dtype: str | torch.dtype | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     compile: bool = False
     backend: str = "inductor"
     bucketing: Any = "auto"

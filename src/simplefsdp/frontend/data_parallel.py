@@ -38,13 +38,34 @@ class DataParallelState:
     mesh: DeviceMesh
     mode: str
     mp_policy: MixedPrecisionPolicy
-    reshard_after_forward: bool
+    reshard_after_forward: bool | int
     shard_dim: int
     reduce_op: str
     param_specs: dict[str, ParamSpec] = field(default_factory=dict)  # by FQN
     # The tensor-parallel mesh of parameters that were DTensors already
     # (Note: [2-D parameters]); ``None`` for a purely data-parallel model.
     tp_mesh: DeviceMesh | None = None
+    # With ``reshard_after_forward=N``: this rank's group of N by the name of
+    # the shard group it splits (Note: [Partial resharding]); else empty.
+    reshard_groups: dict[str, PartialReshardGroup] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PartialReshardGroup:
+    """The smaller group a parameter stays sharded over between forward and
+    backward with ``reshard_after_forward=N`` (Note: [Partial resharding]).
+
+    Attributes:
+        group_name: the process group of this rank and its ``size - 1``
+            neighbours in the shard group (consecutive shard-group ranks).
+        size: ``N``.
+        rank: this rank's index in that group: the ``rank``-th of ``N``
+            contiguous pieces of the gathered parameter is what it keeps.
+    """
+
+    group_name: str
+    size: int
+    rank: int
 
 
 def get_data_parallel_state(module: nn.Module) -> DataParallelState:
@@ -114,8 +135,16 @@ def _validate_args(
             f"mp_policy must be a simplefsdp.MixedPrecisionPolicy or None, got "
             f"{type(mp_policy).__name__}"
         )
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"reshard_after_forward must be a bool or an int (the group size to reshard to), "
+            f"got {reshard_after_forward!r}"
+        )
+    if not isinstance(reshard_after_forward, bool) and mode == "replicate":
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward} reshards to a smaller group, but "
+            "mode='replicate' gathers nothing; use mode='fully_shard' or 'hybrid_shard'"
+        )
     if reduce_op not in GRAD_REDUCE_OPS:
         raise ValueError(
             f"unknown reduce_op {reduce_op!r}; valid choices: {', '.join(GRAD_REDUCE_OPS)}"
@@ -220,6 +249,51 @@ def _hybrid_submeshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
     return mesh[names[0]], mesh[names[1]]
 
 
+# Note: [Partial resharding]
+# ``reshard_after_forward=N`` (FSDP2's int form) frees each gathered parameter
+# after forward down to a 1/N piece instead of the 1/W shard of its shard
+# group of W ranks. The group is split into W/N groups of N consecutive ranks
+# (the GPUs of one node when N is the node size and ranks are numbered by
+# node); each rank keeps the piece of the gathered parameter named by its
+# position in its group of N, and backward regathers the parameter over that
+# group only, so the backward all-gathers stay inside the node. The memory
+# between forward and backward is W/N shards per parameter instead of one.
+# ``simplefsdp.compile`` rewrites the joint graph to do so (passes/reshard.py);
+# the numerics are those of full resharding. The eager executor reshards fully.
+def _partial_reshard_groups(
+    mesh: DeviceMesh, specs: list[ParamSpec], size: int
+) -> dict[str, PartialReshardGroup]:
+    """This rank's group of ``size`` for each shard group its parameters gather over."""
+    import torch.distributed as dist
+
+    made: dict[tuple[int, ...], PartialReshardGroup] = {}
+    result: dict[str, PartialReshardGroup] = {}
+    for spec in specs:
+        if isinstance(spec.dp_placements[-1], Replicate):  # 0-d: nothing gathered
+            continue
+        gather_mesh = spec.shard_mesh or (spec.tp.dp_mesh if spec.tp is not None else mesh)
+        group = gather_mesh.get_group(gather_mesh.ndim - 1)
+        if group.group_name in result:
+            continue
+        ranks = dist.get_process_group_ranks(group)
+        width = len(ranks)
+        if not 1 < size < width or width % size:
+            valid = [d for d in range(2, width) if width % d == 0]
+            raise ValueError(
+                f"reshard_after_forward={size} must divide the shard group size {width} and "
+                f"lie strictly between 1 and {width}; valid here: "
+                f"{', '.join(map(str, valid)) or 'none'} (or True/False)"
+            )
+        start = ranks.index(dist.get_rank()) // size * size
+        members = tuple(ranks[start : start + size])
+        if members not in made:
+            # Only the members create their group; the name is the same on each.
+            pg = dist.new_group(list(members), use_local_synchronization=True)
+            made[members] = PartialReshardGroup(pg.group_name, size, dist.get_rank(pg))
+        result[group.group_name] = made[members]
+    return result
+
+
 def _to_2d_dtensor_param(
     param: nn.Parameter,
     mesh: DeviceMesh,
@@ -287,7 +361,7 @@ def data_parallel(
     *,
     mode: str = "fully_shard",
     mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     shard_dim: int = 0,
     reduce_op: str = "avg",
 ) -> nn.Module:
@@ -338,8 +412,12 @@ def data_parallel(
         mp_policy: ``MixedPrecisionPolicy``; ``None`` means full precision.
         reshard_after_forward: free gathered parameters after forward and
             gather them again in backward (``True``, ZeRO-3) or keep them
-            (``False``, ZeRO-2). Honoured by ``simplefsdp.compile``; eager
-            execution always regathers in backward.
+            (``False``, ZeRO-2); an int ``N`` (FSDP2's int form) keeps a 1/N
+            piece and regathers over groups of ``N`` consecutive ranks of the
+            shard group, e.g. within a node (Note: [Partial resharding]).
+            ``N`` must divide the shard group size and lie strictly between 1
+            and it. Honoured by ``simplefsdp.compile``; eager execution
+            reshards fully for ``True`` and ``N``.
         shard_dim: tensor dim to shard (parameters with fewer dims use dim 0).
         reduce_op: ``"avg"`` (default) or ``"sum"`` of gradients across ranks.
 
@@ -348,7 +426,8 @@ def data_parallel(
 
     Raises:
         TypeError: wrong argument types.
-        ValueError: no process group and no mesh, mesh dimensionality not
+        ValueError: ``reshard_after_forward=N`` that does not divide the shard
+            group (or with ``mode="replicate"``), no process group and no mesh, mesh dimensionality not
             matching ``mode``, unknown ``mode``/``reduce_op``, ``shard_dim`` out
             of range, ``module`` already wrapped (or sharded by
             ``fully_shard``), or tensor-parallel parameters whose mesh is not
@@ -420,6 +499,7 @@ def data_parallel(
         swap_module_class(submodule, local_specs)
 
     _install_mixed_precision_hooks(module, mp_policy)
+    partial = not isinstance(reshard_after_forward, bool)
     module.__dict__[STATE_ATTR] = DataParallelState(
         mesh=mesh,
         mode=mode,
@@ -429,6 +509,11 @@ def data_parallel(
         reduce_op=reduce_op,
         param_specs={spec.fqn: spec for spec in spec_of.values()},
         tp_mesh=tp_mesh,
+        reshard_groups=(
+            _partial_reshard_groups(mesh, list(spec_of.values()), reshard_after_forward)
+            if partial
+            else {}
+        ),
     )
     logger.debug("data_parallel: mode=%s mesh=%s params=%d", mode, tuple(mesh.shape), len(spec_of))
     return module

@@ -35,14 +35,18 @@ Note: [Keeping gathered parameters]
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from simplefsdp.compiler.patterns import (
     ALL_GATHER,
+    WAIT,
+    aten,
+    collective_group,
     path_from_placeholder,
     shaping_closure,
     source_placeholder,
@@ -80,29 +84,169 @@ def find_gather_chains(graph: fx.Graph) -> list[GatherChain]:
     return chains
 
 
-def mark_reshard(graph: fx.Graph, reshard_after_forward: bool, keep: Collection[str] = ()) -> int:
-    """Tag the FSDP all-gather chains of a joint graph; returns how many.
+@dataclass
+class ReshardResult:
+    """What :func:`mark_reshard` did to a joint graph."""
+
+    chains: int = 0
+    # Note: [Partial resharding in the graph]: chains regathered over a
+    # smaller group, the bytes of the pieces they keep, and chains that
+    # stayed fully resharded (activation checkpointing, uneven rows).
+    partial: int = 0
+    partial_bytes: int = 0
+    partial_skipped: int = 0
+    # piece node name -> the shard's graph input name: the backward graph's
+    # input holding a saved piece has the piece's name.
+    pieces: dict[str, str] = field(default_factory=dict)
+
+
+def mark_reshard(
+    graph: fx.Graph,
+    reshard_after_forward: bool,
+    keep: Collection[str] = (),
+    partial_groups: Mapping[str, Any] | None = None,
+) -> ReshardResult:
+    """Tag (and for partial resharding rewrite) the FSDP all-gather chains of a joint graph.
 
     ``keep``: names of graph inputs (shards) whose gathered parameter is
     saved for backward even when ``reshard_after_forward`` is true (Note:
-    [Keeping gathered parameters]). See Note: [Resharding by recompute tags].
+    [Keeping gathered parameters]). ``partial_groups``: shard group name ->
+    ``PartialReshardGroup`` (``group_name``, ``size``, ``rank``) for
+    ``reshard_after_forward=N`` (Note: [Partial resharding in the graph]).
+    See Note: [Resharding by recompute tags].
     """
     chains = find_gather_chains(graph)
+    result = ReshardResult(chains=len(chains))
+    backward = _tangent_dependent(graph) if partial_groups else set()
     for chain in chains:
         if reshard_after_forward and chain.placeholder.name not in keep:
+            target = (partial_groups or {}).get(collective_group(chain.all_gather) or "")
             for node in (*chain.pre, chain.all_gather, chain.wait, *chain.post):
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 node.meta.pop("ac_graph_id", None)
+            if target is not None:
+                piece = _regather_from_piece(graph, chain, target, backward)
+                if piece is None:
+                    result.partial_skipped += 1
+                elif piece.op != "placeholder":
+                    result.partial += 1
+                    value = piece.meta["val"]
+                    result.partial_bytes += int(value.numel() * value.element_size())
+                    result.pieces[piece.name] = chain.placeholder.name
         else:
             for node in (chain.all_gather, chain.wait, *chain.post):
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     logger.debug(
-        "reshard pass: %d all-gather chains tagged %s (%d kept)",
+        "reshard pass: %d all-gather chains tagged %s (%d kept, %d partially resharded)",
         len(chains),
         "MUST_RECOMPUTE" if reshard_after_forward else "MUST_SAVE",
         len(keep),
+        result.partial,
     )
-    return len(chains)
+    return result
+
+
+# Note: [Partial resharding in the graph]
+# For ``reshard_after_forward=N`` (Note: [Partial resharding] in
+# frontend/data_parallel.py) a fully resharded chain
+#     shard -> all_gather(W) -> wait -> views -> compute
+# gets, right after the wait, ``piece = clone(gathered[r*L/N:(r+1)*L/N])``
+# (r: this rank's index in its group of N, L: the gathered rows), tagged
+# MUST_SAVE, and a second chain ``piece -> all_gather(N) -> wait -> copies of
+# the views``, tagged MUST_RECOMPUTE. The all-gather over N concatenates the N
+# pieces in group order, so it rebuilds the gathered parameter exactly. Every
+# backward use of the gathered parameter or its views (a node that depends
+# on a tangent) is rewired to the second chain; the partitioner then saves the
+# piece and replays only the small all-gather in backward, while the full
+# chain stays MUST_RECOMPUTE with no backward user left, so it is neither
+# saved nor replayed. Chains read inside activation-checkpointed regions keep
+# full resharding: the forward recomputed in backward reads the parameter
+# through the full chain. So do chains whose rows do not split into N.
+def drop_unused_gathers(graph: fx.Graph, groups: Collection[str]) -> int:
+    """Remove the all-gathers over ``groups`` whose result nothing reads; how many.
+
+    The partitioner copies every node that depends on no tangent into the
+    forward graph and keeps collectives there even when unused (they have
+    side effects): the regather from the piece (Note: [Partial resharding in
+    the graph]) would run in forward too. Every rank's graph has the same
+    structure, so every rank drops the same collectives.
+    """
+    dropped = 0
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.target is not ALL_GATHER:
+            continue
+        if collective_group(node) not in groups:
+            continue
+        users = list(node.users)
+        if all(u.target is WAIT and not u.users for u in users):
+            for user in users:
+                graph.erase_node(user)
+            graph.erase_node(node)
+            dropped += 1
+    return dropped
+
+
+def _tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes that depend on a tangent input: the backward of a joint graph."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                found.add(node)
+        elif any(i in found for i in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _regather_from_piece(
+    graph: fx.Graph, chain: GatherChain, group: Any, backward: set[fx.Node]
+) -> fx.Node | None:
+    """Rewrite one chain (Note: [Partial resharding in the graph]); the piece
+    node (the shard's input when nothing in backward reads the parameter),
+    or ``None`` when the chain keeps full resharding."""
+    gathered = chain.wait.meta.get("val")
+    members = {chain.wait, *chain.post}
+    users = {u for n in members for u in n.users if u not in members}
+    if gathered is None or gathered.ndim == 0 or gathered.shape[0] % group.size:
+        return None
+    if any("ac_graph_id" in u.meta for u in users if u not in backward):
+        return None  # read inside activation checkpointing: Note above
+    if not any(u in backward for u in users):
+        return chain.placeholder  # no backward use: nothing to regather
+    rows = gathered.shape[0] // group.size
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_backward = min((u for u in users if u in backward), key=order.__getitem__)
+
+    def add(target: Any, args: tuple, tag: CheckpointPolicy) -> fx.Node:
+        node = graph.call_function(target, args)
+        node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        node.meta["recompute"] = tag
+        return node
+
+    with graph.inserting_after(chain.wait):
+        part = add(aten.slice.Tensor, (chain.wait, 0, group.rank * rows, (group.rank + 1) * rows),
+                   CheckpointPolicy.MUST_RECOMPUTE)  # fmt: skip
+    with graph.inserting_after(part):
+        piece = add(aten.clone.default, (part,), CheckpointPolicy.MUST_SAVE)
+    env: dict[fx.Node, fx.Node] = {}
+    with graph.inserting_before(first_backward):
+        again = add(
+            ALL_GATHER, (piece, group.size, group.group_name), CheckpointPolicy.MUST_RECOMPUTE
+        )
+        env[chain.wait] = add(WAIT, (again,), CheckpointPolicy.MUST_RECOMPUTE)
+        for node in sorted(chain.post, key=order.__getitem__):
+            copy = graph.node_copy(node, lambda n: env.get(n, n))
+            copy.meta = {**node.meta, "recompute": CheckpointPolicy.MUST_RECOMPUTE}
+            copy.meta.pop("ac_graph_id", None)
+            env[node] = copy
+    for node in members:
+        for user in list(node.users):
+            if user in backward and user not in members:
+                user.replace_input_with(node, env[node])
+    for node in sorted([*env.values(), *chain.post], key=lambda n: -order.get(n, len(order))):
+        if not node.users and node.op == "call_function" and node.target is not WAIT:
+            graph.erase_node(node)
+    return piece
 
 
 def kept_buckets(
