@@ -48,6 +48,7 @@ from simplefsdp.engines.pipeline import (
     PipelinedModel,
     PipelineSpec,
     parallelize_pipeline,
+    plain_loss,
     stage_view,
 )
 
@@ -76,6 +77,7 @@ __all__ = [
     "parallelize_pipeline",
     "pick_device",
     "pipeline_mesh",
+    "plain_loss",
     "split_mesh",
     "stage_mesh",
     "stage_view",

@@ -51,6 +51,7 @@ __all__ = [
     "PipelineTimes",
     "PipelinedModel",
     "parallelize_pipeline",
+    "plain_loss",
     "stage_view",
 ]
 
@@ -335,7 +336,7 @@ class PipelinedModel:
         self.times.step_s = time.perf_counter() - start
         if not self.has_last:
             return None
-        return torch.stack([_plain(loss).detach() for loss in losses]).sum()
+        return torch.stack([plain_loss(loss).detach() for loss in losses]).sum()
 
     def _reduce(self) -> None:
         from simplefsdp.frontend.accumulation import reduce_accumulated
@@ -358,10 +359,11 @@ class PipelinedModel:
         self.schedule.eval(*args, target=targets if self.has_last else None, losses=losses)
         if not self.has_last:
             return None
-        return torch.stack([_plain(loss).detach() for loss in losses]).sum()
+        return torch.stack([plain_loss(loss).detach() for loss in losses]).sum()
 
 
-def _plain(value: torch.Tensor) -> torch.Tensor:
+def plain_loss(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
     from torch.distributed.tensor import DTensor
 
     return value.full_tensor() if isinstance(value, DTensor) else value

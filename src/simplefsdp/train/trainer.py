@@ -47,6 +47,7 @@ from simplefsdp.engines import (
     init_distributed,
     lower_mmap_threshold,
     pick_device,
+    plain_loss,
     teardown_process_group,
 )
 from simplefsdp.testing.faults import maybe_kill_at_step
@@ -78,13 +79,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- setup helpers
-
-
-def _plain(value: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 @contextlib.contextmanager
@@ -360,7 +354,7 @@ class Trainer:
             with self.parallel.grad_sync(micro == accum - 1), self._loss_context():  # type: ignore[union-attr]
                 loss = self._loss(inputs, targets, self.forward) / accum
                 loss.backward()
-            loss_sum += _plain(loss.detach())
+            loss_sum += plain_loss(loss.detach())
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -399,7 +393,7 @@ class Trainer:
         total, count = torch.zeros((), device=self.device), 0
         for inputs, targets in self.loader.val_batches(n):
             with self._loss_context():
-                total += _plain(self._loss(inputs, targets, self.forward))
+                total += plain_loss(self._loss(inputs, targets, self.forward))
             count += 1
         if count == 0:
             return None
