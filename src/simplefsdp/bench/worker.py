@@ -187,8 +187,13 @@ def _run_training(
     num_params = sum(p.numel() for p in model.parameters())
     parallel = _parallelize(config, spec, model, mesh, device)
     del model  # pipeline stages are copies
+    # foreach, as the trainer and torchtitan: one DTensor dispatch per op over
+    # all parameters, not one per parameter (torch's CPU default).
     optimizer = torch.optim.AdamW(
-        parallel.module.parameters(), lr=workload.lr * config.lr_scale, weight_decay=0.0
+        parallel.module.parameters(),
+        lr=workload.lr * config.lr_scale,
+        weight_decay=0.0,
+        foreach=True,
     )
     if isinstance(parallel, PipelinedModel):
         pipe = parallel
