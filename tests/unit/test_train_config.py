@@ -207,6 +207,35 @@ def test_bool_conversion(raw, expected):
 
 
 @pytest.mark.parametrize(
+    ("raw", "expected"), [("true", True), ("off", False), ("1", True), ("2", 2), ("8", 8)]
+)
+def test_reshard_after_forward_is_a_bool_or_a_group_size(raw, expected):
+    value = load_config(
+        None, ["--parallel.reshard_after_forward", raw]
+    ).parallel.reshard_after_forward
+    assert value == expected and type(value) is type(expected)
+    # the TOML round trip keeps the type
+    again = config_from_dict(
+        config_to_dict(load_config(None, [f"--parallel.reshard_after_forward={raw}"]))
+    )
+    assert type(again.parallel.reshard_after_forward) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        (["--parallel.reshard_after_forward", "x"], "'x' as a bool or an int"),
+        (["--parallel.reshard_after_forward", "-2"], "true, false or a group size >= 2"),
+        (["--parallel.reshard_after_forward", "2", "--parallel.engine", "ddp",
+          "--parallel.mode", "replicate"], "a group size needs engine 'simplefsdp' or 'fsdp2'"),
+    ],
+)  # fmt: skip
+def test_reshard_after_forward_errors(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, override)
+
+
+@pytest.mark.parametrize(
     ("override", "match"),
     [
         (["--training.steps", "abc"], "'abc' as int"),

@@ -147,6 +147,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ValueError(f"{where}: None is not allowed (expected {_type_name(tp)})")
 
     origin = typing.get_origin(tp)
+    if (origin is Union or origin is types.UnionType) and set(typing.get_args(tp)) == {bool, int}:
+        # bool | int (parallel.reshard_after_forward): true/false, else a number
+        if isinstance(value, (bool, int)):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS | _FALSE_STRINGS:
+            return _coerce(value, bool, where)
+        try:
+            return _coerce(value, int, where)
+        except ValueError:
+            raise ValueError(
+                f"{where}: cannot parse {value!r} as a bool or an int (true/false, or a group size)"
+            ) from None
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -164,7 +164,10 @@ class ParallelConfig:
             ``replicate`` only).
         mesh_shape: ``[replicate, shard]`` sizes for ``hybrid_shard``
             (``None``: chosen by the trainer).
-        reshard_after_forward: Free gathered parameters after the forward pass.
+        reshard_after_forward: Free gathered parameters after the forward pass;
+            an int ``N`` >= 2 keeps a 1/N piece and regathers in backward over
+            groups of N ranks, e.g. within a node (``data_parallel``'s and
+            FSDP2's int form; engines ``simplefsdp`` compiled and ``fsdp2``).
         param_dtype: Compute dtype of parameters (``None``: unchanged).
         reduce_dtype: Gradient reduction dtype (``None``: the ``param_dtype``).
         tp: Tensor-parallel size: each group of ``tp`` ranks splits every
@@ -190,7 +193,7 @@ class ParallelConfig:
     engine: str = field(default="simplefsdp", metadata=_choices(ENGINES))
     mode: str = field(default="fully_shard", metadata=_choices(PARALLEL_MODES))
     mesh_shape: list[int] | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     param_dtype: str | None = field(default=None, metadata=_choices(DTYPES, optional=True))
     reduce_dtype: str | None = field(default=None, metadata=_choices(DTYPES, optional=True))
     tp: int = 1
@@ -387,6 +390,18 @@ def validate_config(cfg: JobConfig) -> None:
         p.mesh_shape,
         "two positive ints, e.g. [2, 2]",
     )
+    partial = not isinstance(p.reshard_after_forward, bool)
+    check(
+        not partial or p.reshard_after_forward >= 2,
+        "parallel.reshard_after_forward",
+        p.reshard_after_forward,
+        "true, false or a group size >= 2",
+    )
+    if partial and p.engine not in ("simplefsdp", "fsdp2"):
+        errors.append(
+            f"parallel.reshard_after_forward: invalid value {p.reshard_after_forward!r} with "
+            f"parallel.engine={p.engine!r}; a group size needs engine 'simplefsdp' or 'fsdp2'"
+        )
     check(p.tp >= 1, "parallel.tp", p.tp, ">= 1")
     if p.tp > 1 and p.engine not in TP_ENGINES:
         errors.append(
@@ -452,6 +467,15 @@ def config_warnings(job: JobConfig) -> list[str]:
         warnings.append(
             f"parallel.mesh_shape={list(p.mesh_shape)} is only used by mode 'hybrid_shard' "
             f"(mode is {p.mode!r})"
+        )
+    if (
+        not isinstance(p.reshard_after_forward, bool)
+        and p.engine == "simplefsdp"
+        and not (job.compile.enable)
+    ):
+        warnings.append(
+            f"parallel.reshard_after_forward={p.reshard_after_forward} needs compile.enable "
+            "true; uncompiled, simplefsdp regathers over the whole shard group"
         )
     if p.tp == 1 and p.loss_parallel:
         warnings.append("parallel.loss_parallel is only used with parallel.tp > 1")
