@@ -229,7 +229,7 @@ def collective_groups(model: nn.Module) -> CollectiveGroups:
     return CollectiveGroups(data_parallel=frozenset(dp), tensor_parallel=frozenset(tp - dp))
 
 
-def _partial_reshard_groups(model: nn.Module, reshard_after_forward: bool | int) -> dict:
+def _reshard_groups_of(model: nn.Module, reshard_after_forward: bool | int) -> dict:
     """The model's groups for ``reshard_after_forward=N`` (Note: [Partial resharding])."""
     from simplefsdp.frontend.data_parallel import get_data_parallel_state
 
@@ -457,7 +457,7 @@ class SimpleFSDPBackend:
             self.groups = collective_groups(model)
             self._mesh_device_type = _mesh_device_type(model)
             self._plan = resolve_bucketing(model, options.bucketing)
-            self.partial_groups = _partial_reshard_groups(model, options.reshard_after_forward)
+            self.partial_groups = _reshard_groups_of(model, options.reshard_after_forward)
         elif options.bucketing != "none" or not isinstance(options.reshard_after_forward, bool):
             raise ValueError(
                 f"bucketing={options.bucketing!r} and reshard_after_forward="

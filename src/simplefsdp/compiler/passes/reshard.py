@@ -130,8 +130,7 @@ def mark_reshard(
                     result.partial_skipped += 1
                 elif piece.op != "placeholder":
                     result.partial += 1
-                    value = piece.meta["val"]
-                    result.partial_bytes += int(value.numel() * value.element_size())
+                    result.partial_bytes += _gathered_bytes(piece)
                     result.pieces[piece.name] = chain.placeholder.name
         else:
             for node in (chain.all_gather, chain.wait, *chain.post):
@@ -162,30 +161,6 @@ def mark_reshard(
 # saved nor replayed. Chains read inside activation-checkpointed regions keep
 # full resharding: the forward recomputed in backward reads the parameter
 # through the full chain. So do chains whose rows do not split into N.
-def drop_unused_gathers(graph: fx.Graph, groups: Collection[str]) -> int:
-    """Remove the all-gathers over ``groups`` whose result nothing reads; how many.
-
-    The partitioner copies every node that depends on no tangent into the
-    forward graph and keeps collectives there even when unused (they have
-    side effects): the regather from the piece (Note: [Partial resharding in
-    the graph]) would run in forward too. Every rank's graph has the same
-    structure, so every rank drops the same collectives.
-    """
-    dropped = 0
-    for node in reversed(list(graph.nodes)):
-        if node.op != "call_function" or node.target is not ALL_GATHER:
-            continue
-        if collective_group(node) not in groups:
-            continue
-        users = list(node.users)
-        if all(u.target is WAIT and not u.users for u in users):
-            for user in users:
-                graph.erase_node(user)
-            graph.erase_node(node)
-            dropped += 1
-    return dropped
-
-
 def _tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
     """The nodes that depend on a tangent input: the backward of a joint graph."""
     found: set[fx.Node] = set()
@@ -247,6 +222,30 @@ def _regather_from_piece(
         if not node.users and node.op == "call_function" and node.target is not WAIT:
             graph.erase_node(node)
     return piece
+
+
+def drop_unused_gathers(graph: fx.Graph, groups: Collection[str]) -> int:
+    """Remove the all-gathers over ``groups`` whose result nothing reads; how many.
+
+    The partitioner copies every node that depends on no tangent into the
+    forward graph and keeps collectives there even when unused (they have
+    side effects): the regather from the piece (Note: [Partial resharding in
+    the graph]) would run in forward too. Every rank's graph has the same
+    structure, so every rank drops the same collectives.
+    """
+    dropped = 0
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.target is not ALL_GATHER:
+            continue
+        if collective_group(node) not in groups:
+            continue
+        users = list(node.users)
+        if all(u.target is WAIT and not u.users for u in users):
+            for user in users:
+                graph.erase_node(user)
+            graph.erase_node(node)
+            dropped += 1
+    return dropped
 
 
 def kept_buckets(
