@@ -93,3 +93,58 @@ def install_gloo_all_gather_workaround() -> bool:
         lib.impl("all_gather_into_tensor", _all_gather_into_tensor_cpu, "CPU")
     _workaround_lib = lib
     return True
+
+
+# Note: [Stable DeviceMesh pickles for Inductor's cache]
+# Inductor's FX graph cache keys a graph by pickling it with its example
+# inputs. A DTensor graph's inputs include its DeviceMesh (an opaque object),
+# and DeviceMesh pickles its whole ``__dict__``, including ``_hash``: a cache of
+# ``hash()`` over a tuple with strings, which Python salts per process. So the
+# key of an unchanged graph differs from one process to the next, and every
+# start compiles from scratch (torch 2.13; docs/crashes.md has a reproduction).
+# While we compile a graph, ``stable_mesh_pickling()`` makes DeviceMesh pickle
+# without ``_hash`` (recomputed on first use after unpickling, as
+# ``DeviceMesh.__hash__`` does when it is missing). Everything else of the
+# mesh (ranks, layout, device type, dim names, process group names) stays in
+# the key, and the pickle still restores the mesh.
+
+
+def _restore_device_mesh(cls, state):
+    mesh = cls.__new__(cls)
+    if hasattr(mesh, "__setstate__"):
+        mesh.__setstate__(state)
+    else:  # pragma: no cover - torch without DeviceMesh.__setstate__
+        mesh.__dict__.update(state)
+    return mesh
+
+
+def _reduce_device_mesh(mesh):
+    getstate = getattr(mesh, "__getstate__", None)
+    state = dict(getstate() if getstate is not None else mesh.__dict__)
+    state.pop("_hash", None)
+    return _restore_device_mesh, (type(mesh), state)
+
+
+class stable_mesh_pickling:  # noqa: N801 - used as a context manager
+    """Within the ``with`` block, pickling a DeviceMesh leaves out its
+    per-process hash cache (Note: [Stable DeviceMesh pickles for Inductor's
+    cache]). The previous reducer, if any, is restored on exit."""
+
+    def __enter__(self):
+        import copyreg
+
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self._cls = DeviceMesh
+        self._previous = copyreg.dispatch_table.get(DeviceMesh)
+        copyreg.dispatch_table[DeviceMesh] = _reduce_device_mesh
+        return self
+
+    def __exit__(self, *exc):
+        import copyreg
+
+        if self._previous is None:
+            copyreg.dispatch_table.pop(self._cls, None)
+        else:
+            copyreg.dispatch_table[self._cls] = self._previous
+        return False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -393,6 +394,7 @@ def test_auto_reports_predictions_from_a_calibrated_cost_model(tmp_path, monkeyp
         assert p["peak_bytes"] > 0
     cached = list((tmp_path / "simplefsdp").glob("cost-*.json"))
     assert len(cached) == 1  # calibration is cached for later runs
+    assert 0.0 <= json.loads(cached[0].read_text())["comm_overlap"] <= 1.0
 
 
 def _keep_gathered_body(options) -> list[dict]:

@@ -9,6 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from simplefsdp.compiler.auto_bucketing import (
     GatherUnit,
     greedy_buckets,
+    pipeline_time_s,
     prefetch_extra_bytes,
     to_plan,
 )
@@ -70,6 +71,26 @@ def test_short_windows_keep_parameters_apart() -> None:
     assert _names(buckets) == [["p0"], ["p1"], ["p2"], ["p3"]]
 
 
+def test_no_overlap_merges_what_overlap_would_keep_apart() -> None:
+    # The windows of the test above, but communication cannot run beside
+    # compute (a CPU with gloo): splitting hides nothing and each merge saves
+    # a latency, so the planner merges; the replay charges the collectives to
+    # the compute stream.
+    units = _units([1] * 4, compute_s=2.5e-3)
+    model = _model()
+    model.comm_overlap = 0.0
+    buckets = greedy_buckets(
+        units, model, reshard_after_forward=True, base_peak_bytes=0, memory_budget_bytes=None
+    )
+    assert _names(buckets) == [["p0", "p1", "p2", "p3"]]
+    # One bucket's 3 collectives of 1 ms + 4 ms (exposed: nothing to hide
+    # under) then 4 units x 7.5 ms of compute.
+    assert pipeline_time_s(buckets, model, True) == pytest.approx(0.015 + 0.030)
+    # Kept apart, every transfer is serialised with compute: 3 latencies more.
+    split = [[u] for u in units]
+    assert pipeline_time_s(split, model, True) == pytest.approx(4 * 3 * 2e-3 + 0.030)
+
+
 def test_tighter_budget_gives_smaller_buckets() -> None:
     units = _units([1] * 8, compute_s=0.0)
     sizes = []
@@ -127,3 +148,21 @@ def test_flops_and_memory_estimates_on_a_traced_graph() -> None:
     assert timeline["compute_s"] == pytest.approx(
         (2 * 8 * 16 * 32 + 2 * 8 * 32 * 4) / 1e9, rel=0.01
     )
+
+
+def test_comm_overlap_from_timings_and_old_cost_model_files() -> None:
+    from simplefsdp.compiler.cost_model import measure_comm_overlap
+
+    def timings(*seconds):
+        it = iter(seconds)
+        return lambda fn: next(it)  # comm, one matmul, matmuls, both together
+
+    cpu = torch.device("cpu")
+    # Taking turns: together as long as apart.
+    assert measure_comm_overlap(None, cpu, timings(0.1, 0.01, 0.1, 0.2)) == 0.0
+    assert measure_comm_overlap(None, cpu, timings(0.1, 0.01, 0.1, 0.1)) == 1.0
+    assert measure_comm_overlap(None, cpu, timings(0.1, 0.01, 0.1, 0.15)) == pytest.approx(0.5)
+    data = CostModel().to_dict()
+    assert data["comm_overlap"] == 1.0
+    del data["comm_overlap"]  # a cache file written before it was measured
+    assert CostModel.from_dict(data).comm_overlap == 1.0

@@ -13,7 +13,8 @@ Note: [Greedy auto-wrapping]
     Unit u joins the current bucket if the replayed time of the plan so far
     with ``cur + u`` is no longer than with ``cur`` and ``u`` apart (merging
     saves a collective's latency; splitting lets u's transfer hide under
-    cur's compute), and if the predicted peak memory with the grown bucket
+    cur's compute, as far as the cost model's ``comm_overlap`` lets
+    communication run beside compute), and if the predicted peak memory with the grown bucket
     prefetched stays within the budget: the unbucketed graph's peak plus, for
     the worst adjacent pair, the gathered bucket, its copy-out buffer and the
     prefetched next bucket (2 * B_i + B_{i+1}); a bucket stops growing while
@@ -237,14 +238,18 @@ class _Pipeline:
     fixed_s: float = 0.0
 
     def then(self, bucket: Sequence[GatherUnit], cost_model: CostModel, reshard: bool):
-        comm_end = (
-            max(self.comm_end, self.previous_compute_end)
-            + _comm_s(bucket, cost_model, reshard)
-            + self.fixed_s
-        )
-        start = max(self.compute_end, comm_end)
+        comm = _comm_s(bucket, cost_model, reshard)
+        comm_start = max(self.comm_end, self.previous_compute_end)
+        # While the transfer runs beside the previous bucket's compute, the
+        # part of it that cannot overlap delays both (they take turns on a
+        # CPU; Note: [Communication competing with compute]).
+        concurrent = min(max(self.compute_end - comm_start, 0.0), comm)
+        delay = (1.0 - cost_model.comm_overlap) * concurrent
+        previous_end = self.compute_end + delay
+        comm_end = comm_start + comm + delay + self.fixed_s
+        start = max(previous_end, comm_end)
         fixed = _fixed_s(bucket)
-        return _Pipeline(comm_end, start + _window_s(bucket) + fixed, self.compute_end, fixed)
+        return _Pipeline(comm_end, start + _window_s(bucket) + fixed, previous_end, fixed)
 
 
 def pipeline_time_s(

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from simplefsdp.bucket_plan import BucketPlan, resolve_plan
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
+from simplefsdp.compiler.inductor_cache import cache_processed_graph
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
@@ -544,6 +545,8 @@ def _compile_aot_eager(gm, example_inputs, compilation: _GraphCompilation):
 def _compile_inductor(gm, example_inputs, compilation: _GraphCompilation):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    use_cache = bool(torch._inductor.config.fx_graph_cache)  # the user's setting
+
     def inner_compile(graph_module, inputs, *args, **kwargs):
         if kwargs.get("is_backward"):
             name = "backward"
@@ -553,15 +556,18 @@ def _compile_inductor(gm, example_inputs, compilation: _GraphCompilation):
             name = "forward"
         compilation.process(graph_module, name)
         graph_module.recompile()
-        compiled = compile_fx_inner(graph_module, inputs, *args, **kwargs)
+        # The graph is final here (our passes ran): Inductor may serve it from
+        # its FX graph cache (Note: [Inductor's cache for processed graphs]).
+        with cache_processed_graph(use_cache):
+            compiled = compile_fx_inner(graph_module, inputs, *args, **kwargs)
         compilation.check_inductor_order(name, graph_module, getattr(compiled, "source_code", None))
         return compiled
 
     config_patches = {
         # Our tags must be applied to the joint graph right before partitioning.
         "joint_custom_post_pass": compilation.joint_pass,
-        # Our passes are not hashable graph passes: do not serve cached graphs
-        # compiled without them.
+        # Not before our passes: a graph is cached only once they have run
+        # (Note: [Inductor's cache for processed graphs]).
         "fx_graph_cache": False,
         # Inductor's peak-memory reordering sinks our prefetched all-gathers
         # back next to their waits (undoing the overlap); our order is already

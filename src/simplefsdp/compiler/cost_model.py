@@ -18,6 +18,18 @@ Note: [Cost model calibration]
     may run over different links (e.g. NVLink within a host, the network
     across hosts). Collectives of a role fall back to the role-less
     ``"kind/group_size"`` fit, then to the defaults.
+
+Note: [Communication competing with compute]
+    On a GPU a collective runs on its own engines and hides under compute; on
+    a CPU (gloo) it needs the same cores as compute, and the two take turns.
+    ``comm_overlap`` is the fraction of a collective's time that can run
+    concurrently with compute: calibration times an all-reduce, an equally
+    long run of matmuls, and both together (``measure_comm_overlap``), and
+    takes ``hidden / min(t_comm, t_compute)``. The rest, ``(1 - comm_overlap)``
+    of every collective, also occupies the compute stream in ``simulate`` and
+    in the auto planner's replay, so that on a machine with no overlap fewer,
+    larger collectives win (each saves a latency) and splitting a bucket to
+    hide its transfer gains nothing.
 """
 
 from __future__ import annotations
@@ -76,6 +88,8 @@ class CostModel:
         flops_per_s: sustained matmul throughput.
         bytes_per_s: sustained memory bandwidth of elementwise kernels.
         kernel_overhead_s: fixed cost per compute node.
+        comm_overlap: fraction of communication that runs concurrently with
+            compute, 0-1 (Note: [Communication competing with compute]).
     """
 
     comm: dict[str, LinearFit] = field(default_factory=dict)
@@ -83,6 +97,7 @@ class CostModel:
     flops_per_s: float = 5e10
     bytes_per_s: float = 5e9
     kernel_overhead_s: float = 2e-6
+    comm_overlap: float = 1.0
 
     def comm_time(
         self, kind: str, group_size: int, num_bytes: int, role: str | None = None
@@ -133,6 +148,7 @@ class CostModel:
             flops_per_s=data["flops_per_s"],
             bytes_per_s=data["bytes_per_s"],
             kernel_overhead_s=data["kernel_overhead_s"],
+            comm_overlap=data.get("comm_overlap", 1.0),
         )
 
 
@@ -184,7 +200,9 @@ def simulate(
     """Predicted time of a graph with one compute stream and one comm stream.
 
     Compute nodes run in graph order; a collective starts when issued and the
-    link is free; a wait blocks compute until its collective is done. All
+    link is free, and delays compute by its non-overlapping part (Note:
+    [Communication competing with compute]); a wait blocks compute until its
+    collective is done. All
     collectives share the link, tensor-parallel ones included (timed with
     their role's fit); ``comm_s`` covers them all and, when there are any,
     ``tp_comm_s`` (``other_comm_s``) the tensor-parallel (other groups') part.
@@ -200,6 +218,8 @@ def simulate(
             start = max(compute_clock, comm_clock)
             comm_clock = done[node] = start + duration
             comm_total += duration
+            # The part that cannot overlap takes the compute stream's time too.
+            compute_clock += (1.0 - cost_model.comm_overlap) * duration
             if role != DATA_PARALLEL:
                 by_role[role] = by_role.get(role, 0.0) + duration
         elif node.op == "call_function" and node.args and node.args[0] in done:
@@ -300,6 +320,41 @@ def _calibrate_compute(device: torch.device) -> tuple[float, float]:
     return 2.0 * n**3 / mm_s, 3 * x.numel() * 4 / add_s
 
 
+def measure_comm_overlap(
+    group, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None
+) -> float:
+    """Fraction (0-1) of a 16 MiB all-reduce on ``group`` that runs
+    concurrently with matmuls of about its length (Note: [Communication
+    competing with compute]). Collective: every rank of ``group`` calls it."""
+    timer = timer or _time_it
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    buf = torch.ones(4 << 20, device=device)
+    n = 512 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device)
+    t_comm = timer(lambda: (dist.all_reduce(buf, group=group), sync()))
+    t_mm = timer(lambda: (torch.mm(a, a), sync()))
+    reps = max(1, round(t_comm / t_mm))  # compute about as long as the collective
+
+    def compute():
+        for _ in range(reps):
+            torch.mm(a, a)
+        sync()
+
+    def both():
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        compute()
+        work.wait()
+        sync()
+
+    t_compute, t_both = timer(compute), timer(both)
+    hidden = t_compute + t_comm - t_both
+    return max(0.0, min(1.0, hidden / min(t_compute, t_comm)))
+
+
 def _cache_path(backend: str, world_size: int, device_type: str) -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "simplefsdp"
     name = (
@@ -348,10 +403,12 @@ def calibrated_cost_model(
     device = calibration_device(device_type)
     path = _cache_path(backend, dist.get_world_size(), device.type)
     groups = list(groups or []) or [dist.group.WORLD]
-    cached = None
+    cached, cached_has_overlap = None, False
     if path.exists() and os.environ.get("SIMPLEFSDP_RECALIBRATE", "") not in ("1", "true"):
         try:
-            cached = CostModel.from_dict(json.loads(path.read_text()))
+            raw = json.loads(path.read_text())
+            cached = CostModel.from_dict(raw)
+            cached_has_overlap = "comm_overlap" in raw  # written before it was measured
         except (ValueError, KeyError, TypeError):
             cached = None
     tp_groups = list(tp_groups or [])
@@ -359,6 +416,7 @@ def calibrated_cost_model(
     tp_sizes = sorted({dist.get_world_size(g) for g in tp_groups})
     have = (
         cached is not None
+        and cached_has_overlap
         and all(f"all_gather/{s}" in cached.comm for s in sizes)
         and all(f"{TENSOR_PARALLEL}:all_gather/{s}" in cached.comm for s in tp_sizes)
     )
@@ -372,7 +430,8 @@ def calibrated_cost_model(
         for group in tp_groups:
             comm.update(_calibrate_comm(group, device, prefix=f"{TENSOR_PARALLEL}:"))
         flops, bandwidth = _calibrate_compute(device)
-        model = CostModel(comm=comm, flops_per_s=flops, bytes_per_s=bandwidth)
+        overlap = measure_comm_overlap(groups[0], device)
+        model = CostModel(comm=comm, flops_per_s=flops, bytes_per_s=bandwidth, comm_overlap=overlap)
         logger.debug("cost model calibrated in %.2fs", time.perf_counter() - start)
     payload = [model.to_dict()]
     dist.broadcast_object_list(payload, src=0)

@@ -71,6 +71,8 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from simplefsdp.compiler.cost_model import measure_comm_overlap
+
     backend = "nccl" if device_type == "cuda" else "gloo"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
@@ -95,32 +97,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
             sync()
 
         op_s = _median_time(chain, repeats=200) / 8
-        buf = torch.ones(4 << 20, device=device)  # 16 MiB
-        n = 512 if device_type == "cpu" else 8192
-        a = torch.randn(n, n, device=device)
-
-        def comm():
-            dist.all_reduce(buf)
-            sync()
-
-        t_comm = _median_time(comm)
-        t_mm = _median_time(lambda: (torch.mm(a, a), sync()))
-        reps = max(1, round(t_comm / t_mm))  # compute about as long as the collective
-
-        def compute():
-            for _ in range(reps):
-                torch.mm(a, a)
-            sync()
-
-        def both():
-            work = dist.all_reduce(buf, async_op=True)
-            compute()
-            work.wait()
-            sync()
-
-        t_compute, t_both = _median_time(compute), _median_time(both)
-        hidden = t_compute + t_comm - t_both
-        overlap = max(0.0, min(1.0, hidden / min(t_compute, t_comm)))
+        overlap = measure_comm_overlap(dist.group.WORLD, device, timer=_median_time)
         if rank == 0:
             Path(out).write_text(
                 json.dumps(
@@ -130,7 +107,6 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
                         "bytes_per_s": bytes_per_s,
                         "op_s": op_s,
                         "overlap": overlap,
-                        "times": [t_compute, t_comm, t_both],
                     }
                 )
             )

@@ -299,6 +299,7 @@ def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 
         * hw.matmul_efficiency,
         bytes_per_s=hw.memory_bandwidth * hw.memory_efficiency,
         kernel_overhead_s=hw.kernel_overhead_s,
+        comm_overlap=hw.comm_overlap,
     )
 
 
@@ -478,11 +479,10 @@ def predict(
     )
     if layout.dp == 1:
         pipe_s, dp_comm_s = compute_s + fixed_s, 0.0
+    # The replay counts communication competing with compute for the CPU
+    # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
     mb_s = max(pipe_s, compute_s)
     exposed_s = mb_s - compute_s
-    hidden_s = max(dp_comm_s + fixed_s - exposed_s, 0.0)
-    exposed_s += (1.0 - hw.comm_overlap) * hidden_s  # comm competing with compute (CPU)
-    mb_s = compute_s + exposed_s
     slots = layout.microbatches + (layout.pp - 1 if layout.pp > 1 else 0)
     bubble_s = (layout.pp - 1) * mb_s if layout.pp > 1 else 0.0
     optimizer_s = (param_bytes / 4) * ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s

@@ -37,6 +37,7 @@ from simplefsdp.checkpoint import (
     read_json,
     step_dir_name,
 )
+from simplefsdp.compiler.inductor_cache import inductor_cache_counts
 from simplefsdp.engines import (
     MemoryProbe,
     ParallelModel,
@@ -517,7 +518,11 @@ class Trainer:
         with Heartbeat(lambda s: f"  still compiling: {s:.0f}s", self._progress.line):
             yield
         self.summary.compile_s = time.perf_counter() - start
-        self._progress.line(f"compiled and ran step 1 in {self.summary.compile_s:.1f}s")
+        cache = inductor_cache_counts()
+        served = ""
+        if any(cache.values()):
+            served = f" (Inductor cache: {cache['hit']} hits, {cache['miss']} misses)"
+        self._progress.line(f"compiled and ran step 1 in {self.summary.compile_s:.1f}s{served}")
 
     def _stop_agreed(self, stop: StopRequest) -> bool:
         """Whether any rank was asked to stop, agreed one step late so that all
