@@ -10,3 +10,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # worked around (docs/crashes.md); SIMPLEFSDP_CRASH_RETRIES=N reruns a test
 # that crashed up to N times, with a warning; see run_distributed.
 os.environ.setdefault("SIMPLEFSDP_CRASH_RETRIES", "0")
+
+# SIMPLEFSDP_TEST_PRETEND_CUDA=1: CUDA looks visible (see pretend_cuda.py), to
+# find device assumptions without a GPU.
+if os.environ.get("SIMPLEFSDP_TEST_PRETEND_CUDA") == "1":
+    from pretend_cuda import pretend_cuda_visible
+
+    pretend_cuda_visible()
