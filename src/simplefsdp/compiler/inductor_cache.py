@@ -34,12 +34,11 @@ def cache_processed_graph(use_cache: bool) -> Iterator[None]:
     FX graph cache as the user has it (``use_cache``), without our joint pass
     and partitioner in Inductor's config (they already ran, and they are not
     hashable graph passes), with DeviceMesh inputs pickled stably."""
-    with (
-        torch._inductor.config.patch(
-            fx_graph_cache=use_cache, joint_custom_post_pass=None, custom_partitioner_fn=None
-        ),
-        stable_mesh_pickling(),
-    ):
+    config = torch._inductor.config
+    patches = {"fx_graph_cache": use_cache, "joint_custom_post_pass": None}
+    if hasattr(config, "custom_partitioner_fn"):  # not in every torch we support
+        patches["custom_partitioner_fn"] = None
+    with config.patch(patches), stable_mesh_pickling():
         yield
 
 
