@@ -166,38 +166,3 @@ def test_comm_overlap_from_timings_and_old_cost_model_files() -> None:
     assert data["comm_overlap"] == 1.0
     del data["comm_overlap"]  # a cache file written before it was measured
     assert CostModel.from_dict(data).comm_overlap == 1.0
-
-
-def test_buckets_grow_where_little_memory_is_alive() -> None:
-    """Note: [Memory where the bucket lives]: the same units and budget, but
-    the graph holds 0 MiB early and 20 MiB late: early buckets may be large."""
-    from simplefsdp.compiler.auto_bucketing import planned_peak_bytes
-
-    blind = _units([1] * 8, compute_s=0.0)
-    held = [
-        GatherUnit(u.fqn, u.gathered_bytes, 2, 0.0, live_bytes=int(20 * MiB * i / 7))
-        for i, u in enumerate(blind)
-    ]
-    kwargs = dict(reshard_after_forward=True, base_peak_bytes=20 * MiB)
-    budget = 20 * MiB + 6 * MiB  # the graph's peak plus 2 x 2 MiB + 2 MiB: pairs of units
-    apart = greedy_buckets(blind, _model(), memory_budget_bytes=budget, **kwargs)
-    assert [len(b) for b in apart] == [2, 2, 2, 2]
-    grown = greedy_buckets(held, _model(), memory_budget_bytes=budget, **kwargs)
-    assert len(grown) < len(apart) and len(grown[0]) > 2  # larger early
-    assert len(grown[-1]) <= 2  # near the peak, as small as before
-    assert planned_peak_bytes(grown, 20 * MiB) <= budget
-    # Without live_bytes the estimate is the position-blind one.
-    assert planned_peak_bytes(apart, 20 * MiB) == 20 * MiB + prefetch_extra_bytes(apart)
-
-
-def test_live_bytes_timeline_peaks_at_estimate() -> None:
-    from simplefsdp.compiler.memory_estimate import live_bytes_timeline
-
-    def f(x, w1, w2):
-        return torch.relu(x @ w1) @ w2
-
-    gm = make_fx(f)(torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 4))
-    timeline = live_bytes_timeline(gm)
-    assert len(timeline) == len(gm.graph.nodes)
-    assert max(timeline) == estimate_memory(gm).peak_bytes
-    assert timeline[0] == 0  # a placeholder allocates nothing

@@ -14,29 +14,13 @@ Note: [Greedy auto-wrapping]
     with ``cur + u`` is no longer than with ``cur`` and ``u`` apart (merging
     saves a collective's latency; splitting lets u's transfer hide under
     cur's compute, as far as the cost model's ``comm_overlap`` lets
-    communication run beside compute), and if the predicted peak memory with
-    the grown bucket prefetched stays within the budget (Note: [Memory where
-    the bucket lives]); a bucket stops growing while the largest single
-    parameter could still follow it. The plan is plain data
+    communication run beside compute), and if the predicted peak memory with the grown bucket
+    prefetched stays within the budget: the unbucketed graph's peak plus, for
+    the worst adjacent pair, the gathered bucket, its copy-out buffer and the
+    prefetched next bucket (2 * B_i + B_{i+1}); a bucket stops growing while
+    the largest single parameter could still follow it. The plan is plain data
     (parameter FQNs per bucket), computed alike on every rank (Note:
     [Identical plans without compile-time collectives]).
-
-Note: [Memory where the bucket lives]
-    A gathered bucket costs memory only while it is in use, and what else is
-    alive then depends on where in the step it is: early in forward few
-    activations are saved yet, at the forward/backward boundary all of them
-    are, and backward mirrors forward (its early blocks run last, when most
-    activations are freed). The planner takes the forward graph's liveness
-    timeline (``live_bytes_timeline``, without the bucketing) and gives each
-    unit the most bytes held over its window (``live_bytes``). A plan's peak is
-    the worst adjacent pair's level (the larger of the two buckets' most
-    bytes held) plus the gathered bucket, its copy-out buffer and the
-    prefetched next bucket (2 * B_i + B_{i+1}). So buckets may be large where
-    little is alive and must be small near the boundary. The default budget is
-    the same estimate for the per-block plan (FSDP2's wrapping): the auto plan
-    may merge blocks early in the step without predicting a higher peak than
-    per-block wrapping. Units without a timeline count at the graph's peak
-    everywhere (the earlier, position-blind rule).
 
 Note: [Planning around tensor-parallel collectives]
     In a 2-D (data x tensor parallel) graph the TP plan's collectives stay
@@ -78,7 +62,7 @@ import torch.fx as fx
 
 from simplefsdp.bucket_plan import Bucket, BucketPlan
 from simplefsdp.compiler.cost_model import CostModel
-from simplefsdp.compiler.memory_estimate import live_bytes_timeline
+from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.passes.bucketing import CollectiveSite, find_sites
 from simplefsdp.compiler.patterns import (
     ALL_DATA_PARALLEL,
@@ -103,9 +87,6 @@ class GatherUnit:
     # Non data-parallel (TP) collectives in that window, seconds (Note:
     # [Planning around tensor-parallel collectives]).
     fixed_comm_s: float = 0.0
-    # Most bytes the unbucketed graph holds in that window (Note: [Memory
-    # where the bucket lives]); None: its peak, wherever the unit runs.
-    live_bytes: int | None = None
 
 
 def gather_units(
@@ -113,11 +94,9 @@ def gather_units(
     sites: Sequence[CollectiveSite],
     cost_model: CostModel,
     groups: CollectiveGroups = ALL_DATA_PARALLEL,
-    live: Sequence[int] | None = None,
 ) -> list[GatherUnit]:
-    """All-gather sites in order of first use, with the compute each precedes,
-    the fixed (non data-parallel) communication among it and, given the
-    graph's ``live_bytes_timeline``, the most memory held meanwhile."""
+    """All-gather sites in order of first use, with the compute each precedes
+    and the fixed (non data-parallel) communication among it."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
 
@@ -152,8 +131,7 @@ def gather_units(
             for n in window
             if collective_kind(n) is not None and not groups.is_data_parallel(n)
         )
-        held = max(live[start:end], default=0) if live is not None else None
-        units.append(GatherUnit(site.fqn, site.bytes, int(site.node.args[1]), compute, fixed, held))
+        units.append(GatherUnit(site.fqn, site.bytes, int(site.node.args[1]), compute, fixed))
     return units
 
 
@@ -184,31 +162,6 @@ def prefetch_extra_bytes(buckets: Sequence[Sequence[GatherUnit]]) -> int:
     return max(2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i, s in enumerate(sizes))
 
 
-def _level(bucket: Sequence[GatherUnit], base_peak_bytes: int) -> int:
-    """What the unbucketed graph holds while ``bucket`` is in use."""
-    return max(
-        (base_peak_bytes if u.live_bytes is None else u.live_bytes for u in bucket), default=0
-    )
-
-
-def planned_peak_bytes(buckets: Sequence[Sequence[GatherUnit]], base_peak_bytes: int) -> int:
-    """Predicted peak of a plan: over adjacent pairs, what the graph holds
-    while they are in use plus ``2 * B_i + B_{i+1}`` (Note: [Memory where the
-    bucket lives]); ``base_peak_bytes + prefetch_extra_bytes`` when no unit
-    knows its ``live_bytes``."""
-    buckets = [b for b in buckets if b]
-    if not buckets:
-        return base_peak_bytes
-    sizes = [sum(u.gathered_bytes for u in b) for b in buckets]
-    levels = [_level(b, base_peak_bytes) for b in buckets]
-    peak = 0
-    for i, size in enumerate(sizes):
-        nxt = sizes[i + 1] if i + 1 < len(sizes) else 0
-        level = max(levels[i], levels[i + 1] if i + 1 < len(sizes) else 0)
-        peak = max(peak, level + 2 * size + nxt)
-    return max(peak, base_peak_bytes)
-
-
 def greedy_buckets(
     units: Sequence[GatherUnit],
     cost_model: CostModel,
@@ -224,45 +177,48 @@ def greedy_buckets(
             per bucket); the message names that minimum.
     """
     singles = [[u] for u in units]
-    minimum = planned_peak_bytes(singles, base_peak_bytes)
+    minimum = base_peak_bytes + prefetch_extra_bytes(singles)
     if memory_budget_bytes is not None and memory_budget_bytes < minimum:
         raise ValueError(
             f"memory_budget_bytes={memory_budget_bytes} is below the unavoidable minimum of "
             f"{minimum} bytes (the graph's own peak plus prefetching one parameter at a time)"
         )
-    # Memory (Note: [Memory where the bucket lives]): every adjacent pair of
-    # the plan must satisfy level + 2 * B_i + B_{i+1} <= budget, and a bucket
-    # may grow only while the largest single parameter still fits after it.
-    budget = float("inf") if memory_budget_bytes is None else memory_budget_bytes
+    # Memory: the plan so far must satisfy 2 * B_i + B_{i+1} <= headroom, and a
+    # bucket may grow only while any single next parameter still fits after it.
+    headroom = (
+        float("inf") if memory_budget_bytes is None else memory_budget_bytes - base_peak_bytes
+    )
     largest_unit = max((u.gathered_bytes for u in units), default=0)
+    max_bucket_bytes = (headroom - largest_unit) / 2
     buckets: list[list[GatherUnit]] = []
     current: list[GatherUnit] = []
     # Carried across units rather than recomputed from every closed bucket:
-    # the replay after the closed buckets, the last one's size and level.
-    closed, last_bytes, last_level, current_bytes, current_level = _Pipeline(), None, 0, 0, 0
-    for k, unit in enumerate(units):
-        level = _level([unit], base_peak_bytes)
+    # the replay after the closed buckets, the worst 2 * B_i + B_{i+1} among
+    # them, and the last one's size.
+    closed, closed_worst, last_bytes, current_bytes = _Pipeline(), 0, None, 0
+    for unit in units:
         if not current:
-            current, current_bytes, current_level = [unit], unit.gathered_bytes, level
+            current, current_bytes = [unit], unit.gathered_bytes
             continue
         grown_bytes = current_bytes + unit.gathered_bytes
-        grown_level = max(current_level, level)
         merged = closed.then([*current, unit], cost_model, reshard_after_forward)
         split = closed.then(current, cost_model, reshard_after_forward).then(
             [unit], cost_model, reshard_after_forward
         )
-        next_level = _level(units[k + 1 : k + 2], base_peak_bytes) if k + 1 < len(units) else 0
-        fits = max(grown_level, next_level) + 2 * grown_bytes + largest_unit <= budget
+        worst = max(closed_worst, 2 * grown_bytes)
         if last_bytes is not None:
-            fits = fits and max(last_level, grown_level) + 2 * last_bytes + grown_bytes <= budget
+            worst = max(worst, 2 * last_bytes + grown_bytes)
+        fits = grown_bytes <= max_bucket_bytes and worst <= headroom
         if merged.compute_end <= split.compute_end and fits:
             current.append(unit)
-            current_bytes, current_level = grown_bytes, grown_level
+            current_bytes = grown_bytes
         else:
             buckets.append(current)
             closed = closed.then(current, cost_model, reshard_after_forward)
-            last_bytes, last_level = current_bytes, current_level
-            current, current_bytes, current_level = [unit], unit.gathered_bytes, level
+            if last_bytes is not None:
+                closed_worst = max(closed_worst, 2 * last_bytes + current_bytes)
+            last_bytes = current_bytes
+            current, current_bytes = [unit], unit.gathered_bytes
     if current:
         buckets.append(current)
     return buckets
@@ -361,14 +317,14 @@ def plan_forward_graph(
     """
     start = time.perf_counter()
     sites = find_sites(gm.graph, primal_names, {}, groups)
+    units = gather_units(gm, sites, cost_model, groups)
     # Ranks with uneven shards pad their all-gather inputs; leave those nodes
     # out so every rank computes the same numbers and so the same plan.
     padding = {
         n for site in sites if site.kind == "all_gather" for n in path_from_placeholder(site.input)
     }
-    live = live_bytes_timeline(gm, ignore=padding)
-    units = gather_units(gm, sites, cost_model, groups, live)
-    base_peak = max(live, default=0)
+    base = estimate_memory(gm, ignore=padding)
+    base_peak = base.peak_bytes
     budget = memory_budget_bytes
     default_budget = None
     if budget is None and reference_plan is not None:
@@ -376,7 +332,7 @@ def plan_forward_graph(
         reference = [
             [by_fqn[f] for f in b.param_fqns if f in by_fqn] for b in reference_plan.buckets
         ]
-        default_budget = planned_peak_bytes(reference, base_peak)
+        default_budget = base_peak + prefetch_extra_bytes([b for b in reference if b])
         budget = default_budget
     buckets = greedy_buckets(
         units,

@@ -63,17 +63,7 @@ def _is_alias(node: fx.Node) -> bool:
 def estimate_memory(gm: fx.GraphModule, ignore: set[fx.Node] | None = None) -> MemoryEstimate:
     """Liveness-based peak of the memory ``gm`` allocates while it runs
     (nodes in ``ignore`` are counted as allocating nothing)."""
-    return _liveness(gm, ignore or set())[0]
-
-
-def live_bytes_timeline(gm: fx.GraphModule, ignore: set[fx.Node] | None = None) -> list[int]:
-    """Bytes ``gm`` holds allocated (above its inputs) while each node runs,
-    in graph order: its output and everything still alive; the maximum is
-    ``estimate_memory(gm).peak_bytes``."""
-    return _liveness(gm, ignore or set())[1]
-
-
-def _liveness(gm: fx.GraphModule, ignore: set[fx.Node]) -> tuple[MemoryEstimate, list[int]]:
+    ignore = ignore or set()
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
@@ -93,17 +83,14 @@ def _liveness(gm: fx.GraphModule, ignore: set[fx.Node]) -> tuple[MemoryEstimate,
             frees.setdefault(i, []).append(r)
     live = peak = 0
     inputs_bytes = 0
-    timeline = []
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
             inputs_bytes += node_bytes(node)
         elif root[node] is node and node.op == "call_function" and node not in ignore:
             live += node_bytes(node)
             peak = max(peak, live)
-        timeline.append(live)
         for r in frees.get(i, ()):
             if r not in ignore:
                 live -= node_bytes(r)
     output_bytes = sum(node_bytes(r) for r in outputs if r.op != "placeholder")
-    estimate = MemoryEstimate(peak_bytes=peak, input_bytes=inputs_bytes, output_bytes=output_bytes)
-    return estimate, timeline
+    return MemoryEstimate(peak_bytes=peak, input_bytes=inputs_bytes, output_bytes=output_bytes)
