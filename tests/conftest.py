@@ -13,7 +13,9 @@ os.environ.setdefault("SIMPLEFSDP_CRASH_RETRIES", "0")
 
 # SIMPLEFSDP_TEST_PRETEND_CUDA=1: CUDA looks visible (see pretend_cuda.py), to
 # find device assumptions without a GPU.
-if os.environ.get("SIMPLEFSDP_TEST_PRETEND_CUDA") == "1":
+from pretend_cuda import ENV_VAR as _PRETEND_CUDA  # noqa: E402
+
+if os.environ.get(_PRETEND_CUDA) == "1":
     from pretend_cuda import pretend_cuda_visible
 
     pretend_cuda_visible()

@@ -101,7 +101,7 @@ def install_gloo_all_gather_workaround() -> bool:
 # and DeviceMesh pickles its whole ``__dict__``, including ``_hash``: a cache of
 # ``hash()`` over a tuple with strings, which Python salts per process. So the
 # key of an unchanged graph differs from one process to the next, and every
-# start compiles from scratch (torch 2.13; docs/crashes.md has a reproduction).
+# start compiles from scratch (torch 2.13; docs/design.md has a reproduction).
 # While we compile a graph, ``stable_mesh_pickling()`` makes DeviceMesh pickle
 # without ``_hash`` (recomputed on first use after unpickling, as
 # ``DeviceMesh.__hash__`` does when it is missing). Everything else of the

@@ -14,8 +14,9 @@ Note: [Greedy auto-wrapping]
     with ``cur + u`` is no longer than with ``cur`` and ``u`` apart (merging
     saves a collective's latency; splitting lets u's transfer hide under
     cur's compute, as far as the cost model's ``comm_overlap`` lets
-    communication run beside compute), and if the predicted peak memory with the grown bucket
-    prefetched stays within the budget: the unbucketed graph's peak plus, for
+    communication run beside compute), and if the predicted peak memory with
+    the grown bucket prefetched stays within the budget: the unbucketed
+    graph's peak plus, for
     the worst adjacent pair, the gathered bucket, its copy-out buffer and the
     prefetched next bucket (2 * B_i + B_{i+1}); a bucket stops growing while
     the largest single parameter could still follow it. The plan is plain data

@@ -403,12 +403,12 @@ def calibrated_cost_model(
     device = calibration_device(device_type)
     path = _cache_path(backend, dist.get_world_size(), device.type)
     groups = list(groups or []) or [dist.group.WORLD]
-    cached, cached_has_overlap = None, False
+    cached = None
     if path.exists() and os.environ.get("SIMPLEFSDP_RECALIBRATE", "") not in ("1", "true"):
         try:
             raw = json.loads(path.read_text())
-            cached = CostModel.from_dict(raw)
-            cached_has_overlap = "comm_overlap" in raw  # written before it was measured
+            # A file written before comm_overlap was measured is recalibrated.
+            cached = CostModel.from_dict(raw) if "comm_overlap" in raw else None
         except (ValueError, KeyError, TypeError):
             cached = None
     tp_groups = list(tp_groups or [])
@@ -416,7 +416,6 @@ def calibrated_cost_model(
     tp_sizes = sorted({dist.get_world_size(g) for g in tp_groups})
     have = (
         cached is not None
-        and cached_has_overlap
         and all(f"all_gather/{s}" in cached.comm for s in sizes)
         and all(f"{TENSOR_PARALLEL}:all_gather/{s}" in cached.comm for s in tp_sizes)
     )
