@@ -16,6 +16,7 @@ import pytest
 
 from simplefsdp.bench import cli
 from simplefsdp.bench.configs import CONFIGS, TEST_CONFIGS, get_workload, resolve_configs
+from simplefsdp.bench.measure import phase_peaks
 from simplefsdp.bench.report import add_ratios, check_losses, failed_row, format_table, write_png
 
 TINY = [
@@ -65,6 +66,9 @@ def test_bench_json_shape(bench_run):
         for key, typ in ROW_TYPES.items():
             assert isinstance(row[key], typ), (row["name"], key, row[key])
         assert row["step_time_s_min"] <= row["step_time_s_median"] <= row["step_time_s_max"]
+        phases = row["phase_peak_mem_bytes"]
+        assert list(phases) == ["forward_backward", "optimizer"], phases
+        assert all(isinstance(v, int) for v in phases.values()), phases
     assert isinstance(result["comm_only_s"], float) and result["comm_only_s"] > 0
     assert result["comm_only_error"] is None
     # The wrong configuration makes the run fail as a whole.
@@ -117,6 +121,7 @@ def test_bench_writes_table_and_png(bench_run):
     for name in E2E_CONFIGS.split(","):
         assert name in stdout
     assert "comm-only:" in stdout
+    assert "peak MiB by phase above the step's start" in stdout
     assert (out / "bench.txt").read_text().strip() in stdout
     pytest.importorskip("matplotlib")
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -203,3 +208,67 @@ def test_failed_comm_only_run_is_reported_and_fails_the_run(tmp_path, monkeypatc
     assert rc == 1
     assert result["comm_only_error"] == "exit code 1: boom" and result["comm_only_s"] is None
     assert "comm-only: FAILED: exit code 1: boom" in capsys.readouterr().out
+
+
+class _FakeProbe:
+    """A probe over a scripted memory level: ``level`` above the baseline."""
+
+    def __init__(self) -> None:
+        self.level = self.peak = 100
+        self.start_bytes = None
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+        self.peak, self.start_bytes = self.level, self.level
+
+    def alloc(self, n: int) -> None:
+        self.level += n
+        self.peak = max(self.peak, self.level)
+
+    def peak_bytes(self) -> int:
+        return self.peak
+
+
+def test_phase_peaks_are_above_the_step_start():
+    probe = _FakeProbe()
+
+    def forward_backward():  # 50 of activations, freed; 30 of gradients kept
+        probe.alloc(80)
+        probe.alloc(-50)
+
+    def optimizer():  # a 30 temporary while the gradients live, then both freed
+        probe.alloc(30)
+        probe.alloc(-60)
+
+    peaks = phase_peaks(probe, {"forward_backward": forward_backward, "optimizer": optimizer})
+    assert peaks == {"forward_backward": 80, "optimizer": 60}
+    assert probe.resets == 2
+
+
+def test_phase_peaks_unknown_stays_unknown():
+    probe = _FakeProbe()
+    probe.peak_bytes = lambda: None  # type: ignore[method-assign]
+    assert phase_peaks(probe, {"a": lambda: None}) == {"a": None}
+
+
+def test_phase_peaks_with_the_cpu_probe():
+    """The real probe on this process: a 64 MiB phase and an 8 MiB one."""
+    import torch
+
+    from simplefsdp.engines import MemoryProbe
+    from simplefsdp.engines.memory import lower_mmap_threshold
+
+    if not lower_mmap_threshold():
+        pytest.skip("no glibc mallopt: RSS does not follow freed tensors")
+    probe = MemoryProbe("cpu")
+    mib = 1024 * 1024
+
+    def touch(n_mib: int) -> None:
+        t = torch.ones(n_mib * mib // 4)
+        del t
+
+    peaks = phase_peaks(probe, {"big": lambda: touch(64), "small": lambda: touch(8)})
+    assert peaks["big"] is not None and peaks["small"] is not None
+    assert peaks["big"] >= 60 * mib
+    assert peaks["small"] < 32 * mib

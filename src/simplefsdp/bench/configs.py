@@ -164,6 +164,15 @@ TEST_CONFIGS: dict[str, BenchConfig] = {
         reorder=True,
         keep_gathered=0,
     ),
+    "simplefsdp-auto-keep-all": BenchConfig(
+        "simplefsdp-auto-keep-all",
+        "simplefsdp",
+        True,
+        "simplefsdp-auto keeping every bucket gathered from forward to backward",
+        bucketing="auto",
+        reorder=True,
+        keep_gathered=1_000_000,
+    ),
     "test-wrong-lr": BenchConfig(
         "test-wrong-lr",
         "simplefsdp",

@@ -17,6 +17,19 @@ Note: [Benchmark memory]
     resident (compiled kernels, graphs, guards), so compiled configurations
     carry some tens of MiB that eager ones do not.
 
+Note: [Peak by phase]
+    After the measured steps one more step runs, untimed, in two phases:
+    forward and backward (all accumulation batches, the gradient reduction
+    included), then the optimizer step with ``zero_grad``. For each phase the
+    probe is reset before it runs (on CPU: ``malloc_trim`` and a reset of the
+    kernel's high-water mark) and its peak is reported above the level the
+    step started at. The larger of the two is where the step's peak is: the
+    compiled graphs and their collectives in the first, the optimizer's
+    states and temporaries in the second (``foreach`` AdamW allocates
+    parameter-sized temporaries while every gradient is still alive), so a
+    difference in the step's peak between configurations can be traced to
+    what each runs.
+
 Note: [Counting collectives]
     Configurations compiled by ``simplefsdp.compile`` report their
     collectives from ``simplefsdp.comm_report`` (what the graphs issue). All
@@ -47,6 +60,7 @@ from simplefsdp._compat import all_gather_single, reduce_scatter_single
 __all__ = [
     "count_collectives",
     "fsdp_unit_numels",
+    "phase_peaks",
     "run_comm_only",
     "state_bytes",
     "timed",
@@ -102,8 +116,40 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+def phase_peaks(probe: Any, phases: dict[str, Callable[[], Any]]) -> dict[str, int | None]:
+    """Run ``phases`` in order; each one's peak memory above the level at the
+    start of the first (Note: [Peak by phase]).
+
+    ``probe``: a ``simplefsdp.engines.MemoryProbe`` (``reset``,
+    ``peak_bytes``, ``start_bytes``). ``None`` where the probe cannot tell.
+    """
+    peaks: dict[str, int | None] = {}
+    start: int | None = None
+    for i, (name, run) in enumerate(phases.items()):
+        probe.reset()
+        if i == 0:
+            start = probe.start_bytes
+        run()
+        peak = probe.peak_bytes()
+        peaks[name] = None if peak is None or start is None else peak - start
+    return peaks
+
+
 def count_collectives(fn: Callable[[], Any]) -> dict[str, int]:
-    """Collectives issued while ``fn()`` runs, by kind. See Note: [Counting collectives]."""
+    """Collectives issued while ``fn()`` runs, by kind. See Note: [Peak by phase]
+        After the measured steps one more step runs, untimed, in two phases:
+        forward and backward (all accumulation batches, the gradient reduction
+        included), then the optimizer step with ``zero_grad``. For each phase the
+        probe is reset before it runs (on CPU: ``malloc_trim`` and a reset of the
+        kernel's high-water mark) and its peak is reported above the level the
+        step started at. The larger of the two is where the step's peak is: the
+        compiled graphs and their collectives in the first, the optimizer's
+        states and temporaries in the second (``foreach`` AdamW allocates
+        parameter-sized temporaries while every gradient is still alive), so a
+        difference in the step's peak between configurations can be traced to
+        what each runs.
+
+    Note: [Counting collectives]."""
     from torch.profiler import ProfilerActivity, profile
 
     counts = dict.fromkeys(KINDS, 0)

@@ -87,6 +87,14 @@ def _transient(rank: dict) -> int | None:
     return None if peak is None or start is None else peak - start
 
 
+def _phase_peaks(ranks: list[dict]) -> dict[str, int | None] | None:
+    """Per phase the largest rank's peak (Note: [Peak by phase])."""
+    per_rank = [r.get("phase_peak_mem_bytes") for r in ranks]
+    if not all(per_rank):
+        return None
+    return {name: _max_or_none([p.get(name) for p in per_rank]) for name in per_rank[0]}
+
+
 def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> dict[str, Any]:
     """One result row from every rank's raw result of a training configuration.
 
@@ -119,6 +127,7 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
         mem_at_measure_start_bytes=_max_or_none([r["mem_at_measure_start_bytes"] for r in ranks]),
         state_mem_bytes=_max_or_none([r["state_mem_bytes"] for r in ranks]),
         step_transient_mem_bytes=_max_or_none([_transient(r) for r in ranks]),
+        phase_peak_mem_bytes=_phase_peaks(ranks),
         mem_method=ranks[0]["mem_method"],
         # Noise can make the first step of an eager run faster than the median.
         compile_s=max(0.0, first - median),
@@ -301,6 +310,19 @@ def format_table(result: dict) -> str:
                 f"share of the pipeline step outside this rank's stage compute); "
                 f"peak MiB per rank: {mems}"
             )
+    phased = [
+        (row["name"], row["phase_peak_mem_bytes"])
+        for row in result["configs"]
+        if row.get("phase_peak_mem_bytes")
+    ]
+    if phased:
+        lines.append(
+            "peak MiB by phase above the step's start, forward+backward / optimizer: "
+            + ", ".join(
+                f"{name} " + "/".join("-" if v is None else f"{v / _MIB:.1f}" for v in p.values())
+                for name, p in phased
+            )
+        )
     if result.get("bound_s") is not None:
         lines.append(
             f"best any overlap could reach: max(limit, comm-only) = {result['bound_s']:.3f} s"

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from simplefsdp.bench.configs import (
 from simplefsdp.bench.measure import (
     count_collectives,
     fsdp_unit_numels,
+    phase_peaks,
     run_comm_only,
     state_bytes,
     timed,
@@ -108,10 +110,9 @@ def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> li
     return [next(loader) for _ in range(count)]
 
 
-def _train_step(
-    parallel: ParallelModel, optimizer, batch: list[Batch], device: torch.device
-) -> float:
-    """One optimizer step over ``batch``'s accumulation batches (the mean loss)."""
+def _forward_backward(parallel: ParallelModel, batch: list[Batch], device: torch.device) -> float:
+    """Forward and backward of ``batch``'s accumulation batches (the mean loss);
+    gradients are reduced on the last one only."""
     total = 0.0
     for i, (inputs, targets) in enumerate(batch):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
@@ -120,13 +121,11 @@ def _train_step(
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(batch)
             loss.backward()
         total += float(loss.detach().item())
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return total
 
 
-def _pipeline_step(
-    pipe: PipelinedModel, optimizer, batch: list[Batch], device: torch.device
+def _pipeline_forward_backward(
+    pipe: PipelinedModel, batch: list[Batch], device: torch.device
 ) -> float | None:
     total = None
     for i, (inputs, targets) in enumerate(batch):
@@ -135,9 +134,23 @@ def _pipeline_step(
         loss = pipe.step(inputs, targets, scale=1 / len(batch), sync=i == len(batch) - 1)
         if loss is not None:
             total = (total or 0.0) + float(loss.item())
+    return total
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+
+
+def _train_step(
+    forward_backward: Callable[[list[Batch]], float | None],
+    optimizer: torch.optim.Optimizer,
+    batch: list[Batch],
+) -> float | None:
+    """One optimizer step over ``batch``'s accumulation batches (the mean loss)."""
+    loss = forward_backward(batch)
+    _optimizer_step(optimizer)
+    return loss
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -197,10 +210,11 @@ def _run_training(
     )
     if isinstance(parallel, PipelinedModel):
         pipe = parallel
-        step_fn = functools.partial(_pipeline_step, pipe, optimizer, device=device)
+        forward_backward = functools.partial(_pipeline_forward_backward, pipe, device=device)
     else:
         pipe = None
-        step_fn = functools.partial(_train_step, parallel, optimizer, device=device)
+        forward_backward = functools.partial(_forward_backward, parallel, device=device)
+    step_fn = functools.partial(_train_step, forward_backward, optimizer)
     warmup_s, step_s, losses, bubbles = [], [], [], []
     state: int | None = None
     dist.barrier()
@@ -215,6 +229,14 @@ def _run_training(
             if pipe is not None and i >= workload.warmup:
                 bubbles.append(pipe.times.bubble_fraction)
         peak = probe.peak_bytes()
+        # One more step, unmeasured, for where the peak is: Note: [Peak by phase].
+        phases = phase_peaks(
+            probe,
+            {
+                "forward_backward": lambda: forward_backward(batches[-1]),
+                "optimizer": lambda: _optimizer_step(optimizer),
+            },
+        )
         profiled = count_collectives(lambda: step_fn(batch=batches[-1]))
     # With accumulation or a pipeline a step runs compiled graphs a different
     # number of times, and a pipeline reduces outside them (reduce_accumulated):
@@ -228,6 +250,7 @@ def _run_training(
         "losses": losses,
         "peak_mem_bytes": peak,
         "mem_at_measure_start_bytes": probe.start_bytes,
+        "phase_peak_mem_bytes": phases,
         "state_mem_bytes": state,
         "mem_baseline_bytes": probe.baseline_bytes,
         "mem_method": probe.kind + ("" if probe.reset_ok else " (peak reset unavailable)"),
