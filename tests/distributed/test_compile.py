@@ -438,6 +438,61 @@ def test_keep_gathered_buckets_skip_their_backward_all_gather() -> None:
     assert results[0]["kept"]["buckets"] == ["blocks.2", "rest:norm.weight"]  # the last two
 
 
+def _keep_search_body() -> list[dict]:
+    """keep_gathered="auto" decided within a budget (Note: [Keeping what
+    eager FSDP2 would hold]): the numbers of regathering everything."""
+    base = build("blocks")
+    results = []
+    for keep, budget in ((0, None), ("auto", None), ("auto", 1), ("auto", 1 << 40)):
+        model = simplefsdp.data_parallel(copy.deepcopy(base), _mesh("fully_shard"))
+        simplefsdp.compile(
+            model,
+            backend="aot_eager",
+            bucketing="per_block",
+            keep_gathered=keep,
+            memory_budget_bytes=budget,
+        )
+        losses = _train(model, "blocks", 3)
+        report = simplefsdp.comm_report(model)
+        results.append(
+            {
+                "losses": losses,
+                "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
+                "backward_all_gathers": report.graph("backward").count("all_gather"),
+                "kept": report.graph("forward").kept_gathered,
+                "notes": report.graph("forward").notes,
+            }
+        )
+    reference = results[0]
+    for result in results[1:]:
+        for a, b in zip(reference["losses"], result["losses"]):
+            assert torch.equal(a, b)
+        for name, value in reference["params"].items():
+            assert torch.equal(value, result["params"][name]), name
+    return [{k: v for k, v in r.items() if k not in ("losses", "params")} for r in results]
+
+
+def test_keep_search_spends_the_activation_slack_within_the_budget() -> None:
+    reference, default, tight, ample = run_distributed(_keep_search_body, 2)[0]
+    assert reference["backward_all_gathers"] == 4 and not reference["kept"]
+    search = default["kept"]
+    # eager would save more activations than the min-cut partition does
+    assert search["eager_saved_bytes"] > search["compiled_saved_bytes"] > 0
+    assert search["slack_bytes"] == search["eager_saved_bytes"] - search["compiled_saved_bytes"]
+    assert 0 <= search["spent_bytes"] <= search["slack_bytes"]
+    kept = len(search["buckets"])
+    assert kept >= 2 and search["free"] == 2 and search["candidate_buckets"] == 5
+    assert default["backward_all_gathers"] == 4 - min(kept, 4)  # the embedding is never regathered
+    assert any(n.startswith("keep search: kept the last") for n in default["notes"])
+    # a budget below what the graph needs anyway leaves only the free buckets
+    assert tight["kept"]["buckets"] == ["blocks.2", "rest:norm.weight"]
+    assert tight["kept"]["spent_bytes"] == 0 and tight["kept"]["slack_bytes"] < 0
+    assert tight["backward_all_gathers"] == 2
+    # a budget with room for everything keeps every bucket: no regather at all
+    assert len(ample["kept"]["buckets"]) == 5 and ample["backward_all_gathers"] == 0
+    assert ample["kept"]["spent_bytes"] == ample["kept"]["bytes"] - tight["kept"]["bytes"]
+
+
 def test_keep_gathered_rejects_bad_values() -> None:
     from simplefsdp.compiler.backend import CompileOptions
 

@@ -11,6 +11,7 @@ from simplefsdp.compiler.auto_bucketing import (
     greedy_buckets,
     pipeline_time_s,
     prefetch_extra_bytes,
+    step_extra_bytes,
     to_plan,
 )
 from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops, simulate
@@ -94,7 +95,7 @@ def test_no_overlap_merges_what_overlap_would_keep_apart() -> None:
 def test_tighter_budget_gives_smaller_buckets() -> None:
     units = _units([1] * 8, compute_s=0.0)
     sizes = []
-    for budget_mib in (None, 12, 6, 3):
+    for budget_mib in (None, 16, 8, 4):
         buckets = greedy_buckets(
             units,
             _model(),
@@ -105,14 +106,16 @@ def test_tighter_budget_gives_smaller_buckets() -> None:
         largest = max(sum(u.gathered_bytes for u in b) for b in buckets)
         sizes.append(largest)
         if budget_mib is not None:
-            assert prefetch_extra_bytes(buckets) <= budget_mib * MiB
+            assert step_extra_bytes(buckets) <= budget_mib * MiB
+            assert prefetch_extra_bytes(buckets) <= step_extra_bytes(buckets)
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
     assert sizes[-1] == 1 * MiB
 
 
 def test_budget_below_minimum_names_the_minimum() -> None:
     units = _units([1, 2, 1], compute_s=0.0)
-    minimum = 100 + 2 * 2 * MiB + 1 * MiB  # base + worst 2 * B_i + B_{i+1} of singles
+    # base + worst of singles: 3 * B_i + B_{i-1} in backward (3 * 2 + 1 MiB)
+    minimum = 100 + 3 * 2 * MiB + 1 * MiB
     with pytest.raises(ValueError, match=f"unavoidable minimum of {minimum} bytes"):
         greedy_buckets(
             units,
@@ -166,3 +169,17 @@ def test_comm_overlap_from_timings_and_old_cost_model_files() -> None:
     assert data["comm_overlap"] == 1.0
     del data["comm_overlap"]  # a cache file written before it was measured
     assert CostModel.from_dict(data).comm_overlap == 1.0
+
+
+def test_keep_choice_spends_the_slack_on_the_last_buckets() -> None:
+    from simplefsdp.compiler.keep_plan import choose_kept
+
+    sizes = [5, 1, 2, 3, 4]  # forward order; the last 2 are free
+    assert choose_kept(sizes, free=2, slack_bytes=0) == (2, 0)
+    assert choose_kept(sizes, free=2, slack_bytes=2) == (3, 2)
+    # the next one back (1) would fit, but buckets are kept from the end only
+    assert choose_kept(sizes, free=2, slack_bytes=2.5) == (3, 2)
+    assert choose_kept(sizes, free=2, slack_bytes=3) == (4, 3)
+    assert choose_kept(sizes, free=2, slack_bytes=100) == (5, 8)
+    assert choose_kept(sizes, free=2, slack_bytes=-5) == (2, 0)
+    assert choose_kept([7], free=2, slack_bytes=0) == (1, 0)

@@ -18,8 +18,12 @@ Note: [Greedy auto-wrapping]
     the grown bucket prefetched stays within the budget: the unbucketed
     graph's peak plus, for
     the worst adjacent pair, the gathered bucket, its copy-out buffer and the
-    prefetched next bucket (2 * B_i + B_{i+1}); a bucket stops growing while
-    the largest single parameter could still follow it. The plan is plain data
+    prefetched next bucket (2 * B_i + B_{i+1}) in forward, and in backward
+    the regathered bucket, its full gradients, the reduce-scatter's input and
+    the prefetched bucket before it (3 * B_i + B_{i-1}: backward holds more
+    per bucket than forward, when almost every saved activation is still
+    alive); a bucket stops growing while the largest single parameter could
+    still follow it. The plan is plain data
     (parameter FQNs per bucket), computed alike on every rank (Note:
     [Identical plans without compile-time collectives]).
 
@@ -157,7 +161,24 @@ def _fixed_s(units: Sequence[GatherUnit]) -> float:
 
 def prefetch_extra_bytes(buckets: Sequence[Sequence[GatherUnit]]) -> int:
     """Memory beyond the unbucketed graph: worst 2 * B_i + B_{i+1}."""
-    sizes = [sum(u.gathered_bytes for u in b) for b in buckets]
+    return _prefetch_extra([sum(u.gathered_bytes for u in b) for b in buckets])
+
+
+def step_extra_bytes(buckets: Sequence[Sequence[GatherUnit]]) -> int:
+    """Memory beyond the unbucketed graph over forward and backward (Note:
+    [Greedy auto-wrapping]): worst of 2 * B_i + B_{i+1} and 3 * B_i + B_{i-1}."""
+    return _step_extra([sum(u.gathered_bytes for u in b) for b in buckets])
+
+
+def _step_extra(sizes: Sequence[int]) -> int:
+    if not sizes:
+        return 0
+    forward = _prefetch_extra(sizes)
+    backward = max(3 * s + (sizes[i - 1] if i > 0 else 0) for i, s in enumerate(sizes))
+    return max(forward, backward)
+
+
+def _prefetch_extra(sizes: Sequence[int]) -> int:
     if not sizes:
         return 0
     return max(2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i, s in enumerate(sizes))
@@ -178,19 +199,20 @@ def greedy_buckets(
             per bucket); the message names that minimum.
     """
     singles = [[u] for u in units]
-    minimum = base_peak_bytes + prefetch_extra_bytes(singles)
+    minimum = base_peak_bytes + step_extra_bytes(singles)
     if memory_budget_bytes is not None and memory_budget_bytes < minimum:
         raise ValueError(
             f"memory_budget_bytes={memory_budget_bytes} is below the unavoidable minimum of "
             f"{minimum} bytes (the graph's own peak plus prefetching one parameter at a time)"
         )
-    # Memory: the plan so far must satisfy 2 * B_i + B_{i+1} <= headroom, and a
-    # bucket may grow only while any single next parameter still fits after it.
+    # Memory: the plan so far must satisfy 2 * B_i + B_{i+1} <= headroom in
+    # forward and 3 * B_i + B_{i-1} in backward, and a bucket may grow only
+    # while any single next parameter still fits after it.
     headroom = (
         float("inf") if memory_budget_bytes is None else memory_budget_bytes - base_peak_bytes
     )
     largest_unit = max((u.gathered_bytes for u in units), default=0)
-    max_bucket_bytes = (headroom - largest_unit) / 2
+    max_bucket_bytes = (headroom - largest_unit) / 3
     buckets: list[list[GatherUnit]] = []
     current: list[GatherUnit] = []
     # Carried across units rather than recomputed from every closed bucket:
@@ -206,9 +228,9 @@ def greedy_buckets(
         split = closed.then(current, cost_model, reshard_after_forward).then(
             [unit], cost_model, reshard_after_forward
         )
-        worst = max(closed_worst, 2 * grown_bytes)
+        worst = max(closed_worst, 3 * grown_bytes)
         if last_bytes is not None:
-            worst = max(worst, 2 * last_bytes + grown_bytes)
+            worst = max(worst, 2 * last_bytes + grown_bytes, 3 * grown_bytes + last_bytes)
         fits = grown_bytes <= max_bucket_bytes and worst <= headroom
         if merged.compute_end <= split.compute_end and fits:
             current.append(unit)
@@ -216,8 +238,11 @@ def greedy_buckets(
         else:
             buckets.append(current)
             closed = closed.then(current, cost_model, reshard_after_forward)
+            closed_worst = max(closed_worst, 3 * current_bytes)
             if last_bytes is not None:
-                closed_worst = max(closed_worst, 2 * last_bytes + current_bytes)
+                closed_worst = max(
+                    closed_worst, 2 * last_bytes + current_bytes, 3 * current_bytes + last_bytes
+                )
             last_bytes = current_bytes
             current, current_bytes = [unit], unit.gathered_bytes
     if current:
@@ -298,6 +323,33 @@ class AutoPlan:
     sites: list[CollectiveSite]
 
 
+def reference_extra_bytes(reference_plan: BucketPlan, gathered: dict[str, int]) -> int:
+    """Bucket memory (``step_extra_bytes``) of ``reference_plan``'s buckets,
+    with ``gathered``: parameter FQN -> gathered bytes in the graph."""
+    sizes = [sum(gathered.get(f, 0) for f in b.param_fqns) for b in reference_plan.buckets]
+    return _step_extra([s for s in sizes if s])
+
+
+def forward_memory_terms(
+    gm: fx.GraphModule,
+    primal_names: dict[str, str],
+    reference_plan: BucketPlan,
+    groups: CollectiveGroups = ALL_DATA_PARALLEL,
+) -> tuple[int, int]:
+    """``(unbucketed peak, reference_plan's prefetch memory)`` of a forward
+    graph, in the planner's terms (padding of uneven shards left out)."""
+    sites = find_sites(gm.graph, primal_names, {}, groups)
+    gathered: dict[str, int] = {}
+    for site in sites:
+        if site.kind == "all_gather" and site.fqn:
+            gathered.setdefault(site.fqn, site.bytes)
+    padding = {
+        n for site in sites if site.kind == "all_gather" for n in path_from_placeholder(site.input)
+    }
+    peak = estimate_memory(gm, ignore=padding).peak_bytes
+    return peak, reference_extra_bytes(reference_plan, gathered)
+
+
 def plan_forward_graph(
     gm: fx.GraphModule,
     primal_names: dict[str, str],
@@ -308,13 +360,16 @@ def plan_forward_graph(
     memory_budget_bytes: int | None,
     reference_plan: BucketPlan | None,
     groups: CollectiveGroups = ALL_DATA_PARALLEL,
+    default_budget_bytes: int | None = None,
 ) -> AutoPlan:
     """Plan buckets for one Dynamo graph from its (unbucketed) forward graph.
 
-    ``reference_plan`` (per block) sets the default budget: no more predicted
-    memory than per-block wrapping needs. ``groups``: which collectives are
-    data parallel (planned); the others are fixed communication (Note:
-    [Planning around tensor-parallel collectives]).
+    Without ``memory_budget_bytes`` the budget is ``default_budget_bytes``
+    when given (Note: [Keeping what eager FSDP2 would hold]), else what
+    ``reference_plan`` (per block) needs: no more predicted memory than
+    per-block wrapping. ``groups``: which collectives are data parallel
+    (planned); the others are fixed communication (Note: [Planning around
+    tensor-parallel collectives]).
     """
     start = time.perf_counter()
     sites = find_sites(gm.graph, primal_names, {}, groups)
@@ -324,17 +379,14 @@ def plan_forward_graph(
     padding = {
         n for site in sites if site.kind == "all_gather" for n in path_from_placeholder(site.input)
     }
-    base = estimate_memory(gm, ignore=padding)
-    base_peak = base.peak_bytes
+    base_peak = estimate_memory(gm, ignore=padding).peak_bytes
     budget = memory_budget_bytes
     default_budget = None
-    if budget is None and reference_plan is not None:
-        by_fqn = {u.fqn: u for u in units}
-        reference = [
-            [by_fqn[f] for f in b.param_fqns if f in by_fqn] for b in reference_plan.buckets
-        ]
-        default_budget = base_peak + prefetch_extra_bytes([b for b in reference if b])
-        budget = default_budget
+    if budget is None and default_budget_bytes is not None:
+        default_budget = budget = default_budget_bytes
+    elif budget is None and reference_plan is not None:
+        gathered = {u.fqn: u.gathered_bytes for u in units}
+        default_budget = budget = base_peak + reference_extra_bytes(reference_plan, gathered)
     buckets = greedy_buckets(
         units,
         cost_model,
@@ -357,7 +409,14 @@ def plan_forward_graph(
         f"auto plan: {data['num_units']} all-gathers -> {data['num_buckets']} buckets in "
         f"{1000 * planning_s:.1f} ms; memory budget "
         + (
-            f"{budget} bytes" + (" (default: per-block plan's peak)" if default_budget else "")
+            f"{budget} bytes"
+            + (
+                ""
+                if not default_budget
+                else " (default: what eager FSDP2 would hold)"
+                if default_budget_bytes is not None
+                else " (default: per-block plan's peak)"
+            )
             if budget is not None
             else "none"
         )

@@ -37,10 +37,22 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from simplefsdp.bucket_plan import BucketPlan, resolve_plan
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
+from simplefsdp.compiler.keep_plan import (
+    choose_kept,
+    compiled_saved_bytes,
+    copy_joint,
+    eager_saved_bytes,
+    gather_chain_names,
+)
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
-from simplefsdp.compiler.passes.reshard import drop_unused_gathers, kept_buckets, mark_reshard
+from simplefsdp.compiler.passes.reshard import (
+    drop_unused_gathers,
+    gathered_bucket_bytes,
+    kept_buckets,
+    mark_reshard,
+)
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import (
@@ -289,8 +301,95 @@ class _GraphCompilation:
         # What the joint pass kept gathered (keep_gathered), for the forward report.
         self.kept_gathered: dict = {}
         self.plan_notes_joint: list[str] = []
+        # The default budget found by the keep search (Note: [Keeping what
+        # eager FSDP2 would hold]), for the forward graph's auto plan.
+        self.default_budget_bytes: int | None = None
+        self.keep_search: dict = {}
 
-    def joint_pass(self, graph: fx.Graph) -> None:
+    def searches_keep(self) -> bool:
+        """Whether ``keep_gathered="auto"`` is decided by the budgeted search
+        of Note: [Keeping what eager FSDP2 would hold]."""
+        options = self.backend.options
+        return (
+            options.resolved_keep_gathered() == "auto"
+            and options.reshard_after_forward is True
+            and not self.backend.partial_groups
+            and self.backend.plan() is not None
+        )
+
+    def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        """Tag ``joint`` (Note: [Resharding by recompute tags]), deciding first
+        what to keep gathered when ``searches_keep()``, then partition it."""
+        keep = None
+        if self.searches_keep():
+            keep = self._search_keep(joint, joint_inputs, kwargs)
+        self.joint_pass(joint.graph, keep_count=keep)
+        joint.recompile()
+        return partition(joint, joint_inputs, **kwargs)
+
+    def _search_keep(self, joint: fx.GraphModule, joint_inputs, kwargs: dict) -> int:
+        """How many of the last buckets to keep (Note: [Keeping what eager
+        FSDP2 would hold]); sets ``default_budget_bytes``."""
+        from simplefsdp.compiler.auto_bucketing import forward_memory_terms
+
+        free = self._free_keep_count()
+        eager_saved = eager_saved_bytes(joint.graph)
+        trial = copy_joint(joint)
+        self.joint_pass(trial.graph, keep_count=free, record=False)
+        trial.recompile()
+        fw, bw = partition(trial, joint_inputs, **dict(kwargs))
+        compiled_saved = compiled_saved_bytes(bw, gather_chain_names(trial.graph))
+        plan = self.backend.plan()
+        peak, extra = forward_memory_terms(fw, self.primal_names, plan, self.backend.groups)
+        budget = self.backend.options.memory_budget_bytes
+        if budget is None:
+            budget = peak + extra + max(eager_saved - compiled_saved, 0)
+            self.default_budget_bytes = budget
+        index, bucket_of = self._bucket_lookup()
+        sizes = gathered_bucket_bytes(joint.graph, bucket_of, self.primal_names.get)
+        slack = budget - (peak + extra)
+        count, spent = choose_kept(sizes, free, slack)
+        self.keep_search = {
+            "eager_saved_bytes": eager_saved,
+            "compiled_saved_bytes": compiled_saved,
+            "slack_bytes": slack,
+            "spent_bytes": spent,
+            "free": min(free, len(sizes)),
+            "candidate_buckets": len(sizes),
+        }
+        self.plan_notes_joint.append(
+            f"keep search: kept the last {count} of {len(sizes)} buckets ({min(free, len(sizes))} "
+            f"gathered at the boundary anyway, {_fmt_bytes(spent)} spent of "
+            f"{_fmt_bytes(max(slack, 0))} slack; eager would save {_fmt_bytes(eager_saved)} "
+            f"of activations, this graph saves {_fmt_bytes(compiled_saved)})"
+        )
+        return count
+
+    def _free_keep_count(self) -> int:
+        """The buckets gathered at the forward/backward boundary anyway."""
+        options = self.backend.options
+        return options.prefetch_distance + 1 if options.reorder else 1
+
+    def _bucket_lookup(self):
+        plan = self.backend.plan()
+        index = plan.bucket_index() if plan is not None else {}
+        singles: dict[str, int] = {}
+
+        def bucket_of(fqn: str) -> tuple[int, str] | None:
+            if fqn in index:
+                return index[fqn], plan.buckets[index[fqn]].name  # type: ignore[union-attr]
+            return len(index) + singles.setdefault(fqn, len(singles)), fqn
+
+        return index, bucket_of
+
+    def joint_pass(
+        self, graph: fx.Graph, keep_count: int | None = None, record: bool = True
+    ) -> None:
+        """Tag (and for partial resharding rewrite) ``graph``'s gather chains.
+
+        ``keep_count``: keep the last N buckets instead of what
+        ``keep_gathered`` says; ``record``: add the report's notes (not for
+        a trial partition's copy)."""
         primals = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
         if len(primals) != len(self.fqns):
             logger.debug(
@@ -301,11 +400,14 @@ class _GraphCompilation:
             )
         options = self.backend.options
         keep: set[str] = set()
-        if options.reshard_after_forward and options.resolved_keep_gathered() not in (None, 0):
-            keep = self._kept(graph, options)
+        wanted = options.resolved_keep_gathered() if keep_count is None else keep_count
+        if options.reshard_after_forward and wanted not in (None, 0):
+            keep = self._kept(graph, options, wanted, record)
         done = mark_reshard(
             graph, bool(options.reshard_after_forward), keep, self.backend.partial_groups
         )
+        if not record:
+            return
         for piece, primal in done.pieces.items():  # names the backward's regathers
             if primal in self.primal_names:
                 self.primal_names[piece] = self.primal_names[primal]
@@ -321,23 +423,16 @@ class _GraphCompilation:
                 )  # fmt: skip
             )
 
-    def _kept(self, graph: fx.Graph, options: CompileOptions) -> set[str]:
+    def _kept(self, graph: fx.Graph, options: CompileOptions, keep: Any, record: bool) -> set[str]:
         """The shards kept gathered (Note: [Keeping gathered parameters]),
         with a note for the forward graph's report."""
-        plan = self.backend.plan()
-        index = plan.bucket_index() if plan is not None else {}
-        singles: dict[str, int] = {}
-
-        def bucket_of(fqn: str) -> tuple[int, str] | None:
-            if fqn in index:
-                return index[fqn], plan.buckets[index[fqn]].name  # type: ignore[union-attr]
-            return len(index) + singles.setdefault(fqn, len(singles)), fqn
-
-        keep = options.resolved_keep_gathered()
+        _, bucket_of = self._bucket_lookup()
         if keep == "auto":  # the buckets gathered at the forward/backward boundary anyway
-            keep = options.prefetch_distance + 1 if options.reorder else 1
+            keep = self._free_keep_count()
         kept, names, nbytes = kept_buckets(graph, bucket_of, keep, self.primal_names.get)
-        self.kept_gathered = {"buckets": names, "bytes": nbytes}
+        if not record:
+            return kept
+        self.kept_gathered = {"buckets": names, "bytes": nbytes, **self.keep_search}
         if names:
             self.plan_notes_joint.append(
                 f"kept gathered for backward (not resharded): {', '.join(names)} "
@@ -361,6 +456,7 @@ class _GraphCompilation:
             memory_budget_bytes=options.memory_budget_bytes,
             reference_plan=self.backend.plan(),
             groups=self.backend.groups,
+            default_budget_bytes=self.default_budget_bytes,
         )
         self.plan, self.plan_notes, self.planned_sites = auto.plan, auto.notes, auto.sites
         if not any(b.origin == "auto" for b in self.plan.buckets):
@@ -517,9 +613,7 @@ class SimpleFSDPBackend:
 
 
 def _partition(compilation: _GraphCompilation, joint: fx.GraphModule, joint_inputs, **kwargs):
-    compilation.joint_pass(joint.graph)
-    joint.recompile()
-    return partition(joint, joint_inputs, **kwargs)
+    return compilation.partition(joint, joint_inputs, **kwargs)
 
 
 def _eager_compiler(compilation: _GraphCompilation, graph_name: str, gm, example_inputs):
@@ -564,8 +658,6 @@ def _compile_inductor(gm, example_inputs, compilation: _GraphCompilation):
         return compiled
 
     config_patches = {
-        # Our tags must be applied to the joint graph right before partitioning.
-        "joint_custom_post_pass": compilation.joint_pass,
         # Not before our passes: a graph is cached only once they have run
         # (Note: [Inductor's cache for processed graphs]).
         "fx_graph_cache": False,
@@ -574,9 +666,14 @@ def _compile_inductor(gm, example_inputs, compilation: _GraphCompilation):
         # memory-bounded (Note: [Reordering rules]).
         "reorder_for_peak_memory": False,
     }
-    partitioner = inductor_partitioner()
-    if partitioner is not None:  # see Note: [RNG states saved next to opaque objects]
+    # Our tags must be applied to the joint graph right before partitioning:
+    # by our partitioner (which may search what to keep gathered first), or
+    # where this torch has no partitioner hook, by Inductor's last joint pass.
+    partitioner = inductor_partitioner(compilation.partition)
+    if partitioner is not None:  # also Note: [RNG states saved next to opaque objects]
         config_patches["custom_partitioner_fn"] = partitioner
+    else:
+        config_patches["joint_custom_post_pass"] = compilation.joint_pass
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(
             gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches

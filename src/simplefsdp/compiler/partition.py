@@ -127,9 +127,9 @@ def partition(joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphMo
     return fw, bw
 
 
-def inductor_partitioner() -> Any | None:
-    """An Inductor ``custom_partitioner_fn`` running :func:`partition`, or
-    ``None`` where this torch has no such hook."""
+def inductor_partitioner(partition_fn: Any = None) -> Any | None:
+    """An Inductor ``custom_partitioner_fn`` running ``partition_fn``
+    (default :func:`partition`), or ``None`` where this torch has no such hook."""
     try:
         from torch._inductor.custom_graph_pass import CustomPartitionerFn
     except ImportError:
@@ -139,7 +139,7 @@ def inductor_partitioner() -> Any | None:
 
     class _Partitioner(CustomPartitionerFn):
         def __call__(self, gm, joint_inputs, **kwargs):
-            return partition(gm, joint_inputs, **kwargs)
+            return (partition_fn or partition)(gm, joint_inputs, **kwargs)
 
         def uuid(self) -> None:  # never serve cached graphs partitioned without us
             return None

@@ -267,20 +267,7 @@ def kept_buckets(
         ``(placeholder names, kept bucket names in forward order, gathered
         bytes of the kept buckets)``.
     """
-    chains = find_gather_chains(graph)
-    order: list[int] = []  # buckets by their first all-gather (forward order)
-    names: dict[int, str] = {}
-    members: dict[int, list[GatherChain]] = {}
-    for chain in chains:
-        fqn = fqn_of(chain.placeholder.name)
-        bucket = bucket_of(fqn) if fqn is not None else None
-        if bucket is None:
-            continue
-        index, name = bucket
-        if index not in members:
-            order.append(index)
-            names[index] = name
-        members.setdefault(index, []).append(chain)
+    order, names, members = _buckets_in_forward_order(graph, bucket_of, fqn_of)
     if isinstance(keep_gathered, int):
         chosen = order[len(order) - keep_gathered :] if keep_gathered > 0 else []
     else:
@@ -294,6 +281,39 @@ def kept_buckets(
     kept = {c.placeholder.name for i in chosen for c in members[i]}
     nbytes = sum(_gathered_bytes(c.wait) for i in chosen for c in members[i])
     return kept, [names[i] for i in chosen], nbytes
+
+
+def _buckets_in_forward_order(
+    graph: fx.Graph,
+    bucket_of: Callable[[str], tuple[int, str] | None],
+    fqn_of: Callable[[str], str | None],
+) -> tuple[list[int], dict[int, str], dict[int, list[GatherChain]]]:
+    """Bucket indices by their first all-gather, their names and chains."""
+    order: list[int] = []
+    names: dict[int, str] = {}
+    members: dict[int, list[GatherChain]] = {}
+    for chain in find_gather_chains(graph):
+        fqn = fqn_of(chain.placeholder.name)
+        bucket = bucket_of(fqn) if fqn is not None else None
+        if bucket is None:
+            continue
+        index, name = bucket
+        if index not in members:
+            order.append(index)
+            names[index] = name
+        members.setdefault(index, []).append(chain)
+    return order, names, members
+
+
+def gathered_bucket_bytes(
+    graph: fx.Graph,
+    bucket_of: Callable[[str], tuple[int, str] | None],
+    fqn_of: Callable[[str], str | None],
+) -> list[int]:
+    """Gathered bytes of each bucket read in ``graph``, in forward order (the
+    order :func:`kept_buckets` counts an int ``keep_gathered`` in)."""
+    order, _, members = _buckets_in_forward_order(graph, bucket_of, fqn_of)
+    return [sum(_gathered_bytes(c.wait) for c in members[i]) for i in order]
 
 
 def _gathered_bytes(node: fx.Node) -> int:
