@@ -100,6 +100,10 @@ class Case:
     # round-off, which AdamW normalises into steps of about lr either way.
     roundoff_entries: tuple[tuple[str, slice], ...] = ()
     unused: tuple[str, ...] = ()  # parameters forward never reads
+    # Absolute tolerance of the final parameter comparison, where gradients
+    # are so small that AdamW (eps 1e-8) turns their round-off into a
+    # visible part of a step (default ATOL).
+    param_atol: float | None = None
 
 
 def _import_torch_testing(module: str):
@@ -240,7 +244,15 @@ CASES: dict[str, Case] = {
         _seeded(lambda: _fsdp().MLP(8, with_buffer=True)), _rand(8), _square_mean
     ),
     "MLPStack": Case(
-        _seeded(lambda: _fsdp().MLPStack(8, with_seq_parallel=True)), _rand(3, 8), _square_mean
+        _seeded(lambda: _fsdp().MLPStack(8, with_seq_parallel=True)),
+        _rand(3, 8),
+        _square_mean,
+        # Behind the final LayerNorm the first MLP's gradients are at most
+        # about 1e-5 and some entries about 5e-8, near AdamW's eps, where the
+        # round-off of LayerNorm backward's cancellations (compiled graph
+        # against eager, both fp32) moved one entry of 0.in_proj.weight by
+        # 1.9e-5 in 3 steps of lr 1e-2 on an AVX-512 CPU: 1e-4 is 1% of a step.
+        param_atol=1e-4,
     ),
     "DoubleLinear": Case(_seeded(lambda: _fsdp().DoubleLinear(8)), _rand(8), _square_mean),
     "DoubleLinear(unused lin2)": Case(
@@ -352,8 +364,9 @@ def _check(case: Case, initial: nn.Module, reference, mode: str, executor: str) 
             if fqn.endswith(suffix):
                 full, expected = full.clone(), expected.clone()
                 full[entries] = expected[entries] = 0.0
+        atol = ATOL if case.param_atol is None else case.param_atol
         torch.testing.assert_close(
-            full, expected, rtol=RTOL, atol=ATOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}"
+            full, expected, rtol=RTOL, atol=atol, msg=lambda m, fqn=fqn: f"{fqn}: {m}"
         )
 
 

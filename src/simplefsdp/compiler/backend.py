@@ -26,7 +26,6 @@ import logging
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,22 +36,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from simplefsdp.bucket_plan import BucketPlan, resolve_plan
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
-from simplefsdp.compiler.keep_plan import (
-    choose_kept,
-    compiled_saved_bytes,
-    copy_joint,
-    eager_saved_bytes,
-    gather_chain_names,
-)
+from simplefsdp.compiler.keep_plan import bucket_lookup, free_keep_count, search_keep
 from simplefsdp.compiler.memory_estimate import estimate_memory
+from simplefsdp.compiler.options import CompileOptions
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
-from simplefsdp.compiler.passes.reshard import (
-    drop_unused_gathers,
-    gathered_bucket_bytes,
-    kept_buckets,
-    mark_reshard,
-)
+from simplefsdp.compiler.passes.reshard import drop_unused_gathers, kept_buckets, mark_reshard
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import (
@@ -66,87 +55,7 @@ from simplefsdp.compiler.report import (
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("inductor", "aot_eager")
 LOG_ENV_VAR = "SIMPLEFSDP_LOG"
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """Options of ``simplefsdp.compile`` / ``compile_backend`` (validated)."""
-
-    backend: str = "inductor"
-    bucketing: Any = "auto"
-    reorder: bool = True
-    memory_budget_bytes: int | None = None
-    reshard_after_forward: bool | int = True
-    prefetch_distance: int = 1
-    # Buckets kept gathered for backward (Note: [Keeping gathered parameters]).
-    keep_gathered: Any = None
-    # Injected cost model (tests, reproducible plans); None: calibrate on first use.
-    cost_model: Any = None
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
-        if not isinstance(self.reorder, bool):
-            raise TypeError(f"reorder must be a bool, got {self.reorder!r}")
-        rf = self.reshard_after_forward
-        if not isinstance(rf, int) or (not isinstance(rf, bool) and rf < 2):
-            raise TypeError(
-                f"reshard_after_forward must be a bool or an int >= 2 (the group size to "
-                f"reshard to), got {rf!r}"
-            )
-        keep = self.keep_gathered
-        valid_keep = (
-            keep is None
-            or keep == "auto"
-            or (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 0)
-            or (isinstance(keep, (list, tuple)) and all(isinstance(k, str) and k for k in keep))
-        )
-        if not valid_keep:
-            raise ValueError(
-                f"keep_gathered must be None, 'auto', an int >= 0 or a list of module/parameter "
-                f"FQNs, got {keep!r}"
-            )
-        budget = self.memory_budget_bytes
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
-        ):
-            raise ValueError(f"memory_budget_bytes must be a positive int or None, got {budget!r}")
-        if (
-            isinstance(self.prefetch_distance, bool)
-            or not isinstance(self.prefetch_distance, int)
-            or self.prefetch_distance < 0
-        ):
-            raise ValueError(
-                f"prefetch_distance must be an int >= 0, got {self.prefetch_distance!r}"
-            )
-
-    def resolved_keep_gathered(self) -> Any:
-        """``keep_gathered`` with its default applied: ``"auto"`` for
-        ``bucketing="auto"`` (the planner's choice), else keep nothing."""
-        if self.keep_gathered is None:
-            return "auto" if isinstance(self.bucketing, str) and self.bucketing == "auto" else 0
-        return self.keep_gathered
-
-    def describe(self) -> dict:
-        bucketing = self.bucketing
-        if not isinstance(bucketing, (str, list, tuple)):
-            bucketing = getattr(bucketing, "__name__", repr(bucketing))
-        return {
-            "backend": self.backend,
-            "bucketing": bucketing,
-            "reorder": self.reorder,
-            "memory_budget_bytes": self.memory_budget_bytes,
-            "reshard_after_forward": self.reshard_after_forward,
-            "prefetch_distance": self.prefetch_distance,
-            "keep_gathered": (
-                list(keep)
-                if isinstance(keep := self.resolved_keep_gathered(), (list, tuple))
-                else keep
-            ),
-            "cost_model": "injected" if self.cost_model is not None else "calibrated",
-        }
 
 
 def _fqn_from_source(source_name: str) -> str | None:
@@ -328,59 +237,29 @@ class _GraphCompilation:
         return partition(joint, joint_inputs, **kwargs)
 
     def _search_keep(self, joint: fx.GraphModule, joint_inputs, kwargs: dict) -> int:
-        """How many of the last buckets to keep (Note: [Keeping what eager
-        FSDP2 would hold]); sets ``default_budget_bytes``."""
-        from simplefsdp.compiler.auto_bucketing import forward_memory_terms
+        """How many of the last buckets to keep; sets ``default_budget_bytes``."""
 
-        free = self._free_keep_count()
-        eager_saved = eager_saved_bytes(joint.graph)
-        trial = copy_joint(joint)
-        self.joint_pass(trial.graph, keep_count=free, record=False)
-        trial.recompile()
-        fw, bw = partition(trial, joint_inputs, **dict(kwargs))
-        compiled_saved = compiled_saved_bytes(bw, gather_chain_names(trial.graph))
-        plan = self.backend.plan()
-        peak, extra = forward_memory_terms(fw, self.primal_names, plan, self.backend.groups)
-        budget = self.backend.options.memory_budget_bytes
-        if budget is None:
-            budget = peak + extra + max(eager_saved - compiled_saved, 0)
-            self.default_budget_bytes = budget
-        index, bucket_of = self._bucket_lookup()
-        sizes = gathered_bucket_bytes(joint.graph, bucket_of, self.primal_names.get)
-        slack = budget - (peak + extra)
-        count, spent = choose_kept(sizes, free, slack)
-        self.keep_search = {
-            "eager_saved_bytes": eager_saved,
-            "compiled_saved_bytes": compiled_saved,
-            "slack_bytes": slack,
-            "spent_bytes": spent,
-            "free": min(free, len(sizes)),
-            "candidate_buckets": len(sizes),
-        }
-        self.plan_notes_joint.append(
-            f"keep search: kept the last {count} of {len(sizes)} buckets ({min(free, len(sizes))} "
-            f"gathered at the boundary anyway, {_fmt_bytes(spent)} spent of "
-            f"{_fmt_bytes(max(slack, 0))} slack; eager would save {_fmt_bytes(eager_saved)} "
-            f"of activations, this graph saves {_fmt_bytes(compiled_saved)})"
+        def trial_partition(trial: fx.GraphModule, free: int):
+            self.joint_pass(trial.graph, keep_count=free, record=False)
+            trial.recompile()
+            return partition(trial, joint_inputs, **dict(kwargs))
+
+        options, plan = self.backend.options, self.backend.plan()
+        search = search_keep(
+            joint,
+            trial_partition,
+            free=free_keep_count(options.prefetch_distance, options.reorder),
+            plan=plan,
+            bucket_of=bucket_lookup(plan),
+            primal_names=self.primal_names,
+            groups=self.backend.groups,
+            memory_budget_bytes=options.memory_budget_bytes,
         )
-        return count
-
-    def _free_keep_count(self) -> int:
-        """The buckets gathered at the forward/backward boundary anyway."""
-        options = self.backend.options
-        return options.prefetch_distance + 1 if options.reorder else 1
-
-    def _bucket_lookup(self):
-        plan = self.backend.plan()
-        index = plan.bucket_index() if plan is not None else {}
-        singles: dict[str, int] = {}
-
-        def bucket_of(fqn: str) -> tuple[int, str] | None:
-            if fqn in index:
-                return index[fqn], plan.buckets[index[fqn]].name  # type: ignore[union-attr]
-            return len(index) + singles.setdefault(fqn, len(singles)), fqn
-
-        return index, bucket_of
+        if options.memory_budget_bytes is None:
+            self.default_budget_bytes = search.budget_bytes
+        self.keep_search = search.to_dict()
+        self.plan_notes_joint.append(search.note())
+        return search.count
 
     def joint_pass(
         self, graph: fx.Graph, keep_count: int | None = None, record: bool = True
@@ -426,9 +305,9 @@ class _GraphCompilation:
     def _kept(self, graph: fx.Graph, options: CompileOptions, keep: Any, record: bool) -> set[str]:
         """The shards kept gathered (Note: [Keeping gathered parameters]),
         with a note for the forward graph's report."""
-        _, bucket_of = self._bucket_lookup()
+        bucket_of = bucket_lookup(self.backend.plan())
         if keep == "auto":  # the buckets gathered at the forward/backward boundary anyway
-            keep = self._free_keep_count()
+            keep = free_keep_count(options.prefetch_distance, options.reorder)
         kept, names, nbytes = kept_buckets(graph, bucket_of, keep, self.primal_names.get)
         if not record:
             return kept

@@ -90,14 +90,19 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
             lists of module FQNs, a module class, or a predicate
             ``(fqn, module) -> bool`` (see ``simplefsdp.bucket_plan``).
         reorder: prefetch all-gathers and delay waits to overlap compute.
-        memory_budget_bytes: peak-memory budget (bytes) for the auto planner;
-            ``None``: no more predicted memory than the per-block plan.
+        memory_budget_bytes: peak-memory budget (bytes) for the auto planner
+            and for ``keep_gathered="auto"``; ``None``: what eager FSDP2 would
+            hold, i.e. the per-block plan's predicted peak plus the
+            activations eager autograd saves beyond what the compiled graph
+            saves (Note: [Keeping what eager FSDP2 would hold]).
         prefetch_distance: how many buckets ahead all-gathers are issued.
         keep_gathered: with ``reshard_after_forward=True``, buckets whose
             gathered parameters are kept for backward instead of regathered:
-            ``"auto"`` (the last ``prefetch_distance + 1`` buckets of the
-            forward, which are gathered at the forward/backward boundary
-            anyway: no higher memory there), an int N (the last N buckets;
+            ``"auto"`` (the planner's choice: the last ``prefetch_distance +
+            1`` buckets of the forward, gathered at the forward/backward
+            boundary anyway, plus the buckets before them that fit in the
+            memory budget's slack; with ``reshard_after_forward=N`` only the
+            former), an int N (the last N buckets;
             0: none) or a list of module/parameter FQNs (the buckets holding
             them). ``None`` (default): ``"auto"`` with ``bucketing="auto"``,
             else 0. The forward graph's report lists the kept buckets and

@@ -43,17 +43,33 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from simplefsdp.bucket_plan import BucketPlan
 from simplefsdp.compiler.memory_estimate import _is_alias
-from simplefsdp.compiler.passes.reshard import _tangent_dependent, find_gather_chains
-from simplefsdp.compiler.patterns import node_bytes
+from simplefsdp.compiler.passes.reshard import (
+    _tangent_dependent,
+    find_gather_chains,
+    gathered_bucket_bytes,
+)
+from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, node_bytes
+from simplefsdp.compiler.report import _fmt_bytes
 
 _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def concrete_bytes(value) -> int:
+    """A byte count as an int: a symbolic one (dynamic shapes) by its hint,
+    the size of the example being compiled (no guard is added)."""
+    if isinstance(value, torch.SymInt):
+        node = value.node
+        return int(node.hint) if node.has_hint() else 0  # unbacked: unknown
+    return int(value)
 
 
 def _storage_root(node: fx.Node) -> fx.Node:
@@ -85,7 +101,7 @@ def eager_saved_bytes(graph: fx.Graph) -> int:
             root = _storage_root(node)
             if root.op != "placeholder" and root not in chain_nodes:
                 saved.add(root)
-    return sum(node_bytes(n) for n in saved)
+    return sum(concrete_bytes(node_bytes(n)) for n in saved)
 
 
 def gather_chain_names(graph: fx.Graph) -> set[str]:
@@ -102,7 +118,7 @@ def compiled_saved_bytes(backward: fx.GraphModule, gathered: set[str]) -> int:
     its inputs other than tangents, the joint graph's own inputs and the
     ``gathered`` parameters kept for backward (by node name)."""
     return sum(
-        node_bytes(p)
+        concrete_bytes(node_bytes(p))
         for p in backward.graph.find_nodes(op="placeholder")
         if not p.name.startswith(("tangents", "primals")) and p.name not in gathered
     )
@@ -139,3 +155,106 @@ def choose_kept(bucket_bytes: Sequence[int], free: int, slack_bytes: int) -> tup
         spent += nbytes
         count += 1
     return count, spent
+
+
+def free_keep_count(prefetch_distance: int, reorder: bool) -> int:
+    """The buckets gathered at the forward/backward boundary anyway."""
+    return prefetch_distance + 1 if reorder else 1
+
+
+def bucket_lookup(plan: BucketPlan | None) -> Callable[[str], tuple[int, str]]:
+    """``fqn -> (bucket index, bucket name)`` in ``plan``; parameters it does
+    not hold are buckets of their own, after the plan's."""
+    index = plan.bucket_index() if plan is not None else {}
+    singles: dict[str, int] = {}
+
+    def bucket_of(fqn: str) -> tuple[int, str]:
+        if fqn in index:
+            return index[fqn], plan.buckets[index[fqn]].name  # type: ignore[union-attr]
+        return len(index) + singles.setdefault(fqn, len(singles)), fqn
+
+    return bucket_of
+
+
+@dataclass(frozen=True)
+class KeepSearch:
+    """What :func:`search_keep` found (bytes)."""
+
+    count: int  # the last ``count`` buckets are kept
+    candidates: int  # buckets read in the graph
+    free: int
+    eager_saved_bytes: int
+    compiled_saved_bytes: int
+    budget_bytes: int
+    slack_bytes: int
+    spent_bytes: int
+
+    def to_dict(self) -> dict:
+        return {
+            "eager_saved_bytes": self.eager_saved_bytes,
+            "compiled_saved_bytes": self.compiled_saved_bytes,
+            "budget_bytes": self.budget_bytes,
+            "slack_bytes": self.slack_bytes,
+            "spent_bytes": self.spent_bytes,
+            "free": self.free,
+            "candidate_buckets": self.candidates,
+        }
+
+    def note(self) -> str:
+        return (
+            f"keep search: kept the last {self.count} of {self.candidates} buckets "
+            f"({self.free} gathered at the boundary anyway, {_fmt_bytes(self.spent_bytes)} "
+            f"spent of {_fmt_bytes(max(self.slack_bytes, 0))} slack; eager would save "
+            f"{_fmt_bytes(self.eager_saved_bytes)} of activations, this graph saves "
+            f"{_fmt_bytes(self.compiled_saved_bytes)})"
+        )
+
+
+def search_keep(
+    joint: fx.GraphModule,
+    trial_partition: Callable[[fx.GraphModule, int], tuple[fx.GraphModule, fx.GraphModule]],
+    *,
+    free: int,
+    plan: BucketPlan,
+    bucket_of: Callable[[str], tuple[int, str] | None],
+    primal_names: dict[str, str],
+    groups: CollectiveGroups = ALL_DATA_PARALLEL,
+    memory_budget_bytes: int | None = None,
+) -> KeepSearch:
+    """Steps 1-3 of Note: [Keeping what eager FSDP2 would hold].
+
+    Args:
+        joint: the joint graph, not yet tagged (left unchanged).
+        trial_partition: ``(copy, free) -> (forward, backward)``: tags the
+            copy keeping the last ``free`` buckets and partitions it.
+        free: buckets kept at no cost.
+        plan: the reference (per-block) plan whose buckets are kept.
+        bucket_of: ``fqn -> (bucket index, name)`` in ``plan``.
+        primal_names: graph input name -> parameter FQN.
+        groups: which collectives are data parallel.
+        memory_budget_bytes: the user's budget (``None``: the default).
+    """
+    from simplefsdp.compiler.auto_bucketing import forward_memory_terms
+
+    eager_saved = eager_saved_bytes(joint.graph)
+    trial = copy_joint(joint)
+    fw, bw = trial_partition(trial, free)
+    compiled_saved = compiled_saved_bytes(bw, gather_chain_names(trial.graph))
+    terms = forward_memory_terms(fw, primal_names, plan, groups)
+    peak, extra = (concrete_bytes(b) for b in terms)
+    budget = memory_budget_bytes
+    if budget is None:
+        budget = peak + extra + max(eager_saved - compiled_saved, 0)
+    sizes = gathered_bucket_bytes(joint.graph, bucket_of, primal_names.get)
+    slack = budget - (peak + extra)
+    count, spent = choose_kept([concrete_bytes(b) for b in sizes], free, slack)
+    return KeepSearch(
+        count=count,
+        candidates=len(sizes),
+        free=min(free, len(sizes)),
+        eager_saved_bytes=eager_saved,
+        compiled_saved_bytes=compiled_saved,
+        budget_bytes=budget,
+        slack_bytes=slack,
+        spent_bytes=spent,
+    )

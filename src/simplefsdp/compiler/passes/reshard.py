@@ -26,7 +26,9 @@ Note: [Keeping gathered parameters]
     in use and the prefetched ones), and keeping exactly those removes their
     regather (the exposed first all-gather of backward included) without
     raising the memory at that boundary. ``keep_gathered="auto"`` keeps
-    those; an int keeps the last N buckets; a list of module or parameter
+    those and, with full resharding, the buckets before them that fit in
+    the memory budget (Note: [Keeping what eager FSDP2 would hold]); an int
+    keeps the last N buckets; a list of module or parameter
     FQNs keeps the buckets holding them. The cost in memory is each kept
     bucket's gathered bytes from its forward use to its backward use; the
     forward graph's report lists the kept buckets and their bytes.
