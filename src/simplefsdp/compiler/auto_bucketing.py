@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -191,8 +191,11 @@ def greedy_buckets(
     reshard_after_forward: bool,
     base_peak_bytes: int,
     memory_budget_bytes: int | None,
+    kept: Collection[str] = (),
 ) -> list[list[GatherUnit]]:
-    """Group ``units`` per Note: [Greedy auto-wrapping].
+    """Group ``units`` per Note: [Greedy auto-wrapping]. ``kept``: FQNs kept
+    gathered from forward to backward (in the base peak already; a bucket of
+    only those is not regathered in backward).
 
     Raises:
         ValueError: the budget is below the unavoidable minimum (one parameter
@@ -206,48 +209,60 @@ def greedy_buckets(
             f"{minimum} bytes (the graph's own peak plus prefetching one parameter at a time)"
         )
     # Memory: the plan so far must satisfy 2 * B_i + B_{i+1} <= headroom in
-    # forward and 3 * B_i + B_{i-1} in backward, and a bucket may grow only
-    # while any single next parameter still fits after it.
+    # forward and 3 * B_i + B_{i-1} in backward (2 * B_i for a kept bucket,
+    # and no B_{i-1} when that one is kept: nothing is regathered), and a
+    # bucket may grow only while any single next parameter still fits after it.
     headroom = (
         float("inf") if memory_budget_bytes is None else memory_budget_bytes - base_peak_bytes
     )
     largest_unit = max((u.gathered_bytes for u in units), default=0)
-    max_bucket_bytes = (headroom - largest_unit) / 3
     buckets: list[list[GatherUnit]] = []
     current: list[GatherUnit] = []
     # Carried across units rather than recomputed from every closed bucket:
-    # the replay after the closed buckets, the worst 2 * B_i + B_{i+1} among
-    # them, and the last one's size.
+    # the replay after the closed buckets, the worst memory term among them,
+    # and the last one's size and whether it is kept.
     closed, closed_worst, last_bytes, current_bytes = _Pipeline(), 0, None, 0
+    last_kept, current_kept = False, False
     for unit in units:
+        unit_kept = unit.fqn in kept
         if not current:
-            current, current_bytes = [unit], unit.gathered_bytes
+            current, current_bytes, current_kept = [unit], unit.gathered_bytes, unit_kept
             continue
         grown_bytes = current_bytes + unit.gathered_bytes
+        grown_kept = current_kept and unit_kept
         merged = closed.then([*current, unit], cost_model, reshard_after_forward)
         split = closed.then(current, cost_model, reshard_after_forward).then(
             [unit], cost_model, reshard_after_forward
         )
-        worst = max(closed_worst, 3 * grown_bytes)
-        if last_bytes is not None:
-            worst = max(worst, 2 * last_bytes + grown_bytes, 3 * grown_bytes + last_bytes)
-        fits = grown_bytes <= max_bucket_bytes and worst <= headroom
+        term = _bucket_term(grown_bytes, grown_kept, last_bytes, last_kept)
+        worst = max(closed_worst, term)
+        share = 2 if grown_kept else 3
+        fits = grown_bytes <= (headroom - largest_unit) / share and worst <= headroom
         if merged.compute_end <= split.compute_end and fits:
             current.append(unit)
-            current_bytes = grown_bytes
+            current_bytes, current_kept = grown_bytes, grown_kept
         else:
             buckets.append(current)
             closed = closed.then(current, cost_model, reshard_after_forward)
-            closed_worst = max(closed_worst, 3 * current_bytes)
-            if last_bytes is not None:
-                closed_worst = max(
-                    closed_worst, 2 * last_bytes + current_bytes, 3 * current_bytes + last_bytes
-                )
-            last_bytes = current_bytes
-            current, current_bytes = [unit], unit.gathered_bytes
+            closed_worst = max(
+                closed_worst, _bucket_term(current_bytes, current_kept, last_bytes, last_kept)
+            )
+            last_bytes, last_kept = current_bytes, current_kept
+            current, current_bytes, current_kept = [unit], unit.gathered_bytes, unit_kept
     if current:
         buckets.append(current)
     return buckets
+
+
+def _bucket_term(size: int, kept: bool, previous: int | None, previous_kept: bool) -> int:
+    """Memory of a bucket of ``size`` beyond the base peak: forward
+    ``2 * B_{i-1} + B_i`` (with the bucket before it), backward ``3 * B_i +
+    B_{i-1}`` (``2 * B_i`` when kept; no ``B_{i-1}`` when that one is kept)."""
+    backward = (2 if kept else 3) * size
+    if previous is None:
+        return max(2 * size, backward)
+    forward = 2 * previous + size
+    return max(forward, backward + (0 if previous_kept else previous))
 
 
 @dataclass(frozen=True)
@@ -361,6 +376,7 @@ def plan_forward_graph(
     reference_plan: BucketPlan | None,
     groups: CollectiveGroups = ALL_DATA_PARALLEL,
     default_budget_bytes: int | None = None,
+    kept_fqns: Collection[str] = (),
 ) -> AutoPlan:
     """Plan buckets for one Dynamo graph from its (unbucketed) forward graph.
 
@@ -393,6 +409,7 @@ def plan_forward_graph(
         reshard_after_forward=reshard_after_forward,
         base_peak_bytes=base_peak,
         memory_budget_bytes=budget,
+        kept=kept_fqns,
     )
     plan = to_plan(buckets, all_fqns)
     planning_s = time.perf_counter() - start

@@ -214,6 +214,7 @@ class _GraphCompilation:
         # eager FSDP2 would hold]), for the forward graph's auto plan.
         self.default_budget_bytes: int | None = None
         self.keep_search: dict = {}
+        self.kept_fqns: set[str] = set()  # kept gathered, for the auto plan
 
     def searches_keep(self) -> bool:
         """Whether ``keep_gathered="auto"`` is decided by the budgeted search
@@ -254,6 +255,7 @@ class _GraphCompilation:
             primal_names=self.primal_names,
             groups=self.backend.groups,
             memory_budget_bytes=options.memory_budget_bytes,
+            num_fwd_outputs=kwargs.get("num_fwd_outputs"),
         )
         if options.memory_budget_bytes is None:
             self.default_budget_bytes = search.budget_bytes
@@ -311,6 +313,7 @@ class _GraphCompilation:
         kept, names, nbytes = kept_buckets(graph, bucket_of, keep, self.primal_names.get)
         if not record:
             return kept
+        self.kept_fqns = {self.primal_names[k] for k in kept if k in self.primal_names}
         self.kept_gathered = {"buckets": names, "bytes": nbytes, **self.keep_search}
         if names:
             self.plan_notes_joint.append(
@@ -336,6 +339,7 @@ class _GraphCompilation:
             reference_plan=self.backend.plan(),
             groups=self.backend.groups,
             default_budget_bytes=self.default_budget_bytes,
+            kept_fqns=self.kept_fqns,
         )
         self.plan, self.plan_notes, self.planned_sites = auto.plan, auto.notes, auto.sites
         if not any(b.origin == "auto" for b in self.plan.buckets):

@@ -84,10 +84,29 @@ def _storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def eager_saved_bytes(graph: fx.Graph) -> int:
+def _backward_nodes(graph: fx.Graph, num_fwd_outputs: int | None) -> set[fx.Node]:
+    """The joint graph's backward: what the forward outputs do not need (the
+    first ``num_fwd_outputs`` outputs are the forward's). Without the count,
+    what depends on a tangent (which misses backward formulas' terms of
+    forward values alone, e.g. ``2 * x`` of ``x ** 2``)."""
+    if num_fwd_outputs is None:
+        return _tangent_dependent(graph)
+    output = next(iter(graph.find_nodes(op="output")))
+    leaves = torch.utils._pytree.arg_tree_leaves(*output.args)
+    forward: set[fx.Node] = set()
+    stack = [n for n in leaves[:num_fwd_outputs] if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+    return {n for n in graph.nodes if n not in forward and n.op != "output"}
+
+
+def eager_saved_bytes(graph: fx.Graph, num_fwd_outputs: int | None = None) -> int:
     """Bytes of the activations eager autograd would save for the joint
     graph's backward (step 2 of Note: [Keeping what eager FSDP2 would hold])."""
-    backward = _tangent_dependent(graph)
+    backward = _backward_nodes(graph, num_fwd_outputs)
     chain_nodes: set[fx.Node] = set()
     for chain in find_gather_chains(graph):
         chain_nodes.update((*chain.pre, chain.all_gather, chain.wait, *chain.post))
@@ -220,6 +239,7 @@ def search_keep(
     primal_names: dict[str, str],
     groups: CollectiveGroups = ALL_DATA_PARALLEL,
     memory_budget_bytes: int | None = None,
+    num_fwd_outputs: int | None = None,
 ) -> KeepSearch:
     """Steps 1-3 of Note: [Keeping what eager FSDP2 would hold].
 
@@ -233,10 +253,12 @@ def search_keep(
         primal_names: graph input name -> parameter FQN.
         groups: which collectives are data parallel.
         memory_budget_bytes: the user's budget (``None``: the default).
+        num_fwd_outputs: how many of the joint graph's outputs are the
+            forward's (the partitioner's argument).
     """
     from simplefsdp.compiler.auto_bucketing import forward_memory_terms
 
-    eager_saved = eager_saved_bytes(joint.graph)
+    eager_saved = eager_saved_bytes(joint.graph, num_fwd_outputs)
     trial = copy_joint(joint)
     fw, bw = trial_partition(trial, free)
     compiled_saved = compiled_saved_bytes(bw, gather_chain_names(trial.graph))
