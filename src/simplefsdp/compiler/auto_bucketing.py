@@ -22,8 +22,10 @@ Note: [Greedy auto-wrapping]
     the regathered bucket, its full gradients, the reduce-scatter's input and
     the prefetched bucket before it (3 * B_i + B_{i-1}: backward holds more
     per bucket than forward, when almost every saved activation is still
-    alive); a bucket stops growing while the largest single parameter could
-    still follow it. The plan is plain data
+    alive; a bucket kept gathered from forward to backward is charged
+    2 * B_i there and no B_{i-1} when that one is kept: nothing is
+    regathered); a bucket stops growing while the largest single parameter
+    could still follow it. The plan is plain data
     (parameter FQNs per bucket), computed alike on every rank (Note:
     [Identical plans without compile-time collectives]).
 
