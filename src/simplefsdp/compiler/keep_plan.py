@@ -14,15 +14,19 @@ Note: [Keeping what eager FSDP2 would hold]
        inputs nor gathered parameters).
     2. ``S_e`` is what eager autograd saves for the same step: the forward
        tensors of the joint graph that its backward reads (the joint
-       backward is traced from the same derivative formulas eager runs), less
+       backward is traced from the same derivative formulas eager runs; it
+       is what the forward outputs, the first ``num_fwd_outputs``, do not
+       need, so a formula's term of forward values alone, such as ``2 * x``
+       of ``x ** 2``, is backward and its input the saved tensor), less
        the FSDP gather chains (eager FSDP2 frees its gathered parameters too)
        and less what activation checkpointing recomputes (only a checkpointed
        region's inputs are saved). The min-cut partitioner recomputes cheap
        ops instead of saving their outputs, so usually ``S_c < S_e``.
     3. The budget is the user's ``memory_budget_bytes``, else what eager
        FSDP2 would hold: ``P + X + max(S_e - S_c, 0)``, with ``X`` the
-       prefetch memory of one bucket per block (worst ``2 B_i + B_{i+1}``,
-       Note: [Greedy auto-wrapping]). The slack ``budget - (P + X)`` is
+       bucket memory of one bucket per block (worst of ``2 B_i + B_{i+1}``
+       in forward and ``3 B_i + B_{i-1}`` in backward, Note: [Greedy
+       auto-wrapping]). The slack ``budget - (P + X)`` is
        spent on keeping buckets, the last ones of the forward first (they are
        the first backward needs and the shortest-lived): a bucket is kept
        while the gathered bytes of the kept ones, beyond the free ones, stay
@@ -36,7 +40,9 @@ Note: [Keeping what eager FSDP2 would hold]
     keeps the same buckets. The cost is one more min-cut partition per
     compiled graph. With activation checkpointing ``S_c`` is close to
     ``S_e`` and little beyond the free buckets is kept. Partial resharding
-    (``reshard_after_forward=N``) keeps only the free buckets.
+    (``reshard_after_forward=N``) keeps only the free buckets, and so does
+    Inductor on a torch without ``custom_partitioner_fn`` (our tags then go
+    in through ``joint_custom_post_pass``, where no trial partition can run).
 """
 
 from __future__ import annotations
