@@ -397,14 +397,16 @@ def test_auto_reports_predictions_from_a_calibrated_cost_model(tmp_path, monkeyp
     assert 0.0 <= json.loads(cached[0].read_text())["comm_overlap"] <= 1.0
 
 
-def _keep_gathered_body(options) -> list[dict]:
+def _keep_gathered_body(variants: list[dict]) -> list[dict]:
     """Keeping buckets gathered for backward changes no number, only where the
-    all-gathers run (fewer in backward)."""
+    all-gathers run (fewer in backward). ``variants``: ``simplefsdp.compile``
+    options (``keep_gathered``, ``memory_budget_bytes``); the first is the
+    reference."""
     base = build("blocks")
     results = []
-    for option in (None, *options):
+    for variant in variants:
         model = simplefsdp.data_parallel(copy.deepcopy(base), _mesh("fully_shard"))
-        simplefsdp.compile(model, backend="aot_eager", bucketing="per_block", keep_gathered=option)
+        simplefsdp.compile(model, backend="aot_eager", bucketing="per_block", **variant)
         losses = _train(model, "blocks", 3)
         report = simplefsdp.comm_report(model)
         results.append(
@@ -426,8 +428,8 @@ def _keep_gathered_body(options) -> list[dict]:
 
 
 def test_keep_gathered_buckets_skip_their_backward_all_gather() -> None:
-    options = ["auto", 1, ["blocks.1", "head"]]
-    reference, *results = run_distributed(_keep_gathered_body, 2, args=(options,))[0]
+    variants = [{"keep_gathered": k} for k in (None, "auto", 1, ["blocks.1", "head"])]
+    reference, *results = run_distributed(_keep_gathered_body, 2, args=(variants,))[0]
     # 5 per-block buckets (embed, 3 blocks, norm + head); backward regathers all
     # but the embedding's (its weight gradient does not read the weight)
     assert reference["backward_all_gathers"] == 4 and not reference["kept"]
@@ -438,42 +440,14 @@ def test_keep_gathered_buckets_skip_their_backward_all_gather() -> None:
     assert results[0]["kept"]["buckets"] == ["blocks.2", "rest:norm.weight"]  # the last two
 
 
-def _keep_search_body() -> list[dict]:
-    """keep_gathered="auto" decided within a budget (Note: [Keeping what
-    eager FSDP2 would hold]): the numbers of regathering everything."""
-    base = build("blocks")
-    results = []
-    for keep, budget in ((0, None), ("auto", None), ("auto", 1), ("auto", 1 << 40)):
-        model = simplefsdp.data_parallel(copy.deepcopy(base), _mesh("fully_shard"))
-        simplefsdp.compile(
-            model,
-            backend="aot_eager",
-            bucketing="per_block",
-            keep_gathered=keep,
-            memory_budget_bytes=budget,
-        )
-        losses = _train(model, "blocks", 3)
-        report = simplefsdp.comm_report(model)
-        results.append(
-            {
-                "losses": losses,
-                "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
-                "backward_all_gathers": report.graph("backward").count("all_gather"),
-                "kept": report.graph("forward").kept_gathered,
-                "notes": report.graph("forward").notes,
-            }
-        )
-    reference = results[0]
-    for result in results[1:]:
-        for a, b in zip(reference["losses"], result["losses"]):
-            assert torch.equal(a, b)
-        for name, value in reference["params"].items():
-            assert torch.equal(value, result["params"][name]), name
-    return [{k: v for k, v in r.items() if k not in ("losses", "params")} for r in results]
-
-
 def test_keep_search_spends_the_activation_slack_within_the_budget() -> None:
-    reference, default, tight, ample = run_distributed(_keep_search_body, 2)[0]
+    # keep_gathered="auto" decided within a budget (Note: [Keeping what eager
+    # FSDP2 would hold]): the numbers of regathering everything.
+    variants = [
+        {"keep_gathered": keep, "memory_budget_bytes": budget}
+        for keep, budget in ((0, None), ("auto", None), ("auto", 1), ("auto", 1 << 40))
+    ]
+    reference, default, tight, ample = run_distributed(_keep_gathered_body, 2, args=(variants,))[0]
     assert reference["backward_all_gathers"] == 4 and not reference["kept"]
     search = default["kept"]
     # the default budget's slack: what eager would save beyond the min-cut partition

@@ -360,11 +360,16 @@ def forward_memory_terms(
     for site in sites:
         if site.kind == "all_gather" and site.fqn:
             gathered.setdefault(site.fqn, site.bytes)
-    padding = {
+    peak = estimate_memory(gm, ignore=_padding(sites)).peak_bytes
+    return peak, reference_extra_bytes(reference_plan, gathered)
+
+
+def _padding(sites: Sequence[CollectiveSite]) -> set[fx.Node]:
+    """The nodes padding uneven shards into all-gather inputs: they differ
+    between ranks, so memory estimates leave them out."""
+    return {
         n for site in sites if site.kind == "all_gather" for n in path_from_placeholder(site.input)
     }
-    peak = estimate_memory(gm, ignore=padding).peak_bytes
-    return peak, reference_extra_bytes(reference_plan, gathered)
 
 
 def plan_forward_graph(
@@ -394,10 +399,7 @@ def plan_forward_graph(
     units = gather_units(gm, sites, cost_model, groups)
     # Ranks with uneven shards pad their all-gather inputs; leave those nodes
     # out so every rank computes the same numbers and so the same plan.
-    padding = {
-        n for site in sites if site.kind == "all_gather" for n in path_from_placeholder(site.input)
-    }
-    base_peak = estimate_memory(gm, ignore=padding).peak_bytes
+    base_peak = estimate_memory(gm, ignore=_padding(sites)).peak_bytes
     budget = memory_budget_bytes
     default_budget = None
     if budget is None and default_budget_bytes is not None:
@@ -424,21 +426,17 @@ def plan_forward_graph(
         "unbucketed_peak_bytes": base_peak,
         "fixed_comm_s": sum(_fixed_s([u]) for u in units),
     }
+    origin = (
+        ""
+        if not default_budget
+        else " (default: what eager FSDP2 would hold)"
+        if default_budget_bytes is not None
+        else " (default: per-block plan's peak)"
+    )
     notes = [
         f"auto plan: {data['num_units']} all-gathers -> {data['num_buckets']} buckets in "
         f"{1000 * planning_s:.1f} ms; memory budget "
-        + (
-            f"{budget} bytes"
-            + (
-                ""
-                if not default_budget
-                else " (default: what eager FSDP2 would hold)"
-                if default_budget_bytes is not None
-                else " (default: per-block plan's peak)"
-            )
-            if budget is not None
-            else "none"
-        )
+        + ("none" if budget is None else f"{budget} bytes{origin}")
     ]
     if data["fixed_comm_s"]:
         notes.append(

@@ -243,7 +243,7 @@ class _GraphCompilation:
         def trial_partition(trial: fx.GraphModule, free: int):
             self.joint_pass(trial.graph, keep_count=free, record=False)
             trial.recompile()
-            return partition(trial, joint_inputs, **dict(kwargs))
+            return partition(trial, joint_inputs, **kwargs)
 
         options, plan = self.backend.options, self.backend.plan()
         search = search_keep(
@@ -253,9 +253,9 @@ class _GraphCompilation:
             plan=plan,
             bucket_of=bucket_lookup(plan),
             primal_names=self.primal_names,
+            num_fwd_outputs=kwargs["num_fwd_outputs"],  # required by every partitioner
             groups=self.backend.groups,
             memory_budget_bytes=options.memory_budget_bytes,
-            num_fwd_outputs=kwargs.get("num_fwd_outputs"),
         )
         if options.memory_budget_bytes is None:
             self.default_budget_bytes = search.budget_bytes

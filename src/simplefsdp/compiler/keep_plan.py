@@ -48,6 +48,7 @@ Note: [Keeping what eager FSDP2 would hold]
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,11 +59,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from simplefsdp.bucket_plan import BucketPlan
 from simplefsdp.compiler.memory_estimate import _is_alias
-from simplefsdp.compiler.passes.reshard import (
-    _tangent_dependent,
-    find_gather_chains,
-    gathered_bucket_bytes,
-)
+from simplefsdp.compiler.passes.reshard import find_gather_chains, gathered_bucket_bytes
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, node_bytes
 from simplefsdp.compiler.report import _fmt_bytes
 
@@ -83,20 +80,17 @@ def _storage_root(node: fx.Node) -> fx.Node:
     whose value is a tuple, is its own storage)."""
     while _is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
         source = node.args[0]
-        if not isinstance(source.meta.get("val"), torch.Tensor) and source.op != "placeholder":
-            if node.target is operator.getitem:
-                break
+        if node.target is operator.getitem and not isinstance(source.meta.get("val"), torch.Tensor):
+            break
         node = source
     return node
 
 
-def _backward_nodes(graph: fx.Graph, num_fwd_outputs: int | None) -> set[fx.Node]:
-    """The joint graph's backward: what the forward outputs do not need (the
-    first ``num_fwd_outputs`` outputs are the forward's). Without the count,
-    what depends on a tangent (which misses backward formulas' terms of
-    forward values alone, e.g. ``2 * x`` of ``x ** 2``)."""
-    if num_fwd_outputs is None:
-        return _tangent_dependent(graph)
+def _backward_nodes(graph: fx.Graph, num_fwd_outputs: int) -> set[fx.Node]:
+    """The joint graph's backward: what the forward outputs (the first
+    ``num_fwd_outputs``) do not need. (What depends on a tangent would miss
+    backward formulas' terms of forward values alone, e.g. ``2 * x`` of
+    ``x ** 2``.)"""
     output = next(iter(graph.find_nodes(op="output")))
     leaves = torch.utils._pytree.arg_tree_leaves(*output.args)
     forward: set[fx.Node] = set()
@@ -109,7 +103,7 @@ def _backward_nodes(graph: fx.Graph, num_fwd_outputs: int | None) -> set[fx.Node
     return {n for n in graph.nodes if n not in forward and n.op != "output"}
 
 
-def eager_saved_bytes(graph: fx.Graph, num_fwd_outputs: int | None = None) -> int:
+def eager_saved_bytes(graph: fx.Graph, num_fwd_outputs: int) -> int:
     """Bytes of the activations eager autograd would save for the joint
     graph's backward (step 2 of Note: [Keeping what eager FSDP2 would hold])."""
     backward = _backward_nodes(graph, num_fwd_outputs)
@@ -206,7 +200,7 @@ class KeepSearch:
     """What :func:`search_keep` found (bytes)."""
 
     count: int  # the last ``count`` buckets are kept
-    candidates: int  # buckets read in the graph
+    candidate_buckets: int  # buckets read in the graph
     free: int
     eager_saved_bytes: int
     compiled_saved_bytes: int
@@ -215,19 +209,11 @@ class KeepSearch:
     spent_bytes: int
 
     def to_dict(self) -> dict:
-        return {
-            "eager_saved_bytes": self.eager_saved_bytes,
-            "compiled_saved_bytes": self.compiled_saved_bytes,
-            "budget_bytes": self.budget_bytes,
-            "slack_bytes": self.slack_bytes,
-            "spent_bytes": self.spent_bytes,
-            "free": self.free,
-            "candidate_buckets": self.candidates,
-        }
+        return dataclasses.asdict(self)
 
     def note(self) -> str:
         return (
-            f"keep search: kept the last {self.count} of {self.candidates} buckets "
+            f"keep search: kept the last {self.count} of {self.candidate_buckets} buckets "
             f"({self.free} gathered at the boundary anyway, {_fmt_bytes(self.spent_bytes)} "
             f"spent of {_fmt_bytes(max(self.slack_bytes, 0))} slack; eager would save "
             f"{_fmt_bytes(self.eager_saved_bytes)} of activations, this graph saves "
@@ -243,9 +229,9 @@ def search_keep(
     plan: BucketPlan,
     bucket_of: Callable[[str], tuple[int, str] | None],
     primal_names: dict[str, str],
+    num_fwd_outputs: int,
     groups: CollectiveGroups = ALL_DATA_PARALLEL,
     memory_budget_bytes: int | None = None,
-    num_fwd_outputs: int | None = None,
 ) -> KeepSearch:
     """Steps 1-3 of Note: [Keeping what eager FSDP2 would hold].
 
@@ -257,17 +243,17 @@ def search_keep(
         plan: the reference (per-block) plan whose buckets are kept.
         bucket_of: ``fqn -> (bucket index, name)`` in ``plan``.
         primal_names: graph input name -> parameter FQN.
-        groups: which collectives are data parallel.
-        memory_budget_bytes: the user's budget (``None``: the default).
         num_fwd_outputs: how many of the joint graph's outputs are the
             forward's (the partitioner's argument).
+        groups: which collectives are data parallel.
+        memory_budget_bytes: the user's budget (``None``: the default).
     """
     from simplefsdp.compiler.auto_bucketing import forward_memory_terms
 
     eager_saved = eager_saved_bytes(joint.graph, num_fwd_outputs)
-    trial = copy_joint(joint)
-    fw, bw = trial_partition(trial, free)
-    compiled_saved = compiled_saved_bytes(bw, gather_chain_names(trial.graph))
+    gathered = gather_chain_names(joint.graph)  # the copy's nodes keep these names
+    fw, bw = trial_partition(copy_joint(joint), free)
+    compiled_saved = compiled_saved_bytes(bw, gathered)
     terms = forward_memory_terms(fw, primal_names, plan, groups)
     peak, extra = (concrete_bytes(b) for b in terms)
     budget = memory_budget_bytes
@@ -278,7 +264,7 @@ def search_keep(
     count, spent = choose_kept([concrete_bytes(b) for b in sizes], free, slack)
     return KeepSearch(
         count=count,
-        candidates=len(sizes),
+        candidate_buckets=len(sizes),
         free=min(free, len(sizes)),
         eager_saved_bytes=eager_saved,
         compiled_saved_bytes=compiled_saved,
