@@ -14,20 +14,51 @@ Note: [Greedy auto-wrapping]
     with ``cur + u`` is no longer than with ``cur`` and ``u`` apart (merging
     saves a collective's latency; splitting lets u's transfer hide under
     cur's compute, as far as the cost model's ``comm_overlap`` lets
-    communication run beside compute), and if the predicted peak memory with
-    the grown bucket prefetched stays within the budget: the unbucketed
-    graph's peak plus, for
-    the worst adjacent pair, the gathered bucket, its copy-out buffer and the
-    prefetched next bucket (2 * B_i + B_{i+1}) in forward, and in backward
-    the regathered bucket, its full gradients, the reduce-scatter's input and
-    the prefetched bucket before it (3 * B_i + B_{i-1}: backward holds more
-    per bucket than forward, when almost every saved activation is still
-    alive; a bucket kept gathered from forward to backward is charged
-    2 * B_i there and no B_{i-1} when that one is kept: nothing is
-    regathered); a bucket stops growing while the largest single parameter
-    could still follow it. The plan is plain data
+    communication run beside compute), and if the predicted peak memory
+    of the plan stays within the budget (Note: [Where in the step a
+    bucket's memory is held]); a bucket stops growing when the units after
+    it, one per bucket, would no longer fit. The plan is plain data
     (parameter FQNs per bucket), computed alike on every rank (Note:
     [Identical plans without compile-time collectives]).
+
+Note: [Where in the step a bucket's memory is held]
+    The unbucketed forward graph's peak ``P`` is reached with almost every
+    activation it saves for backward (``A`` in all) alive; the rest,
+    ``R = P - A``, is taken as held throughout. Each unit records the saved
+    activations produced before its window (``saved_before_bytes``) and in
+    it (``saved_bytes``), so a bucket spans ``a_s`` (saved before it) to
+    ``a_e`` (saved by its end). Beyond ``R`` a plan needs, per bucket, the
+    worst of:
+
+    - forward, with the next bucket prefetched: ``a_e + 2 B_i + B_{i+1}``
+      (the gathered bucket and its copy-out buffer; alone ``a_e + 2 B_i``);
+    - backward, when it starts (the activations of the buckets after it are
+      freed; the bucket before it is prefetched): ``a_e + B_i + B_{i-1} +
+      g_a``, with ``g_a`` the sharded gradients of the buckets after it
+      (reduce-scattered already, held until the optimizer step);
+    - backward, when its gradients are complete (its own activations are
+      freed): ``a_s + 3 B_i + B_{i-1} + g_a + B_i / N`` (gathered, gradients,
+      the reduce-scatter's input and its sharded output, over ``N`` ranks).
+
+    Activations fall and sharded gradients grow through backward: with
+    gradients as large as a model's (parameter-heavy workloads) the last
+    buckets of backward, the first of forward, hold the most.
+
+    The parameters of a bucket kept gathered from forward to backward are
+    in ``R`` already (they are outputs of the forward graph, but not
+    activations), so such a bucket is charged only its all-gather buffer in
+    forward (``B_i`` for ``2 B_i``) and no regather in backward (``a_e +
+    B_{i-1}`` and ``a_s + 2 B_i + B_{i-1}``), and no ``B_{i-1}`` is charged
+    in backward when the bucket before is kept. Within a bucket's backward, activations fall as its gradients
+    grow, so the two ends bound it. Without positions (``A = 0``: an
+    inference graph, or units built without them) this is ``P`` plus the
+    worst of ``2 B_i + B_{i+1}`` and ``3 B_i + B_{i-1}`` with the sharded
+    gradients: close to the model before positions, which charged a
+    whole-model bucket its gradients on top of every activation (and left
+    the sharded gradients out). Gradient bytes are taken as gathered bytes
+    (a reduce dtype wider than the gather dtype is not modelled). The planner's memory numbers are relative to ``P``
+    (``step_extra_bytes``); they are never negative, since the last
+    bucket's forward term is at least ``A``.
 
 Note: [Planning around tensor-parallel collectives]
     In a 2-D (data x tensor parallel) graph the TP plan's collectives stay
@@ -60,11 +91,17 @@ Note: [Identical plans without compile-time collectives]
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import functools
+import itertools
 import logging
+import operator
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from simplefsdp.bucket_plan import Bucket, BucketPlan
@@ -76,6 +113,7 @@ from simplefsdp.compiler.patterns import (
     CollectiveGroups,
     collective_kind,
     is_compute,
+    node_bytes,
     path_from_placeholder,
     wait_of,
 )
@@ -94,18 +132,57 @@ class GatherUnit:
     # Non data-parallel (TP) collectives in that window, seconds (Note:
     # [Planning around tensor-parallel collectives]).
     fixed_comm_s: float = 0.0
+    # Activations saved for backward before that window and in it (Note:
+    # [Where in the step a bucket's memory is held]).
+    saved_before_bytes: int = 0
+    saved_bytes: int = 0
+
+
+def saved_activations(gm: fx.GraphModule, num_user_outputs: int | None) -> dict[int, int]:
+    """Node index -> bytes of the activations a partitioned forward graph
+    saves for backward: its outputs after the first ``num_user_outputs``
+    (the user's), by storage, less graph inputs and gathered parameters
+    (kept for backward). ``None`` (no backward known): nothing."""
+    if num_user_outputs is None:
+        return {}
+    from simplefsdp.compiler.keep_plan import _storage_root, concrete_bytes
+    from simplefsdp.compiler.passes.reshard import find_gather_chains
+
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    leaves = torch.utils._pytree.arg_tree_leaves(*output.args)
+    user = {_storage_root(n) for n in leaves[:num_user_outputs] if isinstance(n, fx.Node)}
+    gathered = {
+        n
+        for chain in find_gather_chains(gm.graph)
+        for n in (chain.all_gather, chain.wait, *chain.post)
+    }
+    roots = {_storage_root(n) for n in leaves[num_user_outputs:] if isinstance(n, fx.Node)}
+    return {
+        index[r]: concrete_bytes(node_bytes(r))
+        for r in roots
+        if r.op == "call_function" and r not in gathered and r not in user
+    }
 
 
 def gather_units(
     gm: fx.GraphModule,
     sites: Sequence[CollectiveSite],
-    cost_model: CostModel,
+    cost_model: CostModel | None,
     groups: CollectiveGroups = ALL_DATA_PARALLEL,
+    saved: dict[int, int] | None = None,
 ) -> list[GatherUnit]:
     """All-gather sites in order of first use, with the compute each precedes
-    and the fixed (non data-parallel) communication among it."""
+    and the fixed (non data-parallel) communication among it (none without
+    a ``cost_model``), and the ``saved`` activations (``saved_activations``)
+    before and in its window."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
+    positions = sorted((saved or {}).items())
+    cumulative = list(itertools.accumulate((b for _, b in positions), initial=0))
+
+    def saved_before(i: int) -> int:
+        return cumulative[bisect.bisect_left(positions, (i, -1))]
 
     def first_use(site: CollectiveSite) -> int:
         frontier, best = [wait_of(site.node) or site.node], len(nodes)
@@ -132,13 +209,22 @@ def gather_units(
         seen_fqns.add(site.fqn)
         end = gathers[k + 1][0] if k + 1 < len(gathers) else len(nodes)
         window = nodes[start:end]
-        compute = sum(cost_model.node_time(n) for n in window)
-        fixed = sum(
-            cost_model.collective_time(n, groups.role(n))
-            for n in window
-            if collective_kind(n) is not None and not groups.is_data_parallel(n)
+        compute = fixed = 0.0
+        if cost_model is not None:
+            compute = sum(cost_model.node_time(n) for n in window)
+            fixed = sum(
+                cost_model.collective_time(n, groups.role(n))
+                for n in window
+                if collective_kind(n) is not None and not groups.is_data_parallel(n)
+            )
+        before = saved_before(start)
+        within = saved_before(end) - before
+        units.append(
+            GatherUnit(site.fqn, site.bytes, int(site.node.args[1]), compute, fixed, before, within)
         )
-        units.append(GatherUnit(site.fqn, site.bytes, int(site.node.args[1]), compute, fixed))
+    if units:  # the last window reaches the graph's end: every activation is in one
+        last = units[-1]
+        units[-1] = dataclasses.replace(last, saved_bytes=cumulative[-1] - last.saved_before_bytes)
     return units
 
 
@@ -162,28 +248,98 @@ def _fixed_s(units: Sequence[GatherUnit]) -> float:
 
 
 def prefetch_extra_bytes(buckets: Sequence[Sequence[GatherUnit]]) -> int:
-    """Memory beyond the unbucketed graph: worst 2 * B_i + B_{i+1}."""
-    return _prefetch_extra([sum(u.gathered_bytes for u in b) for b in buckets])
+    """Forward memory beyond the unbucketed graph, without positions: worst
+    2 * B_i + B_{i+1}."""
+    sizes = [sum(u.gathered_bytes for u in b) for b in buckets]
+    return max(
+        (2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i, s in enumerate(sizes)),
+        default=0,
+    )
 
 
-def step_extra_bytes(buckets: Sequence[Sequence[GatherUnit]]) -> int:
-    """Memory beyond the unbucketed graph over forward and backward (Note:
-    [Greedy auto-wrapping]): worst of 2 * B_i + B_{i+1} and 3 * B_i + B_{i-1}."""
-    return _step_extra([sum(u.gathered_bytes for u in b) for b in buckets])
+@dataclass(frozen=True)
+class _Span:
+    """A bucket as the memory model sees it (Note: [Where in the step a
+    bucket's memory is held]): gathered bytes, whether it is kept gathered,
+    the activations saved before it and by its end, and the sharded
+    gradients alive when its backward starts (of the buckets after it) and
+    when it ends (its own too)."""
+
+    nbytes: int
+    kept: bool
+    saved_start: int
+    saved_end: int
+    grads_at_start: int = 0
+    grads_at_end: int = 0
+
+    def __add__(self, other: _Span) -> _Span:
+        return _Span(
+            self.nbytes + other.nbytes,
+            self.kept and other.kept,
+            min(self.saved_start, other.saved_start),
+            max(self.saved_end, other.saved_end),
+            min(self.grads_at_start, other.grads_at_start),
+            max(self.grads_at_end, other.grads_at_end),
+        )
 
 
-def _step_extra(sizes: Sequence[int]) -> int:
-    if not sizes:
-        return 0
-    forward = _prefetch_extra(sizes)
-    backward = max(3 * s + (sizes[i - 1] if i > 0 else 0) for i, s in enumerate(sizes))
-    return max(forward, backward)
+def _singles(units: Sequence[GatherUnit], kept: Collection[str] = ()) -> list[_Span]:
+    """One span per unit, in the order of ``units`` (forward order)."""
+    shards = [u.gathered_bytes // max(u.group_size, 1) for u in units]
+    after = list(itertools.accumulate(reversed(shards), initial=0))[::-1]  # after[k]: k..
+    return [
+        _Span(
+            u.gathered_bytes,
+            u.fqn in kept,
+            u.saved_before_bytes,
+            u.saved_before_bytes + u.saved_bytes,
+            after[k + 1],
+            after[k],
+        )
+        for k, u in enumerate(units)
+    ]
 
 
-def _prefetch_extra(sizes: Sequence[int]) -> int:
-    if not sizes:
-        return 0
-    return max(2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i, s in enumerate(sizes))
+def _spans(buckets: Sequence[Sequence[GatherUnit]], kept: Collection[str] = ()) -> list[_Span]:
+    singles = iter(_singles([u for b in buckets for u in b], kept))
+    return [functools.reduce(operator.add, itertools.islice(singles, len(b))) for b in buckets]
+
+
+def _forward_bytes(span: _Span) -> int:
+    """A bucket's memory in its forward: the all-gather buffer and, unless
+    kept (already in ``R``), its copy-out."""
+    return span.nbytes if span.kept else 2 * span.nbytes
+
+
+def _term(previous: _Span | None, span: _Span) -> int:
+    """Memory beyond ``R`` while ``span`` runs: alone in forward, in its
+    backward (with ``previous``, the bucket before it, prefetched) and in
+    ``previous``'s forward with ``span`` prefetched."""
+    regather = 0 if span.kept else span.nbytes
+    before = 0 if previous is None or previous.kept else previous.nbytes
+    backward = before + max(
+        span.saved_end + regather + span.grads_at_start,
+        span.saved_start + 2 * span.nbytes + regather + span.grads_at_end,
+    )
+    terms = [span.saved_end + _forward_bytes(span), backward]
+    if previous is not None:
+        terms.append(previous.saved_end + _forward_bytes(previous) + span.nbytes)
+    return max(terms)
+
+
+def _worst(spans: Sequence[_Span]) -> int:
+    return max((_term(spans[i - 1] if i else None, s) for i, s in enumerate(spans)), default=0)
+
+
+def _saved_total(units: Sequence[GatherUnit]) -> int:
+    return max((u.saved_before_bytes + u.saved_bytes for u in units), default=0)
+
+
+def step_extra_bytes(buckets: Sequence[Sequence[GatherUnit]], kept: Collection[str] = ()) -> int:
+    """Memory beyond the unbucketed graph's peak over forward and backward
+    (Note: [Where in the step a bucket's memory is held])."""
+    buckets = [b for b in buckets if b]
+    return _worst(_spans(buckets, kept)) - _saved_total([u for b in buckets for u in b])
 
 
 def greedy_buckets(
@@ -195,76 +351,62 @@ def greedy_buckets(
     memory_budget_bytes: int | None,
     kept: Collection[str] = (),
 ) -> list[list[GatherUnit]]:
-    """Group ``units`` per Note: [Greedy auto-wrapping]. ``kept``: FQNs kept
-    gathered from forward to backward (in the base peak already; a bucket of
-    only those is not regathered in backward).
+    """Group ``units`` per Note: [Greedy auto-wrapping]. ``base_peak_bytes``:
+    the unbucketed graph's peak; ``kept``: FQNs kept gathered from forward
+    to backward (in the base peak already; a bucket of only those is not
+    regathered in backward).
 
     Raises:
         ValueError: the budget is below the unavoidable minimum (one parameter
             per bucket); the message names that minimum.
     """
-    singles = [[u] for u in units]
-    minimum = base_peak_bytes + step_extra_bytes(singles)
+    singles = _singles(units, kept)
+    rest = base_peak_bytes - _saved_total(units)  # R: held throughout
+    minimum = rest + _worst(singles)
     if memory_budget_bytes is not None and memory_budget_bytes < minimum:
         raise ValueError(
             f"memory_budget_bytes={memory_budget_bytes} is below the unavoidable minimum of "
             f"{minimum} bytes (the graph's own peak plus prefetching one parameter at a time)"
         )
-    # Memory: the plan so far must satisfy 2 * B_i + B_{i+1} <= headroom in
-    # forward and 3 * B_i + B_{i-1} in backward (2 * B_i for a kept bucket,
-    # and no B_{i-1} when that one is kept: nothing is regathered), and a
-    # bucket may grow only while any single next parameter still fits after it.
-    headroom = (
-        float("inf") if memory_budget_bytes is None else memory_budget_bytes - base_peak_bytes
-    )
-    largest_unit = max((u.gathered_bytes for u in units), default=0)
+    headroom = float("inf") if memory_budget_bytes is None else memory_budget_bytes - rest
+    # after[k]: the worst term of units k.. as single buckets, but unit k's
+    # own with the bucket before it. A bucket grows only while the units
+    # after it still fit one per bucket, so the plan always stays feasible.
+    after = [0] * (len(units) + 1)
+    for k in range(len(units) - 2, -1, -1):
+        after[k] = max(_term(singles[k], singles[k + 1]), after[k + 1])
     buckets: list[list[GatherUnit]] = []
     current: list[GatherUnit] = []
     # Carried across units rather than recomputed from every closed bucket:
-    # the replay after the closed buckets, the worst memory term among them,
-    # and the last one's size and whether it is kept.
-    closed, closed_worst, last_bytes, current_bytes = _Pipeline(), 0, None, 0
-    last_kept, current_kept = False, False
-    for unit in units:
-        unit_kept = unit.fqn in kept
+    # the replay after the closed buckets, the worst memory term among them
+    # and the last one's span.
+    closed, closed_worst = _Pipeline(), 0
+    last: _Span | None = None
+    span: _Span | None = None
+    for k, unit in enumerate(units):
         if not current:
-            current, current_bytes, current_kept = [unit], unit.gathered_bytes, unit_kept
+            current, span = [unit], singles[k]
             continue
-        grown_bytes = current_bytes + unit.gathered_bytes
-        grown_kept = current_kept and unit_kept
+        grown = span + singles[k]
         merged = closed.then([*current, unit], cost_model, reshard_after_forward)
         split = closed.then(current, cost_model, reshard_after_forward).then(
             [unit], cost_model, reshard_after_forward
         )
-        term = _bucket_term(grown_bytes, grown_kept, last_bytes, last_kept)
-        worst = max(closed_worst, term)
-        share = 2 if grown_kept else 3
-        fits = grown_bytes <= (headroom - largest_unit) / share and worst <= headroom
-        if merged.compute_end <= split.compute_end and fits:
+        worst = max(closed_worst, _term(last, grown))
+        if k + 1 < len(units):
+            worst = max(worst, _term(grown, singles[k + 1]), after[k + 1])
+        if merged.compute_end <= split.compute_end and worst <= headroom:
             current.append(unit)
-            current_bytes, current_kept = grown_bytes, grown_kept
+            span = grown
         else:
             buckets.append(current)
             closed = closed.then(current, cost_model, reshard_after_forward)
-            closed_worst = max(
-                closed_worst, _bucket_term(current_bytes, current_kept, last_bytes, last_kept)
-            )
-            last_bytes, last_kept = current_bytes, current_kept
-            current, current_bytes, current_kept = [unit], unit.gathered_bytes, unit_kept
+            closed_worst = max(closed_worst, _term(last, span))
+            last = span
+            current, span = [unit], singles[k]
     if current:
         buckets.append(current)
     return buckets
-
-
-def _bucket_term(size: int, kept: bool, previous: int | None, previous_kept: bool) -> int:
-    """Memory of a bucket of ``size`` beyond the base peak: forward
-    ``2 * B_{i-1} + B_i`` (with the bucket before it), backward ``3 * B_i +
-    B_{i-1}`` (``2 * B_i`` when kept; no ``B_{i-1}`` when that one is kept)."""
-    backward = (2 if kept else 3) * size
-    if previous is None:
-        return max(2 * size, backward)
-    forward = 2 * previous + size
-    return max(forward, backward + (0 if previous_kept else previous))
 
 
 @dataclass(frozen=True)
@@ -340,11 +482,12 @@ class AutoPlan:
     sites: list[CollectiveSite]
 
 
-def reference_extra_bytes(reference_plan: BucketPlan, gathered: dict[str, int]) -> int:
-    """Bucket memory (``step_extra_bytes``) of ``reference_plan``'s buckets,
-    with ``gathered``: parameter FQN -> gathered bytes in the graph."""
-    sizes = [sum(gathered.get(f, 0) for f in b.param_fqns) for b in reference_plan.buckets]
-    return _step_extra([s for s in sizes if s])
+def reference_extra_bytes(reference_plan: BucketPlan, units: Sequence[GatherUnit]) -> int:
+    """Bucket memory (``step_extra_bytes``) of ``reference_plan``'s buckets
+    of ``units`` (parameters not among them are left out)."""
+    by_fqn = {u.fqn: u for u in units}
+    buckets = [[by_fqn[f] for f in b.param_fqns if f in by_fqn] for b in reference_plan.buckets]
+    return step_extra_bytes([b for b in buckets if b])
 
 
 def forward_memory_terms(
@@ -352,16 +495,15 @@ def forward_memory_terms(
     primal_names: dict[str, str],
     reference_plan: BucketPlan,
     groups: CollectiveGroups = ALL_DATA_PARALLEL,
+    num_user_outputs: int | None = None,
 ) -> tuple[int, int]:
-    """``(unbucketed peak, reference_plan's prefetch memory)`` of a forward
-    graph, in the planner's terms (padding of uneven shards left out)."""
+    """``(unbucketed peak, reference_plan's bucket memory)`` of a forward
+    graph, in the planner's terms (padding of uneven shards left out;
+    ``num_user_outputs``: see ``saved_activations``)."""
     sites = find_sites(gm.graph, primal_names, {}, groups)
-    gathered: dict[str, int] = {}
-    for site in sites:
-        if site.kind == "all_gather" and site.fqn:
-            gathered.setdefault(site.fqn, site.bytes)
+    units = gather_units(gm, sites, None, groups, saved_activations(gm, num_user_outputs))
     peak = estimate_memory(gm, ignore=_padding(sites)).peak_bytes
-    return peak, reference_extra_bytes(reference_plan, gathered)
+    return peak, reference_extra_bytes(reference_plan, units)
 
 
 def _padding(sites: Sequence[CollectiveSite]) -> set[fx.Node]:
@@ -384,6 +526,7 @@ def plan_forward_graph(
     groups: CollectiveGroups = ALL_DATA_PARALLEL,
     default_budget_bytes: int | None = None,
     kept_fqns: Collection[str] = (),
+    num_user_outputs: int | None = None,
 ) -> AutoPlan:
     """Plan buckets for one Dynamo graph from its (unbucketed) forward graph.
 
@@ -392,11 +535,14 @@ def plan_forward_graph(
     ``reference_plan`` (per block) needs: no more predicted memory than
     per-block wrapping. ``groups``: which collectives are data parallel
     (planned); the others are fixed communication (Note: [Planning around
-    tensor-parallel collectives]).
+    tensor-parallel collectives]). ``num_user_outputs``: how many of the
+    graph's outputs are the user's, the rest saved for backward (``None``:
+    no positions, Note: [Where in the step a bucket's memory is held]).
     """
     start = time.perf_counter()
     sites = find_sites(gm.graph, primal_names, {}, groups)
-    units = gather_units(gm, sites, cost_model, groups)
+    saved = saved_activations(gm, num_user_outputs)
+    units = gather_units(gm, sites, cost_model, groups, saved)
     # Ranks with uneven shards pad their all-gather inputs; leave those nodes
     # out so every rank computes the same numbers and so the same plan.
     base_peak = estimate_memory(gm, ignore=_padding(sites)).peak_bytes
@@ -405,8 +551,7 @@ def plan_forward_graph(
     if budget is None and default_budget_bytes is not None:
         default_budget = budget = default_budget_bytes
     elif budget is None and reference_plan is not None:
-        gathered = {u.fqn: u.gathered_bytes for u in units}
-        default_budget = budget = base_peak + reference_extra_bytes(reference_plan, gathered)
+        default_budget = budget = base_peak + reference_extra_bytes(reference_plan, units)
     buckets = greedy_buckets(
         units,
         cost_model,
@@ -424,6 +569,7 @@ def plan_forward_graph(
         "memory_budget_bytes": budget,
         "budget_is_default": default_budget is not None,
         "unbucketed_peak_bytes": base_peak,
+        "saved_activation_bytes": _saved_total(units),
         "fixed_comm_s": sum(_fixed_s([u]) for u in units),
     }
     origin = (

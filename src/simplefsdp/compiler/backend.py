@@ -215,6 +215,9 @@ class _GraphCompilation:
         self.default_budget_bytes: int | None = None
         self.keep_search: dict = {}
         self.kept_fqns: set[str] = set()  # kept gathered, for the auto plan
+        # The partitioner's num_fwd_outputs: the forward graph's outputs after
+        # these are saved for backward (None: not partitioned by us).
+        self.num_fwd_outputs: int | None = None
 
     def searches_keep(self) -> bool:
         """Whether ``keep_gathered="auto"`` is decided by the budgeted search
@@ -231,6 +234,7 @@ class _GraphCompilation:
         """Tag ``joint`` (Note: [Resharding by recompute tags]), deciding first
         what to keep gathered when ``searches_keep()``, then partition it."""
         keep = None
+        self.num_fwd_outputs = kwargs["num_fwd_outputs"]  # required by every partitioner
         if self.searches_keep():
             keep = self._search_keep(joint, joint_inputs, kwargs)
         self.joint_pass(joint.graph, keep_count=keep)
@@ -253,7 +257,7 @@ class _GraphCompilation:
             plan=plan,
             bucket_of=bucket_lookup(plan),
             primal_names=self.primal_names,
-            num_fwd_outputs=kwargs["num_fwd_outputs"],  # required by every partitioner
+            num_fwd_outputs=kwargs["num_fwd_outputs"],
             groups=self.backend.groups,
             memory_budget_bytes=options.memory_budget_bytes,
         )
@@ -340,6 +344,7 @@ class _GraphCompilation:
             groups=self.backend.groups,
             default_budget_bytes=self.default_budget_bytes,
             kept_fqns=self.kept_fqns,
+            num_user_outputs=self.num_fwd_outputs,
         )
         self.plan, self.plan_notes, self.planned_sites = auto.plan, auto.notes, auto.sites
         if not any(b.origin == "auto" for b in self.plan.buckets):

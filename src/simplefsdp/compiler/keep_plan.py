@@ -254,7 +254,7 @@ def search_keep(
     gathered = gather_chain_names(joint.graph)  # the copy's nodes keep these names
     fw, bw = trial_partition(copy_joint(joint), free)
     compiled_saved = compiled_saved_bytes(bw, gathered)
-    terms = forward_memory_terms(fw, primal_names, plan, groups)
+    terms = forward_memory_terms(fw, primal_names, plan, groups, num_fwd_outputs)
     peak, extra = (concrete_bytes(b) for b in terms)
     budget = memory_budget_bytes
     if budget is None:
