@@ -21,6 +21,7 @@ from simplefsdp.plan.predict import (
     ADAMW_BYTES_PER_PARAM,
     Layout,
     compute_time,
+    copy_seconds,
     measure,
     predict,
     traced,
@@ -126,6 +127,72 @@ def test_fused_compute_time_by_hand() -> None:
     assert fused["seconds"] == pytest.approx(mm_s + 1e-3 + (h + 4) / 1e6 + 1e-3)
     assert fused["kernels"] == 2
     assert fused["flops"] == unfused["flops"] == 2 * 8 * 16 * 32
+
+
+def test_attention_at_its_share_of_the_matmul_rate() -> None:
+    import torch.nn.functional as F
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.randn(2, 4, 64, 16)
+    gm = make_fx(f, tracing_mode="fake")(q, q, q)
+    node = next(n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    flops = 4 * 2 * 4 * 64 * 64 * 16
+    fast = CostModel(flops_per_s=1e9, bytes_per_s=1e15, kernel_overhead_s=0.0)
+    slow = dataclasses.replace(fast, attention_efficiency=0.25)
+    assert fast.node_time(node) == pytest.approx(flops / 1e9)
+    assert slow.node_time(node) == pytest.approx(4 * flops / 1e9)
+    # a profile's share reaches the planner's cost model; profiles without it: 1
+    from simplefsdp.plan.predict import cost_model_for
+
+    half = dataclasses.replace(FIXED, attention_efficiency=0.5)
+    assert cost_model_for(half, Layout(gpus=2, batch=2, seq=64)).attention_efficiency == 0.5
+    assert (
+        CostModel.from_dict({**fast.to_dict(), "attention_efficiency": 0.5}).attention_efficiency
+        == 0.5
+    )
+    legacy = fast.to_dict()
+    del legacy["attention_efficiency"]  # a cost-model cache written before it existed
+    assert CostModel.from_dict(legacy).attention_efficiency == 1.0
+
+
+def test_copies_around_collectives_by_hand() -> None:
+    from simplefsdp.compiler.auto_bucketing import GatherUnit
+
+    cm = CostModel(bytes_per_s=3e9, kernel_overhead_s=1e-3)
+    # two 2-rank buckets of 1 GB and 2 GB gathered (2 and 1 parameters)
+    buckets = [
+        [GatherUnit("a", 5 * 10**8, 2, 0.0), GatherUnit("b", 5 * 10**8, 2, 0.0)],
+        [GatherUnit("c", 2 * 10**9, 2, 0.0)],
+    ]
+    # resharded: 2 all-gathers (shards in, bucket out: 1.5x its bytes each)
+    # and one reduce-scatter (gradients in: 1x) per bucket, each written
+    # byte at the cost of an add (3 bytes at 3e9 B/s: 1 s per GB); one
+    # kernel per parameter and copy (5 per parameter, 3 parameters)
+    written = (2 * 1.5 + 1) * 3e9
+    assert copy_seconds(buckets, cm, True) == pytest.approx(written / 1e9 + 15e-3)
+    # kept gathered: one all-gather each
+    assert copy_seconds(buckets, cm, False) == pytest.approx((1.5 + 1) * 3 + 9e-3)
+
+
+def test_calibration_profile_carries_the_attention_share() -> None:
+    from simplefsdp.plan.calibrate import profile_from
+
+    raw = {
+        "fits": {"all_gather/2": [1e-4, 1e-9], "reduce_scatter/2": [3e-4, 3e-9]},
+        "flops": 1e11,
+        "attention_flops": 4e10,
+        "bytes_per_s": 5e9,
+        "op_s": 1e-5,
+        "overlap": 0.2,
+    }
+    profile = profile_from(raw, "t", "cpu")
+    assert profile.attention_efficiency == pytest.approx(0.4)
+    assert profile.intra_latency_s == pytest.approx(2e-4)
+    assert profile.intra_bandwidth == pytest.approx(0.5 / 2e-9)
+    del raw["attention_flops"]  # measured before attention was timed
+    assert profile_from(raw, "t", "cpu").attention_efficiency == 1.0
 
 
 def _key(n_layers: int, dp: int = 2, ac: str = "selective", **kw) -> TraceKey:

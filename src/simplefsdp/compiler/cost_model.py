@@ -90,6 +90,8 @@ class CostModel:
         kernel_overhead_s: fixed cost per compute node.
         comm_overlap: fraction of communication that runs concurrently with
             compute, 0-1 (Note: [Communication competing with compute]).
+        attention_efficiency: fused attention's rate as a fraction of
+            ``flops_per_s`` (``simplefsdp plan``'s profiles; 1 otherwise).
     """
 
     comm: dict[str, LinearFit] = field(default_factory=dict)
@@ -98,6 +100,7 @@ class CostModel:
     bytes_per_s: float = 5e9
     kernel_overhead_s: float = 2e-6
     comm_overlap: float = 1.0
+    attention_efficiency: float = 1.0
 
     def comm_time(
         self, kind: str, group_size: int, num_bytes: int, role: str | None = None
@@ -133,8 +136,11 @@ class CostModel:
         if not is_compute(node):
             return 0.0
         flops = node_flops(node)
+        rate = self.flops_per_s
+        if "scaled_dot_product" in str(node.target):
+            rate *= self.attention_efficiency
         moved = node_bytes(node) + sum(node_bytes(i) for i in node.all_input_nodes)
-        return max(flops / self.flops_per_s, moved / self.bytes_per_s) + self.kernel_overhead_s
+        return max(flops / rate, moved / self.bytes_per_s) + self.kernel_overhead_s
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -149,6 +155,7 @@ class CostModel:
             bytes_per_s=data["bytes_per_s"],
             kernel_overhead_s=data["kernel_overhead_s"],
             comm_overlap=data.get("comm_overlap", 1.0),
+            attention_efficiency=data.get("attention_efficiency", 1.0),
         )
 
 

@@ -7,13 +7,18 @@ measure, at the same time as in training:
   over 1-64 MiB buffers (training-sized; the compiler's own calibration stops
   at 4 MiB), turned into the profile's ring bus bandwidth and latency;
 * compute: a square fp32 matmul (FLOP/s) and a large add (bytes/s), so
-  efficiencies are 1;
+  efficiencies are 1, and fused attention forward and backward, whose rate
+  relative to the matmul's is the profile's ``attention_efficiency``;
 * the fixed cost of one small op (dispatch and launch);
 * how much a collective slows down while a matmul runs (``comm_overlap``:
   1 when they run fully in parallel, 0 when they take turns).
 
 Each timing is the median over repeats (see ``_median_time``): calibrate under
-the load the predicted runs will see.
+the load the predicted runs will see. On CPU the workers lower glibc's mmap
+threshold as ``simplefsdp bench``'s workers do (Note: [Measuring peak memory
+on CPU]): every tensor above 64 KiB is then a fresh mapping whose pages fault
+in when first written, a cost of every op that allocates, which the bench's
+steps pay and a run without the lowered threshold mostly does not.
 """
 
 from __future__ import annotations
@@ -67,6 +72,32 @@ def _compute_rates(device, sync) -> tuple[float, float]:
     return 2.0 * n**3 / mm_s, 3 * x.numel() * 4 / add_s
 
 
+# (batch, heads, sequence, head dim) of the attention timing: a small
+# model's on CPU, a large one's on GPU.
+ATTENTION_SHAPES = {"cpu": (4, 8, 256, 32), "cuda": (4, 32, 2048, 128)}
+
+
+def _attention_rate(device, sync) -> float:
+    """FLOP/s of causal fused attention, forward and backward, counted as
+    the cost model counts them (``node_flops``: ``4 b h s^2 d`` forward,
+    2.5 times that backward)."""
+    import torch
+    import torch.nn.functional as F
+
+    b, h, s, d = ATTENTION_SHAPES.get(device.type, ATTENTION_SHAPES["cuda"])
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v = (
+        torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
+
+    def run():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+        sync()
+
+    return 3.5 * 4.0 * b * h * s * s * d / _median_time(run, repeats=5)
+
+
 def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     import torch
     import torch.distributed as dist
@@ -75,6 +106,10 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if device_type == "cpu":
+        from simplefsdp.engines.memory import lower_mmap_threshold
+
+        lower_mmap_threshold()  # as simplefsdp bench's workers (see the module docstring)
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
     )
@@ -89,6 +124,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
     try:
         fits = _comm_fits(dist.group.WORLD, device)
         flops, bytes_per_s = _compute_rates(device, sync)
+        attention_flops = _attention_rate(device, sync)
         # Per-op framework cost: a tiny autograd chain (4 ops forward, 4 backward).
         tiny = torch.ones(8, device=device, requires_grad=True)
 
@@ -104,6 +140,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
                     {
                         "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
                         "flops": flops,
+                        "attention_flops": attention_flops,
                         "bytes_per_s": bytes_per_s,
                         "op_s": op_s,
                         "overlap": overlap,
@@ -166,6 +203,7 @@ def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
         inter_bandwidth=bandwidth,
         inter_latency_s=latency,
         comm_overlap=raw["overlap"],
+        attention_efficiency=min(raw.get("attention_flops", raw["flops"]) / raw["flops"], 1.0),
         source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
     )
 

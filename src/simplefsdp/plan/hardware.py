@@ -51,6 +51,9 @@ class HardwareProfile:
             engines and SMs are separate; below 1 where both compete for the
             same CPU cores).
         source: where the numbers come from.
+        attention_efficiency: the rate of fused attention (forward and
+            backward) as a fraction of the achievable matmul rate (1: as
+            fast as a matmul; measured by ``--calibrate``).
     """
 
     name: str
@@ -70,6 +73,7 @@ class HardwareProfile:
     inter_latency_s: float
     comm_overlap: float = 1.0
     source: str = ""
+    attention_efficiency: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)

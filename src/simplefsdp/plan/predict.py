@@ -20,8 +20,14 @@ Note: [Plan model]
     The peak is the sum; the breakdown adds up to it.
 
     Step time: compute per node from the hardware profile (``CostModel``:
-    matmul FLOPs at the achievable rate, other ops by the bytes they move
-    at the achievable HBM bandwidth, plus a per-kernel overhead). For the
+    matmul FLOPs at the achievable rate, fused attention at its share of it
+    (``attention_efficiency``), other ops by the bytes they move at the
+    achievable HBM bandwidth, plus a per-kernel overhead), and the copies
+    around the collectives, which the traced graph (one all-gather per
+    parameter) does not hold but both engines run on the compute stream:
+    per all-gather the shards copied in and the gathered bucket copied out
+    to the parameters, per reduce-scatter the gradients copied in
+    (``copy_seconds``). For the
     compiled engine (simplefsdp) chains of non-matmul ops count as one fused
     kernel each, moving only the tensors that enter and leave the chain (what
     Inductor generates); for the eager engine (FSDP2) each op is a kernel.
@@ -273,6 +279,27 @@ def measure(traced: Traced, cost_model: CostModel, fused: bool) -> GraphMeasures
 # ------------------------------------------------------------ cost model
 
 
+def copy_seconds(
+    buckets: list[list[GatherUnit]], cost_model: CostModel, reshard_after_forward: bool
+) -> float:
+    """Seconds of the copies around a step's collectives (Note: [Plan
+    model]): per all-gather the copy-in of the shards and the copy-out of
+    the gathered bucket, per reduce-scatter the copy-in of the gradients,
+    plus one kernel per parameter copied. Each copy writes a new buffer and
+    costs what an elementwise op writing as many bytes costs (the rate
+    counts two inputs and the output: an add): writing fresh memory, where
+    its pages fault in, not reading, is what a copy waits on (on this CPU a
+    copy into an existing buffer is about 4x faster than into a new one)."""
+    gathers = 2 if reshard_after_forward else 1
+    written = kernels = 0.0
+    for bucket in buckets:
+        size = sum(u.gathered_bytes for u in bucket)
+        shards = sum(u.gathered_bytes / u.group_size for u in bucket)
+        written += gathers * (size + shards) + size
+        kernels += (2 * gathers + 1) * len(bucket)
+    return 3 * written / cost_model.bytes_per_s + kernels * cost_model.kernel_overhead_s
+
+
 def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 2.0) -> CostModel:
     """The compiler's ``CostModel`` for ``hw`` and the layout's groups.
 
@@ -300,6 +327,7 @@ def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 
         bytes_per_s=hw.memory_bandwidth * hw.memory_efficiency,
         kernel_overhead_s=hw.kernel_overhead_s,
         comm_overlap=hw.comm_overlap,
+        attention_efficiency=hw.attention_efficiency,
     )
 
 
@@ -479,9 +507,12 @@ def predict(
     )
     if layout.dp == 1:
         pipe_s, dp_comm_s = compute_s + fixed_s, 0.0
+    # Bucket copies on the compute stream (Note: [Plan model]).
+    copy_s = copy_seconds(buckets, cost_model, layout.reshard_after_forward) if layout.dp > 1 else 0
     # The replay counts communication competing with compute for the CPU
     # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
-    mb_s = max(pipe_s, compute_s)
+    mb_s = max(pipe_s, compute_s) + copy_s
+    compute_s += copy_s
     exposed_s = mb_s - compute_s
     slots = layout.microbatches + (layout.pp - 1 if layout.pp > 1 else 0)
     bubble_s = (layout.pp - 1) * mb_s if layout.pp > 1 else 0.0
@@ -537,6 +568,7 @@ __all__ = [
     "Layout",
     "Prediction",
     "compute_time",
+    "copy_seconds",
     "cost_model_for",
     "measure",
     "predict",
