@@ -24,9 +24,8 @@ Note: [Keeping what eager FSDP2 would hold]
        ops instead of saving their outputs, so usually ``S_c < S_e``.
     3. The budget is the user's ``memory_budget_bytes``, else what eager
        FSDP2 would hold: ``P + X + max(S_e - S_c, 0)``, with ``X`` the
-       bucket memory of one bucket per block (worst of ``2 B_i + B_{i+1}``
-       in forward and ``3 B_i + B_{i-1}`` in backward, Note: [Greedy
-       auto-wrapping]). The slack ``budget - (P + X)`` is
+       bucket memory of one bucket per block beyond ``P`` (Note: [Where in
+       the step a bucket's memory is held]). The slack ``budget - (P + X)`` is
        spent on keeping buckets, the last ones of the forward first (they are
        the first backward needs and the shortest-lived): a bucket is kept
        while the gathered bytes of the kept ones, beyond the free ones, stay

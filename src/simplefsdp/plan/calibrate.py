@@ -61,7 +61,9 @@ def _comm_fits(group, device) -> dict:
     )
 
 
-def _compute_rates(device, sync) -> tuple[float, float]:
+def _compute_rates(device, sync) -> tuple[float, float, float]:
+    """Matmul FLOP/s, elementwise bytes/s (an add: two inputs and the
+    output), and a copy's cost in bytes moved at that rate per byte written."""
     import torch
 
     n = 1024 if device.type == "cpu" else 8192
@@ -69,7 +71,9 @@ def _compute_rates(device, sync) -> tuple[float, float]:
     mm_s = _median_time(lambda: (torch.mm(a, a), sync()), repeats=5)
     x = torch.randn(16 << 20, device=device)
     add_s = _median_time(lambda: (torch.add(x, x), sync()), repeats=5)
-    return 2.0 * n**3 / mm_s, 3 * x.numel() * 4 / add_s
+    copy_s = _median_time(lambda: (x.clone(), sync()), repeats=5)
+    bytes_per_s = 3 * x.numel() * 4 / add_s
+    return 2.0 * n**3 / mm_s, bytes_per_s, copy_s * bytes_per_s / (x.numel() * 4)
 
 
 # (batch, heads, sequence, head dim) of the attention timing: a small
@@ -123,7 +127,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
 
     try:
         fits = _comm_fits(dist.group.WORLD, device)
-        flops, bytes_per_s = _compute_rates(device, sync)
+        flops, bytes_per_s, copy_factor = _compute_rates(device, sync)
         attention_flops = _attention_rate(device, sync)
         # Per-op framework cost: a tiny autograd chain (4 ops forward, 4 backward).
         tiny = torch.ones(8, device=device, requires_grad=True)
@@ -141,6 +145,7 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
                         "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
                         "flops": flops,
                         "attention_flops": attention_flops,
+                        "copy_bytes_per_byte": copy_factor,
                         "bytes_per_s": bytes_per_s,
                         "op_s": op_s,
                         "overlap": overlap,
@@ -204,6 +209,7 @@ def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
         inter_latency_s=latency,
         comm_overlap=raw["overlap"],
         attention_efficiency=min(raw.get("attention_flops", raw["flops"]) / raw["flops"], 1.0),
+        copy_bytes_per_byte=raw.get("copy_bytes_per_byte", 2.0),
         source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
     )
 

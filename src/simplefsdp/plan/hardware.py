@@ -54,6 +54,10 @@ class HardwareProfile:
         attention_efficiency: the rate of fused attention (forward and
             backward) as a fraction of the achievable matmul rate (1: as
             fast as a matmul; measured by ``--calibrate``).
+        copy_bytes_per_byte: what a copy into a new buffer costs per byte
+            it writes, in bytes moved at the elementwise rate: 2 (read and
+            write) where allocations are cached (GPUs); more where a new
+            buffer's pages fault in (measured by ``--calibrate``).
     """
 
     name: str
@@ -74,6 +78,7 @@ class HardwareProfile:
     comm_overlap: float = 1.0
     source: str = ""
     attention_efficiency: float = 1.0
+    copy_bytes_per_byte: float = 2.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,7 +117,7 @@ PROFILES: dict[str, HardwareProfile] = {
         peak_fp32_flops=67 * TFLOPS,
         # torchtitan's 500 W H100 fitted value (see h100-96gb-500w); a 700 W
         # SXM part likely sustains more: a conservative assumption.
-        matmul_efficiency=0.4868,
+        matmul_efficiency=0.5028,
         memory_bytes=80 * GB,
         usable_memory_fraction=0.95,  # assumption (context, NCCL buffers)
         memory_bandwidth=3.35e12,
@@ -140,7 +145,7 @@ PROFILES: dict[str, HardwareProfile] = {
         peak_fp32_flops=67 * TFLOPS,
         # Fitted (python -m simplefsdp.plan.reference --fit) on one row only:
         # 8B, 8 GPUs, FSDP + torch.compile, 6,667 TPS/GPU; docs/scale.md.
-        matmul_efficiency=0.4868,
+        matmul_efficiency=0.5028,
         memory_bytes=96 * GiB,  # "96GB" HBM2e; torchtitan reports GiB readings
         usable_memory_fraction=0.95,
         memory_bandwidth=2.4e12,
@@ -160,7 +165,7 @@ PROFILES: dict[str, HardwareProfile] = {
         # dense, 67 TFLOPS fp32, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
         peak_bf16_flops=989 * TFLOPS,
         peak_fp32_flops=67 * TFLOPS,
-        matmul_efficiency=0.4868,  # assumption: as h100
+        matmul_efficiency=0.5028,  # assumption: as h100
         memory_bytes=141 * GB,
         usable_memory_fraction=0.95,
         memory_bandwidth=4.8e12,

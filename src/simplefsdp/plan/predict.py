@@ -55,6 +55,7 @@ from simplefsdp.compiler.auto_bucketing import (
     greedy_buckets,
     pipeline_time_s,
     prefetch_extra_bytes,
+    step_extra_bytes,
 )
 from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops
 from simplefsdp.compiler.memory_estimate import estimate_memory
@@ -280,16 +281,20 @@ def measure(traced: Traced, cost_model: CostModel, fused: bool) -> GraphMeasures
 
 
 def copy_seconds(
-    buckets: list[list[GatherUnit]], cost_model: CostModel, reshard_after_forward: bool
+    buckets: list[list[GatherUnit]],
+    cost_model: CostModel,
+    reshard_after_forward: bool,
+    bytes_per_byte: float = 2.0,
 ) -> float:
     """Seconds of the copies around a step's collectives (Note: [Plan
     model]): per all-gather the copy-in of the shards and the copy-out of
     the gathered bucket, per reduce-scatter the copy-in of the gradients,
     plus one kernel per parameter copied. Each copy writes a new buffer and
-    costs what an elementwise op writing as many bytes costs (the rate
-    counts two inputs and the output: an add): writing fresh memory, where
-    its pages fault in, not reading, is what a copy waits on (on this CPU a
-    copy into an existing buffer is about 4x faster than into a new one)."""
+    moves ``bytes_per_byte`` bytes per byte written at the elementwise rate
+    (the profile's ``copy_bytes_per_byte``: 2, a read and a write, where
+    allocations are cached; about 2.6 measured on a CPU whose new buffers'
+    pages fault in, where a copy into an existing buffer is about 4x faster
+    than into a new one)."""
     gathers = 2 if reshard_after_forward else 1
     written = kernels = 0.0
     for bucket in buckets:
@@ -297,7 +302,9 @@ def copy_seconds(
         shards = sum(u.gathered_bytes / u.group_size for u in bucket)
         written += gathers * (size + shards) + size
         kernels += (2 * gathers + 1) * len(bucket)
-    return 3 * written / cost_model.bytes_per_s + kernels * cost_model.kernel_overhead_s
+    return (
+        bytes_per_byte * written / cost_model.bytes_per_s + kernels * cost_model.kernel_overhead_s
+    )
 
 
 def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 2.0) -> CostModel:
@@ -485,6 +492,11 @@ def predict(
         buckets = _group_units(units, "none")
     else:
         budget = usable - resident - max(first_stage_saved - stage.saved_bytes, 0)
+        # The compiler's default budget: no more than the per-block plan
+        # (Note: [Keeping what eager FSDP2 would hold], less the activation
+        # slack, which needs the joint graph).
+        per_block = step_extra_bytes(_group_units(units, "per_block"))
+        budget = min(budget, base_peak + per_block)
         try:
             buckets = greedy_buckets(
                 units,
@@ -508,7 +520,11 @@ def predict(
     if layout.dp == 1:
         pipe_s, dp_comm_s = compute_s + fixed_s, 0.0
     # Bucket copies on the compute stream (Note: [Plan model]).
-    copy_s = copy_seconds(buckets, cost_model, layout.reshard_after_forward) if layout.dp > 1 else 0
+    copy_s = 0.0
+    if layout.dp > 1:
+        copy_s = copy_seconds(
+            buckets, cost_model, layout.reshard_after_forward, hw.copy_bytes_per_byte
+        )
     # The replay counts communication competing with compute for the CPU
     # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
     mb_s = max(pipe_s, compute_s) + copy_s
