@@ -44,21 +44,22 @@ Note: [Where in the step a bucket's memory is held]
     gradients as large as a model's (parameter-heavy workloads) the last
     buckets of backward, the first of forward, hold the most.
 
-    The parameters of a bucket kept gathered from forward to backward are
-    in ``R`` already (they are outputs of the forward graph, but not
+    The parameters of a bucket kept gathered from forward to backward are in
+    ``R`` already (they are outputs of the forward graph, but not
     activations), so such a bucket is charged only its all-gather buffer in
     forward (``B_i`` for ``2 B_i``) and no regather in backward (``a_e +
     B_{i-1}`` and ``a_s + 2 B_i + B_{i-1}``), and no ``B_{i-1}`` is charged
-    in backward when the bucket before is kept. Within a bucket's backward, activations fall as its gradients
-    grow, so the two ends bound it. Without positions (``A = 0``: an
-    inference graph, or units built without them) this is ``P`` plus the
-    worst of ``2 B_i + B_{i+1}`` and ``3 B_i + B_{i-1}`` with the sharded
-    gradients: close to the model before positions, which charged a
-    whole-model bucket its gradients on top of every activation (and left
-    the sharded gradients out). Gradient bytes are taken as gathered bytes
-    (a reduce dtype wider than the gather dtype is not modelled). The planner's memory numbers are relative to ``P``
-    (``step_extra_bytes``); they are never negative, since the last
-    bucket's forward term is at least ``A``.
+    in backward when the bucket before is kept. Within a bucket's backward,
+    activations fall as its gradients grow, so the two ends bound it.
+    Without positions (``A = 0``: an inference graph, or units built without
+    them) this is ``P`` plus the worst of ``2 B_i + B_{i+1}`` and ``3 B_i +
+    B_{i-1}`` with the sharded gradients: close to the model before
+    positions, which charged a whole-model bucket its gradients on top of
+    every activation (and left the sharded gradients out). Gradient bytes
+    are taken as gathered bytes (a reduce dtype wider than the gather dtype
+    is not modelled). The planner's memory numbers are relative to ``P``
+    (``step_extra_bytes``); they are never negative, since the last bucket's
+    forward term is at least ``A``.
 
 Note: [Planning around tensor-parallel collectives]
     In a 2-D (data x tensor parallel) graph the TP plan's collectives stay
