@@ -292,7 +292,7 @@ def copy_seconds(
     plus one kernel per parameter copied. Each copy writes a new buffer and
     moves ``bytes_per_byte`` bytes per byte written at the elementwise rate
     (the profile's ``copy_bytes_per_byte``: 2, a read and a write, where
-    allocations are cached; about 2.6 measured on a CPU whose new buffers'
+    allocations are cached; about 3 measured on a CPU whose new buffers'
     pages fault in, where a copy into an existing buffer is about 4x faster
     than into a new one)."""
     gathers = 2 if reshard_after_forward else 1
