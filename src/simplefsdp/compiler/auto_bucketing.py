@@ -102,12 +102,16 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from simplefsdp.bucket_plan import Bucket, BucketPlan
 from simplefsdp.compiler.cost_model import CostModel
-from simplefsdp.compiler.memory_estimate import estimate_memory
+from simplefsdp.compiler.memory_estimate import (
+    concrete_bytes,
+    estimate_memory,
+    output_leaves,
+    storage_root,
+)
 from simplefsdp.compiler.passes.bucketing import CollectiveSite, find_sites
 from simplefsdp.compiler.patterns import (
     ALL_DATA_PARALLEL,
@@ -146,19 +150,17 @@ def saved_activations(gm: fx.GraphModule, num_user_outputs: int | None) -> dict[
     (kept for backward). ``None`` (no backward known): nothing."""
     if num_user_outputs is None:
         return {}
-    from simplefsdp.compiler.keep_plan import _storage_root, concrete_bytes
     from simplefsdp.compiler.passes.reshard import find_gather_chains
 
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    output = next(iter(gm.graph.find_nodes(op="output")))
-    leaves = torch.utils._pytree.arg_tree_leaves(*output.args)
-    user = {_storage_root(n) for n in leaves[:num_user_outputs] if isinstance(n, fx.Node)}
+    leaves = output_leaves(gm.graph)
+    user = {storage_root(n) for n in leaves[:num_user_outputs] if isinstance(n, fx.Node)}
     gathered = {
         n
         for chain in find_gather_chains(gm.graph)
         for n in (chain.all_gather, chain.wait, *chain.post)
     }
-    roots = {_storage_root(n) for n in leaves[num_user_outputs:] if isinstance(n, fx.Node)}
+    roots = {storage_root(n) for n in leaves[num_user_outputs:] if isinstance(n, fx.Node)}
     return {
         index[r]: concrete_bytes(node_bytes(r))
         for r in roots
@@ -270,8 +272,8 @@ class _Span:
     kept: bool
     saved_start: int
     saved_end: int
-    grads_at_start: int = 0
-    grads_at_end: int = 0
+    grads_at_start: int
+    grads_at_end: int
 
     def __add__(self, other: _Span) -> _Span:
         return _Span(

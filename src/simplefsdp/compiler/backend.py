@@ -257,7 +257,7 @@ class _GraphCompilation:
             plan=plan,
             bucket_of=bucket_lookup(plan),
             primal_names=self.primal_names,
-            num_fwd_outputs=kwargs["num_fwd_outputs"],
+            num_fwd_outputs=self.num_fwd_outputs,
             groups=self.backend.groups,
             memory_budget_bytes=options.memory_budget_bytes,
         )

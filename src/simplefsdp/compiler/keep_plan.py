@@ -48,16 +48,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from simplefsdp.bucket_plan import BucketPlan
-from simplefsdp.compiler.memory_estimate import _is_alias
+from simplefsdp.compiler.memory_estimate import concrete_bytes, output_leaves, storage_root
 from simplefsdp.compiler.passes.reshard import find_gather_chains, gathered_bucket_bytes
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, node_bytes
 from simplefsdp.compiler.report import _fmt_bytes
@@ -65,35 +63,13 @@ from simplefsdp.compiler.report import _fmt_bytes
 _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
 
-def concrete_bytes(value) -> int:
-    """A byte count as an int: a symbolic one (dynamic shapes) by its hint,
-    the size of the example being compiled (no guard is added)."""
-    if isinstance(value, torch.SymInt):
-        node = value.node
-        return int(node.hint) if node.has_hint() else 0  # unbacked: unknown
-    return int(value)
-
-
-def _storage_root(node: fx.Node) -> fx.Node:
-    """The node whose tensor ``node`` views (a getitem of a multi-output op,
-    whose value is a tuple, is its own storage)."""
-    while _is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
-        source = node.args[0]
-        if node.target is operator.getitem and not isinstance(source.meta.get("val"), torch.Tensor):
-            break
-        node = source
-    return node
-
-
 def _backward_nodes(graph: fx.Graph, num_fwd_outputs: int) -> set[fx.Node]:
     """The joint graph's backward: what the forward outputs (the first
     ``num_fwd_outputs``) do not need. (What depends on a tangent would miss
     backward formulas' terms of forward values alone, e.g. ``2 * x`` of
     ``x ** 2``.)"""
-    output = next(iter(graph.find_nodes(op="output")))
-    leaves = torch.utils._pytree.arg_tree_leaves(*output.args)
     forward: set[fx.Node] = set()
-    stack = [n for n in leaves[:num_fwd_outputs] if isinstance(n, fx.Node)]
+    stack = [n for n in output_leaves(graph)[:num_fwd_outputs] if isinstance(n, fx.Node)]
     while stack:
         node = stack.pop()
         if node not in forward:
@@ -116,7 +92,7 @@ def eager_saved_bytes(graph: fx.Graph, num_fwd_outputs: int) -> int:
         if node.meta.get("recompute") in _RECOMPUTED:
             continue  # inside a checkpointed region: eager recomputes it
         if any(u in backward or u.meta.get("recompute") in _RECOMPUTED for u in node.users):
-            root = _storage_root(node)
+            root = storage_root(node)
             if root.op != "placeholder" and root not in chain_nodes:
                 saved.add(root)
     return sum(concrete_bytes(node_bytes(n)) for n in saved)

@@ -60,6 +60,32 @@ def _is_alias(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in _ALIAS_OPS or is_wait(node))
 
 
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node whose tensor ``node`` views (a getitem of a multi-output op,
+    whose value is a tuple, is its own storage)."""
+    while _is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
+        source = node.args[0]
+        if node.target is operator.getitem and not isinstance(source.meta.get("val"), torch.Tensor):
+            break
+        node = source
+    return node
+
+
+def output_leaves(graph: fx.Graph) -> list:
+    """The flattened arguments of ``graph``'s output node, in order."""
+    output = next(iter(graph.find_nodes(op="output")))
+    return torch.utils._pytree.arg_tree_leaves(*output.args)
+
+
+def concrete_bytes(value) -> int:
+    """A byte count as an int: a symbolic one (dynamic shapes) by its hint,
+    the size of the example being compiled (no guard is added)."""
+    if isinstance(value, torch.SymInt):
+        node = value.node
+        return int(node.hint) if node.has_hint() else 0  # unbacked: unknown
+    return int(value)
+
+
 def estimate_memory(gm: fx.GraphModule, ignore: set[fx.Node] | None = None) -> MemoryEstimate:
     """Liveness-based peak of the memory ``gm`` allocates while it runs
     (nodes in ``ignore`` are counted as allocating nothing)."""
