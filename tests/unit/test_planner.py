@@ -154,6 +154,46 @@ def test_flops_and_memory_estimates_on_a_traced_graph() -> None:
     )
 
 
+def _reduce_scatter_waited_late() -> torch.fx.GraphModule:
+    """A backward-like graph: a gradient reduce-scattered, then more compute
+    before the wait (as the reordering pass leaves it). float32, 1 KiB per
+    256 elements; the tangent is an input that is not state, the shard is."""
+    from simplefsdp.compiler.patterns import REDUCE_SCATTER, WAIT
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+
+    def node(n, numel):
+        n.meta["val"] = torch.empty(numel)
+        return n
+
+    tangent = node(g.placeholder("tangents_1"), 256)
+    shard = node(g.placeholder("primals_1"), 256)
+    grad = node(g.call_function(aten.mul.Tensor, (tangent, shard)), 256)
+    rs = node(g.call_function(REDUCE_SCATTER, (grad, "sum", 2, "g")), 128)
+    later = node(g.call_function(aten.mul.Tensor, (tangent, tangent)), 256)
+    waited = node(g.call_function(WAIT, (rs,)), 128)
+    g.output((waited, later))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_collective_inputs_live_until_the_wait_and_gloo_stages() -> None:
+    gm = _reduce_scatter_waited_late()
+    KiB = 1024
+    # The gradient (1 KiB) is held by the reduce-scatter until its wait, so it
+    # is alive beside the sharded output (0.5) and the later product (1).
+    assert estimate_memory(gm).peak_bytes == 2.5 * KiB
+    # gloo reduces a copy of its input: another KiB from issue to wait.
+    from simplefsdp.compiler.memory_estimate import staged_on_cpu
+
+    staged = estimate_memory(gm, staged=staged_on_cpu)
+    assert staged.peak_bytes == 3.5 * KiB
+    # Beyond the state: the tangent too, freed after its last use (the later
+    # product), so it is in the peak; the shard is state and never counted.
+    assert staged.live_peak_bytes == 4.5 * KiB
+    assert estimate_memory(gm, staged=lambda node: False).peak_bytes == 2.5 * KiB
+
+
 def test_comm_overlap_from_timings_and_old_cost_model_files() -> None:
     from simplefsdp.compiler.cost_model import measure_comm_overlap
 

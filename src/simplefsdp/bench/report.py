@@ -311,16 +311,19 @@ def format_table(result: dict) -> str:
                 f"peak MiB per rank: {mems}"
             )
     phased = [
-        (row["name"], row["phase_peak_mem_bytes"])
+        (row["name"], row["phase_peak_mem_bytes"], row.get("predicted_peak_mem_bytes"))
         for row in result["configs"]
         if row.get("phase_peak_mem_bytes")
     ]
     if phased:
         lines.append(
-            "peak MiB by phase above the step's start, forward+backward / optimizer: "
+            "peak MiB by phase above the step's start, forward+backward / optimizer"
+            " (predicted forward+backward): "
             + ", ".join(
-                f"{name} " + "/".join("-" if v is None else f"{v / _MIB:.1f}" for v in p.values())
-                for name, p in phased
+                f"{name} "
+                + "/".join("-" if v is None else f"{v / _MIB:.1f}" for v in p.values())
+                + ("" if pred is None else f" ({pred / _MIB:.1f})")
+                for name, p, pred in phased
             )
         )
     if result.get("bound_s") is not None:

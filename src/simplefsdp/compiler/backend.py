@@ -37,7 +37,7 @@ from simplefsdp.bucket_plan import BucketPlan, resolve_plan
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
 from simplefsdp.compiler.keep_plan import bucket_lookup, free_keep_count, search_keep
-from simplefsdp.compiler.memory_estimate import estimate_memory
+from simplefsdp.compiler.memory_estimate import estimate_memory, staged_on_cpu
 from simplefsdp.compiler.options import CompileOptions
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
@@ -406,7 +406,7 @@ class _GraphCompilation:
         cost_model = self.backend.cost_model(required=False)
         if cost_model is not None:
             report.predicted.update(simulate(gm, cost_model, groups))
-            report.predicted.update(estimate_memory(gm).to_dict())
+            report.predicted.update(estimate_memory(gm, staged=staged_on_cpu).to_dict())
         report.buckets.extend(extra.get("buckets", []))
         report.predicted.update(extra.get("predicted", {}))
         report.overlap = {"planned": list(fx_overlap(gm, groups))}

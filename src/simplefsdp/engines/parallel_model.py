@@ -95,8 +95,10 @@ class ParallelModel:
         has run a step. Counts add the latest forward and backward graph of
         each compiled Dynamo graph. ``predicted_step_time_s`` sums the graphs'
         predicted ``time_s`` (``None`` unless every graph has one);
-        ``predicted_peak_mem_bytes`` is the largest predicted peak of any
-        graph (``None`` when no graph has one).
+        ``predicted_peak_mem_bytes`` is the largest predicted live peak of
+        any graph beyond the training state (``live_peak_bytes``: what the
+        bench's forward+backward phase measures; ``None`` when no graph has
+        one).
         """
         from simplefsdp.compiler import comm_report
 
@@ -108,7 +110,14 @@ class ParallelModel:
         counts = {kind: sum(g.count(kind) for g in latest.values()) for kind in COLLECTIVE_KINDS}
         predicted = {f"{name}{gid}": dict(g.predicted) for (gid, name), g in latest.items()}
         times = [_number(p, "time_s") for p in predicted.values()]
-        peaks = [p for p in (_number(q, "peak_bytes") for q in predicted.values()) if p is not None]
+        peaks = [
+            p
+            for p in (
+                _number(q, "live_peak_bytes") or _number(q, "peak_bytes")
+                for q in predicted.values()
+            )
+            if p is not None
+        ]
         return {
             "counts": counts,
             "predicted": {k: v for k, v in predicted.items() if v} or None,
