@@ -67,7 +67,7 @@ class MemoryEstimate:
     peak_bytes: int
     input_bytes: int
     output_bytes: int
-    live_peak_bytes: int = 0
+    live_peak_bytes: int
 
     def to_dict(self) -> dict:
         return {
@@ -133,6 +133,27 @@ def _collective_waits(nodes: list[fx.Node], index: dict[fx.Node, int]) -> dict[f
     return waits
 
 
+def _staging(
+    waits: dict[fx.Node, int],
+    index: dict[fx.Node, int],
+    staged: Callable[[fx.Node], bool] | None,
+    ignore: set[fx.Node],
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Staging bytes taken at each collective's issue and released after its
+    wait, by position: an all-gather's output size, a reduction's input size."""
+    take: dict[int, int] = {}
+    release: dict[int, int] = {}
+    for node, wait in waits.items():
+        if staged is None or node in ignore or not staged(node):
+            continue
+        held = sum(node_bytes(a) for a in node.all_input_nodes)
+        if collective_kind(node) == "all_gather":
+            held = node_bytes(node)
+        take[index[node]] = take.get(index[node], 0) + held
+        release[wait] = release.get(wait, 0) + held
+    return take, release
+
+
 def estimate_memory(
     gm: fx.GraphModule,
     ignore: set[fx.Node] | None = None,
@@ -167,17 +188,11 @@ def estimate_memory(
         for user in node.users:
             r = root[node]
             last_use[r] = max(last_use.get(r, -1), index[user])
-    take: dict[int, int] = {}  # position -> staging bytes taken there
-    release: dict[int, int] = {}  # position -> staging bytes released after it
-    for node, wait in _collective_waits(nodes, index).items():
+    waits = _collective_waits(nodes, index)
+    for node, wait in waits.items():
         for arg in node.all_input_nodes:
             last_use[root[arg]] = max(last_use[root[arg]], wait)
-        if staged is not None and node not in ignore and staged(node):
-            held = sum(node_bytes(a) for a in node.all_input_nodes)
-            if collective_kind(node) == "all_gather":
-                held = node_bytes(node)
-            take[index[node]] = take.get(index[node], 0) + held
-            release[wait] = release.get(wait, 0) + held
+    take, release = _staging(waits, index, staged, ignore)
     frees: dict[int, list[fx.Node]] = {}
     for r, i in last_use.items():
         if r not in outputs:
