@@ -25,13 +25,13 @@ Note: [Collective buffers until the wait]
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from simplefsdp.compiler.patterns import collective_kind, is_wait, node_bytes
+from simplefsdp.compiler.patterns import collective_kind, is_wait, node_bytes, wait_of
 
 aten = torch.ops.aten
 
@@ -116,21 +116,9 @@ def staged_on_cpu(node: fx.Node) -> bool:
 
 
 def _collective_waits(nodes: list[fx.Node], index: dict[fx.Node, int]) -> dict[fx.Node, int]:
-    """Per collective node, the position of its last wait (through getitems)."""
-    waits: dict[fx.Node, int] = {}
-    for node in nodes:
-        if collective_kind(node) is None:
-            continue
-        last, stack = -1, list(node.users)
-        while stack:
-            user = stack.pop()
-            if is_wait(user):
-                last = max(last, index[user])
-            elif user.op == "call_function" and user.target is operator.getitem:
-                stack.extend(user.users)
-        if last >= 0:
-            waits[node] = last
-    return waits
+    """Per collective node with a wait, the position of that wait."""
+    waits = {n: wait_of(n) for n in nodes if collective_kind(n) is not None}
+    return {n: index[w] for n, w in waits.items() if w is not None}
 
 
 def _staging(
@@ -159,7 +147,6 @@ def estimate_memory(
     ignore: set[fx.Node] | None = None,
     *,
     staged: Callable[[fx.Node], bool] | None = None,
-    state: Collection[fx.Node] | None = None,
 ) -> MemoryEstimate:
     """Liveness-based peak of the memory ``gm`` allocates while it runs
     (nodes in ``ignore`` are counted as allocating nothing).
@@ -167,16 +154,14 @@ def estimate_memory(
     A collective's inputs live until its wait, and ``staged(node)`` says
     whether a collective holds a staging buffer from issue to wait (Note:
     [Collective buffers until the wait]; ``staged_on_cpu`` for gloo).
-    ``state``: the placeholders that are training state (parameter shards),
-    left out of ``live_peak_bytes``; by default every placeholder whose name
-    starts with ``primals`` (AOTAutograd's name for the forward's inputs,
-    also where backward reads them again).
+    ``live_peak_bytes`` leaves out the training state: the placeholders
+    named ``primals*`` (AOTAutograd's name for the forward's inputs, also
+    where backward reads them again).
     """
     ignore = ignore or set()
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    if state is None:
-        state = {n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")}
+    state = {n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")}
     root: dict[fx.Node, fx.Node] = {}
     for node in nodes:
         inputs = node.all_input_nodes
@@ -199,31 +184,27 @@ def estimate_memory(
             frees.setdefault(i, []).append(r)
     live = peak = 0
     inputs_bytes = 0
-    # ``live_total``: the same, plus the inputs that are not state, freed at their last use.
-    live_total = sum(
+    # Inputs that are not state (saved activations, tangents), until their last use.
+    inputs_alive = sum(
         node_bytes(n) for n in nodes if n.op == "placeholder" and n not in state and n not in ignore
     )
-    live_peak = live_total
+    live_peak = inputs_alive
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
             inputs_bytes += node_bytes(node)
         elif root[node] is node and node.op == "call_function" and node not in ignore:
             live += node_bytes(node)
-            live_total += node_bytes(node)
         live += take.get(i, 0)
-        live_total += take.get(i, 0)
         peak = max(peak, live)
-        live_peak = max(live_peak, live_total)
+        live_peak = max(live_peak, live + inputs_alive)
         live -= release.get(i, 0)
-        live_total -= release.get(i, 0)
         for r in frees.get(i, ()):
             if r in ignore:
                 continue
             if r.op != "placeholder":
                 live -= node_bytes(r)
-                live_total -= node_bytes(r)
             elif r not in state:
-                live_total -= node_bytes(r)
+                inputs_alive -= node_bytes(r)
     output_bytes = sum(node_bytes(r) for r in outputs if r.op != "placeholder")
     return MemoryEstimate(
         peak_bytes=peak,

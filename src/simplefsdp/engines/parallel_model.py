@@ -111,12 +111,7 @@ class ParallelModel:
         predicted = {f"{name}{gid}": dict(g.predicted) for (gid, name), g in latest.items()}
         times = [_number(p, "time_s") for p in predicted.values()]
         peaks = [
-            p
-            for p in (
-                _number(q, "live_peak_bytes") or _number(q, "peak_bytes")
-                for q in predicted.values()
-            )
-            if p is not None
+            p for p in (_number(q, "live_peak_bytes") for q in predicted.values()) if p is not None
         ]
         return {
             "counts": counts,
