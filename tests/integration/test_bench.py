@@ -17,7 +17,14 @@ import pytest
 from simplefsdp.bench import cli
 from simplefsdp.bench.configs import CONFIGS, TEST_CONFIGS, get_workload, resolve_configs
 from simplefsdp.bench.measure import phase_peaks
-from simplefsdp.bench.report import add_ratios, check_losses, failed_row, format_table, write_png
+from simplefsdp.bench.report import (
+    add_ratios,
+    check_losses,
+    failed_row,
+    format_table,
+    merge_ranks,
+    write_png,
+)
 
 TINY = [
     "--workload", "comm", "--steps", "2", "--warmup", "1", "--seq-len", "32",
@@ -69,6 +76,9 @@ def test_bench_json_shape(bench_run):
         phases = row["phase_peak_mem_bytes"]
         assert list(phases) == ["forward_backward", "optimizer"], phases
         assert all(isinstance(v, int) for v in phases.values()), phases
+        resident = row["warmup_resident_mem_bytes"]
+        assert isinstance(resident, int), (row["name"], resident)
+        assert isinstance(row["peak_mem_bytes_beyond_warmup_resident"], int), row["name"]
     assert isinstance(result["comm_only_s"], float) and result["comm_only_s"] > 0
     assert result["comm_only_error"] is None
     # The wrong configuration makes the run fail as a whole.
@@ -122,6 +132,7 @@ def test_bench_writes_table_and_png(bench_run):
         assert name in stdout
     assert "comm-only:" in stdout
     assert "peak MiB by phase above the step's start" in stdout
+    assert "peak MiB without what warm-up left resident" in stdout
     assert (out / "bench.txt").read_text().strip() in stdout
     pytest.importorskip("matplotlib")
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -272,3 +283,43 @@ def test_phase_peaks_with_the_cpu_probe():
     assert peaks["big"] is not None and peaks["small"] is not None
     assert peaks["big"] >= 60 * mib
     assert peaks["small"] < 32 * mib
+
+
+def _raw_rank(rank: int, before: int, start: int, state_before: int, state: int, peak: int) -> dict:
+    """A worker's raw result with the memory readings given, everything else fixed."""
+    return {
+        "rank": rank, "warmup_times_s": [3.0], "step_times_s": [1.0, 1.0], "losses": [5.0, 4.0],
+        "peak_mem_bytes": peak, "mem_at_measure_start_bytes": start,
+        "mem_before_warmup_bytes": before, "state_mem_before_warmup_bytes": state_before,
+        "state_mem_bytes": state, "phase_peak_mem_bytes": None, "mem_method": "rss",
+        "collectives": {}, "collectives_source": "profiler", "collectives_profiled": {},
+        "predicted": None, "predicted_step_time_s": None, "predicted_peak_mem_bytes": None,
+        "num_params": 10, "notes": [],
+    }  # fmt: skip
+
+
+def test_warmup_residency_is_the_growth_beyond_the_optimizer_state():
+    """Note: [Warm-up residency]: level growth over warm-up minus state growth."""
+    workload = get_workload("comm")
+    # rank 0: +100 of level, +40 of state (the moments) -> 60 resident; peak 500
+    # rank 1: +90 of level, +40 of state -> 50 resident; peak 520
+    ranks = [_raw_rank(0, 200, 300, 20, 60, 500), _raw_rank(1, 210, 300, 20, 60, 520)]
+    row = merge_ranks(CONFIGS["simplefsdp-auto"], ranks, workload)
+    assert row["warmup_resident_mem_bytes"] == 60
+    assert row["peak_mem_bytes_beyond_warmup_resident"] == 470  # max(500 - 60, 520 - 50)
+    fsdp2 = merge_ranks(CONFIGS["fsdp2"], [_raw_rank(0, 200, 240, 20, 60, 400)], workload)
+    assert fsdp2["warmup_resident_mem_bytes"] == 0
+    rows = [fsdp2, row]
+    add_ratios(rows)
+    assert row["peak_beyond_resident_vs_fsdp2"] == pytest.approx(470 / 400)
+    env = {
+        "workload": "comm", "model": "debug", "num_params": 10, "world_size": 2,
+        "device": "cpu", "batch_size": 1, "seq_len": 128, "warmup": 1, "steps": 2,
+        "memory_method": "peak RSS",
+    }  # fmt: skip
+    table = format_table({"env": env, "configs": rows, "comm_only_s": None})
+    assert "simplefsdp-auto 0.0 (1.18x fsdp2) [0.0]" in table
+    # An older worker's result (no readings before warm-up) stays unknown.
+    old = _raw_rank(0, 200, 300, 20, 60, 500)
+    del old["mem_before_warmup_bytes"]
+    assert merge_ranks(CONFIGS["fsdp2"], [old], workload)["warmup_resident_mem_bytes"] is None

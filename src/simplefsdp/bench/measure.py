@@ -17,6 +17,22 @@ Note: [Benchmark memory]
     resident (compiled kernels, graphs, guards), so compiled configurations
     carry some tens of MiB that eager ones do not.
 
+Note: [Warm-up residency]
+    The worker reads the memory level (above the baseline) and the state
+    bytes (``state_bytes``) just before the first warm-up step, and again
+    when the measured steps start. The level's growth minus the state's
+    growth (the optimizer's moments, created by the first step) is what
+    warm-up left resident besides the training state: for a compiled
+    configuration, what compiling left behind (Dynamo's and Inductor's
+    graphs, guards, generated code and the modules they import), which on
+    a GPU is host memory and not device memory; for eager ones little or
+    nothing. The report gives it per configuration and the peak without it
+    (``peak_mem_bytes - warmup_resident_mem_bytes`` on each rank, the
+    largest rank's), so the memory a step needs can be compared apart from
+    what compiling costs once. It is a difference of two whole-process
+    levels, so anything else that stayed allocated (an allocator's cache, a
+    buffer a library keeps) is counted in it too.
+
 Note: [Peak by phase]
     After the measured steps one more step runs, untimed, in two phases:
     forward and backward (all accumulation batches, the gradient reduction

@@ -56,7 +56,8 @@ def _empty_row(config: BenchConfig) -> dict[str, Any]:
         "step_time_s_median", "step_time_s_min", "step_time_s_max", "tokens_per_s_per_rank",
         "peak_mem_bytes", "num_all_gathers", "num_reduce_scatters", "num_all_reduces",
         "compile_s", "first_loss", "final_loss", "predicted_step_time_s",
-        "predicted_peak_mem_bytes",
+        "predicted_peak_mem_bytes", "warmup_resident_mem_bytes",
+        "peak_mem_bytes_beyond_warmup_resident",
     ):  # fmt: skip
         row[key] = None
     return row
@@ -85,6 +86,20 @@ def _transient(rank: dict) -> int | None:
     """Peak during the measured steps above the level they started at."""
     peak, start = rank["peak_mem_bytes"], rank["mem_at_measure_start_bytes"]
     return None if peak is None or start is None else peak - start
+
+
+def _warmup_resident(rank: dict) -> int | None:
+    """What warm-up left resident besides the state it created (Note: [Warm-up residency])."""
+    before, start = rank.get("mem_before_warmup_bytes"), rank["mem_at_measure_start_bytes"]
+    state_before, state = rank.get("state_mem_before_warmup_bytes"), rank["state_mem_bytes"]
+    if None in (before, start, state_before, state):
+        return None
+    return (start - before) - (state - state_before)
+
+
+def _peak_beyond_resident(rank: dict) -> int | None:
+    resident, peak = _warmup_resident(rank), rank["peak_mem_bytes"]
+    return None if resident is None or peak is None else peak - resident
 
 
 def _phase_peaks(ranks: list[dict]) -> dict[str, int | None] | None:
@@ -127,6 +142,10 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
         mem_at_measure_start_bytes=_max_or_none([r["mem_at_measure_start_bytes"] for r in ranks]),
         state_mem_bytes=_max_or_none([r["state_mem_bytes"] for r in ranks]),
         step_transient_mem_bytes=_max_or_none([_transient(r) for r in ranks]),
+        warmup_resident_mem_bytes=_max_or_none([_warmup_resident(r) for r in ranks]),
+        peak_mem_bytes_beyond_warmup_resident=_max_or_none(
+            [_peak_beyond_resident(r) for r in ranks]
+        ),
         phase_peak_mem_bytes=_phase_peaks(ranks),
         mem_method=ranks[0]["mem_method"],
         # Noise can make the first step of an eager run faster than the median.
@@ -223,7 +242,9 @@ def add_ratios(rows: list[dict]) -> None:
 
     ``step_time_vs_limit`` is time / limit's time (1.0 = the compute-only
     bound); ``speedup_vs_fsdp2`` is fsdp2's time / time (above 1 = faster
-    than eager FSDP2); ``peak_mem_vs_fsdp2`` is peak memory / fsdp2's.
+    than eager FSDP2); ``peak_mem_vs_fsdp2`` is peak memory / fsdp2's, and
+    ``peak_beyond_resident_vs_fsdp2`` the same without what warm-up left
+    resident (Note: [Warm-up residency]).
     """
     limit, fsdp2 = _by_name(rows, "limit"), _by_name(rows, "fsdp2")
     for row in rows:
@@ -235,12 +256,19 @@ def add_ratios(rows: list[dict]) -> None:
         row["peak_mem_vs_fsdp2"] = (
             mem / fsdp2["peak_mem_bytes"] if mem and fsdp2 and fsdp2["peak_mem_bytes"] else None
         )
+        key = "peak_mem_bytes_beyond_warmup_resident"
+        own, ref = row.get(key), fsdp2.get(key) if fsdp2 else None
+        row["peak_beyond_resident_vs_fsdp2"] = own / ref if own and ref else None
 
 
 def _fmt(value: Any, spec: str, width: int) -> str:
     if value is None:
         return f"{'-':>{width}}"
     return f"{value:{spec}}".rjust(width)
+
+
+def _fmt_mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / _MIB:.1f}"
 
 
 def _table_line(row: dict) -> str:
@@ -324,6 +352,24 @@ def format_table(result: dict) -> str:
                 + "/".join("-" if v is None else f"{v / _MIB:.1f}" for v in p.values())
                 + ("" if pred is None else f" ({pred / _MIB:.1f})")
                 for name, p, pred in phased
+            )
+        )
+    resident = [
+        row for row in result["configs"] if row.get("warmup_resident_mem_bytes") is not None
+    ]
+    if resident:
+        lines.append(
+            "peak MiB without what warm-up left resident beyond the optimizer state "
+            "(compiled code, graphs, guards; Note: [Warm-up residency]) [that residency]: "
+            + ", ".join(
+                f"{row['name']} {_fmt_mib(row.get('peak_mem_bytes_beyond_warmup_resident'))}"
+                + (
+                    ""
+                    if row.get("peak_beyond_resident_vs_fsdp2") is None
+                    else f" ({row['peak_beyond_resident_vs_fsdp2']:.2f}x fsdp2)"
+                )
+                + f" [{_fmt_mib(row['warmup_resident_mem_bytes'])}]"
+                for row in resident
             )
         )
     if result.get("bound_s") is not None:

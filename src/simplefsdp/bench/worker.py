@@ -217,6 +217,9 @@ def _run_training(
     step_fn = functools.partial(_train_step, forward_backward, optimizer)
     warmup_s, step_s, losses, bubbles = [], [], [], []
     state: int | None = None
+    # What warm-up leaves resident beyond the optimizer state it creates:
+    # Note: [Warm-up residency].
+    state_before, level_before = state_bytes(parallel.module, optimizer), probe.level_bytes()
     dist.barrier()
     with parallel.compile_context():
         for i in range(workload.warmup + workload.steps):
@@ -250,6 +253,8 @@ def _run_training(
         "losses": losses,
         "peak_mem_bytes": peak,
         "mem_at_measure_start_bytes": probe.start_bytes,
+        "mem_before_warmup_bytes": level_before,
+        "state_mem_before_warmup_bytes": state_before,
         "phase_peak_mem_bytes": phases,
         "state_mem_bytes": state,
         "mem_baseline_bytes": probe.baseline_bytes,

@@ -185,6 +185,13 @@ class MemoryProbe:
         self.reset_ok = rss is not None
         self.start_bytes = self._above_baseline(rss if rss is not None else current_rss_bytes())
 
+    def level_bytes(self) -> int | None:
+        """The level now, above the baseline (CPU: after ``malloc_trim``); no reset."""
+        _synchronize(self.device)
+        if self.device.type != "cuda":
+            malloc_trim()
+        return self._above_baseline(self._current())
+
     def peak_bytes(self) -> int | None:
         """The peak since the last :meth:`reset`, above the baseline (``None``: unknown)."""
         _synchronize(self.device)
