@@ -217,6 +217,7 @@ def _run_training(
     step_fn = functools.partial(_train_step, forward_backward, optimizer)
     warmup_s, step_s, losses, bubbles = [], [], [], []
     state: int | None = None
+    measure_start: int | None = None
     # What warm-up leaves resident beyond the optimizer state it creates:
     # Note: [Warm-up residency].
     state_before, level_before = state_bytes(parallel.module, optimizer), probe.level_bytes()
@@ -226,6 +227,7 @@ def _run_training(
             if i == workload.warmup:
                 state = state_bytes(parallel.module, optimizer)
                 probe.reset()
+                measure_start = probe.start_bytes  # phase_peaks resets the probe again
             seconds, loss = timed(lambda i=i: step_fn(batch=batches[i]), device)
             (warmup_s if i < workload.warmup else step_s).append(seconds)
             losses.append(loss)
@@ -252,7 +254,7 @@ def _run_training(
         "step_times_s": step_s,
         "losses": losses,
         "peak_mem_bytes": peak,
-        "mem_at_measure_start_bytes": probe.start_bytes,
+        "mem_at_measure_start_bytes": measure_start,
         "mem_before_warmup_bytes": level_before,
         "state_mem_before_warmup_bytes": state_before,
         "phase_peak_mem_bytes": phases,
