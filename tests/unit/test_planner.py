@@ -194,6 +194,26 @@ def test_collective_inputs_live_until_the_wait_and_gloo_stages() -> None:
     assert estimate_memory(gm, staged=lambda node: False).peak_bytes == 2.5 * KiB
 
 
+def test_staging_follows_the_groups_backend() -> None:
+    """gloo stages, other backends (NCCL, MPI, the fake group) do not; a
+    group whose backend is unknown falls back to the tensors' device."""
+    from simplefsdp.compiler.memory_estimate import backend_for, staged_by
+
+    gm = _reduce_scatter_waited_late()  # its reduce-scatter runs on group "g", CPU tensors
+    KiB = 1024
+    for backends, peak in [
+        ({"g": "gloo"}, 3.5),
+        ({"g": "cpu:gloo,cuda:nccl"}, 3.5),
+        ({"g": "mpi"}, 2.5),
+        ({"g": "fake"}, 2.5),
+        ({"g": "cuda:nccl"}, 2.5),  # nothing named for CPU
+        ({}, 3.5),
+    ]:
+        assert estimate_memory(gm, staged=staged_by(backends)).peak_bytes == peak * KiB, backends
+    assert backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert backend_for("nccl", "cuda") == "nccl"
+
+
 def test_comm_overlap_from_timings_and_old_cost_model_files() -> None:
     from simplefsdp.compiler.cost_model import measure_comm_overlap
 

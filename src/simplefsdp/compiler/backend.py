@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -37,7 +38,7 @@ from simplefsdp.bucket_plan import BucketPlan, resolve_plan
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
 from simplefsdp.compiler.keep_plan import bucket_lookup, free_keep_count, search_keep
-from simplefsdp.compiler.memory_estimate import estimate_memory, staged_on_cpu
+from simplefsdp.compiler.memory_estimate import estimate_memory, staged_by
 from simplefsdp.compiler.options import CompileOptions
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
@@ -114,6 +115,17 @@ def _mesh_groups(model: nn.Module) -> list:
             groups.append(spec.shard_mesh.get_group())
             break
     return groups
+
+
+def _group_backends(groups: list) -> dict[str, str]:
+    """Process-group name -> its backend string (``dist.get_backend``)."""
+    backends = {}
+    for group in groups:
+        try:
+            backends[group.group_name] = str(dist.get_backend(group))
+        except (RuntimeError, ValueError, AttributeError):  # not a registered c10d group
+            continue
+    return backends
 
 
 def _tp_mesh_groups(model: nn.Module) -> list:
@@ -406,7 +418,7 @@ class _GraphCompilation:
         cost_model = self.backend.cost_model(required=False)
         if cost_model is not None:
             report.predicted.update(simulate(gm, cost_model, groups))
-            report.predicted.update(estimate_memory(gm, staged=staged_on_cpu).to_dict())
+            report.predicted.update(estimate_memory(gm, staged=self.backend.staging).to_dict())
         report.buckets.extend(extra.get("buckets", []))
         report.predicted.update(extra.get("predicted", {}))
         report.overlap = {"planned": list(fx_overlap(gm, groups))}
@@ -430,6 +442,8 @@ class SimpleFSDPBackend:
         self._cost_model: CostModel | None = None
         self._mesh_groups: list = []
         self._tp_mesh_groups: list = []
+        # Which collectives stage a copy (gloo): Note: [Collective buffers until the wait].
+        self.staging = staged_by({})
         self._mesh_device_type: str | None = None
         # Data-parallel vs tensor-parallel process groups of the graphs.
         self.groups: CollectiveGroups = ALL_DATA_PARALLEL
@@ -439,6 +453,7 @@ class SimpleFSDPBackend:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = _mesh_groups(model)
             self._tp_mesh_groups = _tp_mesh_groups(model)
+            self.staging = staged_by(_group_backends(self._mesh_groups + self._tp_mesh_groups))
             self.groups = collective_groups(model)
             self._mesh_device_type = _mesh_device_type(model)
             self._plan = resolve_bucketing(model, options.bucketing)

@@ -16,6 +16,9 @@ Note: [Collective buffers until the wait]
     reduce-scatter reduces a copy of its input, so on gloo an all-gather
     holds a second output-sized buffer and a reduce-scatter a second
     input-sized one from issue to wait (``staged``; NCCL works in place).
+    The compiler asks each process group which backend serves the
+    collective's device (``staged_by``); a group it cannot ask is taken to
+    be gloo on CPU and not to stage elsewhere (``staged_on_cpu``).
     On the bench's comm workload (2 ranks, gloo, stop 17's 7/4 plan;
     docs/benchmarks.md, stop 18) the backward graph's live peak came out at
     20.5 MiB without either, 26.9 with the inputs held to the wait and 37.4
@@ -31,7 +34,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from simplefsdp.compiler.patterns import collective_kind, is_wait, node_bytes, wait_of
+from simplefsdp.compiler.patterns import (
+    collective_group,
+    collective_kind,
+    is_wait,
+    node_bytes,
+    wait_of,
+)
 
 aten = torch.ops.aten
 
@@ -109,10 +118,40 @@ def concrete_bytes(value) -> int:
 
 
 def staged_on_cpu(node: fx.Node) -> bool:
-    """Whether collective ``node`` runs on CPU tensors, so on gloo, which
-    stages (Note: [Collective buffers until the wait])."""
+    """Whether collective ``node`` runs on CPU tensors, so (where nothing
+    says which backend serves them) on gloo, which stages (Note: [Collective
+    buffers until the wait])."""
     value = node.meta.get("val")
     return isinstance(value, torch.Tensor) and value.device.type == "cpu"
+
+
+def backend_for(backend: str, device_type: str) -> str | None:
+    """The backend a process group's backend string (``dist.get_backend``:
+    ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``) uses for ``device_type``
+    (``None``: none named for it)."""
+    if ":" not in backend:
+        return backend
+    for pair in backend.split(","):
+        device, _, name = pair.partition(":")
+        if device.strip() == device_type:
+            return name.strip()
+    return None
+
+
+def staged_by(backends: dict[str, str]) -> Callable[[fx.Node], bool]:
+    """A ``staged`` rule from each process group's backend string, by group
+    name: a collective stages where its group serves its tensors' device
+    with gloo; a group not in ``backends`` falls back to ``staged_on_cpu``."""
+
+    def staged(node: fx.Node) -> bool:
+        backend = backends.get(collective_group(node) or "")
+        if backend is None:
+            return staged_on_cpu(node)
+        value = node.meta.get("val")
+        device = value.device.type if isinstance(value, torch.Tensor) else "cpu"
+        return backend_for(backend, device) == "gloo"
+
+    return staged
 
 
 def _collective_waits(nodes: list[fx.Node], index: dict[fx.Node, int]) -> dict[fx.Node, int]:
