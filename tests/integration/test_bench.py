@@ -301,13 +301,19 @@ def _raw_rank(rank: int, before: int, start: int, state_before: int, state: int,
 def test_warmup_residency_is_the_growth_beyond_the_optimizer_state():
     """Note: [Warm-up residency]: level growth over warm-up minus state growth."""
     workload = get_workload("comm")
+    m = 1024 * 1024  # in MiB, as the table prints them
     # rank 0: +100 of level, +40 of state (the moments) -> 60 resident; peak 500
     # rank 1: +90 of level, +40 of state -> 50 resident; peak 520
-    ranks = [_raw_rank(0, 200, 300, 20, 60, 500), _raw_rank(1, 210, 300, 20, 60, 520)]
+    ranks = [
+        _raw_rank(0, 200 * m, 300 * m, 20 * m, 60 * m, 500 * m),
+        _raw_rank(1, 210 * m, 300 * m, 20 * m, 60 * m, 520 * m),
+    ]
     row = merge_ranks(CONFIGS["simplefsdp-auto"], ranks, workload)
-    assert row["warmup_resident_mem_bytes"] == 60
-    assert row["peak_mem_bytes_beyond_warmup_resident"] == 470  # max(500 - 60, 520 - 50)
-    fsdp2 = merge_ranks(CONFIGS["fsdp2"], [_raw_rank(0, 200, 240, 20, 60, 400)], workload)
+    assert row["warmup_resident_mem_bytes"] == 60 * m
+    assert row["peak_mem_bytes_beyond_warmup_resident"] == 470 * m  # max(500 - 60, 520 - 50)
+    fsdp2 = merge_ranks(
+        CONFIGS["fsdp2"], [_raw_rank(0, 200 * m, 240 * m, 20 * m, 60 * m, 400 * m)], workload
+    )
     assert fsdp2["warmup_resident_mem_bytes"] == 0
     rows = [fsdp2, row]
     add_ratios(rows)
@@ -318,7 +324,7 @@ def test_warmup_residency_is_the_growth_beyond_the_optimizer_state():
         "memory_method": "peak RSS",
     }  # fmt: skip
     table = format_table({"env": env, "configs": rows, "comm_only_s": None})
-    assert "simplefsdp-auto 0.0 (1.18x fsdp2) [0.0]" in table
+    assert "fsdp2 400.0 (1.00x fsdp2) [0.0], simplefsdp-auto 470.0 (1.18x fsdp2) [60.0]" in table
     # An older worker's result (no readings before warm-up) stays unknown.
     old = _raw_rank(0, 200, 300, 20, 60, 500)
     del old["mem_before_warmup_bytes"]

@@ -97,8 +97,7 @@ def _warmup_resident(rank: dict) -> int | None:
     return (start - before) - (state - state_before)
 
 
-def _peak_beyond_resident(rank: dict) -> int | None:
-    resident, peak = _warmup_resident(rank), rank["peak_mem_bytes"]
+def _peak_beyond(resident: int | None, peak: int | None) -> int | None:
     return None if resident is None or peak is None else peak - resident
 
 
@@ -118,6 +117,7 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
     configurations); counts and notes come from rank 0.
     """
     ranks = sorted(ranks, key=lambda r: r["rank"])
+    resident = [_warmup_resident(r) for r in ranks]
     per_step, first = _step_stats(ranks)
     median = statistics.median(per_step)
     # A pipeline's loss exists on its last stage's ranks only (None elsewhere).
@@ -142,9 +142,9 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
         mem_at_measure_start_bytes=_max_or_none([r["mem_at_measure_start_bytes"] for r in ranks]),
         state_mem_bytes=_max_or_none([r["state_mem_bytes"] for r in ranks]),
         step_transient_mem_bytes=_max_or_none([_transient(r) for r in ranks]),
-        warmup_resident_mem_bytes=_max_or_none([_warmup_resident(r) for r in ranks]),
+        warmup_resident_mem_bytes=_max_or_none(resident),
         peak_mem_bytes_beyond_warmup_resident=_max_or_none(
-            [_peak_beyond_resident(r) for r in ranks]
+            [_peak_beyond(res, r["peak_mem_bytes"]) for res, r in zip(resident, ranks)]
         ),
         phase_peak_mem_bytes=_phase_peaks(ranks),
         mem_method=ranks[0]["mem_method"],

@@ -117,12 +117,16 @@ def concrete_bytes(value) -> int:
     return int(value)
 
 
+def _device_type(node: fx.Node) -> str | None:
+    value = node.meta.get("val")
+    return value.device.type if isinstance(value, torch.Tensor) else None
+
+
 def staged_on_cpu(node: fx.Node) -> bool:
     """Whether collective ``node`` runs on CPU tensors, so (where nothing
     says which backend serves them) on gloo, which stages (Note: [Collective
     buffers until the wait])."""
-    value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and value.device.type == "cpu"
+    return _device_type(node) == "cpu"
 
 
 def backend_for(backend: str, device_type: str) -> str | None:
@@ -147,9 +151,7 @@ def staged_by(backends: dict[str, str]) -> Callable[[fx.Node], bool]:
         backend = backends.get(collective_group(node) or "")
         if backend is None:
             return staged_on_cpu(node)
-        value = node.meta.get("val")
-        device = value.device.type if isinstance(value, torch.Tensor) else "cpu"
-        return backend_for(backend, device) == "gloo"
+        return backend_for(backend, _device_type(node) or "cpu") == "gloo"
 
     return staged
 
@@ -173,9 +175,10 @@ def _staging(
     for node, wait in waits.items():
         if staged is None or node in ignore or not staged(node):
             continue
-        held = sum(node_bytes(a) for a in node.all_input_nodes)
         if collective_kind(node) == "all_gather":
             held = node_bytes(node)
+        else:
+            held = sum(node_bytes(a) for a in node.all_input_nodes)
         take[index[node]] = take.get(index[node], 0) + held
         release[wait] = release.get(wait, 0) + held
     return take, release
@@ -192,7 +195,8 @@ def estimate_memory(
 
     A collective's inputs live until its wait, and ``staged(node)`` says
     whether a collective holds a staging buffer from issue to wait (Note:
-    [Collective buffers until the wait]; ``staged_on_cpu`` for gloo).
+    [Collective buffers until the wait]; the backend passes ``staged_by``
+    its process groups' backends, ``staged_on_cpu`` decides by device alone).
     ``live_peak_bytes`` leaves out the training state: the placeholders
     named ``primals*`` (AOTAutograd's name for the forward's inputs, also
     where backward reads them again).
