@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -329,3 +331,45 @@ def test_warmup_residency_is_the_growth_beyond_the_optimizer_state():
     old = _raw_rank(0, 200, 300, 20, 60, 500)
     del old["mem_before_warmup_bytes"]
     assert merge_ranks(CONFIGS["fsdp2"], [old], workload)["warmup_resident_mem_bytes"] is None
+
+
+_IMPORTS_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+from simplefsdp.bench import worker
+from simplefsdp.bench.configs import CONFIGS, BenchSpec, get_workload
+if sys.argv[1] == "import":
+    worker._import_engine_code()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+mesh = worker.build_mesh("simplefsdp", "fully_shard", "cpu", 1, tp=1, pp=1)
+overrides = {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2}
+spec = BenchSpec(get_workload("comm", model_overrides=overrides), nproc=1)
+before = set(sys.modules)
+for config in CONFIGS.values():
+    if config.engine != "comm":
+        model = worker.build_model(spec.workload, 0)
+        worker._parallelize(config, spec, model, mesh, worker.pick_device())
+new = sorted(m for m in set(sys.modules) - before
+             if m.startswith("simplefsdp.") and not m.startswith("simplefsdp.models"))
+dist.destroy_process_group()
+print(json.dumps(new))
+"""
+
+
+@pytest.mark.parametrize("imported", [True, False])
+def test_engine_code_is_imported_before_the_memory_baseline(imported):
+    # Code is resident once per process: no configuration may be charged for
+    # the library modules it imports first (Note: [Warm-up residency]).
+    run = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_SCRIPT, "import" if imported else "skip"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    new = json.loads(run.stdout.strip().splitlines()[-1])
+    if imported:
+        assert new == []
+    else:  # without it the compiled configurations would load these after the baseline
+        assert "simplefsdp.compiler.backend" in new
