@@ -335,6 +335,7 @@ def test_warmup_residency_is_the_growth_beyond_the_optimizer_state():
 
 _IMPORTS_SCRIPT = """
 import json, sys
+import torch
 import torch.distributed as dist
 from simplefsdp.bench import worker
 from simplefsdp.bench.configs import CONFIGS, BenchSpec, get_workload
@@ -348,7 +349,7 @@ before = set(sys.modules)
 for config in CONFIGS.values():
     if config.engine != "comm":
         model = worker.build_model(spec.workload, 0)
-        worker._parallelize(config, spec, model, mesh, worker.pick_device())
+        worker._parallelize(config, spec, model, mesh, torch.device("cpu"))
 new = sorted(m for m in set(sys.modules) - before
              if m.startswith("simplefsdp.") and not m.startswith("simplefsdp.models"))
 dist.destroy_process_group()
@@ -373,3 +374,49 @@ def test_engine_code_is_imported_before_the_memory_baseline(imported):
         assert new == []
     else:  # without it the compiled configurations would load these after the baseline
         assert "simplefsdp.compiler.backend" in new
+
+
+class _CountingProbe:
+    """A memory probe whose level is 1000 x the number of resets so far."""
+
+    kind, reset_ok, baseline_bytes = "fake", True, 0
+
+    def __init__(self, device):
+        self.resets, self.start_bytes = 0, None
+
+    def reset(self):
+        self.resets += 1
+        self.start_bytes = 1000 * self.resets
+
+    def level_bytes(self):
+        return 1000 * self.resets
+
+    def peak_bytes(self):
+        return 1000 * self.resets + 1
+
+
+def _measure_start_rank():
+    import torch
+
+    from simplefsdp.bench import worker
+    from simplefsdp.bench.configs import BenchSpec, get_workload
+
+    worker.MemoryProbe = _CountingProbe
+    mesh = worker.build_mesh("fsdp2", "fully_shard", "cpu", 1, tp=1, pp=1)
+    overrides = {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2}
+    workload = get_workload("comm", model_overrides=overrides, steps=2, warmup=1, seq_len=32)
+    spec = BenchSpec(workload, nproc=1)
+    flat = worker.build_batches(spec, 0, 1, 4)
+    config = worker.lookup_config("fsdp2")
+    return worker._run_training(config, spec, mesh, torch.device("cpu"), [[b] for b in flat])
+
+
+def test_measure_start_is_read_when_the_measured_steps_start():
+    # The phase peaks after the measured steps reset the probe twice more;
+    # the level the measured steps started at must be the first reset's.
+    from simplefsdp.testing import run_distributed
+
+    (result,) = run_distributed(_measure_start_rank, 1)
+    assert result["mem_at_measure_start_bytes"] == 1000
+    assert result["peak_mem_bytes"] == 1001
+    assert result["mem_before_warmup_bytes"] == 0
