@@ -152,20 +152,8 @@ def phase_peaks(probe: Any, phases: dict[str, Callable[[], Any]]) -> dict[str, i
 
 
 def count_collectives(fn: Callable[[], Any]) -> dict[str, int]:
-    """Collectives issued while ``fn()`` runs, by kind. See Note: [Peak by phase]
-        After the measured steps one more step runs, untimed, in two phases:
-        forward and backward (all accumulation batches, the gradient reduction
-        included), then the optimizer step with ``zero_grad``. For each phase the
-        probe is reset before it runs (on CPU: ``malloc_trim`` and a reset of the
-        kernel's high-water mark) and its peak is reported above the level the
-        step started at. The larger of the two is where the step's peak is: the
-        compiled graphs and their collectives in the first, the optimizer's
-        states and temporaries in the second (``foreach`` AdamW allocates
-        parameter-sized temporaries while every gradient is still alive), so a
-        difference in the step's peak between configurations can be traced to
-        what each runs.
-
-    Note: [Counting collectives]."""
+    """Collectives issued while ``fn()`` runs, by kind (Note: [Counting
+    collectives])."""
     from torch.profiler import ProfilerActivity, profile
 
     counts = dict.fromkeys(KINDS, 0)
