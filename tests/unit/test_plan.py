@@ -348,3 +348,33 @@ def test_cost_model_times_an_all_gather_by_its_group_size() -> None:
     node = next(n for n in t.forward.graph.nodes if collective_kind(n) == "all_gather")
     cm = CostModel(comm={"all_gather/2": LinearFit(1.0, 0.0)}, default_comm=LinearFit(0.0, 0.0))
     assert node_bytes(node) > 0 and cm.collective_time(node) == 1.0
+
+
+def test_calibration_takes_each_quantitys_median_over_rounds() -> None:
+    from simplefsdp.plan.calibrate import median_raw, profile_from
+
+    def one(scale: float) -> dict:
+        return {
+            "fits": {
+                "all_gather/2": [1e-3 * scale, 1.5e-9],
+                "reduce_scatter/2": [2e-3, 2e-9 * scale],
+            },
+            "flops": 6e10 * scale,
+            "overlap": 0.1 * scale,
+        }
+
+    merged = median_raw([one(1.0), one(3.0), one(1.2)])  # one round hit a burst
+    assert merged["fits"]["all_gather/2"] == pytest.approx([1.2e-3, 1.5e-9])
+    assert merged["fits"]["reduce_scatter/2"] == pytest.approx([2e-3, 2.4e-9])
+    assert merged["flops"] == pytest.approx(7.2e10) and merged["overlap"] == pytest.approx(0.12)
+    with pytest.raises(ValueError, match="at least one round"):
+        median_raw([])
+    raw = {**merged, "bytes_per_s": 4e9, "op_s": 1e-5}
+    assert profile_from(raw, "t", "cpu").peak_fp32_flops == pytest.approx(7.2e10)
+
+
+def test_cli_rejects_zero_calibration_rounds(capsys) -> None:
+    from simplefsdp.plan.cli import main
+
+    assert main(["--calibrate", "--calibrate-rounds", "0"]) == 2
+    assert "--calibrate-rounds must be >= 1, got 0" in capsys.readouterr().err

@@ -14,7 +14,9 @@ measure, at the same time as in training:
   1 when they run fully in parallel, 0 when they take turns).
 
 Each timing is the median over repeats (see ``_median_time``): calibrate under
-the load the predicted runs will see. On CPU the workers lower glibc's mmap
+the load the predicted runs will see. The whole measurement runs in rounds
+(``--calibrate-rounds``, default 3) and the profile takes each quantity's
+median over them (``median_raw``). On CPU the workers lower glibc's mmap
 threshold as ``simplefsdp bench``'s workers do (Note: [Measuring peak memory
 on CPU]): every tensor above 64 KiB is then a fresh mapping whose pages fault
 in when first written, a cost of every op that allocates, which the bench's
@@ -102,11 +104,9 @@ def _attention_rate(device, sync) -> float:
     return 3.5 * 4.0 * b * h * s * s * d / _median_time(run, repeats=5)
 
 
-def _worker(rank: int, port: int, out: str, device_type: str) -> None:
+def _worker(rank: int, port: int, out: str, device_type: str, num_rounds: int = 1) -> None:
     import torch
     import torch.distributed as dist
-
-    from simplefsdp.compiler.cost_model import measure_comm_overlap
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -126,34 +126,66 @@ def _worker(rank: int, port: int, out: str, device_type: str) -> None:
             torch.cuda.synchronize(device)
 
     try:
-        fits = _comm_fits(dist.group.WORLD, device)
-        flops, bytes_per_s, copy_factor = _compute_rates(device, sync)
-        attention_flops = _attention_rate(device, sync)
-        # Per-op framework cost: a tiny autograd chain (4 ops forward, 4 backward).
-        tiny = torch.ones(8, device=device, requires_grad=True)
-
-        def chain():
-            ((tiny * 2 + 1).relu().sum()).backward()
-            sync()
-
-        op_s = _median_time(chain, repeats=200) / 8
-        overlap = measure_comm_overlap(dist.group.WORLD, device, timer=_median_time)
+        rounds = [_measure_once(device, sync) for _ in range(num_rounds)]
         if rank == 0:
-            Path(out).write_text(
-                json.dumps(
-                    {
-                        "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
-                        "flops": flops,
-                        "attention_flops": attention_flops,
-                        "copy_bytes_per_byte": copy_factor,
-                        "bytes_per_s": bytes_per_s,
-                        "op_s": op_s,
-                        "overlap": overlap,
-                    }
-                )
-            )
+            Path(out).write_text(json.dumps({**median_raw(rounds), "rounds": rounds}))
     finally:
         dist.destroy_process_group()
+
+
+def _measure_once(device, sync) -> dict:
+    """One round of every measurement (collective on the group)."""
+    import torch
+    import torch.distributed as dist
+
+    from simplefsdp.compiler.cost_model import measure_comm_overlap
+
+    fits = _comm_fits(dist.group.WORLD, device)
+    flops, bytes_per_s, copy_factor = _compute_rates(device, sync)
+    attention_flops = _attention_rate(device, sync)
+    # Per-op framework cost: a tiny autograd chain (4 ops forward, 4 backward).
+    tiny = torch.ones(8, device=device, requires_grad=True)
+
+    def chain():
+        ((tiny * 2 + 1).relu().sum()).backward()
+        sync()
+
+    op_s = _median_time(chain, repeats=200) / 8
+    overlap = measure_comm_overlap(dist.group.WORLD, device, timer=_median_time)
+    return {
+        "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
+        "flops": flops,
+        "attention_flops": attention_flops,
+        "copy_bytes_per_byte": copy_factor,
+        "bytes_per_s": bytes_per_s,
+        "op_s": op_s,
+        "overlap": overlap,
+    }
+
+
+def median_raw(rounds: list[dict]) -> dict:
+    """Per measured quantity the median over ``rounds`` (each fit's latency
+    and per-byte cost apart).
+
+    On a shared machine one round can land on a burst of load: four single
+    rounds within 40 minutes on the 2-core development machine measured the
+    reduce-scatter's per-byte cost between 1.8 and 3.9 ns, the attention rate
+    between 0.39 and 0.75 of the matmul's, and predicted the memory
+    workload's eager FSDP2 step between 4.8 and 7.1 s. The median of several
+    rounds is what a single round is not: robust to one of them.
+    """
+    if not rounds:
+        raise ValueError("median_raw needs at least one round")
+    merged: dict = {}
+    for key, value in rounds[0].items():
+        if key == "fits":
+            merged[key] = {
+                kind: [statistics.median(r[key][kind][i] for r in rounds) for i in range(2)]
+                for kind in value
+            }
+        else:
+            merged[key] = statistics.median(r[key] for r in rounds)
+    return merged
 
 
 def _free_port() -> int:
@@ -162,13 +194,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(device_type: str = "cpu") -> dict:
-    """Run the two measuring processes; the raw measurements (rank 0's)."""
+def measure(device_type: str = "cpu", rounds: int = 1) -> dict:
+    """Run the two measuring processes; the raw measurements (rank 0's), the
+    median of ``rounds`` rounds (``median_raw``), each round under ``"rounds"``."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"calibration rounds must be an int >= 1, got {rounds!r}")
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calibration.json")
-        mp.spawn(_worker, args=(_free_port(), out, device_type), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(_free_port(), out, device_type, rounds), nprocs=WORLD, join=True)
         raw = json.loads(Path(out).read_text())
     raw["load_avg_1m"] = os.getloadavg()[0]
     return raw
@@ -218,7 +253,7 @@ def calibrate_main(ns) -> int:
     import torch
 
     device_type = "cuda" if torch.cuda.device_count() >= WORLD else "cpu"
-    raw = measure(device_type)
+    raw = measure(device_type, getattr(ns, "calibrate_rounds", 1))
     name = "calibrated-" + ("gpu" if device_type == "cuda" else "cpu-gloo")
     profile = profile_from(raw, name, device_type)
     out = Path(ns.out or ".")

@@ -88,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure this machine (2 gloo processes on CPU) and write a profile JSON",
     )
+    p.add_argument(
+        "--calibrate-rounds",
+        type=int,
+        default=3,
+        help="with --calibrate: rounds of measurements; the profile takes each "
+        "quantity's median over them (default 3)",
+    )
     return p
 
 
@@ -263,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.calibrate:
         from simplefsdp.plan.calibrate import calibrate_main
 
+        if ns.calibrate_rounds < 1:
+            print(
+                f"simplefsdp plan: error: --calibrate-rounds must be >= 1, got {ns.calibrate_rounds}",
+                file=sys.stderr,
+            )
+            return 2
         return calibrate_main(ns)
     start = time.perf_counter()
     try:
