@@ -28,10 +28,10 @@ from simplefsdp.bench.report import (
     write_png,
 )
 
+TINY_MODEL = {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2}
 TINY = [
     "--workload", "comm", "--steps", "2", "--warmup", "1", "--seq-len", "32",
-    "--model-override", "n_layers=1", "--model-override", "dim=64",
-    "--model-override", "n_heads=4", "--model-override", "n_kv_heads=2",
+    *(arg for k, v in TINY_MODEL.items() for arg in ("--model-override", f"{k}={v}")),
     "--lr", "3e-3", "--timeout", "240",
 ]  # fmt: skip
 E2E_CONFIGS = "fsdp2,simplefsdp-uncompiled,simplefsdp-eager,test-wrong-lr"
@@ -341,9 +341,9 @@ from simplefsdp.bench import worker
 from simplefsdp.bench.configs import CONFIGS, BenchSpec, get_workload
 if sys.argv[1] == "import":
     worker._import_engine_code()
+overrides = json.loads(sys.argv[2])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 mesh = worker.build_mesh("simplefsdp", "fully_shard", "cpu", 1, tp=1, pp=1)
-overrides = {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2}
 spec = BenchSpec(get_workload("comm", model_overrides=overrides), nproc=1)
 before = set(sys.modules)
 for config in CONFIGS.values():
@@ -362,7 +362,13 @@ def test_engine_code_is_imported_before_the_memory_baseline(imported):
     # Code is resident once per process: no configuration may be charged for
     # the library modules it imports first (Note: [Warm-up residency]).
     run = subprocess.run(
-        [sys.executable, "-c", _IMPORTS_SCRIPT, "import" if imported else "skip"],
+        [
+            sys.executable,
+            "-c",
+            _IMPORTS_SCRIPT,
+            "import" if imported else "skip",
+            json.dumps(TINY_MODEL),
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -403,8 +409,7 @@ def _measure_start_rank():
 
     worker.MemoryProbe = _CountingProbe
     mesh = worker.build_mesh("fsdp2", "fully_shard", "cpu", 1, tp=1, pp=1)
-    overrides = {"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 2}
-    workload = get_workload("comm", model_overrides=overrides, steps=2, warmup=1, seq_len=32)
+    workload = get_workload("comm", model_overrides=TINY_MODEL, steps=2, warmup=1, seq_len=32)
     spec = BenchSpec(workload, nproc=1)
     flat = worker.build_batches(spec, 0, 1, 4)
     config = worker.lookup_config("fsdp2")

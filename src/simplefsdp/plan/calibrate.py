@@ -253,7 +253,7 @@ def calibrate_main(ns) -> int:
     import torch
 
     device_type = "cuda" if torch.cuda.device_count() >= WORLD else "cpu"
-    raw = measure(device_type, getattr(ns, "calibrate_rounds", 1))
+    raw = measure(device_type, ns.calibrate_rounds)
     name = "calibrated-" + ("gpu" if device_type == "cuda" else "cpu-gloo")
     profile = profile_from(raw, name, device_type)
     out = Path(ns.out or ".")
