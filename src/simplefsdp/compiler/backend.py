@@ -37,7 +37,14 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from simplefsdp.bucket_plan import BucketPlan, resolve_plan
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
-from simplefsdp.compiler.keep_plan import bucket_lookup, free_keep_count, search_keep
+from simplefsdp.compiler.keep_plan import (
+    bucket_lookup,
+    compiled_saved_bytes,
+    eager_saved_bytes,
+    free_keep_count,
+    gather_chain_names,
+    search_keep,
+)
 from simplefsdp.compiler.memory_estimate import estimate_memory, staged_by
 from simplefsdp.compiler.options import CompileOptions
 from simplefsdp.compiler.partition import inductor_partitioner, partition
@@ -249,9 +256,17 @@ class _GraphCompilation:
         self.num_fwd_outputs = kwargs["num_fwd_outputs"]  # required by every partitioner
         if self.searches_keep():
             keep = self._search_keep(joint, joint_inputs, kwargs)
+        record = self.backend.saved_activations is not None
+        if record:  # read before the joint pass tags the graph
+            eager = eager_saved_bytes(joint.graph, self.num_fwd_outputs)
+            gathered = gather_chain_names(joint.graph)
         self.joint_pass(joint.graph, keep_count=keep)
         joint.recompile()
-        return partition(joint, joint_inputs, **kwargs)
+        forward, backward = partition(joint, joint_inputs, **kwargs)
+        if record:
+            saved = (eager, compiled_saved_bytes(backward, gathered))
+            self.backend.saved_activations.append(saved)
+        return forward, backward
 
     def _search_keep(self, joint: fx.GraphModule, joint_inputs, kwargs: dict) -> int:
         """How many of the last buckets to keep; sets ``default_budget_bytes``."""
@@ -467,6 +482,11 @@ class SimpleFSDPBackend:
         self._graph_ids = itertools.count()
         # (graph name, graph module after our passes), for inspection and tests.
         self.graph_modules: list[tuple[str, fx.GraphModule]] = []
+        # Set to a list to record, per partitioned joint graph, (activation
+        # bytes eager autograd would save, bytes the partitioned forward
+        # saves) (Note: [Keeping what eager FSDP2 would hold], steps 1-2):
+        # ``simplefsdp plan`` does, for its eager engine (Note: [Plan model]).
+        self.saved_activations: list[tuple[int, int]] | None = None
 
     def plan(self) -> BucketPlan | None:
         """The static bucket plan (``None``: no bucketing; for ``"auto"``, the

@@ -10,7 +10,13 @@ Note: [Plan model]
       gradients    fp32 shards, the same size,
       optimizer    AdamW's two fp32 moments, twice the parameters,
       activations  what the forward graph saves for backward, times the
-                   microbatches in flight on the stage (1F1B: up to ``pp``),
+                   microbatches in flight on the stage (1F1B: up to ``pp``);
+                   for the eager engine (FSDP2) what eager autograd saves
+                   instead, which is more: the compiled step's min-cut
+                   partitioner recomputes cheap ops (norms, activations,
+                   casts) where eager saves their inputs and outputs
+                   (``eager_saved_bytes`` of the joint graph, Note: [Keeping
+                   what eager FSDP2 would hold]),
       gathered     the bucket plan's extra gathered buffers beyond the
                    unbucketed graph (the compiler's own model: worst
                    ``2 * B_i + B_{i+1}``, ``prefetch_extra_bytes``),
@@ -228,6 +234,9 @@ class GraphMeasures:
     bw_peak: float
     grad_bytes: float  # backward outputs (gradient shards)
     rs_to_ag_ratio: float  # bytes reduced per byte gathered (fp32 reduce / bf16 gather)
+    # Activations eager autograd saves beyond what the partitioned forward
+    # saves (what the min-cut partitioner recomputes instead).
+    eager_extra_saved_bytes: float = 0.0
 
     def extrapolate(self, other: GraphMeasures, blocks: float) -> GraphMeasures:
         """``self`` at 1 block, ``other`` at 2: the value at ``blocks``."""
@@ -274,6 +283,7 @@ def measure(traced: Traced, cost_model: CostModel, fused: bool) -> GraphMeasures
         bw_peak=bw_mem.peak_bytes,
         grad_bytes=bw_mem.output_bytes,
         rs_to_ag_ratio=(rs / fw_ag) if fw_ag and rs else 1.0,
+        eager_extra_saved_bytes=max(traced.eager_saved_bytes - traced.compiled_saved_bytes, 0),
     )
 
 
@@ -537,6 +547,10 @@ def predict(
     step_s = slots * mb_s + optimizer_s
     gathered = prefetch_extra_bytes(buckets) if layout.dp > 1 else 0.0
     activations = first_stage_saved
+    if layout.engine == "fsdp2":
+        # Eager autograd saves what the derivative formulas need, where the
+        # compiled step's partitioner recomputes cheap ops (Note: [Plan model]).
+        activations += max(stage.eager_extra_saved_bytes, 0.0) * inflight
     temporary = max(base_peak - stage.saved_bytes, 0.0)
     memory = {
         "parameters": param_bytes,

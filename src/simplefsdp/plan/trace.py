@@ -158,6 +158,10 @@ class Traced:
     primal_names: dict[str, str]
     groups: object  # simplefsdp.compiler.patterns.CollectiveGroups
     local_param_bytes: int = 0  # this rank's parameter shards (fp32)
+    # Activation bytes eager autograd would save for backward, and what the
+    # partitioned (compiled) forward saves: the eager engine's extra.
+    eager_saved_bytes: int = 0
+    compiled_saved_bytes: int = 0
 
 
 @contextlib.contextmanager
@@ -208,17 +212,30 @@ def trace_step(key: TraceKey) -> Traced:
         simplefsdp.compile(
             wrapped, backend="aot_eager", bucketing="none", reorder=False, cost_model=CostModel()
         )
+        backend = wrapped.__dict__["_simplefsdp_backend"]
+        backend.saved_activations = []  # for the eager engine's activations
         tokens = torch.zeros(key.batch, key.seq, dtype=torch.long, device="meta")
         with _patched_attention(full_ac=key.ac == "full"):
             wrapped(tokens).backward()
-        backend = wrapped.__dict__["_simplefsdp_backend"]
         graphs = dict(backend.graph_modules)
         fqns = [name for name, _ in wrapped.named_parameters()]
         primals = _primal_names(graphs["forward"], simplefsdp.comm_report(wrapped))
         groups = backend.groups
+        eager_saved = sum(e for e, _ in backend.saved_activations)
+        compiled_saved = sum(c for _, c in backend.saved_activations)
         local = sum(_local(p).numel() * _local(p).element_size() for p in wrapped.parameters())
     torch._dynamo.reset()
-    return Traced(key, graphs["forward"], graphs["backward"], fqns, primals, groups, local)
+    return Traced(
+        key,
+        graphs["forward"],
+        graphs["backward"],
+        fqns,
+        primals,
+        groups,
+        local,
+        eager_saved,
+        compiled_saved,
+    )
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
