@@ -293,6 +293,24 @@ def test_eager_engine_holds_eager_autograds_activations() -> None:
     assert eager.memory["temporary"] == ours.memory["temporary"]
 
 
+def test_compiled_engine_keeps_what_the_compiler_keeps_for_free() -> None:
+    # The compiler's keep search keeps the buckets gathered at the
+    # forward/backward boundary anyway (prefetch distance 1: the last two of
+    # the per-block reference plan, the root's norm and output and the last
+    # block); eager FSDP2 and a plan without resharding keep nothing.
+    args = _debug()
+    layout = Layout(gpus=2, batch=2, seq=64, ac="none", dtype="fp32")
+    ours = predict(args, layout, FIXED)
+    last = f"model.layers.{args.n_layers - 1}."
+    assert {"model.norm.weight", "model.output.weight"} <= set(ours.kept)
+    assert any(f.startswith(last) for f in ours.kept)
+    assert not any(f.startswith("model.layers.0.") for f in ours.kept)
+    assert ours.to_dict()["kept_gathered"] == ours.kept
+    assert predict(args, dataclasses.replace(layout, engine="fsdp2"), FIXED).kept == []
+    no_reshard = dataclasses.replace(layout, reshard_after_forward=False)
+    assert predict(args, no_reshard, FIXED).kept == []
+
+
 def test_pipeline_bubble_is_pp_minus_one_microbatch_slots() -> None:
     pred = predict(_debug(), Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2), FIXED)
     per_microbatch = (pred.time["compute"] + pred.time["exposed_comm"]) / 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -308,3 +310,22 @@ def test_saved_activations_are_the_outputs_after_the_users() -> None:
     # x is a graph input (resident anyway); the view is relu's storage
     assert saved == {mm: 8 * 32 * 4, relu: 8 * 32 * 4}
     assert saved_activations(gm, num_user_outputs=None) == {}
+
+
+def test_kept_buckets_are_not_gathered_again_in_the_replay() -> None:
+    # Every bucket kept gathered from forward to backward: each is gathered
+    # once, exactly as without resharding; one kept bucket of two saves
+    # exactly one all-gather of its size.
+    units = _units([4, 4, 4, 4], compute_s=1e-3)
+    buckets = [units[:2], units[2:]]
+    cm = dataclasses.replace(_model(), comm_overlap=0.0)  # nothing hides: times add
+    every = {u.fqn for u in units}
+    assert pipeline_time_s(buckets, cm, True, kept=every) == pytest.approx(
+        pipeline_time_s(buckets, cm, False)
+    )
+    last = {u.fqn for u in buckets[1]}
+    saved = pipeline_time_s(buckets, cm, True) - pipeline_time_s(buckets, cm, True, kept=last)
+    assert saved == pytest.approx(cm.comm_time("all_gather", 2, 8 * MiB))
+    # A bucket only partly kept is still gathered again.
+    partly = {units[3].fqn}
+    assert pipeline_time_s(buckets, cm, True, kept=partly) == pipeline_time_s(buckets, cm, True)

@@ -231,11 +231,16 @@ def gather_units(
     return units
 
 
-def _comm_s(units: Sequence[GatherUnit], cost_model: CostModel, reshard: bool) -> float:
+def _comm_s(
+    units: Sequence[GatherUnit], cost_model: CostModel, reshard: bool, kept: Collection[str] = ()
+) -> float:
+    """A bucket's data-parallel communication per step: its all-gather, again
+    in backward when resharded (unless every parameter is ``kept``), and its
+    reduce-scatter."""
     if not units:
         return 0.0
     size, group = sum(u.gathered_bytes for u in units), units[0].group_size
-    gathers = 2 if reshard else 1
+    gathers = 2 if reshard and not all(u.fqn in kept for u in units) else 1
     return gathers * cost_model.comm_time("all_gather", group, size) + cost_model.comm_time(
         "reduce_scatter", group, size
     )
@@ -425,8 +430,14 @@ class _Pipeline:
     previous_compute_end: float = 0.0
     fixed_s: float = 0.0
 
-    def then(self, bucket: Sequence[GatherUnit], cost_model: CostModel, reshard: bool):
-        comm = _comm_s(bucket, cost_model, reshard)
+    def then(
+        self,
+        bucket: Sequence[GatherUnit],
+        cost_model: CostModel,
+        reshard: bool,
+        kept: Collection[str] = (),
+    ):
+        comm = _comm_s(bucket, cost_model, reshard, kept)
         comm_start = max(self.comm_end, self.previous_compute_end)
         # While the transfer runs beside the previous bucket's compute, the
         # part of it that cannot overlap delays both (they take turns on a
@@ -441,17 +452,21 @@ class _Pipeline:
 
 
 def pipeline_time_s(
-    buckets: Sequence[Sequence[GatherUnit]], cost_model: CostModel, reshard: bool
+    buckets: Sequence[Sequence[GatherUnit]],
+    cost_model: CostModel,
+    reshard: bool,
+    kept: Collection[str] = (),
 ) -> float:
     """Step time of ``buckets`` on one link and one compute stream, with
     prefetch distance 1: bucket i's communication is issued when the compute
     of bucket i-2 ends (before the wait of bucket i-1), runs after the previous
     communication (and after bucket i-1's fixed TP communication), and bucket
     i's compute (with its own fixed communication) starts when both its
-    communication and the previous compute are done."""
+    communication and the previous compute are done. A bucket whose
+    parameters are all ``kept`` gathered is not gathered again in backward."""
     state = _Pipeline()
     for bucket in buckets:
-        state = state.then(bucket, cost_model, reshard)
+        state = state.then(bucket, cost_model, reshard, kept)
     return state.compute_end
 
 

@@ -134,7 +134,8 @@ def format_prediction(pred) -> str:
         f"  tokens/s/GPU          {pred.tokens_per_s_per_gpu:8.0f}",
         f"  MFU                   {100 * pred.mfu:8.1f} %",
         f"  bucket plan           {len(pred.buckets)} buckets"
-        + (f"; first: {len(pred.buckets[0])} params" if pred.buckets else ""),
+        + (f"; first: {len(pred.buckets[0])} params" if pred.buckets else "")
+        + (f"; {len(pred.kept)} params kept gathered for backward" if pred.kept else ""),
     ]
     lines += [f"  note: {n}" for n in pred.notes]
     return "\n".join(lines)

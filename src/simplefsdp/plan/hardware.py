@@ -117,7 +117,7 @@ PROFILES: dict[str, HardwareProfile] = {
         peak_fp32_flops=67 * TFLOPS,
         # torchtitan's 500 W H100 fitted value (see h100-96gb-500w); a 700 W
         # SXM part likely sustains more: a conservative assumption.
-        matmul_efficiency=0.5028,
+        matmul_efficiency=0.5021,
         memory_bytes=80 * GB,
         usable_memory_fraction=0.95,  # assumption (context, NCCL buffers)
         memory_bandwidth=3.35e12,
@@ -145,7 +145,7 @@ PROFILES: dict[str, HardwareProfile] = {
         peak_fp32_flops=67 * TFLOPS,
         # Fitted (python -m simplefsdp.plan.reference --fit) on one row only:
         # 8B, 8 GPUs, FSDP + torch.compile, 6,667 TPS/GPU; docs/scale.md.
-        matmul_efficiency=0.5028,
+        matmul_efficiency=0.5021,
         memory_bytes=96 * GiB,  # "96GB" HBM2e; torchtitan reports GiB readings
         usable_memory_fraction=0.95,
         memory_bandwidth=2.4e12,
@@ -165,7 +165,7 @@ PROFILES: dict[str, HardwareProfile] = {
         # dense, 67 TFLOPS fp32, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
         peak_bf16_flops=989 * TFLOPS,
         peak_fp32_flops=67 * TFLOPS,
-        matmul_efficiency=0.5028,  # assumption: as h100
+        matmul_efficiency=0.5021,  # assumption: as h100
         memory_bytes=141 * GB,
         usable_memory_fraction=0.95,
         memory_bandwidth=4.8e12,

@@ -19,7 +19,10 @@ Note: [Plan model]
                    what eager FSDP2 would hold]),
       gathered     the bucket plan's extra gathered buffers beyond the
                    unbucketed graph (the compiler's own model: worst
-                   ``2 * B_i + B_{i+1}``, ``prefetch_extra_bytes``),
+                   ``2 * B_i + B_{i+1}``, ``prefetch_extra_bytes``), plus
+                   for the compiled engine the blocks its keep search
+                   keeps gathered from forward to backward beyond the
+                   ones gathered at the boundary anyway,
       temporary    the rest of the larger of the forward graph's and the
                    backward graph's liveness peaks (``estimate_memory``):
                    logits and their fp32 loss, casts, one gathered parameter.
@@ -37,7 +40,9 @@ Note: [Plan model]
     compiled engine (simplefsdp) chains of non-matmul ops count as one fused
     kernel each, moving only the tensors that enter and leave the chain (what
     Inductor generates); for the eager engine (FSDP2) each op is a kernel.
-    The bucket plan (our greedy planner, or FSDP2's per-block groups) is
+    The bucket plan (our greedy planner under the compiler's default
+    budget, Note: [Keeping what eager FSDP2 would hold], with its keep
+    search; or FSDP2's per-block groups) is
     replayed on one link and one compute stream (``pipeline_time_s``, with
     each unit's window scaled to its share of the traced forward + backward
     compute); what does not hide is exposed communication. The optimizer
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +70,7 @@ from simplefsdp.compiler.auto_bucketing import (
     step_extra_bytes,
 )
 from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops
+from simplefsdp.compiler.keep_plan import choose_kept, free_keep_count
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.passes.bucketing import find_sites
 from simplefsdp.compiler.patterns import (
@@ -295,6 +302,7 @@ def copy_seconds(
     cost_model: CostModel,
     reshard_after_forward: bool,
     bytes_per_byte: float = 2.0,
+    kept: Collection[str] = (),
 ) -> float:
     """Seconds of the copies around a step's collectives (Note: [Plan
     model]): per all-gather the copy-in of the shards and the copy-out of
@@ -304,10 +312,11 @@ def copy_seconds(
     (the profile's ``copy_bytes_per_byte``: 2, a read and a write, where
     allocations are cached; about 3 measured on a CPU whose new buffers'
     pages fault in, where a copy into an existing buffer is about 4x faster
-    than into a new one)."""
-    gathers = 2 if reshard_after_forward else 1
+    than into a new one). A bucket whose parameters are all ``kept``
+    gathered from forward to backward is gathered once."""
     written = kernels = 0.0
     for bucket in buckets:
+        gathers = 2 if reshard_after_forward and not all(u.fqn in kept for u in bucket) else 1
         size = sum(u.gathered_bytes for u in bucket)
         shards = sum(u.gathered_bytes / u.group_size for u in bucket)
         written += gathers * (size + shards) + size
@@ -366,6 +375,9 @@ class Prediction:
     mfu: float
     buckets: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Parameters kept gathered from forward to backward (the compiled
+    # engine's keep search; not gathered again in backward).
+    kept: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -385,6 +397,7 @@ class Prediction:
             "mfu": self.mfu,
             "num_buckets": len(self.buckets),
             "buckets": self.buckets,
+            "kept_gathered": self.kept,
             "notes": self.notes,
         }
 
@@ -447,6 +460,22 @@ def _group_units(units: list[GatherUnit], how: str) -> list[list[GatherUnit]]:
     return ([root] if root else []) + blocks
 
 
+def _forward_order_blocks(units: list[GatherUnit]) -> list[list[GatherUnit]]:
+    """Per-block groups in forward order, the root's parameters split into
+    those before the blocks (embedding) and after them (norm, output): the
+    reference plan's buckets as the keep search reads them."""
+    groups: list[list[GatherUnit]] = []
+    key = None
+    for u in units:
+        parts = u.fqn.split(".")
+        k = ".".join(parts[:3]) if parts[1] == "layers" else "root"
+        if k != key or not groups:
+            groups.append([])
+            key = k
+        groups[-1].append(u)
+    return groups
+
+
 def predict(
     args: ModelArgs,
     layout: Layout,
@@ -496,33 +525,47 @@ def predict(
     resident = param_bytes + grad_bytes + optimizer_bytes
     usable = hw.memory_bytes * hw.usable_memory_fraction
     base_peak = max(stage.fw_peak, stage.saved_bytes + stage.bw_peak - stage.grad_bytes)
+    kept: set[str] = set()  # gathered once, kept from forward to backward
+    kept_spent = 0.0  # their bytes beyond the buckets gathered at the boundary anyway
     if layout.engine == "fsdp2" or layout.bucketing == "per_block":
         buckets = _group_units(units, "per_block")
     elif layout.bucketing == "none":
         buckets = _group_units(units, "none")
     else:
         budget = usable - resident - max(first_stage_saved - stage.saved_bytes, 0)
-        # The compiler's default budget: no more than the per-block plan
-        # (Note: [Keeping what eager FSDP2 would hold], less the activation
-        # slack, which needs the joint graph).
+        # The compiler's default budget (Note: [Keeping what eager FSDP2 would
+        # hold]): the per-block plan plus the activations eager autograd
+        # would save beyond the compiled step's, that slack spent first on
+        # keeping the last blocks gathered for backward (beyond the ones
+        # gathered at the boundary anyway), the rest on larger buckets.
         per_block = step_extra_bytes(_group_units(units, "per_block"))
-        budget = min(budget, base_peak + per_block)
+        slack = max(stage.eager_extra_saved_bytes, 0.0)
+        free_bytes = 0.0
+        if layout.reshard_after_forward:
+            reference = _forward_order_blocks(units)
+            sizes = [sum(u.gathered_bytes for u in b) for b in reference]
+            free = min(free_keep_count(1, True), len(sizes))  # prefetch distance 1
+            count, spent = choose_kept(sizes, free, int(slack))
+            kept = {u.fqn for b in reference[len(reference) - count :] for u in b}
+            free_bytes, kept_spent = float(sum(sizes[len(sizes) - free :])), float(spent)
+        budget = min(budget, base_peak + free_bytes + per_block + slack)
         try:
             buckets = greedy_buckets(
                 units,
                 cost_model,
                 reshard_after_forward=layout.reshard_after_forward,
-                base_peak_bytes=int(base_peak),
+                base_peak_bytes=int(base_peak + free_bytes + kept_spent),
                 memory_budget_bytes=int(budget),
+                kept=kept,
             )
         except ValueError:  # not even one parameter at a time fits: the tightest plan
             buckets = _group_units(units, "none")
     if not units:
         buckets = []
-    pipe_s = pipeline_time_s(buckets, cost_model, layout.reshard_after_forward)
+    pipe_s = pipeline_time_s(buckets, cost_model, layout.reshard_after_forward, kept)
     fixed_s = 2.0 * sum(u.fixed_comm_s for u in units)
     dp_comm_s = sum(
-        (2 if layout.reshard_after_forward else 1)
+        (2 if layout.reshard_after_forward and not all(u.fqn in kept for u in b) else 1)
         * cost_model.comm_time("all_gather", layout.dp, sum(u.gathered_bytes for u in b))
         + cost_model.comm_time("reduce_scatter", layout.dp, sum(u.gathered_bytes for u in b))
         for b in buckets
@@ -533,7 +576,7 @@ def predict(
     copy_s = 0.0
     if layout.dp > 1:
         copy_s = copy_seconds(
-            buckets, cost_model, layout.reshard_after_forward, hw.copy_bytes_per_byte
+            buckets, cost_model, layout.reshard_after_forward, hw.copy_bytes_per_byte, kept
         )
     # The replay counts communication competing with compute for the CPU
     # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
@@ -545,7 +588,7 @@ def predict(
     optimizer_s = (param_bytes / 4) * ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)  # grad norm
     step_s = slots * mb_s + optimizer_s
-    gathered = prefetch_extra_bytes(buckets) if layout.dp > 1 else 0.0
+    gathered = prefetch_extra_bytes(buckets) + kept_spent if layout.dp > 1 else 0.0
     activations = first_stage_saved
     if layout.engine == "fsdp2":
         # Eager autograd saves what the derivative formulas need, where the
@@ -587,6 +630,7 @@ def predict(
         mfu=mfu,
         buckets=[[u.fqn for u in b] for b in buckets],
         notes=notes,
+        kept=[u.fqn for u in units if u.fqn in kept],
     )
 
 
