@@ -124,6 +124,7 @@ from simplefsdp.compiler.patterns import (
 )
 
 logger = logging.getLogger(__name__)
+Fqns = Collection[str]  # parameters kept gathered from forward to backward
 
 
 @dataclass(frozen=True)
@@ -231,19 +232,14 @@ def gather_units(
     return units
 
 
-def _comm_s(
-    units: Sequence[GatherUnit], cost_model: CostModel, reshard: bool, kept: Collection[str] = ()
-) -> float:
-    """A bucket's data-parallel communication per step: its all-gather, again
-    in backward when resharded (unless every parameter is ``kept``), and its
-    reduce-scatter."""
+def _comm_s(units: Sequence[GatherUnit], cm: CostModel, reshard: bool, kept: Fqns = ()) -> float:
+    """All-gather (again in backward if resharded and not all kept) and reduce-scatter."""
     if not units:
         return 0.0
     size, group = sum(u.gathered_bytes for u in units), units[0].group_size
     gathers = 2 if reshard and not all(u.fqn in kept for u in units) else 1
-    return gathers * cost_model.comm_time("all_gather", group, size) + cost_model.comm_time(
-        "reduce_scatter", group, size
-    )
+    all_gather = cm.comm_time("all_gather", group, size)
+    return gathers * all_gather + cm.comm_time("reduce_scatter", group, size)
 
 
 def _window_s(units: Sequence[GatherUnit]) -> float:
@@ -431,11 +427,7 @@ class _Pipeline:
     fixed_s: float = 0.0
 
     def then(
-        self,
-        bucket: Sequence[GatherUnit],
-        cost_model: CostModel,
-        reshard: bool,
-        kept: Collection[str] = (),
+        self, bucket: Sequence[GatherUnit], cost_model: CostModel, reshard: bool, kept: Fqns = ()
     ):
         comm = _comm_s(bucket, cost_model, reshard, kept)
         comm_start = max(self.comm_end, self.previous_compute_end)
@@ -452,18 +444,14 @@ class _Pipeline:
 
 
 def pipeline_time_s(
-    buckets: Sequence[Sequence[GatherUnit]],
-    cost_model: CostModel,
-    reshard: bool,
-    kept: Collection[str] = (),
+    buckets: Sequence[Sequence[GatherUnit]], cost_model: CostModel, reshard: bool, kept: Fqns = ()
 ) -> float:
     """Step time of ``buckets`` on one link and one compute stream, with
     prefetch distance 1: bucket i's communication is issued when the compute
     of bucket i-2 ends (before the wait of bucket i-1), runs after the previous
     communication (and after bucket i-1's fixed TP communication), and bucket
     i's compute (with its own fixed communication) starts when both its
-    communication and the previous compute are done. A bucket whose
-    parameters are all ``kept`` gathered is not gathered again in backward."""
+    communication and the previous compute are done; a bucket all ``kept`` is not regathered."""
     state = _Pipeline()
     for bucket in buckets:
         state = state.then(bucket, cost_model, reshard, kept)

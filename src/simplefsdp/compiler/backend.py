@@ -35,16 +35,10 @@ import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from simplefsdp.bucket_plan import BucketPlan, resolve_plan
+from simplefsdp.compiler import keep_plan
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
-from simplefsdp.compiler.keep_plan import (
-    bucket_lookup,
-    compiled_saved_bytes,
-    eager_saved_bytes,
-    free_keep_count,
-    gather_chain_names,
-    search_keep,
-)
+from simplefsdp.compiler.keep_plan import bucket_lookup, free_keep_count, search_keep
 from simplefsdp.compiler.memory_estimate import estimate_memory, staged_by
 from simplefsdp.compiler.options import CompileOptions
 from simplefsdp.compiler.partition import inductor_partitioner, partition
@@ -258,13 +252,13 @@ class _GraphCompilation:
             keep = self._search_keep(joint, joint_inputs, kwargs)
         record = self.backend.saved_activations is not None
         if record:  # read before the joint pass tags the graph
-            eager = eager_saved_bytes(joint.graph, self.num_fwd_outputs)
-            gathered = gather_chain_names(joint.graph)
+            eager = keep_plan.eager_saved_bytes(joint.graph, self.num_fwd_outputs)
+            gathered = keep_plan.gather_chain_names(joint.graph)
         self.joint_pass(joint.graph, keep_count=keep)
         joint.recompile()
         forward, backward = partition(joint, joint_inputs, **kwargs)
         if record:
-            saved = (eager, compiled_saved_bytes(backward, gathered))
+            saved = (eager, keep_plan.compiled_saved_bytes(backward, gathered))
             self.backend.saved_activations.append(saved)
         return forward, backward
 
