@@ -232,14 +232,17 @@ def gather_units(
     return units
 
 
+def gathers_per_step(bucket: Sequence[GatherUnit], reshard: bool, kept: Fqns = ()) -> int:
+    """2 when resharded after forward and not every parameter is ``kept``, else 1."""
+    return 2 if reshard and not all(u.fqn in kept for u in bucket) else 1
+
+
 def _comm_s(units: Sequence[GatherUnit], cm: CostModel, reshard: bool, kept: Fqns = ()) -> float:
-    """All-gather (again in backward if resharded and not all kept) and reduce-scatter."""
     if not units:
         return 0.0
     size, group = sum(u.gathered_bytes for u in units), units[0].group_size
-    gathers = 2 if reshard and not all(u.fqn in kept for u in units) else 1
-    all_gather = cm.comm_time("all_gather", group, size)
-    return gathers * all_gather + cm.comm_time("reduce_scatter", group, size)
+    all_gather = gathers_per_step(units, reshard, kept) * cm.comm_time("all_gather", group, size)
+    return all_gather + cm.comm_time("reduce_scatter", group, size)
 
 
 def _window_s(units: Sequence[GatherUnit]) -> float:
@@ -426,16 +429,14 @@ class _Pipeline:
     previous_compute_end: float = 0.0
     fixed_s: float = 0.0
 
-    def then(
-        self, bucket: Sequence[GatherUnit], cost_model: CostModel, reshard: bool, kept: Fqns = ()
-    ):
-        comm = _comm_s(bucket, cost_model, reshard, kept)
+    def then(self, bucket: Sequence[GatherUnit], cm: CostModel, reshard: bool, kept: Fqns = ()):
+        comm = _comm_s(bucket, cm, reshard, kept)
         comm_start = max(self.comm_end, self.previous_compute_end)
         # While the transfer runs beside the previous bucket's compute, the
         # part of it that cannot overlap delays both (they take turns on a
         # CPU; Note: [Communication competing with compute]).
         concurrent = min(max(self.compute_end - comm_start, 0.0), comm)
-        delay = (1.0 - cost_model.comm_overlap) * concurrent
+        delay = (1.0 - cm.comm_overlap) * concurrent
         previous_end = self.compute_end + delay
         comm_end = comm_start + comm + delay + self.fixed_s
         start = max(previous_end, comm_end)

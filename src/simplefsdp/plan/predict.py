@@ -54,6 +54,7 @@ Note: [Plan model]
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -63,6 +64,7 @@ import torch.fx as fx
 from simplefsdp.compiler.auto_bucketing import (
     GatherUnit,
     gather_units,
+    gathers_per_step,
     greedy_buckets,
     pipeline_time_s,
     prefetch_extra_bytes,
@@ -221,7 +223,7 @@ def copy_seconds(
     gathered from forward to backward is gathered once."""
     written = kernels = 0.0
     for bucket in buckets:
-        gathers = 2 if reshard_after_forward and not all(u.fqn in kept for u in bucket) else 1
+        gathers = gathers_per_step(bucket, reshard_after_forward, kept)
         size = sum(u.gathered_bytes for u in bucket)
         shards = sum(u.gathered_bytes / u.group_size for u in bucket)
         written += gathers * (size + shards) + size
@@ -350,14 +352,18 @@ def _units_for(
     return result
 
 
+def _block_of(fqn: str) -> str:
+    """``model.layers.N`` for a block's parameter, else ``root``."""
+    parts = fqn.split(".")
+    return ".".join(parts[:3]) if parts[1] == "layers" else "root"
+
+
 def _group_units(units: list[GatherUnit], how: str) -> list[list[GatherUnit]]:
     if how == "none":
         return [[u] for u in units]
     groups: dict[str, list[GatherUnit]] = {}
     for u in units:
-        parts = u.fqn.split(".")
-        key = ".".join(parts[:3]) if parts[1] == "layers" else "root"
-        groups.setdefault(key, []).append(u)
+        groups.setdefault(_block_of(u.fqn), []).append(u)
     root = groups.pop("root", [])
     blocks = list(groups.values())
     # FSDP2 (and our per-block plan) gathers the root's parameters (embedding,
@@ -369,16 +375,7 @@ def _forward_order_blocks(units: list[GatherUnit]) -> list[list[GatherUnit]]:
     """Per-block groups in forward order, the root's parameters split into
     those before the blocks (embedding) and after them (norm, output): the
     reference plan's buckets as the keep search reads them."""
-    groups: list[list[GatherUnit]] = []
-    key = None
-    for u in units:
-        parts = u.fqn.split(".")
-        k = ".".join(parts[:3]) if parts[1] == "layers" else "root"
-        if k != key or not groups:
-            groups.append([])
-            key = k
-        groups[-1].append(u)
-    return groups
+    return [list(g) for _, g in itertools.groupby(units, key=lambda u: _block_of(u.fqn))]
 
 
 def predict(
@@ -470,7 +467,7 @@ def predict(
     pipe_s = pipeline_time_s(buckets, cost_model, layout.reshard_after_forward, kept)
     fixed_s = 2.0 * sum(u.fixed_comm_s for u in units)
     dp_comm_s = sum(
-        (2 if layout.reshard_after_forward and not all(u.fqn in kept for u in b) else 1)
+        gathers_per_step(b, layout.reshard_after_forward, kept)
         * cost_model.comm_time("all_gather", layout.dp, sum(u.gathered_bytes for u in b))
         + cost_model.comm_time("reduce_scatter", layout.dp, sum(u.gathered_bytes for u in b))
         for b in buckets
