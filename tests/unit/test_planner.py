@@ -196,6 +196,28 @@ def test_collective_inputs_live_until_the_wait_and_gloo_stages() -> None:
     assert estimate_memory(gm, staged=lambda node: False).peak_bytes == 2.5 * KiB
 
 
+def test_transient_peak_leaves_out_the_outputs_produced_so_far() -> None:
+    """A backward-like graph whose temporary dies before most gradients
+    exist: its peak less all its outputs (0) understates the temporary."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+
+    def node(n):
+        n.meta["val"] = torch.empty(256)  # 1 KiB each
+        return n
+
+    tangent = node(g.placeholder("tangents_1"))
+    temp = node(g.call_function(aten.mul.Tensor, (tangent, tangent)))
+    grads = [node(g.call_function(aten.mul.Tensor, (temp, tangent)))]
+    grads += [node(g.call_function(aten.mul.Tensor, (tangent, tangent))) for _ in range(2)]
+    g.output(tuple(grads))
+    estimate = estimate_memory(torch.fx.GraphModule(torch.nn.Module(), g))
+    KiB = 1024
+    assert (estimate.peak_bytes, estimate.output_bytes) == (3 * KiB, 3 * KiB)
+    # The temporary beside the first gradient: 1 KiB beyond it.
+    assert estimate.transient_peak_bytes == 1 * KiB
+
+
 def test_staging_follows_the_groups_backend() -> None:
     """gloo stages, other backends (NCCL, MPI, the fake group) do not; a
     group whose backend is unknown falls back to the tensors' device."""

@@ -71,12 +71,16 @@ class MemoryEstimate:
     ``live_peak_bytes`` the most memory alive at once beyond the training
     state: the inputs that are not state (activations saved for backward,
     tangents), each freed after its last use as the compiled code does, plus
-    what the graph allocates."""
+    what the graph allocates; ``transient_peak_bytes`` the most memory it
+    allocates at once beyond its outputs allocated so far (a backward's
+    peak is often reached before most gradients exist, so ``peak_bytes -
+    output_bytes`` understates what it needs beside all of them)."""
 
     peak_bytes: int
     input_bytes: int
     output_bytes: int
     live_peak_bytes: int
+    transient_peak_bytes: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -84,6 +88,7 @@ class MemoryEstimate:
             "input_bytes": self.input_bytes,
             "output_bytes": self.output_bytes,
             "live_peak_bytes": self.live_peak_bytes,
+            "transient_peak_bytes": self.transient_peak_bytes,
         }
 
 
@@ -226,6 +231,7 @@ def estimate_memory(
         if r not in outputs:
             frees.setdefault(i, []).append(r)
     live = peak = 0
+    outputs_live = transient_peak = 0  # outputs allocated so far: never freed
     inputs_bytes = 0
     # Inputs that are not state (saved activations, tangents), until their last use.
     inputs_alive = sum(
@@ -237,8 +243,11 @@ def estimate_memory(
             inputs_bytes += node_bytes(node)
         elif root[node] is node and node.op == "call_function" and node not in ignore:
             live += node_bytes(node)
+            if node in outputs:
+                outputs_live += node_bytes(node)
         live += take.get(i, 0)
         peak = max(peak, live)
+        transient_peak = max(transient_peak, live - outputs_live)
         live_peak = max(live_peak, live + inputs_alive)
         live -= release.get(i, 0)
         for r in frees.get(i, ()):
@@ -254,4 +263,5 @@ def estimate_memory(
         input_bytes=inputs_bytes,
         output_bytes=output_bytes,
         live_peak_bytes=live_peak,
+        transient_peak_bytes=transient_peak,
     )

@@ -25,7 +25,11 @@ Note: [Plan model]
                    ones gathered at the boundary anyway,
       temporary    the rest of the larger of the forward graph's and the
                    backward graph's liveness peaks (``estimate_memory``):
-                   logits and their fp32 loss, casts, one gathered parameter.
+                   logits and their fp32 loss, casts, one gathered parameter;
+                   the backward's beyond the gradients it has produced by
+                   then (``transient_peak_bytes``: its peak comes early,
+                   before most gradients exist, and the gradients are
+                   counted whole above).
     The peak is the sum; the breakdown adds up to it.
 
     Step time: compute per node from the hardware profile (``CostModel``:
@@ -147,6 +151,9 @@ class GraphMeasures:
     fw_peak: float
     bw_peak: float
     grad_bytes: float  # backward outputs (gradient shards)
+    # Backward's peak beyond the gradients it has produced by then
+    # (``transient_peak_bytes``): what it needs beside all of them.
+    bw_transient: float
     rs_to_ag_ratio: float  # bytes reduced per byte gathered (fp32 reduce / bf16 gather)
     # Activations eager autograd saves beyond what the partitioned forward
     # saves (what the min-cut partitioner recomputes instead).
@@ -196,6 +203,7 @@ def measure(traced: Traced, cost_model: CostModel, fused: bool) -> GraphMeasures
         fw_peak=fw_mem.peak_bytes,
         bw_peak=bw_mem.peak_bytes,
         grad_bytes=bw_mem.output_bytes,
+        bw_transient=bw_mem.transient_peak_bytes,
         rs_to_ag_ratio=(rs / fw_ag) if fw_ag and rs else 1.0,
         eager_extra_saved_bytes=max(traced.eager_saved_bytes - traced.compiled_saved_bytes, 0),
     )
@@ -426,7 +434,7 @@ def predict(
     optimizer_bytes = 2 * param_bytes
     resident = param_bytes + grad_bytes + optimizer_bytes
     usable = hw.memory_bytes * hw.usable_memory_fraction
-    base_peak = max(stage.fw_peak, stage.saved_bytes + stage.bw_peak - stage.grad_bytes)
+    base_peak = max(stage.fw_peak, stage.saved_bytes + stage.bw_transient)
     kept: set[str] = set()  # gathered once, kept from forward to backward
     kept_spent = 0.0  # their bytes beyond the buckets gathered at the boundary anyway
     if layout.engine == "fsdp2" or layout.bucketing == "per_block":
