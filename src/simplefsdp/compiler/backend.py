@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from simplefsdp.bucket_plan import BucketPlan, resolve_plan
-from simplefsdp.compiler import keep_plan
+from simplefsdp.compiler import keep_plan, plan_check
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
 from simplefsdp.compiler.keep_plan import bucket_lookup, free_keep_count, search_keep
@@ -226,6 +226,9 @@ class _GraphCompilation:
         # The default budget found by the keep search (Note: [Keeping what
         # eager FSDP2 would hold]), for the forward graph's auto plan.
         self.default_budget_bytes: int | None = None
+        # The partitioned backward graph, unchanged, while the forward graph's
+        # auto plan may still be checked against it.
+        self.backward_graph: fx.GraphModule | None = None
         self.keep_search: dict = {}
         self.kept_fqns: set[str] = set()  # kept gathered, for the auto plan
         # The partitioner's num_fwd_outputs: the forward graph's outputs after
@@ -257,6 +260,7 @@ class _GraphCompilation:
         self.joint_pass(joint.graph, keep_count=keep)
         joint.recompile()
         forward, backward = partition(joint, joint_inputs, **kwargs)
+        self.backward_graph = backward if keep is not None else None
         if record:
             saved = (eager, keep_plan.compiled_saved_bytes(backward, gathered))
             self.backend.saved_activations.append(saved)
@@ -349,31 +353,6 @@ class _GraphCompilation:
             self.plan_notes_joint.append("kept gathered for backward: none matched keep_gathered")
         return kept
 
-    def _plan_auto(self, gm: fx.GraphModule) -> None:
-        from simplefsdp.compiler.auto_bucketing import plan_forward_graph
-
-        options = self.backend.options
-        fqns = [f for f in dict.fromkeys(self.fqns) if f]
-        auto = plan_forward_graph(
-            gm,
-            self.primal_names,
-            fqns,
-            self.backend.cost_model(required=True),
-            reshard_after_forward=options.reshard_after_forward,
-            memory_budget_bytes=options.memory_budget_bytes,
-            reference_plan=self.backend.plan(),
-            groups=self.backend.groups,
-            default_budget_bytes=self.default_budget_bytes,
-            kept_fqns=self.kept_fqns,
-            num_user_outputs=self.num_fwd_outputs,
-        )
-        self.plan, self.plan_notes, self.planned_sites = auto.plan, auto.notes, auto.sites
-        if not any(b.origin == "auto" for b in self.plan.buckets):
-            # No all-gathers (replicate mode): keep the per-block plan.
-            self.plan = self.backend.plan()
-            self.plan_notes.append("auto: no all-gathers to plan; using the per-block plan")
-        self.planned = True
-
     def check_inductor_order(self, graph_name: str, gm: fx.GraphModule, source: str | None) -> None:
         """Record how many collectives still overlap compute in Inductor's code.
 
@@ -402,7 +381,7 @@ class _GraphCompilation:
         if partial and graph_name == "forward" and drop_unused_gathers(gm.graph, partial):
             gm.recompile()  # Note: [Partial resharding in the graph]
         if not self.planned and graph_name in ("forward", "inference"):
-            self._plan_auto(gm)
+            plan_check.plan_graph(self, gm)  # Note: [Checking the plan with the estimator]
             notes.extend(self.plan_notes)
             # Found on this very graph, not yet changed: reuse them.
             sites, self.planned_sites = self.planned_sites, None
@@ -458,7 +437,10 @@ class SimpleFSDPBackend:
         self.groups: CollectiveGroups = ALL_DATA_PARALLEL
         # reshard_after_forward=N: shard group name -> PartialReshardGroup.
         self.partial_groups: dict[str, Any] = {}
+        # Note: [Checking the plan with the estimator]: only on even shards.
+        self.shards_evenly = False
         if model is not None:
+            self.shards_evenly = plan_check.shards_evenly(model)
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = _mesh_groups(model)
             self._tp_mesh_groups = _tp_mesh_groups(model)

@@ -19,10 +19,12 @@ Note: [Plan model]
                    what eager FSDP2 would hold]),
       gathered     the bucket plan's extra gathered buffers beyond the
                    unbucketed graph (the compiler's own model: worst
-                   ``2 * B_i + B_{i+1}``, ``prefetch_extra_bytes``), plus
-                   for the compiled engine the blocks its keep search
-                   keeps gathered from forward to backward beyond the
-                   ones gathered at the boundary anyway,
+                   ``2 * B_i + B_{i+1}``, ``prefetch_extra_bytes``); for
+                   the compiled engine with the parameters its keep search
+                   keeps gathered from forward to backward held from their
+                   bucket on, beside the later buckets and, when backward
+                   starts, beside the first bucket it gathers again
+                   (``gathered_extra_bytes``),
       temporary    the rest of the larger of the forward graph's and the
                    backward graph's liveness peaks (``estimate_memory``):
                    logits and their fp32 loss, casts, one gathered parameter;
@@ -71,7 +73,6 @@ from simplefsdp.compiler.auto_bucketing import (
     gathers_per_step,
     greedy_buckets,
     pipeline_time_s,
-    prefetch_extra_bytes,
     step_extra_bytes,
 )
 from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops
@@ -239,6 +240,26 @@ def copy_seconds(
     return (
         bytes_per_byte * written / cost_model.bytes_per_s + kernels * cost_model.kernel_overhead_s
     )
+
+
+def gathered_extra_bytes(buckets: list[list[GatherUnit]], kept: Collection[str] = ()) -> float:
+    """Gathered parameters beyond the unbucketed graph at their worst (Note:
+    [Plan model]): in forward, bucket i gathered and copied out beside the
+    next one prefetched, ``2 * B_i + B_{i+1}``, plus the ``kept`` parameters
+    of the buckets before it (gathered once, held until their backward); when
+    backward starts, all the kept ones beside the first bucket it gathers
+    again, copied out (``2 * B_r``). Without keeping: worst ``2 * B_i +
+    B_{i+1}`` (``prefetch_extra_bytes``)."""
+    sizes = [sum(u.gathered_bytes for u in b) for b in buckets]
+    held = [sum(u.gathered_bytes for u in b if u.fqn in kept) for b in buckets]
+    before = list(itertools.accumulate(held, initial=0))
+    forward = (
+        before[i] + 2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0)
+        for i, s in enumerate(sizes)
+    )
+    regathered = [s for s, h in zip(sizes, held) if h < s]
+    backward = before[-1] + 2 * (regathered[-1] if regathered else 0)
+    return float(max(max(forward, default=0), backward))
 
 
 def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 2.0) -> CostModel:
@@ -498,7 +519,7 @@ def predict(
     optimizer_s = (param_bytes / 4) * ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)  # grad norm
     step_s = slots * mb_s + optimizer_s
-    gathered = prefetch_extra_bytes(buckets) + kept_spent if layout.dp > 1 else 0.0
+    gathered = gathered_extra_bytes(buckets, kept) if layout.dp > 1 else 0.0
     activations = first_stage_saved
     if layout.engine == "fsdp2":
         # Eager autograd saves what the derivative formulas need, where the
