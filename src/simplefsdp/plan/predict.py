@@ -254,8 +254,7 @@ def gathered_extra_bytes(buckets: list[list[GatherUnit]], kept: Collection[str] 
     held = [sum(u.gathered_bytes for u in b if u.fqn in kept) for b in buckets]
     before = list(itertools.accumulate(held, initial=0))
     forward = (
-        before[i] + 2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0)
-        for i, s in enumerate(sizes)
+        before[i] + 2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i, s in enumerate(sizes)
     )
     regathered = [s for s, h in zip(sizes, held) if h < s]
     backward = before[-1] + 2 * (regathered[-1] if regathered else 0)
