@@ -45,7 +45,15 @@ def test_a_plan_over_is_replanned_under_the_excess_lowered_budget() -> None:
     fitted, notes = fit_to_reference(first, plan_with, estimate, REFERENCE, 5)
     assert fitted is made[85] and fitted.data["memory_budget_bytes"] == 85
     assert "15 B over" in notes[0] and "budget lowered to 85 bytes" in notes[0]
-    assert "within" in notes[1] and "after 1 replans" in notes[1]
+    assert "within" in notes[1] and "after 1 replans, 2 bisections" in notes[1]
+    assert sorted(made) == [85, 88, 92, 100]  # bisected: 92 and 88 are over
+
+
+def test_bisection_finds_a_larger_plan_that_fits() -> None:
+    # lowering 100 by its excess (25) overshoots: 87 fits too, 93 does not
+    plan_with, estimate, made = _planner({100: 130, 75: 90, 87: 104, 93: 110})
+    fitted, notes = fit_to_reference(plan_with(100), plan_with, estimate, REFERENCE, 5)
+    assert fitted is made[87] and "104 B at their peak" in notes[-1]
 
 
 def test_unspent_slack_below_zero_allows_only_the_reference() -> None:

@@ -24,7 +24,11 @@ Note: [Checking the plan with the estimator]
     compared. The auto plan may hold what the reference holds plus the
     slack the keep search left unspent. If it holds more, the budget is
     lowered by the excess and the forward graph planned again, at most
-    ``ROUNDS`` times; if no plan fits, the reference plan is used.
+    ``ROUNDS`` times; if no plan fits, the reference plan is used. Once a
+    replan fits, ``REFINE`` bisections of the budget between it and the
+    last plan over look for a larger plan that fits too (lowering by the
+    estimate's excess overshoots where the bucket model's shortfall is
+    smaller than the estimate's).
 
     Every rank must decide alike without communicating (Note: [Identical
     plans without compile-time collectives]). The graphs are the same on
@@ -110,34 +114,69 @@ def fit_to_reference(
     """Note: [Checking the plan with the estimator]: ``first`` or a replan
     (``plan_with(budget)``) whose ``estimate`` is within the reference's
     plus ``slack_bytes``, with report notes; ``None``: none fits, use the
-    reference."""
+    reference. Lowering a budget by the estimate's excess can overshoot (the
+    bucket model's shortfall is not the estimate's), so once a replan fits,
+    up to ``REFINE`` bisections between it and the last budget over look
+    for a larger plan that fits too."""
     allowed = estimate(reference) + max(slack_bytes, 0)
     auto, notes = first, []
+    over: AutoPlan | None = None  # the last plan over the limit
     for round_ in range(ROUNDS + 1):
         peak = estimate(auto.plan)
-        buckets = auto.data["num_buckets"]
         if peak <= allowed:
+            auto, peak, refined = _refine(auto, peak, over, plan_with, estimate, allowed)
             notes.append(
-                f"estimate check: {buckets} buckets hold {_fmt_bytes(peak)} at their peak, "
-                f"within the per-block plan's {_fmt_bytes(allowed - max(slack_bytes, 0))} "
-                f"+ {_fmt_bytes(max(slack_bytes, 0))} slack"
-                + (f" (after {round_} replans)" if round_ else "")
+                f"estimate check: {auto.data['num_buckets']} buckets hold {_fmt_bytes(peak)} "
+                f"at their peak, within the per-block plan's "
+                f"{_fmt_bytes(allowed - max(slack_bytes, 0))} + "
+                f"{_fmt_bytes(max(slack_bytes, 0))} slack"
+                + (f" (after {round_} replans, {refined} bisections)" if round_ else "")
             )
             return auto, notes
         budget = auto.data["memory_budget_bytes"] - (peak - allowed)
         notes.append(
-            f"estimate check: {buckets} buckets hold {_fmt_bytes(peak)}, "
+            f"estimate check: {auto.data['num_buckets']} buckets hold {_fmt_bytes(peak)}, "
             f"{_fmt_bytes(peak - allowed)} over the per-block plan's + slack; "
             + (f"budget lowered to {budget} bytes" if round_ < ROUNDS else "giving up")
         )
         if round_ == ROUNDS:
             break
+        over = auto
         try:
             auto = plan_with(budget)
         except ValueError:  # below one parameter per bucket
             break
     notes.append("estimate check: no auto plan fits; using the per-block plan")
     return None, notes
+
+
+REFINE = 2
+
+
+def _refine(fit, peak, over, plan_with, estimate, allowed) -> tuple[AutoPlan, int, int]:
+    """Bisect the budget between plan ``fit`` (within ``allowed``) and plan
+    ``over`` (over it; ``None``: nothing to refine) for the largest budget
+    whose plan fits: (plan, its estimate, bisections run)."""
+    if over is None:
+        return fit, peak, 0
+    low, high = fit.data["memory_budget_bytes"], over.data["memory_budget_bytes"]
+    runs = 0
+    while runs < REFINE and high - low > 1:
+        mid = (low + high) // 2
+        runs += 1
+        trial = plan_with(mid)
+        if trial.plan == fit.plan:
+            low = mid
+            continue
+        if trial.plan == over.plan:
+            high = mid
+            continue
+        trial_peak = estimate(trial.plan)
+        if trial_peak <= allowed:
+            fit, peak, low = trial, trial_peak, mid
+        else:
+            high = mid
+    return fit, peak, runs
 
 
 def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
