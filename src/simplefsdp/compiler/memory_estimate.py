@@ -116,7 +116,7 @@ def output_leaves(graph: fx.Graph) -> list:
 def concrete_bytes(value) -> int:
     """A byte count as an int: a symbolic one (dynamic shapes) by its hint,
     the size of the example being compiled (no guard is added)."""
-    if isinstance(value, torch.SymInt):
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
         node = value.node
         return int(node.hint) if node.has_hint() else 0  # unbacked: unknown
     return int(value)

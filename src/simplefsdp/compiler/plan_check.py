@@ -36,7 +36,9 @@ Note: [Checking the plan with the estimator]
     (uneven sharding: its padding before an all-gather, the narrowing of its
     gradient), and a byte there could flip a comparison, so the check runs
     only when every sharded dimension divides evenly (``shards_evenly``);
-    otherwise the plan is used as the planner made it, with a note. The cost
+    otherwise the plan is used as the planner made it, with a note. Nor with
+    dynamic shapes: passes run on copies of symbolic graphs would add guards
+    to the shape environment the real graphs share. The cost
     is two graph copies and pass runs per estimate: about two seconds per
     estimate for the memory workload's 147 parameters.
 """
@@ -46,12 +48,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from simplefsdp.bucket_plan import BucketPlan
 from simplefsdp.compiler.keep_plan import copy_joint
-from simplefsdp.compiler.memory_estimate import estimate_memory
+from simplefsdp.compiler.memory_estimate import concrete_bytes, estimate_memory
 from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import _fmt_bytes
 
@@ -100,7 +103,8 @@ def estimated_peak(
             output_fqns,
             groups=backend.groups,
         )
-        peak = max(peak, estimate_memory(trial, staged=backend.staging).live_peak_bytes)
+        live = estimate_memory(trial, staged=backend.staging).live_peak_bytes
+        peak = max(peak, concrete_bytes(live))  # dynamic shapes: the example's size
     return peak
 
 
@@ -179,6 +183,22 @@ def _refine(fit, peak, over, plan_with, estimate, allowed) -> tuple[AutoPlan, in
     return fit, peak, runs
 
 
+def _symbolic(*graphs: fx.GraphModule) -> bool:
+    """Whether any tensor of ``graphs`` has a symbolic size or stride
+    (dynamic shapes): passes run on copies would add guards to the shape
+    environment the real graphs share."""
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            value = node.meta.get("val")
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            for v in values:
+                if isinstance(v, torch.Tensor) and any(
+                    not isinstance(d, int) for d in (*v.shape, *v.stride())
+                ):
+                    return True
+    return False
+
+
 def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
     """Plan the auto buckets of ``compilation``'s forward graph ``gm`` (and,
     under the default budget with a backward graph, check the plan: Note:
@@ -216,6 +236,9 @@ def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
     )
     if checked and not backend.shards_evenly:
         check_notes.append("estimate check: skipped (uneven shards differ between ranks)")
+        checked = False
+    if checked and _symbolic(gm, backward):
+        check_notes.append("estimate check: skipped (dynamic shapes)")
         checked = False
     if checked:
         graphs = [("forward", gm), ("backward", backward)]
