@@ -72,3 +72,31 @@ def test_no_fitting_plan_falls_back_to_the_reference() -> None:
     plan_with, estimate, made = _planner({b: 101 for b in range(1000)})
     fitted, notes = fit_to_reference(plan_with(500), plan_with, estimate, REFERENCE, 0)
     assert fitted is None and len(made) == 1 + ROUNDS and "giving up" in notes[-2]
+
+
+def test_graphs_with_symbolic_shapes_are_not_checked() -> None:
+    import torch
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    from simplefsdp.compiler.plan_check import _symbolic
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    dynamic = mode.from_tensor(torch.empty(4, 3), symbolic_context=context)
+    static = FakeTensorMode().from_tensor(torch.empty(4, 3))  # no shape environment
+
+    def graph(value) -> fx.GraphModule:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        x.meta["val"] = value
+        g.output(x)
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    assert not _symbolic(graph(static), graph(static))
+    assert _symbolic(graph(static), graph(dynamic))  # the backward's counts too
