@@ -178,8 +178,8 @@ def test_copies_around_collectives_by_hand() -> None:
 
 
 def test_kept_parameters_are_held_once_beside_the_later_buckets() -> None:
-    from simplefsdp.compiler.auto_bucketing import GatherUnit, prefetch_extra_bytes
-    from simplefsdp.plan.predict import gathered_extra_bytes
+    from simplefsdp.compiler.auto_bucketing import GatherUnit
+    from simplefsdp.plan.predict import prefetch_extra_bytes
 
     # buckets of 4, 2 and 3 bytes; b2 (1 of bucket 1's 2) and c kept
     buckets = [
@@ -187,17 +187,17 @@ def test_kept_parameters_are_held_once_beside_the_later_buckets() -> None:
         [GatherUnit("b1", 1, 2, 0.0), GatherUnit("b2", 1, 2, 0.0)],
         [GatherUnit("c", 3, 2, 0.0)],
     ]
-    assert gathered_extra_bytes(buckets) == prefetch_extra_bytes(buckets) == 2 * 4 + 2
+    assert prefetch_extra_bytes(buckets) == 2 * 4 + 2  # without keeping
     # forward: 8 + 2, 4 + 3, then b2 held + 6; when backward starts the 4
     # kept bytes beside bucket 1 gathered again and copied out (4 + 2 * 2)
-    assert gathered_extra_bytes(buckets, {"b2", "c"}) == 10
+    assert prefetch_extra_bytes(buckets, {"b2", "c"}) == 10
     # everything kept: the last bucket's 6 beside the 6 held before it; 9
     # when backward starts, nothing gathered again (the kept bytes are not
     # added on top of the worst bucket, as a sum would: 10 + 9)
-    assert gathered_extra_bytes(buckets, {"a", "b1", "b2", "c"}) == 12
+    assert prefetch_extra_bytes(buckets, {"a", "b1", "b2", "c"}) == 12
     big = [[GatherUnit("a", 1, 2, 0.0)], [GatherUnit("b", 1, 2, 0.0)], [GatherUnit("c", 1, 2, 0.0)]]
     # 2 held + 2 * 1 at the last, 3 when backward starts: the forward's end
-    assert gathered_extra_bytes(big, {"a", "b", "c"}) == 4
+    assert prefetch_extra_bytes(big, {"a", "b", "c"}) == 4
 
 
 def test_calibration_profile_carries_the_attention_share() -> None:

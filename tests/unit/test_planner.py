@@ -12,12 +12,12 @@ from simplefsdp.compiler.auto_bucketing import (
     GatherUnit,
     greedy_buckets,
     pipeline_time_s,
-    prefetch_extra_bytes,
     step_extra_bytes,
     to_plan,
 )
 from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops, simulate
 from simplefsdp.compiler.memory_estimate import estimate_memory
+from simplefsdp.plan.predict import prefetch_extra_bytes
 
 MiB = 2**20
 

@@ -237,7 +237,10 @@ def gathers_per_step(bucket: Sequence[GatherUnit], reshard: bool, kept: Fqns = (
     return 2 if reshard and not all(u.fqn in kept for u in bucket) else 1
 
 
-def _comm_s(units: Sequence[GatherUnit], cm: CostModel, reshard: bool, kept: Fqns = ()) -> float:
+def bucket_comm_s(
+    units: Sequence[GatherUnit], cm: CostModel, reshard: bool, kept: Fqns = ()
+) -> float:
+    """A bucket's communication per step: its all-gathers and reduce-scatter."""
     if not units:
         return 0.0
     size, group = sum(u.gathered_bytes for u in units), units[0].group_size
@@ -252,16 +255,6 @@ def _window_s(units: Sequence[GatherUnit]) -> float:
 def _fixed_s(units: Sequence[GatherUnit]) -> float:
     """Per-step TP communication of a bucket: forward plus its mirror in backward."""
     return 2.0 * sum(u.fixed_comm_s for u in units)
-
-
-def prefetch_extra_bytes(buckets: Sequence[Sequence[GatherUnit]]) -> int:
-    """Forward memory beyond the unbucketed graph, without positions: worst
-    2 * B_i + B_{i+1}."""
-    sizes = [sum(u.gathered_bytes for u in b) for b in buckets]
-    return max(
-        (2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i, s in enumerate(sizes)),
-        default=0,
-    )
 
 
 @dataclass(frozen=True)
@@ -430,7 +423,7 @@ class _Pipeline:
     fixed_s: float = 0.0
 
     def then(self, bucket: Sequence[GatherUnit], cm: CostModel, reshard: bool, kept: Fqns = ()):
-        comm = _comm_s(bucket, cm, reshard, kept)
+        comm = bucket_comm_s(bucket, cm, reshard, kept)
         comm_start = max(self.comm_end, self.previous_compute_end)
         # While the transfer runs beside the previous bucket's compute, the
         # part of it that cannot overlap delays both (they take turns on a

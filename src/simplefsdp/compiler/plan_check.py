@@ -122,7 +122,8 @@ def fit_to_reference(
     bucket model's shortfall is not the estimate's), so once a replan fits,
     up to ``REFINE`` bisections between it and the last budget over look
     for a larger plan that fits too."""
-    allowed = estimate(reference) + max(slack_bytes, 0)
+    reference_peak, slack = estimate(reference), max(slack_bytes, 0)
+    allowed = reference_peak + slack
     auto, notes = first, []
     over: AutoPlan | None = None  # the last plan over the limit
     for round_ in range(ROUNDS + 1):
@@ -131,9 +132,8 @@ def fit_to_reference(
             auto, peak, refined = _refine(auto, peak, over, plan_with, estimate, allowed)
             notes.append(
                 f"estimate check: {auto.data['num_buckets']} buckets hold {_fmt_bytes(peak)} "
-                f"at their peak, within the per-block plan's "
-                f"{_fmt_bytes(allowed - max(slack_bytes, 0))} + "
-                f"{_fmt_bytes(max(slack_bytes, 0))} slack"
+                f"at their peak, within the per-block plan's {_fmt_bytes(reference_peak)} + "
+                f"{_fmt_bytes(slack)} slack"
                 + (f" (after {round_} replans, {refined} bisections)" if round_ else "")
             )
             return auto, notes
@@ -225,42 +225,38 @@ def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
             num_user_outputs=compilation.num_fwd_outputs,
         )
 
-    auto = first = plan_with(compilation.default_budget_bytes)
+    first = plan_with(compilation.default_budget_bytes)
+    backward, compilation.backward_graph = compilation.backward_graph, None  # needed only here
+    auto: AutoPlan | None = first
     check_notes: list[str] = []
-    backward = compilation.backward_graph
-    checked = (
+    if (
         backward is not None
         and options.memory_budget_bytes is None
         and compilation.default_budget_bytes is not None
-        and any(b.origin == "auto" for b in auto.plan.buckets)
-    )
-    if checked and not backend.shards_evenly:
-        check_notes.append("estimate check: skipped (uneven shards differ between ranks)")
-        checked = False
-    if checked and _symbolic(gm, backward):
-        check_notes.append("estimate check: skipped (dynamic shapes)")
-        checked = False
-    if checked:
-        graphs = [("forward", gm), ("backward", backward)]
-        search = compilation.keep_search
-        fitted, check_notes = fit_to_reference(
-            auto,
-            plan_with,
-            lambda plan: estimated_peak(graphs, plan, compilation),
-            backend.plan(),
-            search.get("slack_bytes", 0) - search.get("spent_bytes", 0),
-        )
-        compilation.backward_graph = None  # not needed again
-        if fitted is None:
-            compilation.plan, compilation.planned_sites = backend.plan(), None
-            compilation.plan_notes = first.notes + check_notes
-            compilation.planned = True
-            return
-        auto = fitted
+        and any(b.origin == "auto" for b in first.plan.buckets)
+    ):
+        if not backend.shards_evenly:
+            check_notes.append("estimate check: skipped (uneven shards differ between ranks)")
+        elif _symbolic(gm, backward):
+            check_notes.append("estimate check: skipped (dynamic shapes)")
+        else:
+            graphs = [("forward", gm), ("backward", backward)]
+            search = compilation.keep_search
+            auto, check_notes = fit_to_reference(
+                first,
+                plan_with,
+                lambda plan: estimated_peak(graphs, plan, compilation),
+                backend.plan(),
+                search.get("slack_bytes", 0) - search.get("spent_bytes", 0),
+            )
+    compilation.planned = True
+    if auto is None:  # no auto plan fits the check
+        compilation.plan, compilation.planned_sites = backend.plan(), None
+        compilation.plan_notes = first.notes + check_notes
+        return
     compilation.plan, compilation.planned_sites = auto.plan, auto.sites
     compilation.plan_notes = first.notes + check_notes + (auto.notes if auto is not first else [])
     if not any(b.origin == "auto" for b in compilation.plan.buckets):
         # No all-gathers (replicate mode): keep the per-block plan.
         compilation.plan = backend.plan()
         compilation.plan_notes.append("auto: no all-gathers to plan; using the per-block plan")
-    compilation.planned = True

@@ -23,8 +23,7 @@ Note: [Plan model]
                    the compiled engine with the parameters its keep search
                    keeps gathered from forward to backward held from their
                    bucket on, beside the later buckets and, when backward
-                   starts, beside the first bucket it gathers again
-                   (``gathered_extra_bytes``),
+                   starts, beside the first bucket it gathers again),
       temporary    the rest of the larger of the forward graph's and the
                    backward graph's liveness peaks (``estimate_memory``):
                    logits and their fp32 loss, casts, one gathered parameter;
@@ -69,6 +68,7 @@ import torch.fx as fx
 
 from simplefsdp.compiler.auto_bucketing import (
     GatherUnit,
+    bucket_comm_s,
     gather_units,
     gathers_per_step,
     greedy_buckets,
@@ -242,14 +242,13 @@ def copy_seconds(
     )
 
 
-def gathered_extra_bytes(buckets: list[list[GatherUnit]], kept: Collection[str] = ()) -> float:
-    """Gathered parameters beyond the unbucketed graph at their worst (Note:
-    [Plan model]): in forward, bucket i gathered and copied out beside the
-    next one prefetched, ``2 * B_i + B_{i+1}``, plus the ``kept`` parameters
-    of the buckets before it (gathered once, held until their backward); when
-    backward starts, all the kept ones beside the first bucket it gathers
-    again, copied out (``2 * B_r``). Without keeping: worst ``2 * B_i +
-    B_{i+1}`` (``prefetch_extra_bytes``)."""
+def prefetch_extra_bytes(buckets: list[list[GatherUnit]], kept: Collection[str] = ()) -> float:
+    """Gathered parameters beyond the unbucketed graph at their worst, without
+    positions (Note: [Plan model]): in forward, bucket i gathered and copied
+    out beside the next one prefetched, ``2 * B_i + B_{i+1}``, plus the
+    ``kept`` parameters of the buckets before it (gathered once, held until
+    their backward); when backward starts, all the kept ones beside the
+    first bucket it gathers again, copied out (``2 * B_r``)."""
     sizes = [sum(u.gathered_bytes for u in b) for b in buckets]
     held = [sum(u.gathered_bytes for u in b if u.fqn in kept) for b in buckets]
     before = list(itertools.accumulate(held, initial=0))
@@ -495,10 +494,7 @@ def predict(
     pipe_s = pipeline_time_s(buckets, cost_model, layout.reshard_after_forward, kept)
     fixed_s = 2.0 * sum(u.fixed_comm_s for u in units)
     dp_comm_s = sum(
-        gathers_per_step(b, layout.reshard_after_forward, kept)
-        * cost_model.comm_time("all_gather", layout.dp, sum(u.gathered_bytes for u in b))
-        + cost_model.comm_time("reduce_scatter", layout.dp, sum(u.gathered_bytes for u in b))
-        for b in buckets
+        bucket_comm_s(b, cost_model, layout.reshard_after_forward, kept) for b in buckets
     )
     if layout.dp == 1:
         pipe_s, dp_comm_s = compute_s + fixed_s, 0.0
@@ -518,7 +514,7 @@ def predict(
     optimizer_s = (param_bytes / 4) * ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)  # grad norm
     step_s = slots * mb_s + optimizer_s
-    gathered = gathered_extra_bytes(buckets, kept) if layout.dp > 1 else 0.0
+    gathered = prefetch_extra_bytes(buckets, kept) if layout.dp > 1 else 0.0
     activations = first_stage_saved
     if layout.engine == "fsdp2":
         # Eager autograd saves what the derivative formulas need, where the
