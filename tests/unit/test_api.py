@@ -16,6 +16,16 @@ def test_no_process_group_is_a_clear_error() -> None:
         simplefsdp.data_parallel(build("mlp"))
 
 
+def test_sparse_embeddings_are_a_clear_error() -> None:
+    # Validated before the process group is looked up.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.EmbeddingBag(9, 4, sparse=True))
+    with pytest.raises(ValueError, match=r"submodule '1' \(EmbeddingBag\) has sparse=True"):
+        simplefsdp.data_parallel(model)
+    model[1].requires_grad_(False)  # frozen: no gradient, nothing to reduce
+    with pytest.raises(ValueError, match="process group is not initialised"):
+        simplefsdp.data_parallel(model)
+
+
 @pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])
 def test_mixed_precision_policy_rejects_non_float(field: str) -> None:
     with pytest.raises(

@@ -85,7 +85,8 @@ Note: [Identical plans without compile-time collectives]
     the cost model is calibrated when ``simplefsdp.compile`` is called (all
     ranks call it together) and rank 0's numbers are broadcast then. Nothing
     communicates during compilation itself, where one rank may compile a graph
-    another rank does not (e.g. a recompile on one rank only), and the inputs
+    another rank does not (e.g. a recompile on one rank only: it reuses the
+    first graph's plan, Note: [Plans from sizes, not guards]), and the inputs
     that legitimately differ between ranks (the padding of uneven shards) are
     left out of the estimates.
 """

@@ -274,6 +274,15 @@ class _GraphCompilation:
             trial.recompile()
             return partition(trial, joint_inputs, **kwargs)
 
+        key = plan_check.decision_key("keep", self)  # Note: [Plans from sizes, not guards]
+        if key in self.backend.decisions:
+            count, self.default_budget_bytes, self.keep_search, graph_id = self.backend.decisions[
+                key
+            ]
+            self.plan_notes_joint.append(
+                f"keep_gathered: {count} buckets, as decided for graph {graph_id} (same parameters)"
+            )
+            return count
         options, plan = self.backend.options, self.backend.plan()
         search = search_keep(
             joint,
@@ -290,6 +299,12 @@ class _GraphCompilation:
             self.default_budget_bytes = search.budget_bytes
         self.keep_search = search.to_dict()
         self.plan_notes_joint.append(search.note())
+        self.backend.decisions[key] = (
+            search.count,
+            self.default_budget_bytes,
+            self.keep_search,
+            self.graph_id,
+        )
         return search.count
 
     def joint_pass(
@@ -381,7 +396,9 @@ class _GraphCompilation:
         if partial and graph_name == "forward" and drop_unused_gathers(gm.graph, partial):
             gm.recompile()  # Note: [Partial resharding in the graph]
         if not self.planned and graph_name in ("forward", "inference"):
-            plan_check.plan_graph(self, gm)  # Note: [Checking the plan with the estimator]
+            plan_check.plan_graph(
+                self, gm, graph_name
+            )  # Note: [Checking the plan with the estimator]
             notes.extend(self.plan_notes)
             # Found on this very graph, not yet changed: reuse them.
             sites, self.planned_sites = self.planned_sites, None
@@ -456,6 +473,9 @@ class SimpleFSDPBackend:
                 "groups): pass compile_backend(..., model=model), or use simplefsdp.compile(model)"
             )
         self._graph_ids = itertools.count()
+        # Plans and keep decisions by graph kind and parameters, reused by
+        # recompiles: Note: [Plans from sizes, not guards].
+        self.decisions: dict[tuple, Any] = {}
         # (graph name, graph module after our passes), for inspection and tests.
         self.graph_modules: list[tuple[str, fx.GraphModule]] = []
         # Set to a list to record, per partitioned joint graph, (activation

@@ -55,6 +55,7 @@ from simplefsdp.compiler.patterns import (
     CollectiveGroups,
     collective_group,
     collective_kind,
+    concrete,
     is_compute,
     node_bytes,
 )
@@ -161,7 +162,7 @@ class CostModel:
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    return tuple(concrete(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
 
 
 def _prod(values) -> int:

@@ -37,6 +37,7 @@ import torch.fx as fx
 from simplefsdp.compiler.patterns import (
     collective_group,
     collective_kind,
+    concrete,
     is_wait,
     node_bytes,
     wait_of,
@@ -115,11 +116,8 @@ def output_leaves(graph: fx.Graph) -> list:
 
 def concrete_bytes(value) -> int:
     """A byte count as an int: a symbolic one (dynamic shapes) by its hint,
-    the size of the example being compiled (no guard is added)."""
-    if isinstance(value, (torch.SymInt, torch.SymFloat)):
-        node = value.node
-        return int(node.hint) if node.has_hint() else 0  # unbacked: unknown
-    return int(value)
+    the size of the example being compiled (no guard is added; ``concrete``)."""
+    return concrete(value)
 
 
 def _device_type(node: fx.Node) -> str | None:

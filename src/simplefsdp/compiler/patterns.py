@@ -248,10 +248,24 @@ def placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
+def concrete(value) -> int:
+    """An int for a size that may be symbolic (dynamic shapes): a symbol's
+    hint, the size of the example being compiled, read without adding a guard
+    to the shape environment (a guard would make Dynamo recompile at every
+    new size, Note: [Plans from sizes, not guards]); 0 for an unbacked
+    (data-dependent) size."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        node = value.node
+        return int(node.hint) if node.has_hint() else 0
+    return int(value)
+
+
 def node_bytes(node: fx.Node) -> int:
+    """Bytes of ``node``'s tensor value (0 for a non-tensor), as an int even
+    for symbolic shapes (``concrete``)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return concrete(val.numel()) * val.element_size()
     return 0
 
 

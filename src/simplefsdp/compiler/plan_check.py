@@ -41,6 +41,27 @@ Note: [Checking the plan with the estimator]
     to the shape environment the real graphs share. The cost
     is two graph copies and pass runs per estimate: about two seconds per
     estimate for the memory workload's 147 parameters.
+
+Note: [Plans from sizes, not guards]
+    Dynamo compiles a graph again when its inputs change shape (a shorter
+    last batch, variable sequence lengths; with ``dynamic`` shapes once,
+    then symbolically), and it may do so on one rank only. Two rules keep
+    every rank's collectives alike and the recompiles few:
+
+    - Decisions are made once per graph of a set of parameters: the auto
+      plan of a ``forward`` (or ``inference``) graph and the keep search of
+      its joint graph are recorded by the backend under the graph's kind and
+      parameter FQNs (``decision_key``), and a later graph of the same kind
+      over the same parameters (a recompile) reuses them instead of planning
+      from its own activation sizes, which can differ between ranks. So the
+      one plan is the first step's: ranks agree as long as that step's
+      inputs have the same shapes on every rank.
+    - Estimates read sizes, never compare symbols: a byte count or a matmul
+      shape of a symbolic graph is taken at its hint (``concrete``, the
+      example being compiled), because comparing symbolic sizes (``max``,
+      ``<``) installs guards on them, and each guard makes Dynamo recompile
+      at the next size that falls on its other side: the planner and the
+      memory estimator did this, one recompile per new sequence length.
 """
 
 from __future__ import annotations
@@ -199,11 +220,34 @@ def _symbolic(*graphs: fx.GraphModule) -> bool:
     return False
 
 
-def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
-    """Plan the auto buckets of ``compilation``'s forward graph ``gm`` (and,
-    under the default budget with a backward graph, check the plan: Note:
-    [Checking the plan with the estimator]); sets its ``plan``, notes and
-    sites."""
+def decision_key(kind: str, compilation: _GraphCompilation) -> tuple:
+    """Under what a decision about ``compilation``'s graph is recorded for
+    later graphs of the same parameters (Note: [Plans from sizes, not
+    guards])."""
+    return (kind, tuple(f for f in dict.fromkeys(compilation.fqns) if f))
+
+
+def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule, graph_name: str) -> None:
+    """Plan the auto buckets of ``compilation``'s forward (or inference)
+    graph ``gm`` (and, under the default budget with a backward graph, check
+    the plan: Note: [Checking the plan with the estimator]), or reuse the
+    plan of an earlier graph of the same parameters (Note: [Plans from
+    sizes, not guards]); sets its ``plan``, notes and sites."""
+    backend = compilation.backend
+    key = decision_key(graph_name, compilation)
+    if key in backend.decisions:
+        plan, notes, graph_id = backend.decisions[key]
+        compilation.planned, compilation.backward_graph = True, None
+        compilation.plan, compilation.planned_sites = plan, None
+        compilation.plan_notes = [
+            f"auto plan: the plan of graph {graph_id} (same parameters), not planned again"
+        ] + notes
+        return
+    _plan_graph(compilation, gm)
+    backend.decisions[key] = (compilation.plan, compilation.plan_notes, compilation.graph_id)
+
+
+def _plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
     from simplefsdp.compiler.auto_bucketing import plan_forward_graph
 
     backend = compilation.backend

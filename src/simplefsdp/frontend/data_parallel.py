@@ -161,6 +161,15 @@ def _validate_args(
             f"{type(module).__name__} (or one of its submodules) is already sharded by "
             "torch's fully_shard; use either fully_shard or simplefsdp.data_parallel"
         )
+    for name, sub in module.named_modules():
+        sparse = isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+        if sparse and sub.weight.requires_grad:
+            raise ValueError(
+                f"{f'submodule {name!r}' if name else 'the module'} ({type(sub).__name__}) has "
+                "sparse=True: its "
+                "gradients are sparse tensors, which data_parallel can neither reduce-scatter "
+                "nor all-reduce (nor can torch's fully_shard); construct it with sparse=False"
+            )
 
 
 def _is_fully_sharded(module: nn.Module) -> bool:
@@ -430,7 +439,8 @@ def data_parallel(
             group (or with ``mode="replicate"``), no process group and no mesh, mesh dimensionality not
             matching ``mode``, unknown ``mode``/``reduce_op``, ``shard_dim`` out
             of range, ``module`` already wrapped (or sharded by
-            ``fully_shard``), or tensor-parallel parameters whose mesh is not
+            ``fully_shard``), an ``nn.Embedding``/``nn.EmbeddingBag`` with
+            ``sparse=True`` (sparse gradients), or tensor-parallel parameters whose mesh is not
             a differently named slice of the data-parallel mesh's root (or
             ``mesh`` not given for them).
     """
