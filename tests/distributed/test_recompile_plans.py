@@ -118,6 +118,20 @@ def test_a_recompile_on_one_rank_runs_the_same_collectives() -> None:
     assert rank1["backward"][1] == rank0["backward"][0]
 
 
+def test_first_inputs_that_differ_between_ranks_get_a_plan_without_sizes() -> None:
+    # Each rank pads to its own length on the first step: the plans made
+    # from the two first graphs could differ, so neither is made from sizes
+    # (Note: [Ranks' first inputs]); the later steps reuse that plan.
+    lengths = [(16, 10), (12, 12), (16, 6)]
+    rank0, rank1 = run_distributed(_body, 2, args=(lengths, {}), timeout_s=300)
+    for result in (rank0, rank1):
+        assert any("first inputs differ" in n for n in result["notes"][0]), result["notes"][0]
+    assert rank0["forward"][0] == rank1["forward"][0]
+    assert rank0["backward"][0] == rank1["backward"][0]
+    for result in (rank0, rank1):  # later graphs: the same plan
+        assert all(f == result["forward"][0] for f in result["forward"])
+
+
 class BrokenLM(TinyLM):
     """TinyLM with a graph break between its blocks: two graphs per pass."""
 

@@ -274,38 +274,29 @@ class _GraphCompilation:
             trial.recompile()
             return partition(trial, joint_inputs, **kwargs)
 
-        key = plan_check.decision_key("keep", self)  # Note: [Plans from sizes, not guards]
-        if key in self.backend.decisions:
-            count, self.default_budget_bytes, self.keep_search, graph_id = self.backend.decisions[
-                key
-            ]
-            self.plan_notes_joint.append(
-                f"keep_gathered: {count} buckets, as decided for graph {graph_id} (same parameters)"
-            )
-            return count
         options, plan = self.backend.options, self.backend.plan()
-        search = search_keep(
-            joint,
-            trial_partition,
-            free=free_keep_count(options.prefetch_distance, options.reorder),
-            plan=plan,
-            bucket_of=bucket_lookup(plan),
-            primal_names=self.primal_names,
-            num_fwd_outputs=self.num_fwd_outputs,
-            groups=self.backend.groups,
-            memory_budget_bytes=options.memory_budget_bytes,
-        )
-        if options.memory_budget_bytes is None:
-            self.default_budget_bytes = search.budget_bytes
-        self.keep_search = search.to_dict()
-        self.plan_notes_joint.append(search.note())
-        self.backend.decisions[key] = (
-            search.count,
-            self.default_budget_bytes,
-            self.keep_search,
-            self.graph_id,
-        )
-        return search.count
+        free = free_keep_count(options.prefetch_distance, options.reorder)
+
+        def search():
+            found = search_keep(
+                joint,
+                trial_partition,
+                free=free,
+                plan=plan,
+                bucket_of=bucket_lookup(plan),
+                primal_names=self.primal_names,
+                num_fwd_outputs=self.num_fwd_outputs,
+                groups=self.backend.groups,
+                memory_budget_bytes=options.memory_budget_bytes,
+            )
+            if options.memory_budget_bytes is None:
+                self.default_budget_bytes = found.budget_bytes
+            self.keep_search = found.to_dict()
+            self.plan_notes_joint.append(found.note())
+            return found.count
+
+        # Once per parameters, or without sizes: Note: [Plans from sizes, not guards].
+        return plan_check.keep_count(self, search, free)
 
     def joint_pass(
         self, graph: fx.Graph, keep_count: int | None = None, record: bool = True
@@ -476,6 +467,8 @@ class SimpleFSDPBackend:
         # Plans and keep decisions by graph kind and parameters, reused by
         # recompiles: Note: [Plans from sizes, not guards].
         self.decisions: dict[tuple, Any] = {}
+        # Graph kinds whose first inputs differed between ranks: Note: [Ranks' first inputs].
+        self.size_independent: set[str] = set()
         # (graph name, graph module after our passes), for inspection and tests.
         self.graph_modules: list[tuple[str, fx.GraphModule]] = []
         # Set to a list to record, per partitioned joint graph, (activation

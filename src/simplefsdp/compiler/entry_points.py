@@ -6,6 +6,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from simplefsdp.compiler import first_inputs
 from simplefsdp.compiler.backend import CompileOptions, SimpleFSDPBackend
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.compiler.report import CommReport
@@ -137,6 +138,8 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         model=model,
     )
     model.compile(backend=simplefsdp_backend, fullgraph=fullgraph, **torch_compile_kwargs)
+    if simplefsdp_backend.is_auto and state.mode != "replicate":
+        first_inputs.install(model, simplefsdp_backend, state.mesh)  # Note: [Ranks' first inputs]
     model.__dict__[BACKEND_ATTR] = simplefsdp_backend
     return model
 

@@ -235,6 +235,10 @@ def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule, graph_name: s
     sizes, not guards]); sets its ``plan``, notes and sites."""
     backend = compilation.backend
     key = decision_key(graph_name, compilation)
+    if key not in backend.decisions and graph_name in backend.size_independent:
+        # Note: [Ranks' first inputs]: the plan of the sizes of no rank.
+        notes = ["auto plan: the ranks' first inputs differ in shape; the per-block plan"]
+        backend.decisions[key] = (backend.plan(), notes, compilation.graph_id)
     if key in backend.decisions:
         plan, notes, graph_id = backend.decisions[key]
         compilation.planned, compilation.backward_graph = True, None
@@ -245,6 +249,38 @@ def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule, graph_name: s
         return
     _plan_graph(compilation, gm)
     backend.decisions[key] = (compilation.plan, compilation.plan_notes, compilation.graph_id)
+
+
+def keep_count(compilation: _GraphCompilation, search: Callable[[], int], free: int) -> int:
+    """How many of the last buckets ``compilation``'s joint graph keeps
+    gathered: ``search()``'s answer for the first joint graph over its
+    parameters, reused by later ones (Note: [Plans from sizes, not guards]);
+    ``free`` (the buckets gathered at the boundary anyway) when the ranks'
+    first inputs differed (Note: [Ranks' first inputs])."""
+    backend = compilation.backend
+    key = decision_key("keep", compilation)
+    if key in backend.decisions:
+        count, compilation.default_budget_bytes, compilation.keep_search, graph_id = (
+            backend.decisions[key]
+        )
+        compilation.plan_notes_joint.append(
+            f"keep_gathered: {count} buckets, as decided for graph {graph_id} (same parameters)"
+        )
+        return count
+    if "forward" in backend.size_independent:
+        count = free
+        compilation.plan_notes_joint.append(
+            f"keep_gathered: {count} buckets (the ranks' first inputs differ in shape)"
+        )
+    else:
+        count = search()
+    backend.decisions[key] = (
+        count,
+        compilation.default_budget_bytes,
+        compilation.keep_search,
+        compilation.graph_id,
+    )
+    return count
 
 
 def _plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:

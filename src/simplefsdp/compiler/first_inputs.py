@@ -1,0 +1,96 @@
+"""Whether every rank's first inputs have the same shapes, checked before the
+first graph of each kind compiles.
+
+Note: [Ranks' first inputs]
+    An auto plan is made once, from the sizes of the first graph over a set
+    of parameters, and reused by every recompile (Note: [Plans from sizes,
+    not guards]). If the ranks' first inputs differ in shape (each rank pads
+    its batch to its own longest sequence, say), their first graphs differ,
+    and so may their plans: the ranks would issue different collectives and
+    hang. So ``simplefsdp.compile`` (``bucketing="auto"``, a sharded mode)
+    wraps the compiled call: on the first call with gradients enabled
+    (``forward`` graphs) and the first without (``inference`` graphs) it
+    hashes the structure, shapes and dtypes of the arguments (and the value
+    of non-tensor ones, which Dynamo specialises on) and all-reduces the
+    hash's minimum and maximum over the data-parallel mesh: one collective
+    of two int64s, outside the compiled code, on a call that is collective
+    anyway (a sharded model's forward all-gathers). Ranks that differ plan
+    that kind of graph without sizes (the per-block plan; ``keep_gathered``
+    the buckets gathered at the forward/backward boundary anyway), with a
+    warning and a report note; every rank knows, because every rank sees
+    the same reduced hashes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
+
+if TYPE_CHECKING:
+    from simplefsdp.compiler.backend import SimpleFSDPBackend
+
+logger = logging.getLogger(__name__)
+
+
+def input_digest(args: tuple, kwargs: dict) -> int:
+    """A signed 63-bit hash of a call's argument structure, tensor shapes and
+    dtypes, and non-tensor values."""
+    leaves, spec = tree_flatten((args, kwargs))
+    parts = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(f"T{tuple(leaf.shape)}{leaf.dtype}")
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            parts.append(repr(leaf))
+        else:
+            parts.append(type(leaf).__qualname__)
+    digest = hashlib.sha256("|".join(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def ranks_agree(digest: int, mesh: DeviceMesh) -> bool:
+    """Whether every rank of ``mesh`` passed the same ``digest`` (collective
+    over the mesh: each dimension in turn)."""
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    values = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    for dim in range(mesh.ndim):
+        dist.all_reduce(values, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+    low, high = int(values[0]), -int(values[1])
+    return low == high
+
+
+def install(model: nn.Module, backend: SimpleFSDPBackend, mesh: DeviceMesh) -> None:
+    """Wrap ``model``'s compiled call (``nn.Module.compile``) with the check of
+    Note: [Ranks' first inputs]."""
+    compiled = model._compiled_call_impl
+    if compiled is None or mesh.size() == 1:
+        return
+    checked: set[str] = set()
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        kind = "forward" if torch.is_grad_enabled() else "inference"
+        if kind not in checked and not torch.compiler.is_compiling():
+            checked.add(kind)
+            if not ranks_agree(input_digest(args, kwargs), mesh):
+                backend.size_independent.add(kind)
+                logger.warning(
+                    "simplefsdp auto plan: the ranks' first %s inputs differ in shape; "
+                    "planning %s graphs without sizes (the per-block plan), so that every "
+                    "rank issues the same collectives",
+                    kind,
+                    kind,
+                )
+        return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = call
