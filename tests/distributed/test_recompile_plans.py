@@ -6,7 +6,9 @@ the other rank's graph."""
 from __future__ import annotations
 
 import copy
+import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -174,3 +176,20 @@ def test_graph_breaks_with_fullgraph_false_plan_each_graph() -> None:
     # each graph gathers its own parameters, together every parameter once
     assert first and second and not set(first) & set(second)
     assert sorted(first + second) == result["names"]
+
+
+def _fullgraph_error_body() -> str:
+    model = simplefsdp.data_parallel(BrokenLM())
+    torch._dynamo.reset()
+    simplefsdp.compile(model, backend="aot_eager", bucketing="per_block")
+    try:
+        _train(model, [(8, 8)])
+    except torch._dynamo.exc.Unsupported as exc:
+        return "\n".join(getattr(exc, "__notes__", []))
+    return "no error"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
+def test_a_graph_break_under_fullgraph_says_how_to_compile_around_it() -> None:
+    notes = run_distributed(_fullgraph_error_body, 2, timeout_s=300)[0]
+    assert "simplefsdp.compile(..., fullgraph=False)" in notes, notes

@@ -112,7 +112,9 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
             identical on every rank); ``None`` calibrates one on this machine
             when ``bucketing="auto"`` (here, on every rank together; cached on
             disk; rank 0's numbers are used everywhere).
-        fullgraph: passed to ``torch.compile`` (graph breaks are errors).
+        fullgraph: passed to ``torch.compile``: graph breaks are errors (the
+            error says how to compile around them); ``False`` compiles the
+            graphs between breaks, each bucketed and planned on its own.
         **torch_compile_kwargs: passed to ``torch.compile`` (e.g. ``dynamic``).
 
     Returns:
@@ -138,8 +140,9 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         model=model,
     )
     model.compile(backend=simplefsdp_backend, fullgraph=fullgraph, **torch_compile_kwargs)
-    if simplefsdp_backend.is_auto and state.mode != "replicate":
-        first_inputs.install(model, simplefsdp_backend, state.mesh)  # Note: [Ranks' first inputs]
+    # Note: [Ranks' first inputs]; a hint on graph breaks.
+    check = simplefsdp_backend.is_auto and state.mode != "replicate"
+    first_inputs.install(model, simplefsdp_backend, state.mesh, check, fullgraph)
     model.__dict__[BACKEND_ATTR] = simplefsdp_backend
     return model
 

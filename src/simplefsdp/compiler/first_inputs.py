@@ -69,18 +69,22 @@ def ranks_agree(digest: int, mesh: DeviceMesh) -> bool:
     return low == high
 
 
-def install(model: nn.Module, backend: SimpleFSDPBackend, mesh: DeviceMesh) -> None:
-    """Wrap ``model``'s compiled call (``nn.Module.compile``) with the check of
-    Note: [Ranks' first inputs]."""
+def install(
+    model: nn.Module, backend: SimpleFSDPBackend, mesh: DeviceMesh, check: bool, fullgraph: bool
+) -> None:
+    """Wrap ``model``'s compiled call (``nn.Module.compile``): with ``check``,
+    the check of Note: [Ranks' first inputs]; with ``fullgraph``, a graph
+    break's error gets a note on how to compile around it."""
     compiled = model._compiled_call_impl
-    if compiled is None or mesh.size() == 1:
+    check = check and mesh.size() > 1
+    if compiled is None or not (check or fullgraph):
         return
     checked: set[str] = set()
 
-    @functools.wraps(compiled)
+    @functools.wraps(compiled, updated=())
     def call(*args: Any, **kwargs: Any) -> Any:
         kind = "forward" if torch.is_grad_enabled() else "inference"
-        if kind not in checked and not torch.compiler.is_compiling():
+        if check and kind not in checked and not torch.compiler.is_compiling():
             checked.add(kind)
             if not ranks_agree(input_digest(args, kwargs), mesh):
                 backend.size_independent.add(kind)
@@ -91,6 +95,16 @@ def install(model: nn.Module, backend: SimpleFSDPBackend, mesh: DeviceMesh) -> N
                     kind,
                     kind,
                 )
-        return compiled(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as exc:
+            if fullgraph and hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(
+                    "simplefsdp.compile traces the whole forward as one graph by default "
+                    "(fullgraph=True); to compile around this graph break, pass "
+                    "simplefsdp.compile(..., fullgraph=False): each graph between breaks "
+                    "is then bucketed on its own"
+                )
+            raise
 
     model._compiled_call_impl = call
