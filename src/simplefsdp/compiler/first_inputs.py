@@ -1,5 +1,7 @@
-"""Whether every rank's first inputs have the same shapes, checked before the
-first graph of each kind compiles.
+"""The wrapper ``simplefsdp.compile`` puts around the compiled call: whether
+every rank's first inputs have the same shapes, checked before the first
+graph of each kind compiles, and a note on graph breaks under
+``fullgraph=True``.
 
 Note: [Ranks' first inputs]
     An auto plan is made once, from the sizes of the first graph over a set
