@@ -108,7 +108,6 @@ import torch.fx as fx
 from simplefsdp.bucket_plan import Bucket, BucketPlan
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.compiler.memory_estimate import (
-    concrete_bytes,
     estimate_memory,
     output_leaves,
     storage_root,
@@ -164,7 +163,7 @@ def saved_activations(gm: fx.GraphModule, num_user_outputs: int | None) -> dict[
     }
     roots = {storage_root(n) for n in leaves[num_user_outputs:] if isinstance(n, fx.Node)}
     return {
-        index[r]: concrete_bytes(node_bytes(r))
+        index[r]: node_bytes(r)
         for r in roots
         if r.op == "call_function" and r not in gathered and r not in user
     }

@@ -387,9 +387,8 @@ class _GraphCompilation:
         if partial and graph_name == "forward" and drop_unused_gathers(gm.graph, partial):
             gm.recompile()  # Note: [Partial resharding in the graph]
         if not self.planned and graph_name in ("forward", "inference"):
-            plan_check.plan_graph(
-                self, gm, graph_name
-            )  # Note: [Checking the plan with the estimator]
+            # Note: [Checking the plan with the estimator]
+            plan_check.plan_graph(self, gm, graph_name)
             notes.extend(self.plan_notes)
             # Found on this very graph, not yet changed: reuse them.
             sites, self.planned_sites = self.planned_sites, None

@@ -55,7 +55,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from simplefsdp.bucket_plan import BucketPlan
-from simplefsdp.compiler.memory_estimate import concrete_bytes, output_leaves, storage_root
+from simplefsdp.compiler.memory_estimate import output_leaves, storage_root
 from simplefsdp.compiler.passes.reshard import find_gather_chains, gathered_bucket_bytes
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, node_bytes
 from simplefsdp.compiler.report import _fmt_bytes
@@ -95,7 +95,7 @@ def eager_saved_bytes(graph: fx.Graph, num_fwd_outputs: int) -> int:
             root = storage_root(node)
             if root.op != "placeholder" and root not in chain_nodes:
                 saved.add(root)
-    return sum(concrete_bytes(node_bytes(n)) for n in saved)
+    return sum(node_bytes(n) for n in saved)
 
 
 def gather_chain_names(graph: fx.Graph) -> set[str]:
@@ -112,7 +112,7 @@ def compiled_saved_bytes(backward: fx.GraphModule, gathered: set[str]) -> int:
     its inputs other than tangents, the joint graph's own inputs and the
     ``gathered`` parameters kept for backward (by node name)."""
     return sum(
-        concrete_bytes(node_bytes(p))
+        node_bytes(p)
         for p in backward.graph.find_nodes(op="placeholder")
         if not p.name.startswith(("tangents", "primals")) and p.name not in gathered
     )
@@ -229,14 +229,13 @@ def search_keep(
     gathered = gather_chain_names(joint.graph)  # the copy's nodes keep these names
     fw, bw = trial_partition(copy_joint(joint), free)
     compiled_saved = compiled_saved_bytes(bw, gathered)
-    terms = forward_memory_terms(fw, primal_names, plan, groups, num_fwd_outputs)
-    peak, extra = (concrete_bytes(b) for b in terms)
+    peak, extra = forward_memory_terms(fw, primal_names, plan, groups, num_fwd_outputs)
     budget = memory_budget_bytes
     if budget is None:
         budget = peak + extra + max(eager_saved - compiled_saved, 0)
     sizes = gathered_bucket_bytes(joint.graph, bucket_of, primal_names.get)
     slack = budget - (peak + extra)
-    count, spent = choose_kept([concrete_bytes(b) for b in sizes], free, slack)
+    count, spent = choose_kept(list(sizes), free, slack)
     return KeepSearch(
         count=count,
         candidate_buckets=len(sizes),

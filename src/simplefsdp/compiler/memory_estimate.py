@@ -37,7 +37,6 @@ import torch.fx as fx
 from simplefsdp.compiler.patterns import (
     collective_group,
     collective_kind,
-    concrete,
     is_wait,
     node_bytes,
     wait_of,
@@ -112,12 +111,6 @@ def output_leaves(graph: fx.Graph) -> list:
     """The flattened arguments of ``graph``'s output node, in order."""
     output = next(iter(graph.find_nodes(op="output")))
     return torch.utils._pytree.arg_tree_leaves(*output.args)
-
-
-def concrete_bytes(value) -> int:
-    """A byte count as an int: a symbolic one (dynamic shapes) by its hint,
-    the size of the example being compiled (no guard is added; ``concrete``)."""
-    return concrete(value)
 
 
 def _device_type(node: fx.Node) -> str | None:

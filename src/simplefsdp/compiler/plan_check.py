@@ -75,7 +75,7 @@ import torch.nn as nn
 
 from simplefsdp.bucket_plan import BucketPlan
 from simplefsdp.compiler.keep_plan import copy_joint
-from simplefsdp.compiler.memory_estimate import concrete_bytes, estimate_memory
+from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import _fmt_bytes
 
@@ -125,7 +125,7 @@ def estimated_peak(
             groups=backend.groups,
         )
         live = estimate_memory(trial, staged=backend.staging).live_peak_bytes
-        peak = max(peak, concrete_bytes(live))  # dynamic shapes: the example's size
+        peak = max(peak, live)
     return peak
 
 
@@ -235,20 +235,23 @@ def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule, graph_name: s
     sizes, not guards]); sets its ``plan``, notes and sites."""
     backend = compilation.backend
     key = decision_key(graph_name, compilation)
-    if key not in backend.decisions and graph_name in backend.size_independent:
-        # Note: [Ranks' first inputs]: the plan of the sizes of no rank.
-        notes = ["auto plan: the ranks' first inputs differ in shape; the per-block plan"]
-        backend.decisions[key] = (backend.plan(), notes, compilation.graph_id)
     if key in backend.decisions:
         plan, notes, graph_id = backend.decisions[key]
-        compilation.planned, compilation.backward_graph = True, None
-        compilation.plan, compilation.planned_sites = plan, None
-        compilation.plan_notes = [
-            f"auto plan: the plan of graph {graph_id} (same parameters), not planned again"
-        ] + notes
+        note = f"auto plan: the plan of graph {graph_id} (same parameters), not planned again"
+        _use_plan(compilation, plan, [note, *notes])
         return
-    _plan_graph(compilation, gm)
+    if graph_name in backend.size_independent:  # Note: [Ranks' first inputs]
+        note = "auto plan: the ranks' first inputs differ in shape; the per-block plan"
+        _use_plan(compilation, backend.plan(), [note])
+    else:
+        _plan_graph(compilation, gm)
     backend.decisions[key] = (compilation.plan, compilation.plan_notes, compilation.graph_id)
+
+
+def _use_plan(compilation: _GraphCompilation, plan: BucketPlan | None, notes: list[str]) -> None:
+    """Give ``compilation`` a plan decided without planning its graph."""
+    compilation.planned, compilation.backward_graph = True, None
+    compilation.plan, compilation.planned_sites, compilation.plan_notes = plan, None, notes
 
 
 def keep_count(compilation: _GraphCompilation, search: Callable[[], int], free: int) -> int:
