@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         get_data_parallel_state,
     )
     from simplefsdp.frontend.parametrization import disable_parametrization
+    from simplefsdp.frontend.rank_check import RankDivergenceError
     from simplefsdp.policies import MixedPrecisionPolicy
 
 # public name -> module defining it
@@ -42,6 +43,7 @@ _LAZY: dict[str, str] = {
     "DataParallelState": "simplefsdp.frontend.data_parallel",
     "EagerExecutor": "simplefsdp.eager_executor.runtime",
     "MixedPrecisionPolicy": "simplefsdp.policies",
+    "RankDivergenceError": "simplefsdp.frontend.rank_check",
     "comm_report": "simplefsdp.compiler.entry_points",
     "compile": "simplefsdp.compiler.entry_points",
     "compile_backend": "simplefsdp.compiler.entry_points",
@@ -60,6 +62,7 @@ __all__ = [
     "DataParallelState",
     "EagerExecutor",
     "MixedPrecisionPolicy",
+    "RankDivergenceError",
     "__version__",
     "comm_report",
     "compile",

@@ -54,6 +54,7 @@ from simplefsdp.compiler.report import (
     fx_overlap,
     inductor_overlap,
 )
+from simplefsdp.frontend import rank_check
 
 logger = logging.getLogger(__name__)
 
@@ -468,6 +469,8 @@ class SimpleFSDPBackend:
         self.decisions: dict[tuple, Any] = {}
         # Graph kinds whose first inputs differed between ranks: Note: [Ranks' first inputs].
         self.size_independent: set[str] = set()
+        # fullgraph=False: record graph runs (Note: [Same gathers on every rank]).
+        self.record_graph_runs = False
         # (graph name, graph module after our passes), for inspection and tests.
         self.graph_modules: list[tuple[str, fx.GraphModule]] = []
         # Set to a list to record, per partitioned joint graph, (activation
@@ -512,8 +515,12 @@ class SimpleFSDPBackend:
             self, next(self._graph_ids), primal_fqns(gm, example_inputs, self._fqn_by_id)
         )
         if self.options.backend == "aot_eager":
-            return _compile_aot_eager(gm, example_inputs, compilation)
-        return _compile_inductor(gm, example_inputs, compilation)
+            compiled = _compile_aot_eager(gm, example_inputs, compilation)
+        else:
+            compiled = _compile_inductor(gm, example_inputs, compilation)
+        if self.record_graph_runs:  # Note: [Same gathers on every rank]
+            return rank_check.recorded(compiled, ",".join(f for f in compilation.fqns if f))
+        return compiled
 
     def log_graph(self, report: GraphReport) -> None:
         single = CommReport(graphs=[report], options=self.report.options)

@@ -142,7 +142,10 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     model.compile(backend=simplefsdp_backend, fullgraph=fullgraph, **torch_compile_kwargs)
     # Note: [Ranks' first inputs]; a hint on graph breaks.
     check = simplefsdp_backend.is_auto and state.mode != "replicate"
-    first_inputs.install(model, simplefsdp_backend, state.mesh, check, fullgraph)
+    # Note: [Same gathers on every rank]: graphs with eager code between them.
+    check_ranks = state.check_ranks and not fullgraph
+    simplefsdp_backend.record_graph_runs = check_ranks
+    first_inputs.install(model, simplefsdp_backend, state.mesh, check, fullgraph, check_ranks)
     model.__dict__[BACKEND_ATTR] = simplefsdp_backend
     return model
 

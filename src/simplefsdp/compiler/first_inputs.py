@@ -31,10 +31,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
+
+from simplefsdp.frontend import rank_check
+from simplefsdp.frontend.rank_check import ranks_agree
 
 if TYPE_CHECKING:
     from simplefsdp.compiler.backend import SimpleFSDPBackend
@@ -58,28 +60,23 @@ def input_digest(args: tuple, kwargs: dict) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def ranks_agree(digest: int, mesh: DeviceMesh) -> bool:
-    """Whether every rank of ``mesh`` passed the same ``digest`` (collective
-    over the mesh: each dimension in turn)."""
-    device = torch.device(mesh.device_type)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    values = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    for dim in range(mesh.ndim):
-        dist.all_reduce(values, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
-    low, high = int(values[0]), -int(values[1])
-    return low == high
-
-
 def install(
-    model: nn.Module, backend: SimpleFSDPBackend, mesh: DeviceMesh, check: bool, fullgraph: bool
+    model: nn.Module,
+    backend: SimpleFSDPBackend,
+    mesh: DeviceMesh,
+    check: bool,
+    fullgraph: bool,
+    check_ranks: bool = False,
 ) -> None:
     """Wrap ``model``'s compiled call (``nn.Module.compile``): with ``check``,
     the check of Note: [Ranks' first inputs]; with ``fullgraph``, a graph
-    break's error gets a note on how to compile around it."""
+    break's error gets a note on how to compile around it; with
+    ``check_ranks`` (``fullgraph=False``), the check after each call of
+    Note: [Same gathers on every rank]."""
     compiled = model._compiled_call_impl
     check = check and mesh.size() > 1
-    if compiled is None or not (check or fullgraph):
+    check_ranks = check_ranks and mesh.size() > 1
+    if compiled is None or not (check or fullgraph or check_ranks):
         return
     checked: set[str] = set()
 
@@ -98,15 +95,29 @@ def install(
                     kind,
                 )
         try:
-            return compiled(*args, **kwargs)
-        except torch._dynamo.exc.Unsupported as exc:
+            output = compiled(*args, **kwargs)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            data_dependent = "data-dependent" in str(exc)
+            if isinstance(exc, torch._dynamo.exc.UserError) and not data_dependent:
+                raise
             if fullgraph and hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(
                     "simplefsdp.compile traces the whole forward as one graph by default "
                     "(fullgraph=True); to compile around this graph break, pass "
                     "simplefsdp.compile(..., fullgraph=False): each graph between breaks "
                     "is then bucketed on its own"
+                    + (
+                        ". Control flow on data that differs between ranks (a "
+                        "mixture-of-experts layer that runs only its routed experts) also "
+                        "needs every rank to read the same parameters: Note: [Same gathers "
+                        "on every rank]"
+                        if data_dependent
+                        else ""
+                    )
                 )
             raise
+        if check_ranks and not torch.compiler.is_compiling():
+            rank_check.check(mesh, f"the forward of {type(model).__name__} (compiled)")
+        return output
 
     model._compiled_call_impl = call

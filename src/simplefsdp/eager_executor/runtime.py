@@ -61,6 +61,7 @@ from torch.utils.hooks import RemovableHandle
 
 from simplefsdp.eager_executor.collectives import Collectives, Work
 from simplefsdp.eager_executor.flat_bucket import FlatBucket
+from simplefsdp.frontend import rank_check
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +249,7 @@ class EagerExecutor:
 
     def _issue_gather(self, index: int, prefetch: bool) -> None:
         state, bucket = self._states[index], self.buckets[index]
+        rank_check.record(f"{index}:{bucket.name}")  # Note: [Same gathers on every rank]
         if bucket.sharded:
             segment = bucket.copy_in()  # (shard_numel,)
             gathered = torch.empty(

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.utils._pytree import tree_map
 
 from simplefsdp._compat import install_gloo_all_gather_workaround, root_mesh
+from simplefsdp.frontend import rank_check
 from simplefsdp.frontend.mesh import resolve_mesh
 from simplefsdp.frontend.parametrization import (
     ParamSpec,
@@ -48,6 +49,8 @@ class DataParallelState:
     # With ``reshard_after_forward=N``: this rank's group of N by the name of
     # the shard group it splits (Note: [Partial resharding]); else empty.
     reshard_groups: dict[str, PartialReshardGroup] = field(default_factory=dict)
+    # Note: [Same gathers on every rank]: checked after each forward.
+    check_ranks: bool = True
 
 
 @dataclass(frozen=True)
@@ -336,6 +339,18 @@ def _to_dtensor_param(
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
+def _install_rank_check(module: nn.Module, mesh: DeviceMesh) -> None:
+    """After each forward outside compiled code, check that every rank
+    gathered the same parameters (Note: [Same gathers on every rank])."""
+    where = f"the forward of {type(module).__name__}"
+
+    def check_ranks(_module, _args, _output):
+        if not torch.compiler.is_compiling():
+            rank_check.check(mesh, where)
+
+    module.register_forward_hook(check_ranks)
+
+
 def _install_mixed_precision_hooks(module: nn.Module, mp_policy: MixedPrecisionPolicy) -> None:
     param_dtype = mp_policy.param_dtype
     if param_dtype is not None and mp_policy.cast_forward_inputs:
@@ -373,6 +388,7 @@ def data_parallel(
     reshard_after_forward: bool | int = True,
     shard_dim: int = 0,
     reduce_op: str = "avg",
+    check_ranks: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` as DTensors, in place.
 
@@ -429,6 +445,15 @@ def data_parallel(
             reshards fully for ``True`` and ``N``.
         shard_dim: tensor dim to shard (parameters with fewer dims use dim 0).
         reduce_op: ``"avg"`` (default) or ``"sum"`` of gradients across ranks.
+        check_ranks: after each forward that ran outside compiled code (this
+            wrapping alone, ``simplefsdp.eager``, or ``simplefsdp.compile``
+            with ``fullgraph=False``), all-reduce a digest of the parameters
+            each rank gathered and raise ``RankDivergenceError`` where they
+            differ, before any gradient is reduced: data-dependent parameter
+            use (a mixture-of-experts layer that runs only its routed
+            experts) would otherwise pair different parameters' collectives
+            silently. One collective of two int64s per forward (Note: [Same
+            gathers on every rank]).
 
     Returns:
         ``module`` itself, wrapped.
@@ -509,6 +534,10 @@ def data_parallel(
         swap_module_class(submodule, local_specs)
 
     _install_mixed_precision_hooks(module, mp_policy)
+    if not isinstance(check_ranks, bool):
+        raise TypeError(f"check_ranks must be a bool, got {check_ranks!r}")
+    if check_ranks and mesh.size() > 1:
+        _install_rank_check(module, mesh)
     partial = not isinstance(reshard_after_forward, bool)
     module.__dict__[STATE_ATTR] = DataParallelState(
         mesh=mesh,
@@ -524,6 +553,7 @@ def data_parallel(
             if partial
             else {}
         ),
+        check_ranks=check_ranks,
     )
     logger.debug("data_parallel: mode=%s mesh=%s params=%d", mode, tuple(mesh.shape), len(spec_of))
     return module

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
+from simplefsdp.frontend import rank_check
 from simplefsdp.frontend.accumulation import ACCUMULATORS_ATTR, GradAccumulator, accumulating_read
 
 # The attribute of a swapped module holding {param_name: ParamSpec}.
@@ -288,7 +289,10 @@ def _make_property(name: str) -> property:
         # before) unless the model has entered no_sync.
         accumulators = self.__dict__.get(ACCUMULATORS_ATTR)
         accumulator = None if accumulators is None else accumulators.get(name)
-        return replicate_compute(param, self.__dict__[SPECS_ATTR][name], accumulator)
+        spec = self.__dict__[SPECS_ATTR][name]
+        if not torch.compiler.is_compiling():
+            rank_check.record(spec.fqn)  # Note: [Same gathers on every rank]
+        return replicate_compute(param, spec, accumulator)
 
     def setter(self: nn.Module, value: torch.Tensor | None) -> None:
         # nn.Module.__setattr__ handles Parameter assignment before reaching the

@@ -1,0 +1,171 @@
+"""Ranks that read different parameters in one forward (Note: [Same gathers
+on every rank]), on 2 CPU processes.
+
+The model is a mixture-of-experts layer that runs only the experts its
+tokens are routed to, as Hugging Face Mixtral does. The routing reads the
+first input feature, so each rank's data decides its experts. Rank 0 uses
+expert 0 and rank 1 uses expert 3: both experts have the same shape, so
+their collectives pair up without any backend error. Every executor must
+raise ``RankDivergenceError`` before backward, leaving the parameters as
+they were. Without the check, the losses differ from one process's
+(``check_ranks=False``: the silent failure the check exists for). Ranks
+that route alike, and the eager executor gathering the whole MoE layer as
+one bucket, train as one process does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import simplefsdp
+from simplefsdp.compiler import CostModel
+from simplefsdp.testing import run_distributed
+
+DIM, EXPERTS = 8, 4
+
+
+class MoE(nn.Module):
+    """Top-1 routing by the first feature; runs only the experts it picked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pick = x[:, 0].round().long().clamp(0, EXPERTS - 1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            mask = pick == i
+            if mask.any():
+                out[mask] = expert(x[mask])
+        return x + out
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = MoE()
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(x))
+
+
+def _inputs(expert: int) -> torch.Tensor:
+    x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(7 + expert))
+    x[:, 0] = float(expert)
+    return x
+
+
+def _wrap(model: nn.Module, executor: str, check_ranks: bool = True) -> nn.Module:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = simplefsdp.data_parallel(model, mesh, check_ranks=check_ranks)
+    if executor == "eager":
+        simplefsdp.eager(model, bucketing="per_block")
+    elif executor == "eager_moe_bucket":
+        simplefsdp.eager(model, bucketing=MoE)
+    elif executor == "compile_breaks":
+        torch._dynamo.reset()
+        simplefsdp.compile(model, backend="aot_eager", cost_model=CostModel(), fullgraph=False)
+    return model
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forward, backward and one SGD step (no momentum: an unused expert's
+    zero gradient and a missing one update alike); the loss."""
+    loss = model(x).square().mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+                p.grad = None
+    return loss.detach()
+
+
+def _reference(experts: list[int]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Two steps of one process on the ranks' inputs together, and the
+    final parameters. Each rank's loss is the mean over its own rows, so
+    the global loss is the mean of theirs."""
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.cat([_inputs(e) for e in experts])
+    losses = [_step(model, x) for _ in range(2)]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _divergent_body(executor: str) -> str:
+    torch.manual_seed(0)
+    model = _wrap(Net(), executor)
+    before = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    x = _inputs(expert=3 * dist.get_rank())  # rank 0: expert 0, rank 1: expert 3
+    try:
+        _step(model, x)
+    except simplefsdp.RankDivergenceError as exc:
+        message = str(exc)
+    else:
+        return "no error"
+    after = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    assert all(torch.equal(before[n], after[n]) for n in before), "parameters changed"
+    assert all(p.grad is None for p in model.parameters()), "gradients were reduced"
+    return message
+
+
+@pytest.mark.parametrize("executor", ["uncompiled", "eager", "compile_breaks"])
+def test_divergent_experts_raise_before_backward(executor: str) -> None:
+    messages = run_distributed(_divergent_body, 2, args=(executor,))
+    for message in messages:
+        assert "gathered different parameters" in message, message
+        assert "mixture-of-experts" in message and "simplefsdp.eager" in message
+
+
+def _parity_body(executor: str, experts: list[int], check_ranks: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = _wrap(Net(), executor, check_ranks)
+    x = _inputs(experts[dist.get_rank()])
+    losses = []
+    for _ in range(2):
+        loss = _step(model, x)
+        dist.all_reduce(loss)
+        losses.append(float(loss) / dist.get_world_size())
+    ref_losses, ref_params = _reference(experts)
+    torch.testing.assert_close(torch.tensor(losses), torch.stack(ref_losses))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach().full_tensor(), ref_params[name], msg=name)
+    return losses
+
+
+@pytest.mark.parametrize("executor", ["uncompiled", "eager", "compile_breaks"])
+def test_same_experts_on_every_rank_train_as_one_process(executor: str) -> None:
+    run_distributed(_parity_body, 2, args=(executor, [1, 1], True))
+
+
+def test_eager_executor_gathers_the_moe_layer_whole() -> None:
+    """The remedy the error names: one bucket per MoE layer is gathered and
+    reduced whole, so ranks routing to different experts still agree."""
+    run_distributed(_parity_body, 2, args=("eager_moe_bucket", [0, 3], True))
+
+
+def test_without_the_check_divergent_experts_train_wrong() -> None:
+    with pytest.raises(RuntimeError, match="Tensor-likes are not close"):
+        run_distributed(_parity_body, 2, args=("uncompiled", [0, 3], False))
+
+
+def _fullgraph_body() -> str:
+    model = _wrap(Net(), "uncompiled")
+    torch._dynamo.reset()
+    simplefsdp.compile(model, backend="aot_eager", cost_model=CostModel())
+    try:
+        model(_inputs(1))
+    except Exception as exc:  # noqa: BLE001 - the note is what is tested
+        return "\n".join(getattr(exc, "__notes__", []))
+    return "no error"
+
+
+def test_fullgraph_names_the_data_dependent_cause() -> None:
+    for notes in run_distributed(_fullgraph_body, 2):
+        assert "fullgraph=False" in notes and "every rank to read the same" in notes, notes
