@@ -338,7 +338,7 @@ def _wrap(model: nn.Module, mode: str, executor: str) -> nn.Module:
     model = simplefsdp.data_parallel(model, _mesh(mode), mode=mode)
     if executor == "eager":
         simplefsdp.eager(model, bucketing="per_block")
-    elif executor == "compile":
+    elif executor in ("compile", "compile_breaks"):  # the latter: fullgraph=False
         torch._dynamo.reset()  # a fresh model of a class seen before: no recompile limit
         bucketing = "per_block" if mode == "replicate" else "auto"
         simplefsdp.compile(
@@ -346,6 +346,7 @@ def _wrap(model: nn.Module, mode: str, executor: str) -> nn.Module:
             backend="aot_eager",
             bucketing=bucketing,
             cost_model=CostModel(),
+            fullgraph=executor == "compile",
         )
     return model
 
