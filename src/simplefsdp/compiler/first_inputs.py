@@ -109,8 +109,8 @@ def install(
                     + (
                         ". Control flow on data that differs between ranks (a "
                         "mixture-of-experts layer that runs only its routed experts) also "
-                        "needs every rank to read the same parameters: Note: [Same gathers "
-                        "on every rank]"
+                        "needs every rank to read the same parameters (README: 'Models "
+                        "whose ranks read different parameters')"
                         if data_dependent
                         else ""
                     )

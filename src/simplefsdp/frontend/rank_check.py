@@ -119,8 +119,8 @@ def check(mesh: DeviceMesh, where: str) -> None:
         "draw, or an early exit. To fix it, run every expert on every rank (with no tokens "
         "where none were routed), or hold the experts in one parameter (a 3-D expert "
         "weight). Another option is simplefsdp.eager(model, bucketing=<the MoE layer's class>): "
-        "it gathers each layer whole, and gives unused experts zero gradients (Note: [Same "
-        "gathers on every rank])."
+        "it gathers each layer whole, and gives unused experts zero gradients (README: "
+        "'Models whose ranks read different parameters')."
     )
 
 
