@@ -32,42 +32,32 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 64
 
 
-def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    )
+# The decoder-only causal LMs' shared tiny shape (grouped-query attention).
+CAUSAL_LM = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _causal_lm(name: str, **overrides) -> nn.Module:
+    """``transformers.<name>ForCausalLM`` of the shared tiny shape."""
+    config = getattr(transformers, f"{name}Config")(**{**CAUSAL_LM, **overrides})
+    return getattr(transformers, f"{name}ForCausalLM")(config)
 
 
 def _llama_checkpointed() -> nn.Module:
     """Gradient checkpointing as users enable it (torch.utils.checkpoint per
     decoder layer, reentrant), without the cache: with it, transformers logs a
     warning inside forward, a graph break under fullgraph=True."""
-    model = _llama()
+    model = _causal_lm("Llama")
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     return model
-
-
-def _qwen2() -> nn.Module:
-    return transformers.Qwen2ForCausalLM(
-        transformers.Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    )
 
 
 def _gpt2() -> nn.Module:
@@ -101,18 +91,8 @@ def _bert() -> nn.Module:
 
 
 def _mixtral(experts: int, top_k: int) -> nn.Module:
-    return transformers.MixtralForCausalLM(
-        transformers.MixtralConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=experts,
-            num_experts_per_tok=top_k,
-            max_position_embeddings=64,
-        )
+    return _causal_lm(
+        "Mixtral", num_hidden_layers=2, num_local_experts=experts, num_experts_per_tok=top_k
     )
 
 
@@ -171,9 +151,9 @@ def _seq2seq_loss(output, inputs) -> torch.Tensor:
 
 Case = harness.Case
 CASES = {
-    "HF-Llama": Case(_train_mode(_llama), _tokens(12), _lm_loss),
+    "HF-Llama": Case(_train_mode(lambda: _causal_lm("Llama")), _tokens(12), _lm_loss),
     "HF-Llama(checkpointing)": Case(_train_mode(_llama_checkpointed), _tokens(12), _lm_loss),
-    "HF-Qwen2": Case(_train_mode(_qwen2), _tokens(12), _lm_loss),
+    "HF-Qwen2": Case(_train_mode(lambda: _causal_lm("Qwen2")), _tokens(12), _lm_loss),
     # The key part of the fused QKV bias gets a round-off gradient (softmax
     # cancels it), as in test_torch_models' nn.MultiheadAttention.
     "HF-GPT2": Case(

@@ -36,7 +36,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
 from simplefsdp.frontend import rank_check
-from simplefsdp.frontend.rank_check import ranks_agree
 
 if TYPE_CHECKING:
     from simplefsdp.compiler.backend import SimpleFSDPBackend
@@ -58,6 +57,22 @@ def input_digest(args: tuple, kwargs: dict) -> int:
             parts.append(type(leaf).__qualname__)
     digest = hashlib.sha256("|".join(parts).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _fullgraph_note(data_dependent: bool) -> str:
+    note = (
+        "simplefsdp.compile traces the whole forward as one graph by default "
+        "(fullgraph=True); to compile around this graph break, pass "
+        "simplefsdp.compile(..., fullgraph=False): each graph between breaks "
+        "is then bucketed on its own"
+    )
+    if data_dependent:
+        note += (
+            ". Control flow on data that differs between ranks (a mixture-of-experts "
+            "layer that runs only its routed experts) also needs every rank to read the "
+            "same parameters (README: 'Models whose ranks read different parameters')"
+        )
+    return note
 
 
 def install(
@@ -85,7 +100,7 @@ def install(
         kind = "forward" if torch.is_grad_enabled() else "inference"
         if check and kind not in checked and not torch.compiler.is_compiling():
             checked.add(kind)
-            if not ranks_agree(input_digest(args, kwargs), mesh):
+            if not rank_check.ranks_agree(input_digest(args, kwargs), mesh):
                 backend.size_independent.add(kind)
                 logger.warning(
                     "simplefsdp auto plan: the ranks' first %s inputs differ in shape; "
@@ -97,24 +112,11 @@ def install(
         try:
             output = compiled(*args, **kwargs)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            # A UserError gets the note only for data-dependent control flow.
             data_dependent = "data-dependent" in str(exc)
-            if isinstance(exc, torch._dynamo.exc.UserError) and not data_dependent:
-                raise
-            if fullgraph and hasattr(exc, "add_note"):  # Python >= 3.11
-                exc.add_note(
-                    "simplefsdp.compile traces the whole forward as one graph by default "
-                    "(fullgraph=True); to compile around this graph break, pass "
-                    "simplefsdp.compile(..., fullgraph=False): each graph between breaks "
-                    "is then bucketed on its own"
-                    + (
-                        ". Control flow on data that differs between ranks (a "
-                        "mixture-of-experts layer that runs only its routed experts) also "
-                        "needs every rank to read the same parameters (README: 'Models "
-                        "whose ranks read different parameters')"
-                        if data_dependent
-                        else ""
-                    )
-                )
+            is_break = isinstance(exc, torch._dynamo.exc.Unsupported) or data_dependent
+            if fullgraph and is_break and hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(_fullgraph_note(data_dependent))
             raise
         if check_ranks and not torch.compiler.is_compiling():
             rank_check.check(mesh, f"the forward of {type(model).__name__} (compiled)")

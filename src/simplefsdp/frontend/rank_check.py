@@ -62,11 +62,17 @@ class RankDivergenceError(RuntimeError):
     (Note: [Same gathers on every rank])."""
 
 
+@functools.lru_cache(maxsize=65536)
+def _token(key: str) -> int:
+    # Computed once per key: record() runs on every parameter read.
+    return zlib.crc32(key.encode()) + 1
+
+
 def record(key: str) -> None:
     """Fold ``key`` (a parameter FQN, a bucket or graph name) into the digest.
     Not under compilation: there the graph's collectives are fixed instead."""
     global _digest
-    _digest = (_digest * _MULTIPLIER + zlib.crc32(key.encode()) + 1) % _MODULUS
+    _digest = (_digest * _MULTIPLIER + _token(key)) % _MODULUS
 
 
 def recorded(compiled: Callable, params: str) -> Callable:
