@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -425,3 +426,65 @@ def test_measure_start_is_read_when_the_measured_steps_start():
     assert result["mem_at_measure_start_bytes"] == 1000
     assert result["peak_mem_bytes"] == 1001
     assert result["mem_before_warmup_bytes"] == 0
+
+
+def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path, monkeypatch, capsys):
+    launched = []
+    times = {"fsdp2": [[5.0, 6.0, 7.0], [1.0, 2.0, 3.0], [4.0, 4.0, 4.0]]}
+    times["simplefsdp-auto"] = [[2.0, 2.0, 2.0], [3.0, 3.0, 3.0], [1.0, 1.0, 1.0]]
+
+    def fake_run_one(config, spec, spec_path, raw_dir):
+        if config.engine == "comm":
+            return None, "skipped"
+        launched.append((raw_dir.name, config.name))
+        steps = times[config.name][int(raw_dir.name.removeprefix("round")) - 1]
+        row = _row(config.name, 6.0, 5.0, statistics.median(steps), 100 * len(launched))
+        row.update(step_times_s=steps, step_time_s_min=min(steps), step_time_s_max=max(steps))
+        row["tokens_per_s_per_rank"] = 100 / row["step_time_s_median"]
+        return row, None
+
+    monkeypatch.setattr(cli, "_run_one", fake_run_one)
+    argv = [*TINY, "--configs", "fsdp2,simplefsdp-auto", "--rounds", "3", "--out", str(tmp_path)]
+    cli.main([*argv, "--no-png"])
+    assert launched == [
+        ("round1", "fsdp2"), ("round1", "simplefsdp-auto"),
+        ("round2", "simplefsdp-auto"), ("round2", "fsdp2"),
+        ("round3", "fsdp2"), ("round3", "simplefsdp-auto"),
+    ]  # fmt: skip
+    result = json.loads((tmp_path / "bench.json").read_text())
+    fsdp2, auto = result["configs"]
+    # the median of all nine steps, not of the three round medians (6, 2, 4)
+    assert fsdp2["step_time_s_median"] == 4.0
+    assert (fsdp2["step_time_s_min"], fsdp2["step_time_s_max"]) == (1.0, 7.0)
+    assert fsdp2["tokens_per_s_per_rank"] == pytest.approx(100 / 4.0)
+    assert [r["step_time_s_median"] for r in fsdp2["rounds"]] == [6.0, 2.0, 4.0]
+    # memory and the rest from the median round: fsdp2's third, auto's first
+    assert (fsdp2["peak_mem_bytes"], auto["peak_mem_bytes"]) == (500, 200)
+    assert auto["step_time_s_median"] == 2.0 and auto["speedup_vs_fsdp2"] == pytest.approx(2.0)
+    assert result["env"]["rounds"] == 3
+    assert "3 rounds in alternating order" in capsys.readouterr().out
+
+
+def test_a_failed_round_is_the_row_and_is_not_run_again(tmp_path, monkeypatch):
+    launched = []
+
+    def fake_run_one(config, spec, spec_path, raw_dir):
+        if config.engine == "comm":
+            return None, "skipped"
+        launched.append(config.name)
+        if config.name == "simplefsdp-auto":
+            return failed_row(config, "exit code 1: boom"), "exit code 1: boom"
+        return _row(config.name, 6.0, 5.0, 1.0, 100) | {"step_times_s": [1.0]}, None
+
+    monkeypatch.setattr(cli, "_run_one", fake_run_one)
+    argv = [*TINY, "--configs", "fsdp2,simplefsdp-auto", "--rounds", "2", "--out", str(tmp_path)]
+    assert cli.main([*argv, "--no-png"]) == 1
+    assert launched == ["fsdp2", "simplefsdp-auto", "fsdp2"]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["configs"][1]["error"] == "exit code 1: boom"
+    assert not result["configs"][1]["ok"]
+
+
+def test_bad_rounds_are_a_usage_error(capsys):
+    assert cli.main(["--rounds", "0", "--out", "unused"]) == 2
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err

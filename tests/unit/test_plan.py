@@ -211,15 +211,19 @@ def test_calibration_profile_carries_the_attention_share() -> None:
         "op_s": 1e-5,
         "overlap": 0.2,
         "copy_bytes_per_byte": 2.6,
+        "adamw_s_per_param": 8e-9,
     }
     profile = profile_from(raw, "t", "cpu")
     assert profile.attention_efficiency == pytest.approx(0.4)
     assert profile.copy_bytes_per_byte == 2.6
+    assert profile.adamw_s_per_param == 8e-9
     assert profile.intra_latency_s == pytest.approx(2e-4)
     assert profile.intra_bandwidth == pytest.approx(0.5 / 2e-9)
     del raw["attention_flops"], raw["copy_bytes_per_byte"]  # an older calibration
+    del raw["adamw_s_per_param"]
     old = profile_from(raw, "t", "cpu")
     assert (old.attention_efficiency, old.copy_bytes_per_byte) == (1.0, 2.0)
+    assert old.adamw_s_per_param == 0.0  # the step from the memory bandwidth
 
 
 def _key(n_layers: int, dp: int = 2, ac: str = "selective", **kw) -> TraceKey:
@@ -262,6 +266,18 @@ def test_step_time_adds_up_by_hand() -> None:
     )
     assert pred.tokens_per_s_per_gpu == pytest.approx(2 * 64 * 2 / pred.step_s / 2)
     assert 0 <= pred.time["exposed_comm"] <= pred.time["dp_comm_total"]
+
+
+def test_a_measured_adamw_rate_replaces_the_bandwidth_estimate() -> None:
+    args = _debug()
+    layout = Layout(gpus=2, batch=2, seq=64)
+    base = predict(args, layout, FIXED)
+    measured = predict(args, layout, dataclasses.replace(FIXED, adamw_s_per_param=3e-9))
+    norm_s = 1e-5 + 4 / 1e10  # the gradient norm's all-reduce, as above
+    assert measured.time["optimizer"] == pytest.approx(num_params(args) / 2 * 3e-9 + norm_s)
+    assert measured.step_s - base.step_s == pytest.approx(
+        measured.time["optimizer"] - base.time["optimizer"]
+    )
 
 
 def test_full_ac_recomputes_and_saves_less() -> None:

@@ -11,6 +11,7 @@ Example::
 
     simplefsdp bench --workload compute --out /tmp/bench
     simplefsdp bench --workload comm --configs limit,fsdp2,simplefsdp-manual
+    simplefsdp bench --configs fsdp2,simplefsdp-auto --rounds 3   # Note: [Bench rounds]
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from simplefsdp.bench.report import (
     format_table,
     merge_comm_only,
     merge_ranks,
+    merge_rounds,
     write_json,
     write_png,
 )
@@ -118,6 +120,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--loss-rtol", type=float, default=2e-3, help="relative loss tolerance for ok"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, in alternating order (A B, B A, ...), "
+        "and pool the measured steps: the machine's drift then falls on all configurations "
+        "alike (default 1)",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder")
@@ -342,37 +352,63 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
     }
 
 
+def _launch_order(configs: list[BenchConfig], rounds: int) -> list[tuple[int, BenchConfig]]:
+    """(round, config) in running order: A B C, C B A, A B C, ... (Note: [Bench rounds])."""
+    return [
+        (r, config) for r in range(rounds) for config in (configs if r % 2 == 0 else configs[::-1])
+    ]
+
+
 def run_bench(
-    configs: list[BenchConfig], spec: BenchSpec, out: Path, *, loss_rtol: float
+    configs: list[BenchConfig],
+    spec: BenchSpec,
+    out: Path,
+    *,
+    loss_rtol: float,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Run ``configs`` and the comm-only measurement; return the bench.json content."""
+    """Run ``configs`` (``rounds`` times each, Note: [Bench rounds]) and the
+    comm-only measurement; return the bench.json content."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     start = time.perf_counter()
     raw_dir = out / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     spec_path = raw_dir / "spec.json"
     spec_path.write_text(spec.to_json())
-    rows: list[dict] = []
+    per_config: dict[str, list[dict]] = {c.name: [] for c in configs}
     comm_only = comm_only_error = None
     load_avg_1m: list[float] = []
     # The comm-only replay models data-parallel flat buffers over all ranks;
     # with tensor or pipeline parallelism that is not the step's communication.
-    extra = [COMM_ONLY] if spec.tp == 1 and spec.pp == 1 else []
-    for i, config in enumerate([*configs, *extra]):
+    extra = [(0, COMM_ONLY)] if spec.tp == 1 and spec.pp == 1 else []
+    launches = [*_launch_order(configs, rounds), *extra]
+    failed: set[str] = set()
+    for i, (r, config) in enumerate(launches):
+        if config.name in failed:  # a failure is the row: do not run it again
+            continue
         t0 = time.perf_counter()
         # Other processes on the machine slow every measurement: record it.
         load_avg_1m.append(round(os.getloadavg()[0], 2))
-        print(f"[{i + 1}/{len(configs) + len(extra)}] {config.name} ...", end=" ", flush=True)
-        outcome, error = _run_one(config, spec, spec_path, raw_dir)
+        in_rounds = rounds > 1 and config.engine != "comm"
+        label = config.name + (f" (round {r + 1}/{rounds})" if in_rounds else "")
+        print(f"[{i + 1}/{len(launches)}] {label} ...", end=" ", flush=True)
+        round_dir = raw_dir / f"round{r + 1}" if in_rounds else raw_dir
+        round_dir.mkdir(exist_ok=True)
+        outcome, error = _run_one(config, spec, spec_path, round_dir)
         if config.engine == "comm":
             comm_only, comm_only_error = outcome, error
         else:
             outcome["load_avg_1m_before"] = load_avg_1m[-1]
-            rows.append(outcome)
+            per_config[config.name].append(outcome)
+            if error:
+                failed.add(config.name)
         took = time.perf_counter() - t0
         if error:
             print(f"FAILED ({took:.0f} s): {error}", flush=True)
         else:
             print(f"{outcome['step_time_s_median']:.3f} s/step ({took:.0f} s)", flush=True)
+    rows = [merge_rounds(per_config[c.name]) for c in configs]
     loss_check = check_losses(rows, loss_rtol)
     add_ratios(rows)
     limit = next((r for r in rows if r["name"] == "limit" and r["step_time_s_median"]), None)
@@ -382,6 +418,7 @@ def run_bench(
         bound = max(limit["step_time_s_median"], comm_s)
     env = _env(spec, rows, time.perf_counter() - start)
     env["load_avg_1m_before_each"] = load_avg_1m
+    env["rounds"] = rounds
     return {
         "env": env,
         "configs": rows,
@@ -412,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simplefsdp bench: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     args.out.mkdir(parents=True, exist_ok=True)
-    result = run_bench(configs, spec, args.out, loss_rtol=args.loss_rtol)
+    if args.rounds < 1:
+        print(f"simplefsdp bench: error: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    result = run_bench(configs, spec, args.out, loss_rtol=args.loss_rtol, rounds=args.rounds)
     table = format_table(result)
     print(table)
     (args.out / "bench.txt").write_text(table + "\n")

@@ -173,6 +173,53 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
     return row
 
 
+def merge_rounds(rows: list[dict]) -> dict[str, Any]:
+    """One configuration's rows from several rounds (``--rounds``) as one row.
+
+    Note: [Bench rounds]
+        On a shared machine the speed drifts between one configuration's
+        processes and the next's by more than the differences the bench is
+        run to show (on the 2-core development machine two compiled
+        configurations swapped places, by 3-10%, between runs of the same
+        code). Rounds run every configuration again, in alternating order
+        (A B C, C B A, A B C, ...), so that drift falls on all of them alike.
+        The row pools the rounds' measured steps: its median, min and max
+        step time (and the tokens/s from that median) are over all of them.
+        Everything else (memory, collective counts, losses, compile time) is
+        the median round's: the one whose own median step time is the
+        median (the lower middle of an even count). ``rounds`` lists each
+        round's median step time, peak memory and final loss. A round that
+        failed is the row: nothing is averaged over a failure.
+    """
+    if not rows:
+        raise ValueError("merge_rounds needs at least one round")
+    failed = next((r for r in rows if r["step_time_s_median"] is None), None)
+    if failed is not None or len(rows) == 1:
+        return failed if failed is not None else rows[0]
+    by_time = sorted(rows, key=lambda r: r["step_time_s_median"])
+    row = dict(by_time[(len(rows) - 1) // 2])
+    tokens_per_step = row["tokens_per_s_per_rank"] * row["step_time_s_median"]
+    steps = [t for r in rows for t in r["step_times_s"]]
+    median = statistics.median(steps)
+    row.update(
+        step_times_s=steps,
+        step_time_s_median=median,
+        step_time_s_min=min(steps),
+        step_time_s_max=max(steps),
+        tokens_per_s_per_rank=tokens_per_step / median,
+        rounds=[
+            {
+                "step_time_s_median": r["step_time_s_median"],
+                "peak_mem_bytes": r["peak_mem_bytes"],
+                "final_loss": r["final_loss"],
+                "load_avg_1m_before": r.get("load_avg_1m_before"),
+            }
+            for r in rows
+        ],
+    )
+    return row
+
+
 def merge_comm_only(ranks: list[dict]) -> dict[str, Any]:
     """The communication-only measurement merged over ranks (slowest rank per step)."""
     per_step = [max(times) for times in zip(*(r["step_times_s"] for r in ranks))]
@@ -372,12 +419,23 @@ def format_table(result: dict) -> str:
                 for row in resident
             )
         )
+    rounds = [row for row in result["configs"] if row.get("rounds")]
+    if rounds:
+        lines.append(
+            f"{len(rounds[0]['rounds'])} rounds in alternating order (Note: [Bench rounds]); "
+            "step s per round: "
+            + ", ".join(
+                f"{row['name']} "
+                + "/".join(f"{r['step_time_s_median']:.3f}" for r in row["rounds"])
+                for row in rounds
+            )
+        )
     if result.get("bound_s") is not None:
         lines.append(
             f"best any overlap could reach: max(limit, comm-only) = {result['bound_s']:.3f} s"
         )
     lines.append(
-        "step s: median over measured steps of the slowest rank; /limit: time / limit's time; "
+        "step s: median over measured steps (of every round) of the slowest rank; /limit: time / limit's time; "
         "fsdp2/: fsdp2's time / time (>1 = faster than fsdp2); peak: " + env["memory_method"]
     )
     loads = env.get("load_avg_1m_before_each")

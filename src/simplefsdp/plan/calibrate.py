@@ -10,6 +10,7 @@ measure, at the same time as in training:
   efficiencies are 1, and fused attention forward and backward, whose rate
   relative to the matmul's is the profile's ``attention_efficiency``;
 * the fixed cost of one small op (dispatch and launch);
+* a foreach AdamW step (seconds per parameter);
 * how much a collective slows down while a matmul runs (``comm_overlap``:
   1 when they run fully in parallel, 0 when they take turns).
 
@@ -104,6 +105,24 @@ def _attention_rate(device, sync) -> float:
     return 3.5 * 4.0 * b * h * s * s * d / _median_time(run, repeats=5)
 
 
+# (tensors, floats each) of the AdamW timing: parameter shards of a small
+# model on CPU, of a large one on GPU.
+ADAMW_SHAPES = {"cpu": (32, 1 << 19), "cuda": (32, 1 << 22)}
+
+
+def _adamw_rate(device, sync) -> float:
+    """Seconds per parameter of a foreach AdamW step with fp32 state, as the
+    trainer and ``simplefsdp bench`` run it (its state already created)."""
+    import torch
+
+    count, numel = ADAMW_SHAPES.get(device.type, ADAMW_SHAPES["cuda"])
+    params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)
+    return _median_time(lambda: (optimizer.step(), sync()), repeats=5) / (count * numel)
+
+
 def _worker(rank: int, port: int, out: str, device_type: str, num_rounds: int = 1) -> None:
     import torch
     import torch.distributed as dist
@@ -143,6 +162,7 @@ def _measure_once(device, sync) -> dict:
     fits = _comm_fits(dist.group.WORLD, device)
     flops, bytes_per_s, copy_factor = _compute_rates(device, sync)
     attention_flops = _attention_rate(device, sync)
+    adamw_s = _adamw_rate(device, sync)
     # Per-op framework cost: a tiny autograd chain (4 ops forward, 4 backward).
     tiny = torch.ones(8, device=device, requires_grad=True)
 
@@ -157,6 +177,7 @@ def _measure_once(device, sync) -> dict:
         "flops": flops,
         "attention_flops": attention_flops,
         "copy_bytes_per_byte": copy_factor,
+        "adamw_s_per_param": adamw_s,
         "bytes_per_s": bytes_per_s,
         "op_s": op_s,
         "overlap": overlap,
@@ -245,6 +266,7 @@ def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
         comm_overlap=raw["overlap"],
         attention_efficiency=min(raw.get("attention_flops", raw["flops"]) / raw["flops"], 1.0),
         copy_bytes_per_byte=raw.get("copy_bytes_per_byte", 2.0),
+        adamw_s_per_param=raw.get("adamw_s_per_param", 0.0),
         source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
     )
 

@@ -58,6 +58,10 @@ class HardwareProfile:
             it writes, in bytes moved at the elementwise rate: 2 (read and
             write) where allocations are cached (GPUs); more where a new
             buffer's pages fault in (measured by ``--calibrate``).
+        adamw_s_per_param: seconds of the optimizer step (foreach AdamW,
+            fp32 state) per parameter, measured by ``--calibrate``; 0 (the
+            built-in GPU profiles) derives it from the memory bandwidth at
+            28 bytes moved per parameter.
     """
 
     name: str
@@ -79,6 +83,7 @@ class HardwareProfile:
     source: str = ""
     attention_efficiency: float = 1.0
     copy_bytes_per_byte: float = 2.0
+    adamw_s_per_param: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -51,7 +51,9 @@ Note: [Plan model]
     replayed on one link and one compute stream (``pipeline_time_s``, with
     each unit's window scaled to its share of the traced forward + backward
     compute); what does not hide is exposed communication. The optimizer
-    step (AdamW, memory bound: 28 bytes moved per fp32 parameter) follows.
+    step follows: foreach AdamW at the profile's measured seconds per
+    parameter (``adamw_s_per_param``, from ``--calibrate``), or, where the
+    profile has none, memory bound at 28 bytes moved per fp32 parameter.
     Pipeline parallelism (1F1B) takes ``(m + pp - 1)`` microbatch slots of the
     slowest stage; the ``pp - 1`` idle ones are the bubble.
 """
@@ -511,7 +513,9 @@ def predict(
     exposed_s = mb_s - compute_s
     slots = layout.microbatches + (layout.pp - 1 if layout.pp > 1 else 0)
     bubble_s = (layout.pp - 1) * mb_s if layout.pp > 1 else 0.0
-    optimizer_s = (param_bytes / 4) * ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
+    optimizer_s = (param_bytes / 4) * (
+        hw.adamw_s_per_param or ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
+    )
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)  # grad norm
     step_s = slots * mb_s + optimizer_s
     gathered = prefetch_extra_bytes(buckets, kept) if layout.dp > 1 else 0.0
