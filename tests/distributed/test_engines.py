@@ -111,6 +111,23 @@ def test_engine_spec_rejects_bad_values():
         EngineSpec("fsdp2", torch_passes=True)
 
 
+def _check_ranks_body() -> list[bool]:
+    from simplefsdp.engines import EngineSpec, build_mesh, parallelize
+    from simplefsdp.frontend.data_parallel import get_data_parallel_state
+
+    mesh = build_mesh("simplefsdp", "fully_shard", "cpu", dist.get_world_size())
+    out = []
+    for flag in (True, False):
+        spec = EngineSpec("simplefsdp_eager", check_ranks=flag)
+        parallel = parallelize(_model(), spec, mesh, torch.device("cpu"))
+        out.append(get_data_parallel_state(parallel.module).check_ranks)
+    return out
+
+
+def test_check_ranks_reaches_data_parallel():
+    assert run_distributed(_check_ranks_body, 2)[0] == [True, False]
+
+
 def _meta_body() -> str:
     from simplefsdp.engines import EngineSpec, build_mesh, parallelize
 

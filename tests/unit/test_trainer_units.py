@@ -379,3 +379,12 @@ def test_keep_gathered_setting_reaches_the_engine_spec():
     job = load_config(None, ["--compile.keep_gathered", "auto"])
     assert engine_spec(job).keep_gathered == "auto"
     assert engine_spec(load_config(None, [])).keep_gathered is None
+
+
+def test_check_ranks_setting_reaches_the_engine_spec():
+    from simplefsdp.train.config import load_config
+    from simplefsdp.train.parallelism import engine_spec
+
+    assert engine_spec(load_config(None, [])).check_ranks is True
+    job = load_config(None, ["--parallel.check_ranks", "false"])
+    assert engine_spec(job).check_ranks is False

@@ -109,6 +109,8 @@ class EngineSpec:
         tp: tensor-parallel size (1: none). The mesh then needs a ``"tp"``
             dim of this size and :func:`parallelize` a ``tp_fn``; engines
             :data:`TP_ENGINES` only.
+        check_ranks: ``data_parallel``'s rank divergence check (simplefsdp
+            engines; it runs where a forward is not one compiled graph).
     """
 
     engine: str = "simplefsdp"
@@ -125,6 +127,7 @@ class EngineSpec:
     activation_checkpoint: str = "none"
     broadcast_buffers: bool = True
     tp: int = 1
+    check_ranks: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -276,6 +279,7 @@ def _apply_simplefsdp(
         mode=spec.mode,
         mp_policy=policy,
         reshard_after_forward=spec.reshard_after_forward,
+        check_ranks=spec.check_ranks,
     )
     _materialize(model, device, init_fn, sharded_reads=True)
     parallel = ParallelModel(model, model, spec.engine, mesh)

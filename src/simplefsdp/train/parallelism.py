@@ -57,6 +57,7 @@ def engine_spec(job: JobConfig) -> EngineSpec:
         keep_gathered=keep_gathered_option(c.keep_gathered),
         activation_checkpoint=job.activation_checkpoint.mode,
         tp=p.tp,
+        check_ranks=p.check_ranks,
     )
 
 

@@ -188,6 +188,13 @@ class ParallelConfig:
             must divide by it; ``None``: ``pp``).
         pp_stages_per_rank: Stages per pipeline rank (``None``: 2 for
             ``interleaved_1f1b``, else 1).
+        check_ranks: After each forward that runs outside one compiled graph
+            (engine ``simplefsdp`` with ``compile.enable false``, and
+            ``simplefsdp_eager``), check that every rank gathered the same
+            parameters, raising ``simplefsdp.RankDivergenceError`` before
+            backward where they did not (``data_parallel``'s
+            ``check_ranks``); ``false`` saves its one small all-reduce per
+            step.
     """
 
     engine: str = field(default="simplefsdp", metadata=_choices(ENGINES))
@@ -203,6 +210,7 @@ class ParallelConfig:
     pp_schedule: str = field(default="1f1b", metadata=_choices(PP_SCHEDULES))
     microbatches: int | None = None
     pp_stages_per_rank: int | None = None
+    check_ranks: bool = True
 
 
 @dataclass
