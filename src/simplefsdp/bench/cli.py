@@ -445,13 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp)
         spec = build_spec(args)
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     except ValueError as exc:
         print(f"simplefsdp bench: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.rounds < 1:
-        print(f"simplefsdp bench: error: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
     result = run_bench(configs, spec, args.out, loss_rtol=args.loss_rtol, rounds=args.rounds)
     table = format_table(result)
     print(table)

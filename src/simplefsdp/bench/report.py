@@ -435,7 +435,8 @@ def format_table(result: dict) -> str:
             f"best any overlap could reach: max(limit, comm-only) = {result['bound_s']:.3f} s"
         )
     lines.append(
-        "step s: median over measured steps (of every round) of the slowest rank; /limit: time / limit's time; "
+        "step s: median over measured steps (of every round) of the slowest rank; "
+        "/limit: time / limit's time; "
         "fsdp2/: fsdp2's time / time (>1 = faster than fsdp2); peak: " + env["memory_method"]
     )
     loads = env.get("load_avg_1m_before_each")
