@@ -15,7 +15,9 @@ for every executor (uncompiled, eager executor, compiled with the auto plan).
   its module.
 - ``WeightNorm``: a convolution already parametrized by
   ``nn.utils.parametrizations.weight_norm`` (parameters ``original0/1``).
-- ``LoRA``: frozen base weights beside small trainable adapters.
+- ``LoRA``: frozen base weights beside small trainable adapters;
+  ``LoRABf16`` with the base stored in bf16, so each block mixes dtypes (the
+  eager executor splits such a bucket by dtype, as the compiled pass does).
 - ``Albert``: one block applied four times per forward (each of its
   parameters gathered four times).
 """
@@ -145,6 +147,25 @@ class LoRA(nn.Module):
         return x
 
 
+class LoRABf16Linear(LoRALinear):
+    """A frozen bf16 base (stored bf16, computed in fp32, as a dequantised
+    weight) beside fp32 adapters: blocks whose parameters differ in dtype."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out)
+        self.base.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.base.weight.float(), self.base.bias.float())
+        return base + x @ self.A.t() @ self.B.t()
+
+
+class LoRABf16(LoRA):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoRABf16Linear(16, 16) for _ in range(4))
+
+
 class Albert(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -193,6 +214,7 @@ CASES = {
     "Odd": Case(seeded(Odd), harness._rand(13), square_mean),
     "WeightNorm": Case(seeded(WeightNorm), _signals, square_mean),
     "LoRA": Case(seeded(LoRA), harness._rand(16), square_mean),
+    "LoRABf16": Case(seeded(LoRABf16), harness._rand(16), square_mean),
     "Albert": Case(seeded(Albert), harness._rand(16), square_mean),
 }
 harness.CASES.update(CASES)  # also in each rank's process, which imports this module

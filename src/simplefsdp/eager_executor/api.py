@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -52,7 +53,10 @@ def eager(
     to finish forward) is never freed after forward. The model's
     ``MixedPrecisionPolicy`` applies: gathers and compute in ``param_dtype``,
     reductions in ``reduce_dtype``. See Note: [Eager schedule] in
-    ``runtime.py`` for when things happen.
+    ``runtime.py`` for when things happen. A plan bucket whose parameters
+    have different dtypes (without a ``param_dtype`` to unify them; e.g.
+    frozen bf16 weights beside fp32 adapters) runs as one flat bucket per
+    dtype, as ``simplefsdp.compile``'s bucketing splits by dtype too.
 
     Gradient accumulation: ``simplefsdp.get_eager_executor(model).no_sync()``
     (or ``set_requires_gradient_sync(False)``) keeps gradients unsharded and
@@ -94,8 +98,7 @@ def eager(
         ValueError: ``model`` is not wrapped by ``data_parallel``, has
             tensor-parallel parameters, already runs eagerly, has meta
             parameters, ``limit_all_gathers < 1``, the plan is invalid
-            (``resolve_plan``'s errors), or a bucket mixes
-            parameter dtypes without a ``param_dtype`` to unify them.
+            (``resolve_plan``'s errors).
         TypeError: wrong argument types.
     """
     _validate_options(forward_prefetch, backward_prefetch, limit_all_gathers, cpu_offload)
@@ -117,7 +120,7 @@ def eager(
             f"parameters {meta[:3]} are on the meta device; call model.to_empty(...) and "
             "initialise them before simplefsdp.eager"
         )
-    plan = resolve_plan(model, bucketing)
+    plan = split_by_dtype(model, resolve_plan(model, bucketing), state.mp_policy.param_dtype)
     device = _compute_device(state)
     offload = _resolve_offload(cpu_offload, device)
     if offload:
@@ -252,6 +255,28 @@ def _mesh_groups(state: DataParallelState) -> tuple[MeshGroups, int]:
     return groups, shard_mesh_dim
 
 
+def split_by_dtype(
+    model: nn.Module, plan: BucketPlan, param_dtype: torch.dtype | None
+) -> BucketPlan:
+    """``plan`` with each bucket whose parameters gather in different dtypes
+    split into one bucket per dtype, in order of first appearance, named
+    ``"<bucket>[<dtype>]"``; a flat buffer holds one dtype. ``param_dtype``
+    (the mixed-precision policy's) unifies them: then nothing is split."""
+    params = dict(model.named_parameters())
+    buckets = []
+    for bucket in plan.buckets:
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for fqn in bucket.param_fqns:
+            by_dtype.setdefault(param_dtype or params[fqn].dtype, []).append(fqn)
+        if len(by_dtype) == 1:
+            buckets.append(bucket)
+            continue
+        for dtype, fqns in by_dtype.items():
+            name = f"{bucket.name}[{str(dtype).removeprefix('torch.')}]"
+            buckets.append(dataclasses.replace(bucket, name=name, param_fqns=tuple(fqns)))
+    return BucketPlan(tuple(buckets))
+
+
 def _build_buckets(
     model: nn.Module, plan: BucketPlan, state: DataParallelState, device: torch.device
 ) -> list[FlatBucket]:
@@ -262,13 +287,8 @@ def _build_buckets(
     for index, bucket in enumerate(plan.buckets):
         named = [(fqn, params[fqn]) for fqn in bucket.param_fqns]
         assert all(isinstance(p, DTensor) for _, p in named)
-        dtypes = {policy.param_dtype or p.dtype for _, p in named}
-        if len(dtypes) != 1:
-            raise ValueError(
-                f"bucket {bucket.name!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-                "split it in the plan or set MixedPrecisionPolicy(param_dtype=...)"
-            )
-        (compute_dtype,) = dtypes
+        # one dtype per bucket: split_by_dtype
+        (compute_dtype,) = {policy.param_dtype or p.dtype for _, p in named}
         reduce_dtype = policy.reduce_dtype or compute_dtype
         sharded, replicated = make_slots(named, shard_mesh_dim, groups)
         result.append(
