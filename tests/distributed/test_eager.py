@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import simplefsdp
 from simplefsdp import get_eager_executor, remove_eager
+from simplefsdp.eager_executor.api import EXECUTOR_ATTR
 from simplefsdp.frontend.parametrization import has_param_views
 from simplefsdp.testing import record_collectives, run_distributed
 from toy_models import build, loss_fn, make_batch
@@ -446,6 +447,34 @@ def _api_body() -> None:
     with torch.no_grad():
         model(_batch(0)[0])
     assert not any(b.is_allocated for b in executor.buckets)
+
+    # Two forwards before one backward (a siamese or contrastive loss): every
+    # bucket is gathered again for the second forward, and its gradient
+    # reduced once, for both reads (data_parallel alone reduces each read's:
+    # the same sum in another order, so parameters match to rounding).
+    for dp_kwargs in ({}, {"reshard_after_forward": False}):
+        results = []
+        for model in (_wrap(eager={}, **dp_kwargs), _wrap(**dp_kwargs)):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+            losses = []
+            for step in range(2):
+                (x, y), (x2, _) = _batch(step), _batch(step, micro=1)
+                out = model(x).float() + model(x2).float()
+                loss = nn.functional.mse_loss(out, y)
+                executor = model.__dict__.get(EXECUTOR_ATTR)
+                if executor is not None:
+                    executor.reset_stats()
+                loss.backward()
+                if executor is not None:  # one reduction per bucket, not per read
+                    assert executor.stats.reductions == len(executor.buckets), executor.stats
+                opt.step()
+                opt.zero_grad()
+                losses.append(_global_mean(loss))
+            results.append((losses, model))
+        (twice, eager_model), (ref_losses, ref_model) = results
+        _assert_same(twice, ref_losses, bitwise=False, label=f"two forwards {dp_kwargs}")
+        for (name, p), (_, q) in zip(eager_model.named_parameters(), ref_model.named_parameters()):
+            torch.testing.assert_close(p.to_local(), q.to_local(), rtol=1e-5, atol=1e-6, msg=name)
 
     # Frozen parameters are gathered but get no gradient; remove_eager
     # restores data_parallel's own execution, continuing identically.
