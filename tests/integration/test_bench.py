@@ -488,3 +488,19 @@ def test_a_failed_round_is_the_row_and_is_not_run_again(tmp_path, monkeypatch):
 def test_bad_rounds_are_a_usage_error(capsys):
     assert cli.main(["--rounds", "0", "--out", "unused"]) == 2
     assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rounds_end_to_end(tmp_path):
+    """Two real rounds of one eager configuration: each round's raw results in
+    its own folder, the row pooling both rounds' measured steps."""
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli.main([*TINY, "--configs", "fsdp2", "--rounds", "2", "--out", str(tmp_path)])
+    assert rc == 0, stdout.getvalue()
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["configs"]
+    rounds = [tmp_path / "raw" / f"round{r}" for r in (1, 2)]
+    assert [len(list(d.glob("fsdp2.rank*.json"))) for d in rounds] == [2, 2]
+    assert len(row["rounds"]) == 2 and len(row["step_times_s"]) == 2 * 2  # 2 measured steps each
+    assert row["step_time_s_median"] == statistics.median(row["step_times_s"])
+    assert "(round 2/2)" in stdout.getvalue()
