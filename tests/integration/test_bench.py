@@ -462,13 +462,6 @@ def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path, monkeypatch, ca
     assert (fsdp2["peak_mem_bytes"], auto["peak_mem_bytes"]) == (500, 200)
     assert auto["step_time_s_median"] == 2.0 and auto["speedup_vs_fsdp2"] == pytest.approx(2.0)
     assert result["env"]["rounds"] == 3
-    speeds = result["env"]["machine_gflops_before_each"]  # every launch, comm-only too
-    assert len(speeds) == 7 and all(s > 0 for s in speeds)
-    assert [r["machine_gflops_before"] for r in fsdp2["rounds"]] == [
-        speeds[0],
-        speeds[3],
-        speeds[4],
-    ]
     assert "3 rounds in alternating order" in capsys.readouterr().out
 
 

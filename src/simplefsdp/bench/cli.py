@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -353,28 +352,6 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
     }
 
 
-def machine_speed_gflops(n: int = 384, repeats: int = 20) -> float:
-    """A one-thread fp32 matmul rate now (GFLOP/s, the median of ``repeats``
-    after a warm-up): recorded before each launch, it shows the machine's
-    drift where the load average does not (other virtual machines on the
-    host, the clock)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(n, n)
-        torch.mm(a, a)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, a)
-            times.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return 2 * n**3 / statistics.median(times) / 1e9
-
-
 def _launch_order(configs: list[BenchConfig], rounds: int) -> list[tuple[int, BenchConfig]]:
     """(round, config) in running order: A B C, C B A, A B C, ... (Note: [Bench rounds])."""
     return [
@@ -402,7 +379,6 @@ def run_bench(
     per_config: dict[str, list[dict]] = {c.name: [] for c in configs}
     comm_only = comm_only_error = None
     load_avg_1m: list[float] = []
-    speed: list[float] = []
     # The comm-only replay models data-parallel flat buffers over all ranks;
     # with tensor or pipeline parallelism that is not the step's communication.
     extra = [(0, COMM_ONLY)] if spec.tp == 1 and spec.pp == 1 else []
@@ -414,7 +390,6 @@ def run_bench(
         t0 = time.perf_counter()
         # Other processes on the machine slow every measurement: record it.
         load_avg_1m.append(round(os.getloadavg()[0], 2))
-        speed.append(round(machine_speed_gflops(), 1))
         in_rounds = rounds > 1 and config.engine != "comm"
         label = config.name + (f" (round {r + 1}/{rounds})" if in_rounds else "")
         print(f"[{i + 1}/{len(launches)}] {label} ...", end=" ", flush=True)
@@ -425,7 +400,6 @@ def run_bench(
             comm_only, comm_only_error = outcome, error
         else:
             outcome["load_avg_1m_before"] = load_avg_1m[-1]
-            outcome["machine_gflops_before"] = speed[-1]
             per_config[config.name].append(outcome)
             if error:
                 failed.add(config.name)
@@ -444,7 +418,6 @@ def run_bench(
         bound = max(limit["step_time_s_median"], comm_s)
     env = _env(spec, rows, time.perf_counter() - start)
     env["load_avg_1m_before_each"] = load_avg_1m
-    env["machine_gflops_before_each"] = speed
     env["rounds"] = rounds
     return {
         "env": env,

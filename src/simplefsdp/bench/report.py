@@ -213,7 +213,6 @@ def merge_rounds(rows: list[dict]) -> dict[str, Any]:
                 "peak_mem_bytes": r["peak_mem_bytes"],
                 "final_loss": r["final_loss"],
                 "load_avg_1m_before": r.get("load_avg_1m_before"),
-                "machine_gflops_before": r.get("machine_gflops_before"),
             }
             for r in rows
         ],
@@ -445,12 +444,6 @@ def format_table(result: dict) -> str:
         lines.append(
             f"machine load (1-min load average before each config): {min(loads):.1f}-"
             f"{max(loads):.1f} on {env['device']}; other processes slow every measurement"
-        )
-    speeds = env.get("machine_gflops_before_each")
-    if speeds:
-        lines.append(
-            f"machine speed (one fp32 matmul in the launcher before each config): "
-            f"{min(speeds):.1f}-{max(speeds):.1f} GFLOP/s"
         )
     check = result.get("loss_check", {})
     lines.append(
