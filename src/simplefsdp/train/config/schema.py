@@ -194,7 +194,7 @@ class ParallelConfig:
             parameters, raising ``simplefsdp.RankDivergenceError`` before
             backward where they did not (``data_parallel``'s
             ``check_ranks``); ``false`` saves its one small all-reduce per
-            step.
+            forward.
     """
 
     engine: str = field(default="simplefsdp", metadata=_choices(ENGINES))
