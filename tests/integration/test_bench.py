@@ -485,9 +485,11 @@ def test_a_failed_round_is_the_row_and_is_not_run_again(tmp_path, monkeypatch):
     assert not result["configs"][1]["ok"]
 
 
-def test_bad_rounds_are_a_usage_error(capsys):
-    assert cli.main(["--rounds", "0", "--out", "unused"]) == 2
+def test_bad_rounds_are_a_usage_error(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert cli.main(["--rounds", "0", "--out", str(out)]) == 2
     assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything is written
 
 
 @pytest.mark.slow
