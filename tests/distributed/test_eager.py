@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 import simplefsdp
 from simplefsdp import get_eager_executor, remove_eager
-from simplefsdp.eager_executor.api import EXECUTOR_ATTR
 from simplefsdp.frontend.parametrization import has_param_views
 from simplefsdp.testing import record_collectives, run_distributed
 from toy_models import build, loss_fn, make_batch
@@ -454,14 +453,15 @@ def _api_body() -> None:
     # the same sum in another order, so parameters match to rounding).
     for dp_kwargs in ({}, {"reshard_after_forward": False}):
         results = []
-        for model in (_wrap(eager={}, **dp_kwargs), _wrap(**dp_kwargs)):
+        for use_eager in (True, False):
+            model = _wrap(eager={} if use_eager else None, **dp_kwargs)
+            executor = get_eager_executor(model) if use_eager else None
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
             losses = []
             for step in range(2):
                 (x, y), (x2, _) = _batch(step), _batch(step, micro=1)
                 out = model(x).float() + model(x2).float()
                 loss = nn.functional.mse_loss(out, y)
-                executor = model.__dict__.get(EXECUTOR_ATTR)
                 if executor is not None:
                     executor.reset_stats()
                 loss.backward()

@@ -194,8 +194,10 @@ def merge_rounds(rows: list[dict]) -> dict[str, Any]:
     if not rows:
         raise ValueError("merge_rounds needs at least one round")
     failed = next((r for r in rows if r["step_time_s_median"] is None), None)
-    if failed is not None or len(rows) == 1:
-        return failed if failed is not None else rows[0]
+    if failed is not None:
+        return failed
+    if len(rows) == 1:
+        return rows[0]
     by_time = sorted(rows, key=lambda r: r["step_time_s_median"])
     row = dict(by_time[(len(rows) - 1) // 2])
     tokens_per_step = row["tokens_per_s_per_rank"] * row["step_time_s_median"]
