@@ -115,6 +115,36 @@ class Odd(nn.Module):
         return self.l2(F.gelu(self.l1(x + self.emb.weight.sum(0)))) * self.scale
 
 
+class ParallelResidual(nn.Module):
+    """GPT-NeoX's block: ``x + attn(ln1(x)) + mlp(ln2(x))``. The two output
+    biases get the same gradient tensor, so AOTAutograd's CSE merges their
+    reduce-scatters into one with two waits (Note: [One wait per collective])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln1": nn.LayerNorm(16),
+                    "ln2": nn.LayerNorm(16),
+                    "attn_out": nn.Linear(16, 16),
+                    "fc": nn.Linear(16, 32),
+                    "mlp_out": nn.Linear(32, 16),
+                }
+            )
+            for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = (
+                x
+                + b["attn_out"](torch.tanh(b["ln1"](x)))
+                + b["mlp_out"](F.gelu(b["fc"](b["ln2"](x))))
+            )
+        return x
+
+
 class WeightNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -213,6 +243,7 @@ CASES = {
     ),
     "Odd": Case(seeded(Odd), harness._rand(13), square_mean),
     "WeightNorm": Case(seeded(WeightNorm), _signals, square_mean),
+    "ParallelResidual": Case(seeded(ParallelResidual), harness._rand(16), square_mean),
     "LoRA": Case(seeded(LoRA), harness._rand(16), square_mean),
     "LoRABf16": Case(seeded(LoRABf16), harness._rand(16), square_mean),
     "Albert": Case(seeded(Albert), harness._rand(16), square_mean),

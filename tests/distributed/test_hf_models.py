@@ -3,7 +3,8 @@ against one process (the harness of ``test_torch_models``: 3 AdamW steps
 with clipping; rank-averaged losses and final parameters). Skipped where
 ``transformers`` is not installed (it is not a dependency).
 
-Tiny configurations of Llama (also with gradient checkpointing), Qwen2, GPT-2, BERT (masked LM head), T5
+Tiny configurations of Llama (also with gradient checkpointing), Qwen2, GPT-2,
+GPT-NeoX (parallel residual), BERT (masked LM head), T5
 (encoder-decoder, through a wrapper that passes ``labels``) and Mixtral, for
 every executor. Mixtral's sparse MoE block loops over the experts its
 tokens were routed to (data-dependent control flow), so it compiles with
@@ -161,6 +162,18 @@ CASES = {
         _tokens(12),
         _lm_loss,
         roundoff_entries=(("c_attn.bias", slice(32, 64)),),
+    ),
+    # Parallel residual: both output biases of a block get one gradient, and
+    # the compiled backward one reduce-scatter for them (Note: [One wait per
+    # collective]). The key part of each head's fused QKV bias (heads of
+    # [q, k, v] x 8) gets a round-off gradient, as in GPT-2.
+    "HF-GPTNeoX": Case(
+        _train_mode(lambda: _causal_lm("GPTNeoX")),
+        _tokens(12),
+        _lm_loss,
+        roundoff_entries=(
+            ("query_key_value.bias", [h * 24 + 8 + i for h in range(4) for i in range(8)]),
+        ),
     ),
     "HF-BERT": Case(_train_mode(_bert), _tokens(12), _lm_loss),
     "HF-T5": Case(_train_mode(T5), _pairs, _seq2seq_loss),

@@ -269,8 +269,10 @@ def test_inductor_bucketed():
 CASES = [
     # tied embedding/head + a 0-d parameter; hybrid: all-reduce across 2 replicas
     {"name": "tied", "runs": ("eager", "aot_eager"), "mode": "hybrid_shard", "mesh_shape": (2, 1)},
-    # uncompiled activation checkpointing: reads are recomputed in backward
-    {"name": "blocks-full", "runs": ("eager",)},
+    # activation checkpointing: uncompiled, reads are recomputed in backward;
+    # compiled, a synced read's flag is set inside a checkpointed region
+    # (Note: [Accumulation flags under compiled activation checkpointing])
+    {"name": "blocks-full", "runs": ("eager", "aot_eager")},
     # bf16 compute, fp32 reduction: sums kept in fp32
     {"name": "mlp", "runs": ("eager",), "mp": True},
     # 2-D parameters (dp2 x tp1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.nn as nn
@@ -10,6 +11,7 @@ from simplefsdp.compiler import first_inputs
 from simplefsdp.compiler.backend import CompileOptions, SimpleFSDPBackend
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.compiler.report import CommReport
+from simplefsdp.frontend.accumulation import compiled_read_context
 from simplefsdp.frontend.data_parallel import get_data_parallel_state
 
 BACKEND_ATTR = "_simplefsdp_backend"
@@ -140,6 +142,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         model=model,
     )
     model.compile(backend=simplefsdp_backend, fullgraph=fullgraph, **torch_compile_kwargs)
+    _run_reads_in_context(model)
     # Note: [Ranks' first inputs]; a hint on graph breaks.
     check = simplefsdp_backend.is_auto and state.mode != "replicate"
     # Note: [Same gathers on every rank]: graphs with eager code between them.
@@ -148,6 +151,19 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     first_inputs.install(model, simplefsdp_backend, state.mesh, check, fullgraph, check_ranks)
     model.__dict__[BACKEND_ATTR] = simplefsdp_backend
     return model
+
+
+def _run_reads_in_context(model: nn.Module) -> None:
+    """Run ``model``'s compiled calls under ``compiled_read_context``
+    (Note: [Accumulation flags under compiled activation checkpointing])."""
+    compiled = model._compiled_call_impl
+
+    @functools.wraps(compiled, updated=())
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with compiled_read_context(model):
+            return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = call
 
 
 def comm_report(compiled: nn.Module | SimpleFSDPBackend) -> CommReport:

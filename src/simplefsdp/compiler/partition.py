@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from simplefsdp.compiler.patterns import merge_duplicate_waits
+
 __all__ = ["partition", "repair_rng_state_order"]
 
 _PLAIN_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
@@ -119,11 +121,14 @@ def repair_rng_state_order(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
 
 def partition(joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, Any]:
     """torch's ``min_cut_rematerialization_partition``, then
-    :func:`repair_rng_state_order`."""
+    :func:`repair_rng_state_order` and ``merge_duplicate_waits`` on both graphs."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     repair_rng_state_order(fw, bw)
+    for gm in (fw, bw):  # Note: [One wait per collective]
+        if merge_duplicate_waits(gm.graph):
+            gm.recompile()
     return fw, bw
 
 

@@ -261,6 +261,36 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         state.no_sync = previous
 
 
+# torch._dynamo.config's switch for side effects inside activation checkpointing.
+_CHECKPOINT_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def compiled_read_context(root: nn.Module) -> contextlib.AbstractContextManager:
+    """What a compiled call of ``root`` runs under (``simplefsdp.compile``).
+
+    Note: [Accumulation flags under compiled activation checkpointing]
+        A synced read marks its accumulator ``consumed`` (a Python attribute),
+        which Dynamo applies after the graph runs. Inside a region of
+        ``torch.utils.checkpoint`` Dynamo traces a higher-order op and refuses
+        any side effect on an outer object, since eager checkpointing replays
+        forward's side effects when it recomputes in backward and a compiled
+        graph cannot. Here the flag must be set once, by forward, and not again
+        by the recomputation (that is what ``consumed`` guards against in
+        eager), so once the model has accumulators its compiled calls run
+        with Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``:
+        forward's side effects inside checkpointed regions are kept, not
+        replayed. A model that never entered ``no_sync`` compiles as before,
+        and so do its graphs traced before that (Dynamo does not guard on this
+        option). Users driving ``torch.compile`` themselves (with
+        ``compile_backend``) set the option around their calls.
+    """
+    state = root.__dict__.get(_STATE_ATTR)
+    config = torch._dynamo.config
+    if state is None or not state.accumulators or not hasattr(config, _CHECKPOINT_SIDE_EFFECTS):
+        return contextlib.nullcontext()
+    return config.patch(**{_CHECKPOINT_SIDE_EFFECTS: True})
+
+
 def reduce_accumulated(model: nn.Module, *, scale: float | None = None) -> int:
     """Reduce the gradients summed inside :func:`no_sync` now, without a forward.
 
