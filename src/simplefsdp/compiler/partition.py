@@ -1,4 +1,4 @@
-"""Forward/backward partitioning: torch's min-cut partitioner plus one repair.
+"""Forward/backward partitioning: torch's min-cut partitioner plus two repairs.
 
 Note: [RNG states saved next to opaque objects]
     Under activation checkpointing, AOTAutograd's partitioner makes every
@@ -34,9 +34,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from simplefsdp.compiler.patterns import merge_duplicate_waits
+from simplefsdp.compiler.patterns import collective_kind, is_wait
 
-__all__ = ["partition", "repair_rng_state_order"]
+__all__ = [
+    "merge_duplicate_waits",
+    "partition",
+    "repair_rng_state_order",
+]
+
+aten = torch.ops.aten
 
 _PLAIN_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
@@ -119,9 +125,50 @@ def repair_rng_state_order(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
     return True
 
 
+def merge_duplicate_waits(graph: fx.Graph) -> int:
+    """Give every collective one ``wait_tensor``; returns how many were merged.
+
+    Note: [One wait per collective]
+        AOTAutograd's partitioner runs common-subexpression elimination on
+        the joint graph. Two parameters whose gradients are the same tensor
+        (two biases added to one output, as in GPT-NeoX's parallel residual
+        block) have identical reduce-scatters, which it merges into one node;
+        their two ``wait_tensor`` nodes, each returning one gradient, are
+        kept. Our passes pair each collective with one wait (``wait_of``), and
+        bucketing replaced that one and erased the collective, leaving the
+        other wait without its input. Here every later wait of a collective
+        is replaced: by the first wait for an all-gather (its readers only
+        compute from it), and by a ``clone`` of the first wait for a
+        reduction. Two waits of one collective return the same tensor, so two
+        gradients from one would share storage, and an in-place update of one
+        (``clip_grad_norm_``'s scaling) would scale the other again; eager
+        autograd gives each parameter its own gradient, and so does the clone.
+        The reduction then returns two gradients and is attributed to no
+        single parameter, so the passes leave it unbucketed (``find_sites``).
+    """
+    merged = 0
+    for node in list(graph.nodes):
+        kind = collective_kind(node)
+        waits = [user for user in node.users if is_wait(user)] if kind else []
+        if len(waits) < 2:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first, *rest = sorted(waits, key=order.__getitem__)
+        for wait in rest:
+            replacement = first
+            if kind != "all_gather":
+                with graph.inserting_after(first):
+                    replacement = graph.call_function(aten.clone.default, (first,))
+                replacement.meta["val"] = first.meta.get("val")
+            wait.replace_all_uses_with(replacement)
+            graph.erase_node(wait)
+            merged += 1
+    return merged
+
+
 def partition(joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, Any]:
     """torch's ``min_cut_rematerialization_partition``, then
-    :func:`repair_rng_state_order` and ``merge_duplicate_waits`` on both graphs."""
+    :func:`repair_rng_state_order` and :func:`merge_duplicate_waits` on both graphs."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)

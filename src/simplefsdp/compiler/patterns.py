@@ -157,47 +157,6 @@ def wait_of(collective: fx.Node) -> fx.Node | None:
     return None
 
 
-def merge_duplicate_waits(graph: fx.Graph) -> int:
-    """Give every collective one ``wait_tensor``; returns how many were merged.
-
-    Note: [One wait per collective]
-        AOTAutograd's partitioner runs common-subexpression elimination on
-        the joint graph. Two parameters whose gradients are the same tensor
-        (two biases added to one output, as in GPT-NeoX's parallel residual
-        block) have identical reduce-scatters, which it merges into one node;
-        their two ``wait_tensor`` nodes, each returning one gradient, are
-        kept. Our passes pair each collective with one wait (``wait_of``), and
-        bucketing replaced that one and erased the collective, leaving the
-        other wait without its input. Here every later wait of a collective
-        is replaced: by the first wait for an all-gather (its readers only
-        compute from it), and by a ``clone`` of the first wait for a
-        reduction. Two waits of one collective return the same tensor, so two
-        gradients from one would share storage, and an in-place update of one
-        (``clip_grad_norm_``'s scaling) would scale the other again; eager
-        autograd gives each parameter its own gradient, and so does the clone.
-        The reduction then returns two gradients and is attributed to no
-        single parameter, so the passes leave it unbucketed (``find_sites``).
-    """
-    merged = 0
-    for node in list(graph.nodes):
-        kind = collective_kind(node)
-        waits = [user for user in node.users if is_wait(user)] if kind else []
-        if len(waits) < 2:
-            continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        first, *rest = sorted(waits, key=order.__getitem__)
-        for wait in rest:
-            replacement = first
-            if kind != "all_gather":
-                with graph.inserting_after(first):
-                    replacement = graph.call_function(aten.clone.default, (first,))
-                replacement.meta["val"] = first.meta.get("val")
-            wait.replace_all_uses_with(replacement)
-            graph.erase_node(wait)
-            merged += 1
-    return merged
-
-
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes]
 
