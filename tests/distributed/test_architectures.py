@@ -20,9 +20,14 @@ for every executor (uncompiled, eager executor, compiled with the auto plan).
   eager executor splits such a bucket by dtype, as the compiled pass does).
 - ``Albert``: one block applied four times per forward (each of its
   parameters gathered four times).
+- ``ParallelResidual``: GPT-NeoX's block, whose two output biases get one
+  gradient (compiled: one reduce-scatter with two waits after CSE).
+- ``DataclassOut``: blocks and the root return dataclass instances.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import test_torch_models as harness
 import torch
@@ -145,6 +150,37 @@ class ParallelResidual(nn.Module):
         return x
 
 
+@dataclasses.dataclass
+class Hidden:
+    value: torch.Tensor
+    note: str = "no pytree node"
+
+
+class HiddenBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> Hidden:
+        return Hidden(torch.tanh(self.lin(x)))
+
+
+class DataclassOut(nn.Module):
+    """Blocks and the root return dataclass instances, which are no pytree
+    nodes: the eager executor's regather before backward hooks their tensors
+    (``output_tensors``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(HiddenBlock() for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> Hidden:
+        for block in self.blocks:
+            x = block(x).value
+        return Hidden(self.head(x))
+
+
 class WeightNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -244,6 +280,9 @@ CASES = {
     "Odd": Case(seeded(Odd), harness._rand(13), square_mean),
     "WeightNorm": Case(seeded(WeightNorm), _signals, square_mean),
     "ParallelResidual": Case(seeded(ParallelResidual), harness._rand(16), square_mean),
+    "DataclassOut": Case(
+        seeded(DataclassOut), harness._rand(16), lambda out, inputs: square_mean(out.value, inputs)
+    ),
     "LoRA": Case(seeded(LoRA), harness._rand(16), square_mean),
     "LoRABf16": Case(seeded(LoRABf16), harness._rand(16), square_mean),
     "Albert": Case(seeded(Albert), harness._rand(16), square_mean),

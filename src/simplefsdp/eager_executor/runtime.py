@@ -47,16 +47,16 @@ Note: [Eager schedule]
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from simplefsdp.eager_executor.collectives import Collectives, Work
@@ -64,6 +64,32 @@ from simplefsdp.eager_executor.flat_bucket import FlatBucket
 from simplefsdp.frontend import rank_check
 
 logger = logging.getLogger(__name__)
+
+
+def output_tensors(output: object) -> list[torch.Tensor]:
+    """The tensors in a module's output: inside lists, tuples (named ones
+    too), sets, mappings and dataclass instances, at any depth, as FSDP2 looks
+    for them. Backward regathers a resharded bucket from a hook on these, so
+    one missed (a dataclass is no pytree node) meant a backward reading a
+    freed buffer."""
+    found: list[torch.Tensor] = []
+    stack, seen = [output], set()
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            continue
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            stack.extend(getattr(obj, f.name, None) for f in dataclasses.fields(obj))
+        elif isinstance(obj, Mapping):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+    return found
+
 
 # Reductions in flight before the oldest is finished: one, like FSDP2, so the
 # reduce-scatter inputs alive at once stay bounded by about two buckets.
@@ -338,11 +364,7 @@ class EagerExecutor:
 
     def post_forward(self, index: int, module: nn.Module, _args: object, output: object) -> None:
         if torch.is_grad_enabled():
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
+            tensors = [t for t in output_tensors(output) if t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda _grad: self._pre_backward(index), mode="any"
