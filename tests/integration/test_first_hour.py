@@ -148,3 +148,55 @@ def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
     resumed = _cli(["train", *SMALL, "--training.steps", str(step + 1), "--resume"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"steps          {step} -> {step + 1}" in resumed.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux ``/proc``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
+    """Note: [Orphaned workers]: SIGKILL to the launcher alone (as the OOM
+    killer sends it) leaves workers in sessions of their own; they stop
+    cleanly after the same step and save it, rather than train on."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "simplefsdp.cli", "train", *SMALL, "--training.steps", "500",
+         "--checkpoint.interval", "100"],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    assert proc.stdout is not None
+    for line in proc.stdout:  # wait until training runs
+        if line.startswith("step") or time.monotonic() > deadline:
+            break
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 120
+    while any(Path(f"/proc/{pid}").exists() for pid in workers):
+        if time.monotonic() > deadline:
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            pytest.fail("the workers went on after their launcher was killed")
+        time.sleep(0.5)
+    out = proc.stdout.read()  # the workers exited: the pipe is closed
+    (line,) = [x for x in out.splitlines() if "stopped by SIGTERM" in x]
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert step < 500, line
+    assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
+    for pid in workers:
+        assert (
+            not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+        )

@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     if worker:
         _configure_logging(rank)
+        from simplefsdp.train.interrupts import watch_launcher
+
+        watch_launcher()  # Note: [Orphaned workers]
         return _run_worker(job)
     import torch
 

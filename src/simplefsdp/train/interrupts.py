@@ -16,10 +16,57 @@ Note: [Clean stop]
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import threading
+import time
 from types import FrameType
 
-__all__ = ["StopAgreement", "StopRequest"]
+__all__ = ["LAUNCHER_PID_ENV", "StopAgreement", "StopRequest", "watch_launcher"]
+
+logger = logging.getLogger(__name__)
+
+# Set by ``simplefsdp train``'s launcher for its workers: its process id.
+LAUNCHER_PID_ENV = "SIMPLEFSDP_LAUNCHER_PID"
+
+
+def watch_launcher(interval_s: float = 1.0) -> threading.Thread | None:
+    """Stop this worker cleanly if the ``simplefsdp train`` launcher dies.
+
+    Note: [Orphaned workers]
+        torchrun's agent (our launcher runs it in-process) starts each worker
+        in a session of its own, so a launcher killed by SIGKILL (the OOM
+        killer, ``kill -9``) takes no worker with it: the workers, adopted by
+        init, went on training and writing checkpoints, and a ``--resume``
+        started meanwhile would share their checkpoint folder. A worker whose
+        parent is the launcher (``SIMPLEFSDP_LAUNCHER_PID``, checked at start)
+        polls its parent id; once it changes, it sends itself SIGTERM: the
+        clean stop of Note: [Clean stop] (all ranks stop after the same step
+        and save it) or, before that handler is installed, the default exit.
+        Workers of a plain ``torchrun`` (no such variable) keep torch's
+        behaviour.
+
+    Returns:
+        The daemon thread watching, or ``None`` when not under our launcher.
+    """
+    expected = os.environ.get(LAUNCHER_PID_ENV, "")
+    parent = os.getppid()
+    if not expected.isdigit() or int(expected) != parent:
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        logger.warning(
+            "the simplefsdp train launcher (pid %d) is gone; stopping this worker cleanly", parent
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="simplefsdp-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -80,6 +80,7 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from simplefsdp.train.interrupts import LAUNCHER_PID_ENV
     from simplefsdp.train.runs import RUN_ID_ENV, new_run_id
 
     _set_worker_threads(nproc)
@@ -89,6 +90,7 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
         # peers (pytorch/pytorch#135712); a fresh store per attempt avoids it.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault(RUN_ID_ENV, new_run_id())
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # Note: [Orphaned workers]
     args = torchrun.parse_args(
         [
             "--standalone",
