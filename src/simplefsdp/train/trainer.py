@@ -481,7 +481,7 @@ class Trainer:
             for step in range(start_step + 1, total + 1):
                 is_log = self._should(self.job.metrics.log_interval, step) or step == start_step + 1
                 t0 = time.perf_counter()
-                with self._first_step_notice(step == start_step + 1), _compile_errors():
+                with self._first_step_notice(step == start_step + 1, step), _compile_errors():
                     loss, grad_norm, lr = self.train_step()
                 # Test-only fault injection (SIMPLEFSDP_TEST_KILL_AT_STEP); a no-op otherwise.
                 maybe_kill_at_step(step, self.rank, self.world_size, self.job.metrics.output_dir)
@@ -505,14 +505,16 @@ class Trainer:
         return self.summary
 
     @contextlib.contextmanager
-    def _first_step_notice(self, first: bool) -> Iterator[None]:
-        """Say that the first step compiles, every 30 s how long it has taken, and the total."""
+    def _first_step_notice(self, first: bool, step: int) -> Iterator[None]:
+        """Say that the first step (``step``; after a resume not 1) compiles, every
+        30 s how long it has taken, and the total."""
         if not (first and self.parallel.compiled):
             yield
             return
         assert self._progress is not None
         self._progress.line(
-            f"step 1 compiles the model ({self.job.compile.backend}); this takes a while on CPU"
+            f"step {step} compiles the model ({self.job.compile.backend}); "
+            "this takes a while on CPU"
         )
         start = time.perf_counter()
         with Heartbeat(lambda s: f"  still compiling: {s:.0f}s", self._progress.line):
