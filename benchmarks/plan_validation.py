@@ -220,8 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     ns.configs = ns.configs.split(",")
     unknown = [c for c in ns.configs if c not in ENGINES]
-    if unknown or ns.rounds < 1 or ns.calibrate_rounds < 1:
-        p.error(f"configs must be among {sorted(ENGINES)} (got {unknown}); rounds >= 1")
+    if unknown:
+        p.error(f"unknown --configs {unknown}; valid: {sorted(ENGINES)}")
+    if ns.rounds < 1 or ns.calibrate_rounds < 1:
+        p.error(f"--rounds and --calibrate-rounds must be >= 1, got {ns.rounds}, {ns.calibrate_rounds}")
     start = time.perf_counter()
     runs = []
     for workload in ns.workloads.split(","):
