@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown --configs {unknown}; valid: {sorted(ENGINES)}")
     if ns.rounds < 1 or ns.calibrate_rounds < 1:
-        p.error(f"--rounds and --calibrate-rounds must be >= 1, got {ns.rounds}, {ns.calibrate_rounds}")
+        p.error(
+            f"--rounds and --calibrate-rounds must be >= 1, got {ns.rounds}, {ns.calibrate_rounds}"
+        )
     start = time.perf_counter()
     runs = []
     for workload in ns.workloads.split(","):
