@@ -124,12 +124,12 @@ def test_a_rerun_is_a_new_run_and_never_mixes_files(tmp_path):
     # (A checkpoint that does not fit the model: test_checkpoint_cli.py.)
 
 
-@pytest.mark.slow
-def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
+def _training(tmp_path: Path, stderr: int) -> subprocess.Popen:
+    """A 500-step run in its own session, returned once it logs its first step."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "simplefsdp.cli", "train", *SMALL, "--training.steps", "500",
          "--checkpoint.interval", "100"],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=stderr, text=True,
         start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 180
@@ -137,6 +137,12 @@ def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
     for line in proc.stdout:  # wait until training runs
         if line.startswith("step") or time.monotonic() > deadline:
             break
+    return proc
+
+
+@pytest.mark.slow
+def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
+    proc = _training(tmp_path, stderr=subprocess.PIPE)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, err
@@ -169,17 +175,7 @@ def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
     """Note: [Orphaned workers]: SIGKILL to the launcher alone (as the OOM
     killer sends it) leaves workers in sessions of their own; they stop
     cleanly after the same step and save it, rather than train on."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "simplefsdp.cli", "train", *SMALL, "--training.steps", "500",
-         "--checkpoint.interval", "100"],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    assert proc.stdout is not None
-    for line in proc.stdout:  # wait until training runs
-        if line.startswith("step") or time.monotonic() > deadline:
-            break
+    proc = _training(tmp_path, stderr=subprocess.STDOUT)
     workers = _children(proc.pid)
     assert len(workers) == 2, workers
     os.kill(proc.pid, signal.SIGKILL)
