@@ -11,6 +11,11 @@ they were. Without the check, the losses differ from one process's
 (``check_ranks=False``: the silent failure the check exists for). Ranks
 that route alike, and the eager executor gathering the whole MoE layer as
 one bucket, train as one process does.
+
+A layer that runs every expert on every rank, each with the rows routed to
+it (none, on some ranks), is SPMD and must train as one process does, also
+compiled around its graph breaks with more experts than Dynamo's recompile
+limit (Note: [One swapped class per original class]).
 """
 
 from __future__ import annotations
@@ -74,10 +79,10 @@ def _wrap(model: nn.Module, executor: str, check_ranks: bool = True) -> nn.Modul
     return model
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _step(model: nn.Module, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Forward, backward and one SGD step (no momentum: an unused expert's
-    zero gradient and a missing one update alike); the loss."""
-    loss = model(x).square().mean()
+    zero gradient and a missing one update alike); the loss (times ``scale``)."""
+    loss = model(x).square().mean() * scale
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -169,3 +174,81 @@ def _fullgraph_body() -> str:
 def test_fullgraph_names_the_data_dependent_cause() -> None:
     for notes in run_distributed(_fullgraph_body, 2):
         assert "fullgraph=False" in notes and "every rank to read the same" in notes, notes
+
+
+WIDE_EXPERTS = 12  # more than torch._dynamo.config.recompile_limit (8)
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class EveryExpertMoE(nn.Module):
+    """Runs every expert on the rows routed to it, as Hugging Face OLMoE and
+    Qwen2-MoE do: the ``torch.where`` in the loop is a graph break, so each
+    expert's ``forward`` is compiled as a frame of its own, on as many rows
+    as the rank's data routed to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(Expert() for _ in range(WIDE_EXPERTS))
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pick = x[:, 0].round().long().clamp(0, WIDE_EXPERTS - 1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            (rows,) = torch.where(pick == i)
+            out = out.index_add(0, rows, expert(x[rows]))
+        return self.head(x + out)
+
+
+def _routed_inputs(rank: int, step: int) -> torch.Tensor:
+    """Rows routed by a draw per rank and step: each expert gets 0 to 3 rows,
+    a different number on each rank and step."""
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    counts = torch.randint(0, 4, (WIDE_EXPERTS,), generator=generator).tolist()
+    picks = [e for e, n in enumerate(counts) for _ in range(n)]
+    x = torch.randn(len(picks), DIM, generator=generator)
+    x[:, 0] = torch.tensor(picks, dtype=x.dtype)
+    return x
+
+
+def _every_expert_body() -> None:
+    torch.manual_seed(0)
+    reference = EveryExpertMoE()
+    torch.manual_seed(0)
+    model = simplefsdp.data_parallel(
+        EveryExpertMoE(), init_device_mesh("cpu", (dist.get_world_size(),))
+    )
+    experts = model.experts
+    assert type(experts[0].up) is type(experts[1].up) is type(experts[0].down)
+    torch._dynamo.reset()
+    simplefsdp.compile(model, backend="aot_eager", cost_model=CostModel(), fullgraph=False)
+    for step in range(3):
+        inputs = [_routed_inputs(r, step) for r in range(dist.get_world_size())]
+        expected = _step(reference, torch.cat(inputs))
+        # Each rank's mean over its own rows, weighted by its share of all
+        # rows (times the ranks, as the gradients are averaged over them).
+        x = inputs[dist.get_rank()]
+        share = len(x) / sum(len(i) for i in inputs)
+        loss = _step(model, x, scale=share * dist.get_world_size()) / dist.get_world_size()
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss, expected, msg=f"step {step}")
+    references = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach().full_tensor(), references[name], msg=name)
+
+
+def test_every_expert_on_every_rank_compiled_around_breaks_trains_as_one_process() -> None:
+    """Ranks route different numbers of rows to each of 12 experts. With a
+    swapped class per module, every expert recompiled, and past Dynamo's
+    limit of 8 one rank ran an expert uncompiled (one gather per parameter)
+    while the other ran it compiled (one bucket): gloo aborted."""
+    run_distributed(_every_expert_body, 2)

@@ -519,7 +519,8 @@ class SimpleFSDPBackend:
         else:
             compiled = _compile_inductor(gm, example_inputs, compilation)
         if self.record_graph_runs:  # Note: [Same gathers on every rank]
-            return rank_check.recorded(compiled, ",".join(f for f in compilation.fqns if f))
+            fqns = ",".join(f for f in compilation.fqns if f)
+            return rank_check.recorded(compiled, fqns, self._fqn_by_id)
         return compiled
 
     def log_graph(self, report: GraphReport) -> None:

@@ -16,6 +16,18 @@ Note: [Parametrization by property]
     behave as before. It is not importable by name, so pickling a whole wrapped
     module object (``torch.save(model)``) is not supported; save ``state_dict()``
     instead, which is the supported checkpoint format anyway.
+
+Note: [One swapped class per original class]
+    The subclass depends only on the original class and the parameter names
+    (the properties read each instance's specs from its ``__dict__``), so
+    modules of one class with the same names share one subclass. Dynamo
+    guards a module's type: with a subclass per instance, each of 16 experts'
+    ``nn.Linear`` was a new type, and a frame compiled around a graph break
+    inside the expert (``simplefsdp.compile(fullgraph=False)``) recompiled per
+    expert. Past ``torch._dynamo.config.recompile_limit`` (8) Dynamo runs the
+    frame uncompiled, and where the ranks' token counts made them reach the
+    limit at different experts, one rank gathered a bucket while the other
+    gathered one parameter: a collective mismatch (gloo aborts, NCCL hangs).
 """
 
 from __future__ import annotations
@@ -302,17 +314,28 @@ def _make_property(name: str) -> property:
     return property(getter, setter)
 
 
+# Swapped classes by (original class, parametrized names): Note: [One
+# swapped class per original class].
+_SWAPPED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+
+
 def swap_module_class(module: nn.Module, specs: dict[str, ParamSpec]) -> None:
     """Give ``module`` a subclass whose properties parametrize ``specs``' names.
 
-    See Note: [Parametrization by property].
+    See Note: [Parametrization by property]. Modules of one class with the
+    same parameter names share the subclass: Note: [One swapped class per
+    original class].
     """
     cls = module.__class__
-    namespace = {name: _make_property(name) for name in specs}
-    namespace["__module__"] = cls.__module__
-    namespace["__qualname__"] = cls.__qualname__
-    namespace["_simplefsdp_original_class"] = cls
-    module.__class__ = type(cls.__name__, (cls,), namespace)
+    key = (cls, frozenset(specs))
+    swapped = _SWAPPED_CLASSES.get(key)
+    if swapped is None:
+        namespace = {name: _make_property(name) for name in specs}
+        namespace["__module__"] = cls.__module__
+        namespace["__qualname__"] = cls.__qualname__
+        namespace["_simplefsdp_original_class"] = cls
+        swapped = _SWAPPED_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    module.__class__ = swapped
     module.__dict__[SPECS_ATTR] = dict(specs)
 
 

@@ -75,14 +75,22 @@ def record(key: str) -> None:
     _digest = (_digest * _MULTIPLIER + _token(key)) % _MODULUS
 
 
-def recorded(compiled: Callable, params: str) -> Callable:
+def recorded(compiled: Callable, params: str, fqn_by_id: dict[int, str] | None = None) -> Callable:
     """``compiled`` (a compiled graph over the parameters ``params``) that
-    records each of its runs."""
-    key = f"graph:{params}"
+    records each of its runs.
+
+    With ``fqn_by_id`` (parameter ``id`` -> FQN) a run records the
+    parameters it is called with: one graph serves every module of a class
+    whose parameters are graph inputs (Note: [One swapped class per original
+    class]), so the parameters it was compiled for need not be the ones it
+    runs on. ``params`` is the key when no argument is a known parameter.
+    """
+    fallback = f"graph:{params}"
 
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
-        record(key)
+        names = [fqn_by_id[id(a)] for a in args if id(a) in fqn_by_id] if fqn_by_id else None
+        record("graph:" + ",".join(names) if names else fallback)
         return compiled(*args, **kwargs)
 
     return run
