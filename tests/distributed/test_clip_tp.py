@@ -34,9 +34,12 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(8, 10)  # tp: 5 rows each, then dp: 3 and 2 (uneven)
         self.w2 = nn.Linear(10, 8)
         self.head = nn.Linear(8, 3)  # not in the TP plan; dp: 2 and 1 rows
+        # One element: dp rank 1's shard is empty, where torch's own
+        # clip_grad_norm_ fails for the inf norm (_foreach_norm of an empty tensor).
+        self.gain = nn.Parameter(torch.ones(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.w2(torch.relu(self.w1(self.norm(x)))))
+        return self.head(self.w2(torch.relu(self.w1(self.norm(x))))) * self.gain
 
 
 def _reference() -> MLP:

@@ -11,9 +11,12 @@ import contextlib
 import io
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -506,3 +509,48 @@ def test_rounds_end_to_end(tmp_path):
     assert len(row["rounds"]) == 2 and len(row["step_times_s"]) == 2 * 2  # 2 measured steps each
     assert row["step_time_s_median"] == statistics.median(row["step_times_s"])
     assert "(round 2/2)" in stdout.getvalue()
+
+
+def _descendants(pid: int) -> set[int]:
+    """Process ids below ``pid`` (Linux ``/proc``)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_command_stops_its_workers(tmp_path, sig):
+    """Note: [Stopping a bench]: a signal sent to the command alone (not its
+    process group) stops torchrun's agent and the workers too, with one line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "simplefsdp.cli", "bench", *TINY, "--steps", "100000",
+         "--configs", "fsdp2", "--out", str(tmp_path), "--no-png"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(below := _descendants(proc.pid)) < 3:  # the agent and 2 workers
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + sig, err
+    assert f"stopped by {sig.name}; its workers were stopped" in err
+    assert "Traceback" not in out + err
+    assert not any(_alive(pid) for pid in below), [p for p in below if _alive(p)]
+    assert not (tmp_path / "bench.json").exists()

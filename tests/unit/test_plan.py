@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -97,6 +98,18 @@ def test_profile_round_trips_through_json(tmp_path) -> None:
         (Layout(gpus=4, batch=3, seq=64, pp=2, microbatches=2), r"--batch 3 is not divisible"),
         (Layout(gpus=2, batch=2, seq=4096), r"--seq 4096 exceeds the model's max_seq_len 512"),
         (Layout(gpus=2, batch=2, seq=64, ac="most"), r"unknown --ac 'most'; valid: none"),
+        (Layout(gpus=8, batch=2, seq=64, pp=0), r"--pp must be >= 1, got 0"),
+        (Layout(gpus=8, batch=2, seq=64, tp=-2), r"--tp must be >= 1, got -2"),
+        (Layout(gpus=2, batch=2, seq=64, microbatches=0), r"--microbatches must be >= 1, got 0"),
+        # The divisors of the batch below pp are not offered.
+        (
+            Layout(gpus=4, batch=2, seq=64, pp=4, microbatches=4),
+            r"--batch 2 is not divisible by --microbatches 4; use a --batch that is a multiple",
+        ),
+        (
+            Layout(gpus=4, batch=12, seq=64, pp=4, microbatches=8),
+            r"--microbatches 8; valid --microbatches: 4, 6, 12$",
+        ),
     ],
 )
 def test_bad_layouts_name_the_value_and_what_is_valid(layout, message) -> None:
@@ -369,11 +382,15 @@ def test_llama3_8b_traces_at_world_size_8() -> None:
 # ------------------------------------------------------------ CLI
 
 
-def test_cli_bad_inputs_give_one_line_errors(capsys) -> None:
+def test_cli_bad_inputs_give_one_line_errors(tmp_path, capsys) -> None:
+    not_an_object = tmp_path / "list.json"
+    not_an_object.write_text("[1, 2]")
     cases = [
         (["--hardware", "tpu"], "unknown hardware 'tpu'"),
         (["--gpus", "8", "--tp", "3", "--model", "llama3_debug"], "not divisible by tp*pp"),
         (["--model", "llama3_9b"], "unknown --model 'llama3_9b'"),
+        (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+        (["--config", str(not_an_object)], "must hold a JSON object of ModelArgs fields"),
     ]
     for argv, message in cases:
         assert plan_cli.main(argv) == 2
@@ -424,6 +441,29 @@ def test_sweep_ranks_by_throughput_and_says_why_losers_lose() -> None:
     table = plan_cli.format_sweep(preds).splitlines()
     assert len(table) == 4 and "best" in table[1]
     assert "out of memory" in table[3]
+
+
+def test_why_a_loser_loses_keeps_copies_apart_from_compute() -> None:
+    """Regathering in backward costs copies around the collectives, which are
+    part of compute but are not recomputation."""
+    layout = Layout(gpus=2, batch=2, seq=64, ac="none")
+
+    def pred(compute: float, copies: float, step: float):
+        time = {"compute": compute, "copies": copies, "exposed_comm": 0.0, "bubble": 0.0}
+        time["optimizer"] = 0.0
+        return types.SimpleNamespace(
+            fits=True, layout=layout, time=time, step_s=step, tokens_per_s_per_gpu=1 / step
+        )
+
+    best = pred(1.0, 0.1, 1.0)
+    assert plan_cli.why_loses(pred(1.2, 0.3, 1.2), best).startswith("copies around collectives")
+    assert plan_cli.why_loses(pred(1.3, 0.1, 1.3), best).startswith("recomputation / compute")
+
+
+def test_describe_names_gradient_accumulation_and_microbatches() -> None:
+    assert "accum2" in Layout(gpus=2, batch=2, seq=64, microbatches=2).describe()
+    assert "accum" not in Layout(gpus=2, batch=2, seq=64).describe()
+    assert "pp2 m4" in Layout(gpus=2, batch=4, seq=64, pp=2, microbatches=4).describe()
 
 
 def test_simplefsdp_plan_subcommand_prints_json(capsys) -> None:

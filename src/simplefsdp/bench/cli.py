@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -259,17 +260,33 @@ def launch_config(name: str, spec: BenchSpec, spec_path: Path, raw_dir: Path) ->
         try:
             rc = proc.wait(timeout=spec.timeout_s)
         except subprocess.TimeoutExpired:
-            # SIGTERM lets the elastic agent stop its workers; then force.
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
             return f"timed out after {spec.timeout_s:.0f} s (log: {log_path})"
+        except BaseException:  # Ctrl-C or SIGTERM: Note: [Stopping a bench]
+            _stop(proc)
+            raise
     if rc != 0:
         return f"exit code {rc}: {_failure_reason(log_path)[:300]} (log: {log_path})"
     return None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a configuration's launcher and its workers: SIGTERM lets the
+    elastic agent stop its workers; after 30 s, force."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (Note: [Stopping a bench])."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?[\w.]*(?:Error|Exception)\b.*:")
@@ -451,7 +468,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simplefsdp bench: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     args.out.mkdir(parents=True, exist_ok=True)
-    result = run_bench(configs, spec, args.out, loss_rtol=args.loss_rtol, rounds=args.rounds)
+    # Note: [Stopping a bench]
+    #     Ctrl-C reaches the whole foreground process group, but a signal sent
+    #     to this process alone (``kill``, ``timeout -s INT``) does not reach
+    #     torchrun's agent or its workers, which would train on, orphaned. On
+    #     SIGINT or SIGTERM the running configuration's agent gets SIGTERM (it
+    #     stops its workers), then SIGKILL after 30 s, and the command exits
+    #     with one line and 128 + the signal's number, writing no results.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        result = run_bench(configs, spec, args.out, loss_rtol=args.loss_rtol, rounds=args.rounds)
+    except (KeyboardInterrupt, _Terminated) as exc:
+        sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
+        print(
+            f"simplefsdp bench: stopped by {sig.name}; its workers were stopped and no "
+            f"results were written (logs in {args.out})",
+            file=sys.stderr,
+        )
+        return 128 + sig
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     table = format_table(result)
     print(table)
     (args.out / "bench.txt").write_text(table + "\n")

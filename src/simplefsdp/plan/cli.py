@@ -47,6 +47,11 @@ def model_args(model: str | None, config: str | None):
             data = json.loads(Path(config).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read --config {config!r}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"--config {config!r} must hold a JSON object of ModelArgs fields, "
+                f"got a {type(data).__name__}"
+            )
         base = data.pop("base", "8B")
         return get_config(MODEL_ALIASES.get(base, base), **data)
     name = MODEL_ALIASES.get(model or "llama3_8b", model or "8B")
@@ -62,7 +67,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Predict per-GPU peak memory, step time, tokens/s and MFU of a Llama 3 "
         "training job from its traced graphs, without GPUs.",
     )
-    p.add_argument("--model", default="llama3_8b", help="llama3_8b, llama3_70b, llama3_405b")
+    p.add_argument(
+        "--model",
+        default="llama3_8b",
+        help="llama3_8b (default), llama3_70b, llama3_405b, llama3_debug, llama3_small",
+    )
     p.add_argument("--config", help="JSON file of ModelArgs fields (optional key 'base')")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument(
@@ -73,7 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ac", default="selective", help="none, selective, full")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=None, help="default: pp")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="per step: 1F1B microbatches with --pp (default pp), else gradient "
+        "accumulation (default 1); --batch is split among them",
+    )
     p.add_argument("--engine", default="simplefsdp", help="simplefsdp (compiled) or fsdp2")
     p.add_argument("--dtype", default="bf16", help="bf16 (mixed precision, default) or fp32")
     p.add_argument("--bucketing", default="auto", help="auto, per_block, none")
@@ -108,7 +123,7 @@ def _layout(ns: argparse.Namespace):
         tp=ns.tp,
         pp=ns.pp,
         ac=ns.ac,
-        microbatches=ns.microbatches or max(ns.pp, 1),
+        microbatches=ns.microbatches if ns.microbatches is not None else max(ns.pp, 1),
         reshard_after_forward=not ns.no_reshard,
         bucketing=ns.bucketing,
         engine=ns.engine,
@@ -128,6 +143,8 @@ def format_prediction(pred) -> str:
     lines.append(f"  step time             {pred.step_s:8.3f} s")
     for name in ("compute", "exposed_comm", "bubble", "optimizer"):
         lines.append(f"    {name:<20}{pred.time[name]:8.3f} s")
+        if name == "compute" and pred.time["copies"]:
+            lines.append(f"      {'of which copies':<18}{pred.time['copies']:8.3f} s")
     lines += [
         f"    (all DP comm {pred.time['dp_comm_total']:.3f} s, TP comm "
         f"{pred.time['tp_comm_total']:.3f} s)",
@@ -150,7 +167,8 @@ def why_loses(pred, best) -> str:
     reasons = {
         "exposed communication": t["exposed_comm"] - b["exposed_comm"],
         "pipeline bubble": t["bubble"] - b["bubble"],
-        "recomputation / compute": t["compute"] - b["compute"],
+        "recomputation / compute": (t["compute"] - t["copies"]) - (b["compute"] - b["copies"]),
+        "copies around collectives": t["copies"] - b["copies"],
         "optimizer": t["optimizer"] - b["optimizer"],
     }
     name, extra = max(reasons.items(), key=lambda kv: kv[1])

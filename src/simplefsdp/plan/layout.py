@@ -42,6 +42,8 @@ class Layout:
             parts.append(f"tp{self.tp}")
         if self.pp > 1:
             parts.append(f"pp{self.pp} m{self.microbatches}")
+        elif self.microbatches > 1:  # gradient accumulation
+            parts.append(f"accum{self.microbatches}")
         parts += [
             f"ac={self.ac}",
             "per_block" if self.engine == "fsdp2" else self.bucketing,
@@ -66,7 +68,13 @@ def validate(args: ModelArgs, layout: Layout) -> None:
         raise ValueError(f"unknown --dtype {layout.dtype!r}; valid: {', '.join(DTYPES)}")
     if layout.ac not in AC_MODES:
         raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
-    for name, value in (("--batch", layout.batch), ("--seq", layout.seq)):
+    for name, value in (
+        ("--batch", layout.batch),
+        ("--seq", layout.seq),
+        ("--tp", layout.tp),
+        ("--pp", layout.pp),
+        ("--microbatches", layout.microbatches),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if layout.gpus % (layout.tp * layout.pp):
@@ -91,13 +99,20 @@ def validate(args: ModelArgs, layout: Layout) -> None:
         raise ValueError(
             f"--pp {layout.pp} exceeds n_layers={args.n_layers}; valid: 1..{args.n_layers}"
         )
-    if layout.batch % layout.microbatches:
-        raise ValueError(
-            f"--batch {layout.batch} is not divisible by --microbatches {layout.microbatches}; "
-            f"valid: {', '.join(map(str, _divisors(layout.batch)))}"
-        )
     if layout.pp > 1 and layout.microbatches < layout.pp:
         raise ValueError(
             f"--microbatches {layout.microbatches} is below --pp {layout.pp} "
             f"(1F1B needs at least one microbatch per stage)"
+        )
+    if layout.batch % layout.microbatches:
+        least = layout.pp if layout.pp > 1 else 1
+        valid = [d for d in _divisors(layout.batch) if d >= least]
+        fix = (
+            f"valid --microbatches: {', '.join(map(str, valid))}"
+            if valid
+            else f"use a --batch that is a multiple of {layout.microbatches}"
+        )
+        raise ValueError(
+            f"--batch {layout.batch} is not divisible by --microbatches "
+            f"{layout.microbatches}; {fix}"
         )

@@ -539,6 +539,8 @@ def predict(
     mfu = tps * flops_per_token(args, layout.seq) / hw.peak_bf16_flops
     time = {
         "compute": layout.microbatches * compute_s,
+        # Part of compute: the copies around the collectives (Note: [Plan model]).
+        "copies": layout.microbatches * copy_s,
         "exposed_comm": layout.microbatches * exposed_s,
         "bubble": bubble_s,
         "optimizer": optimizer_s,
