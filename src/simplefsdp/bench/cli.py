@@ -25,6 +25,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -475,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     #     SIGINT or SIGTERM the running configuration's agent gets SIGTERM (it
     #     stops its workers), then SIGKILL after 30 s, and the command exits
     #     with one line and 128 + the signal's number, writing no results.
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         result = run_bench(configs, spec, args.out, loss_rtol=args.loss_rtol, rounds=args.rounds)
     except (KeyboardInterrupt, _Terminated) as exc:
@@ -487,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 128 + sig
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     table = format_table(result)
     print(table)
     (args.out / "bench.txt").write_text(table + "\n")
