@@ -33,3 +33,29 @@ def losses(path: Path, key: str = "loss") -> dict[int, float]:
     restart) keeps the last. Event records (``run_started``, ...) are skipped."""
     records = map(json.loads, Path(path).read_text().splitlines())
     return {r["step"]: r[key] for r in records if "event" not in r and key in r}
+
+
+def parent_pids() -> dict[int, int]:
+    """Every process id and its parent's (Linux ``/proc``)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the command may hold ")": the fields follow the last one
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+    return parents
+
+
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid``."""
+    return [child for child, parent in parent_pids().items() if parent == pid]
+
+
+def descendants(pid: int) -> set[int]:
+    """Process ids below ``pid``, at any depth."""
+    parents = parent_pids()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found

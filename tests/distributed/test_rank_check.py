@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp
 from simplefsdp.compiler import CostModel
+from simplefsdp.frontend import rank_check
 from simplefsdp.testing import run_distributed
 
 DIM, EXPERTS = 8, 4
@@ -244,6 +245,17 @@ def _every_expert_body() -> None:
     references = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.detach().full_tensor(), references[name], msg=name)
+    # The experts share compiled graphs; each run records its own expert's
+    # parameters (rank_check.recorded), not those it was compiled for.
+    keys: list[str] = []
+    record = rank_check.record
+    rank_check.record = keys.append
+    try:
+        model(inputs[dist.get_rank()])
+    finally:
+        rank_check.record = record
+    for i in range(WIDE_EXPERTS):
+        assert any(f"experts.{i}.up.weight" in key for key in keys), (i, keys)
 
 
 def test_every_expert_on_every_rank_compiled_around_breaks_trains_as_one_process() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_runs import descendants
 from simplefsdp.bench import cli
 from simplefsdp.bench.configs import CONFIGS, TEST_CONFIGS, get_workload, resolve_configs
 from simplefsdp.bench.measure import phase_peaks
@@ -511,19 +512,6 @@ def test_rounds_end_to_end(tmp_path):
     assert "(round 2/2)" in stdout.getvalue()
 
 
-def _descendants(pid: int) -> set[int]:
-    """Process ids below ``pid`` (Linux ``/proc``)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier}
-        found |= frontier
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         return "zombie" not in Path(f"/proc/{pid}/status").read_text()
@@ -544,7 +532,7 @@ def test_a_signal_to_the_command_stops_its_workers(tmp_path, sig):
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
     deadline = time.monotonic() + 120
-    while len(below := _descendants(proc.pid)) < 3:  # the agent and 2 workers
+    while len(below := descendants(proc.pid)) < 3:  # the agent and 2 workers
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
     proc.send_signal(sig)

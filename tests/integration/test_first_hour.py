@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_runs import children
+
 SMALL = [
     "--data.max_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "2",
     "--metrics.log_interval", "1", "--metrics.val_interval", "0", "--compile.enable", "false",
@@ -156,19 +158,6 @@ def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
     assert f"steps          {step} -> {step + 1}" in resumed.stdout
 
 
-def _children(pid: int) -> list[int]:
-    """Process ids whose parent is ``pid`` (Linux ``/proc``)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
@@ -176,7 +165,7 @@ def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
     killer sends it) leaves workers in sessions of their own; they stop
     cleanly after the same step and save it, rather than train on."""
     proc = _training(tmp_path, stderr=subprocess.STDOUT)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 2, workers
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)

@@ -520,7 +520,8 @@ class SimpleFSDPBackend:
             compiled = _compile_inductor(gm, example_inputs, compilation)
         if self.record_graph_runs:  # Note: [Same gathers on every rank]
             fqns = ",".join(f for f in compilation.fqns if f)
-            return rank_check.recorded(compiled, fqns, self._fqn_by_id)
+            positions = [i for i, v in enumerate(example_inputs) if id(v) in self._fqn_by_id]
+            return rank_check.recorded(compiled, fqns, self._fqn_by_id, positions)
         return compiled
 
     def log_graph(self, report: GraphReport) -> None:

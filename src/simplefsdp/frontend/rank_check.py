@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -75,22 +75,37 @@ def record(key: str) -> None:
     _digest = (_digest * _MULTIPLIER + _token(key)) % _MODULUS
 
 
-def recorded(compiled: Callable, params: str, fqn_by_id: dict[int, str] | None = None) -> Callable:
+def recorded(
+    compiled: Callable,
+    params: str,
+    fqn_by_id: dict[int, str] | None = None,
+    positions: Sequence[int] = (),
+) -> Callable:
     """``compiled`` (a compiled graph over the parameters ``params``) that
     records each of its runs.
 
-    With ``fqn_by_id`` (parameter ``id`` -> FQN) a run records the
-    parameters it is called with: one graph serves every module of a class
-    whose parameters are graph inputs (Note: [One swapped class per original
+    With ``fqn_by_id`` (parameter ``id`` -> FQN) and the ``positions`` of
+    the graph's inputs that are parameters, a run records the parameters it
+    is called with: one graph serves every module of a class whose
+    parameters are graph inputs (Note: [One swapped class per original
     class]), so the parameters it was compiled for need not be the ones it
-    runs on. ``params`` is the key when no argument is a known parameter.
+    runs on. ``params`` is the key when none of them is a known parameter.
     """
     fallback = f"graph:{params}"
+    if not fqn_by_id or not positions:
+
+        @functools.wraps(compiled)
+        def run_fixed(*args: Any, **kwargs: Any) -> Any:
+            record(fallback)
+            return compiled(*args, **kwargs)
+
+        return run_fixed
 
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
-        names = [fqn_by_id[id(a)] for a in args if id(a) in fqn_by_id] if fqn_by_id else None
-        record("graph:" + ",".join(names) if names else fallback)
+        names = [fqn_by_id.get(id(args[i])) for i in positions if i < len(args)]
+        key = ",".join(n for n in names if n)
+        record(f"graph:{key}" if key else fallback)
         return compiled(*args, **kwargs)
 
     return run
