@@ -142,6 +142,28 @@ def test_fused_compute_time_by_hand() -> None:
     assert fused["flops"] == unfused["flops"] == 2 * 8 * 16 * 32
 
 
+def test_a_matmuls_new_output_pays_its_first_touch() -> None:
+    def f(x, w):
+        return (x @ w).relu()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 32))
+    mm, relu = (n for n in gm.graph.nodes if n.op == "call_function")
+    touched = CostModel(flops_per_s=1e9, bytes_per_s=1e15, kernel_overhead_s=0.0)
+    fresh = dataclasses.replace(touched, alloc_s_per_byte=1e-9)
+    out_bytes = 8 * 32 * 4
+    assert touched.node_time(mm) == pytest.approx(2 * 8 * 16 * 32 / 1e9)
+    assert fresh.node_time(mm) == pytest.approx(2 * 8 * 16 * 32 / 1e9 + out_bytes * 1e-9)
+    # elementwise ops: the measured bandwidth already includes their outputs
+    assert fresh.node_time(relu) == touched.node_time(relu)
+    from simplefsdp.plan.predict import cost_model_for
+
+    profile = dataclasses.replace(FIXED, alloc_s_per_byte=7e-10)
+    assert cost_model_for(profile, Layout(gpus=2, batch=2, seq=64)).alloc_s_per_byte == 7e-10
+    legacy = touched.to_dict()
+    del legacy["alloc_s_per_byte"]  # a cost-model cache written before it existed
+    assert CostModel.from_dict(legacy).alloc_s_per_byte == 0.0
+
+
 def test_attention_at_its_share_of_the_matmul_rate() -> None:
     import torch.nn.functional as F
 
@@ -225,18 +247,21 @@ def test_calibration_profile_carries_the_attention_share() -> None:
         "overlap": 0.2,
         "copy_bytes_per_byte": 2.6,
         "adamw_s_per_param": 8e-9,
+        "alloc_s_per_byte": 6e-10,
     }
     profile = profile_from(raw, "t", "cpu")
     assert profile.attention_efficiency == pytest.approx(0.4)
     assert profile.copy_bytes_per_byte == 2.6
     assert profile.adamw_s_per_param == 8e-9
+    assert profile.alloc_s_per_byte == 6e-10
     assert profile.intra_latency_s == pytest.approx(2e-4)
     assert profile.intra_bandwidth == pytest.approx(0.5 / 2e-9)
     del raw["attention_flops"], raw["copy_bytes_per_byte"]  # an older calibration
-    del raw["adamw_s_per_param"]
+    del raw["adamw_s_per_param"], raw["alloc_s_per_byte"]
     old = profile_from(raw, "t", "cpu")
     assert (old.attention_efficiency, old.copy_bytes_per_byte) == (1.0, 2.0)
     assert old.adamw_s_per_param == 0.0  # the step from the memory bandwidth
+    assert old.alloc_s_per_byte == 0.0  # matmuls at the one measured rate
 
 
 def _key(n_layers: int, dp: int = 2, ac: str = "selective", **kw) -> TraceKey:

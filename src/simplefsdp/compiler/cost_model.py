@@ -93,6 +93,11 @@ class CostModel:
             compute, 0-1 (Note: [Communication competing with compute]).
         attention_efficiency: fused attention's rate as a fraction of
             ``flops_per_s`` (``simplefsdp plan``'s profiles; 1 otherwise).
+        alloc_s_per_byte: what a matmul's output costs per byte on top of
+            ``flops_per_s`` because it is a new buffer whose pages fault in
+            when first written (CPU with fresh mappings; 0 where the
+            allocator hands out memory already touched, as on GPUs).
+            ``flops_per_s`` is then the rate into a touched buffer.
     """
 
     comm: dict[str, LinearFit] = field(default_factory=dict)
@@ -102,6 +107,7 @@ class CostModel:
     kernel_overhead_s: float = 2e-6
     comm_overlap: float = 1.0
     attention_efficiency: float = 1.0
+    alloc_s_per_byte: float = 0.0
 
     def comm_time(
         self, kind: str, group_size: int, num_bytes: int, role: str | None = None
@@ -138,10 +144,14 @@ class CostModel:
             return 0.0
         flops = node_flops(node)
         rate = self.flops_per_s
+        fresh_s = 0.0
         if "scaled_dot_product" in str(node.target):
+            # Its measured rate (attention_efficiency) includes its buffers.
             rate *= self.attention_efficiency
+        elif flops:
+            fresh_s = node_bytes(node) * self.alloc_s_per_byte
         moved = node_bytes(node) + sum(node_bytes(i) for i in node.all_input_nodes)
-        return max(flops / rate, moved / self.bytes_per_s) + self.kernel_overhead_s
+        return max(flops / rate, moved / self.bytes_per_s) + fresh_s + self.kernel_overhead_s
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -157,6 +167,7 @@ class CostModel:
             kernel_overhead_s=data["kernel_overhead_s"],
             comm_overlap=data.get("comm_overlap", 1.0),
             attention_efficiency=data.get("attention_efficiency", 1.0),
+            alloc_s_per_byte=data.get("alloc_s_per_byte", 0.0),
         )
 
 

@@ -6,7 +6,8 @@ measure, at the same time as in training:
 * the collectives: a least-squares ``latency + bytes * seconds_per_byte`` fit
   over 1-64 MiB buffers (training-sized; the compiler's own calibration stops
   at 4 MiB), turned into the profile's ring bus bandwidth and latency;
-* compute: a square fp32 matmul (FLOP/s) and a large add (bytes/s), so
+* compute: a square fp32 matmul (FLOP/s into a touched buffer, and what a
+  new output buffer adds per byte) and a large add (bytes/s), so
   efficiencies are 1, and fused attention forward and backward, whose rate
   relative to the matmul's is the profile's ``attention_efficiency``;
 * the fixed cost of one small op (dispatch and launch);
@@ -64,19 +65,43 @@ def _comm_fits(group, device) -> dict:
     )
 
 
-def _compute_rates(device, sync) -> tuple[float, float, float]:
-    """Matmul FLOP/s, elementwise bytes/s (an add: two inputs and the
-    output), and a copy's cost in bytes moved at that rate per byte written."""
+def _compute_rates(device, sync) -> dict:
+    """Matmul FLOP/s into a touched buffer, a matmul's extra cost per byte
+    of output when the output is a new buffer, elementwise bytes/s (an add:
+    two inputs and the output), and a copy's cost in bytes moved at that
+    rate per byte written.
+
+    Why the matmul twice: with every tensor above 64 KiB a fresh mapping
+    (the bench's lowered mmap threshold), a matmul's output pages fault in
+    as it writes them, which costs per byte of output, not per FLOP. On the
+    2-core development machine a (128 x 256) @ (256 x 768) matmul ran at 51
+    GFLOP/s into a new buffer and 77 into a touched one; 1024^3 at 58 and
+    67. One rate fitted on the large matmul predicted the small model's
+    matmuls 1.3-1.5x fast (docs/scale.md, stop 28). A new buffer's first
+    touch cost 0.5-1.3 ns per byte there, about the same for a matmul's
+    output, an add's and a fill's.
+    """
     import torch
 
     n = 1024 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device)
-    mm_s = _median_time(lambda: (torch.mm(a, a), sync()), repeats=5)
+    out = torch.empty(n, n, device=device)
+    mm_into_s = _median_time(lambda: (torch.mm(a, a, out=out), sync()), repeats=5)
     x = torch.randn(16 << 20, device=device)
     add_s = _median_time(lambda: (torch.add(x, x), sync()), repeats=5)
     copy_s = _median_time(lambda: (x.clone(), sync()), repeats=5)
     bytes_per_s = 3 * x.numel() * 4 / add_s
-    return 2.0 * n**3 / mm_s, bytes_per_s, copy_s * bytes_per_s / (x.numel() * 4)
+    # The first-touch cost, measured where it is most of the time (a fill):
+    # the difference of the matmul's two timings is within their noise.
+    y = torch.empty(4 << 20, device=device)
+    fill_new_s = _median_time(lambda: (torch.empty_like(y).fill_(1.0), sync()), repeats=9)
+    fill_into_s = _median_time(lambda: (y.fill_(1.0), sync()), repeats=9)
+    return {
+        "flops": 2.0 * n**3 / mm_into_s,
+        "alloc_s_per_byte": max(fill_new_s - fill_into_s, 0.0) / (y.numel() * 4),
+        "bytes_per_s": bytes_per_s,
+        "copy_bytes_per_byte": copy_s * bytes_per_s / (x.numel() * 4),
+    }
 
 
 # (batch, heads, sequence, head dim) of the attention timing: a small
@@ -160,7 +185,7 @@ def _measure_once(device, sync) -> dict:
     from simplefsdp.compiler.cost_model import measure_comm_overlap
 
     fits = _comm_fits(dist.group.WORLD, device)
-    flops, bytes_per_s, copy_factor = _compute_rates(device, sync)
+    rates = _compute_rates(device, sync)
     attention_flops = _attention_rate(device, sync)
     adamw_s = _adamw_rate(device, sync)
     # Per-op framework cost: a tiny autograd chain (4 ops forward, 4 backward).
@@ -174,11 +199,9 @@ def _measure_once(device, sync) -> dict:
     overlap = measure_comm_overlap(dist.group.WORLD, device, timer=_median_time)
     return {
         "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
-        "flops": flops,
+        **rates,
         "attention_flops": attention_flops,
-        "copy_bytes_per_byte": copy_factor,
         "adamw_s_per_param": adamw_s,
-        "bytes_per_s": bytes_per_s,
         "op_s": op_s,
         "overlap": overlap,
     }
@@ -267,6 +290,7 @@ def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
         attention_efficiency=min(raw.get("attention_flops", raw["flops"]) / raw["flops"], 1.0),
         copy_bytes_per_byte=raw.get("copy_bytes_per_byte", 2.0),
         adamw_s_per_param=raw.get("adamw_s_per_param", 0.0),
+        alloc_s_per_byte=raw.get("alloc_s_per_byte", 0.0),
         source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
     )
 

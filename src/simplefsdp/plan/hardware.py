@@ -62,6 +62,12 @@ class HardwareProfile:
             fp32 state) per parameter, measured by ``--calibrate``; 0 (the
             built-in GPU profiles) derives it from the memory bandwidth at
             28 bytes moved per parameter.
+        alloc_s_per_byte: what a matmul's output costs per byte beyond the
+            matmul rate because it is a new buffer whose pages fault in
+            (measured by ``--calibrate`` as a matmul into a new buffer
+            against one into a touched buffer); 0 on GPUs, whose caching
+            allocator reuses touched memory. With it, the FLOP/s fields
+            are the rate into a touched buffer.
     """
 
     name: str
@@ -84,6 +90,7 @@ class HardwareProfile:
     attention_efficiency: float = 1.0
     copy_bytes_per_byte: float = 2.0
     adamw_s_per_param: float = 0.0
+    alloc_s_per_byte: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -34,7 +34,9 @@ Note: [Plan model]
     The peak is the sum; the breakdown adds up to it.
 
     Step time: compute per node from the hardware profile (``CostModel``:
-    matmul FLOPs at the achievable rate, fused attention at its share of it
+    matmul FLOPs at the achievable rate plus the first touch of their new
+    output buffer (``alloc_s_per_byte``; CPU profiles measured by
+    ``--calibrate``), fused attention at its share of the matmul rate
     (``attention_efficiency``), other ops by the bytes they move at the
     achievable HBM bandwidth, plus a per-kernel overhead), and the copies
     around the collectives, which the traced graph (one all-gather per
@@ -290,6 +292,7 @@ def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 
         kernel_overhead_s=hw.kernel_overhead_s,
         comm_overlap=hw.comm_overlap,
         attention_efficiency=hw.attention_efficiency,
+        alloc_s_per_byte=hw.alloc_s_per_byte,
     )
 
 
