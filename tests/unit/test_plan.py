@@ -248,20 +248,23 @@ def test_calibration_profile_carries_the_attention_share() -> None:
         "copy_bytes_per_byte": 2.6,
         "adamw_s_per_param": 8e-9,
         "alloc_s_per_byte": 6e-10,
+        "fsdp2_group_s": 2e-3,
     }
     profile = profile_from(raw, "t", "cpu")
     assert profile.attention_efficiency == pytest.approx(0.4)
     assert profile.copy_bytes_per_byte == 2.6
     assert profile.adamw_s_per_param == 8e-9
     assert profile.alloc_s_per_byte == 6e-10
+    assert profile.fsdp2_group_s == 2e-3
     assert profile.intra_latency_s == pytest.approx(2e-4)
     assert profile.intra_bandwidth == pytest.approx(0.5 / 2e-9)
     del raw["attention_flops"], raw["copy_bytes_per_byte"]  # an older calibration
-    del raw["adamw_s_per_param"], raw["alloc_s_per_byte"]
+    del raw["adamw_s_per_param"], raw["alloc_s_per_byte"], raw["fsdp2_group_s"]
     old = profile_from(raw, "t", "cpu")
     assert (old.attention_efficiency, old.copy_bytes_per_byte) == (1.0, 2.0)
     assert old.adamw_s_per_param == 0.0  # the step from the memory bandwidth
     assert old.alloc_s_per_byte == 0.0  # matmuls at the one measured rate
+    assert old.fsdp2_group_s == 0.0
 
 
 def _key(n_layers: int, dp: int = 2, ac: str = "selective", **kw) -> TraceKey:
@@ -316,6 +319,21 @@ def test_a_measured_adamw_rate_replaces_the_bandwidth_estimate() -> None:
     assert measured.step_s - base.step_s == pytest.approx(
         measured.time["optimizer"] - base.time["optimizer"]
     )
+
+
+def test_eager_fsdp2_pays_its_hooks_per_group_and_the_compiled_engine_does_not() -> None:
+    args = _debug()  # 4 blocks: FSDP2 has 5 groups (the blocks and the root)
+    hooked = dataclasses.replace(FIXED, fsdp2_group_s=1e-3)
+    for gpus in (1, 2):
+        layout = Layout(gpus=gpus, batch=2, seq=64, engine="fsdp2")
+        base, pred = predict(args, layout, FIXED), predict(args, layout, hooked)
+        assert base.time["hooks"] == 0
+        assert pred.time["hooks"] == pytest.approx(5e-3)
+        assert pred.time["compute"] - base.time["compute"] == pytest.approx(5e-3)
+        assert pred.step_s - base.step_s == pytest.approx(5e-3)
+    compiled = Layout(gpus=2, batch=2, seq=64, engine="simplefsdp")
+    assert predict(args, compiled, hooked).time["hooks"] == 0
+    assert predict(args, compiled, hooked).step_s == predict(args, compiled, FIXED).step_s
 
 
 def test_full_ac_recomputes_and_saves_less() -> None:
@@ -469,13 +487,13 @@ def test_sweep_ranks_by_throughput_and_says_why_losers_lose() -> None:
 
 
 def test_why_a_loser_loses_keeps_copies_apart_from_compute() -> None:
-    """Regathering in backward costs copies around the collectives, which are
-    part of compute but are not recomputation."""
+    """Regathering in backward costs copies around the collectives, and eager
+    FSDP2 its hooks, which are part of compute but are not recomputation."""
     layout = Layout(gpus=2, batch=2, seq=64, ac="none")
 
-    def pred(compute: float, copies: float, step: float):
+    def pred(compute: float, copies: float, step: float, hooks: float = 0.0):
         time = {"compute": compute, "copies": copies, "exposed_comm": 0.0, "bubble": 0.0}
-        time["optimizer"] = 0.0
+        time |= {"optimizer": 0.0, "hooks": hooks}
         return types.SimpleNamespace(
             fits=True, layout=layout, time=time, step_s=step, tokens_per_s_per_gpu=1 / step
         )
@@ -483,6 +501,8 @@ def test_why_a_loser_loses_keeps_copies_apart_from_compute() -> None:
     best = pred(1.0, 0.1, 1.0)
     assert plan_cli.why_loses(pred(1.2, 0.3, 1.2), best).startswith("copies around collectives")
     assert plan_cli.why_loses(pred(1.3, 0.1, 1.3), best).startswith("recomputation / compute")
+    hooks = plan_cli.why_loses(pred(1.3, 0.1, 1.3, hooks=0.3), best)
+    assert hooks.startswith("eager FSDP2's hooks")
 
 
 def test_describe_names_gradient_accumulation_and_microbatches() -> None:

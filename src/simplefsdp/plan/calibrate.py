@@ -12,6 +12,7 @@ measure, at the same time as in training:
   relative to the matmul's is the profile's ``attention_efficiency``;
 * the fixed cost of one small op (dispatch and launch);
 * a foreach AdamW step (seconds per parameter);
+* what one eager FSDP2 group costs per step beyond its compute (its hooks);
 * how much a collective slows down while a matmul runs (``comm_overlap``:
   1 when they run fully in parallel, 0 when they take turns).
 
@@ -148,6 +149,62 @@ def _adamw_rate(device, sync) -> float:
     return _median_time(lambda: (optimizer.step(), sync()), repeats=5) / (count * numel)
 
 
+# The FSDP2 timing's blocks, parameters per block (a Llama block's: seven
+# matrices and two norms) and their width: small enough that compute,
+# copies and collectives are next to nothing beside the hooks.
+FSDP2_BLOCKS, FSDP2_PARAMS, FSDP2_WIDTH = 8, 9, 16
+
+
+def fsdp2_group_seconds(own_group, device, sync, timer=None) -> float:
+    """Seconds per step that one eager FSDP2 group costs beyond its model's
+    compute: its hooks (pre/post forward and backward), autograd's
+    bookkeeping around them and its tiny copies, on a one-rank mesh
+    (``own_group``: this rank alone), so no communication is in it.
+
+    Measured as (forward+backward of ``FSDP2_BLOCKS`` tiny blocks of
+    ``FSDP2_PARAMS`` linear layers, each block its own ``fully_shard``
+    group, and the root) minus (the same model unsharded), per group: the
+    hooks do per-parameter work too, so the blocks hold as many
+    parameters as a Llama block. On the 2-core development machine eager
+    FSDP2's comm-workload step spent about 5 ms per group in its hooks and
+    autograd's engine (docs/scale.md, stop 28), which the per-op cost does
+    not cover.
+    """
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    timer = timer or (lambda run: _median_time(run, repeats=15))
+
+    def model():
+        torch.manual_seed(0)
+        blocks = [
+            nn.Sequential(
+                *(nn.Linear(FSDP2_WIDTH, FSDP2_WIDTH, bias=False) for _ in range(FSDP2_PARAMS))
+            )
+            for _ in range(FSDP2_BLOCKS)
+        ]
+        return nn.Sequential(*blocks).to(device)
+
+    x = torch.randn(4, FSDP2_WIDTH, device=device)
+    plain, sharded = model(), model()
+    mesh = DeviceMesh.from_group(own_group, device.type)
+    for block in sharded:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+
+    def step(m):
+        def run():
+            m(x).sum().backward()
+            sync()
+
+        return run
+
+    plain_s, sharded_s = timer(step(plain)), timer(step(sharded))
+    return max(sharded_s - plain_s, 0.0) / (FSDP2_BLOCKS + 1)
+
+
 def _worker(rank: int, port: int, out: str, device_type: str, num_rounds: int = 1) -> None:
     import torch
     import torch.distributed as dist
@@ -169,16 +226,19 @@ def _worker(rank: int, port: int, out: str, device_type: str, num_rounds: int = 
         if device_type == "cuda":
             torch.cuda.synchronize(device)
 
+    # One-rank groups for the FSDP2 timing (every rank creates every group).
+    own = [dist.new_group([r]) for r in range(WORLD)][rank]
     try:
-        rounds = [_measure_once(device, sync) for _ in range(num_rounds)]
+        rounds = [_measure_once(device, sync, own) for _ in range(num_rounds)]
         if rank == 0:
             Path(out).write_text(json.dumps({**median_raw(rounds), "rounds": rounds}))
     finally:
         dist.destroy_process_group()
 
 
-def _measure_once(device, sync) -> dict:
-    """One round of every measurement (collective on the group)."""
+def _measure_once(device, sync, own_group=None) -> dict:
+    """One round of every measurement (collective on the group; the FSDP2
+    group cost on ``own_group``, this rank alone, when given)."""
     import torch
     import torch.distributed as dist
 
@@ -197,7 +257,9 @@ def _measure_once(device, sync) -> dict:
 
     op_s = _median_time(chain, repeats=200) / 8
     overlap = measure_comm_overlap(dist.group.WORLD, device, timer=_median_time)
+    group_s = fsdp2_group_seconds(own_group, device, sync) if own_group is not None else 0.0
     return {
+        "fsdp2_group_s": group_s,
         "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
         **rates,
         "attention_flops": attention_flops,
@@ -291,6 +353,7 @@ def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
         copy_bytes_per_byte=raw.get("copy_bytes_per_byte", 2.0),
         adamw_s_per_param=raw.get("adamw_s_per_param", 0.0),
         alloc_s_per_byte=raw.get("alloc_s_per_byte", 0.0),
+        fsdp2_group_s=raw.get("fsdp2_group_s", 0.0),
         source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
     )
 

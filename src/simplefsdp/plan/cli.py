@@ -145,6 +145,8 @@ def format_prediction(pred) -> str:
         lines.append(f"    {name:<20}{pred.time[name]:8.3f} s")
         if name == "compute" and pred.time["copies"]:
             lines.append(f"      {'of which copies':<18}{pred.time['copies']:8.3f} s")
+        if name == "compute" and pred.time["hooks"]:
+            lines.append(f"      {'of which hooks':<18}{pred.time['hooks']:8.3f} s")
     lines += [
         f"    (all DP comm {pred.time['dp_comm_total']:.3f} s, TP comm "
         f"{pred.time['tp_comm_total']:.3f} s)",
@@ -167,8 +169,10 @@ def why_loses(pred, best) -> str:
     reasons = {
         "exposed communication": t["exposed_comm"] - b["exposed_comm"],
         "pipeline bubble": t["bubble"] - b["bubble"],
-        "recomputation / compute": (t["compute"] - t["copies"]) - (b["compute"] - b["copies"]),
+        "recomputation / compute": (t["compute"] - t["copies"] - t["hooks"])
+        - (b["compute"] - b["copies"] - b["hooks"]),
         "copies around collectives": t["copies"] - b["copies"],
+        "eager FSDP2's hooks": t["hooks"] - b["hooks"],
         "optimizer": t["optimizer"] - b["optimizer"],
     }
     name, extra = max(reasons.items(), key=lambda kv: kv[1])

@@ -68,6 +68,11 @@ class HardwareProfile:
             against one into a touched buffer); 0 on GPUs, whose caching
             allocator reuses touched memory. With it, the FLOP/s fields
             are the rate into a touched buffer.
+        fsdp2_group_s: seconds per step that one eager FSDP2 group
+            (``fully_shard`` unit) costs on the host beyond its ops: its
+            hooks and autograd's bookkeeping (measured by ``--calibrate``;
+            0 in the built-in GPU profiles, where the host runs ahead of
+            the GPU and this is hidden unless the step is host bound).
     """
 
     name: str
@@ -91,6 +96,7 @@ class HardwareProfile:
     copy_bytes_per_byte: float = 2.0
     adamw_s_per_param: float = 0.0
     alloc_s_per_byte: float = 0.0
+    fsdp2_group_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

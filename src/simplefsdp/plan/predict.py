@@ -43,7 +43,9 @@ Note: [Plan model]
     parameter) does not hold but both engines run on the compute stream:
     per all-gather the shards copied in and the gathered bucket copied out
     to the parameters, per reduce-scatter the gradients copied in
-    (``copy_seconds``). For the
+    (``copy_seconds``), and for the eager engine (FSDP2) each group's hooks
+    (one group per block and the root, ``fsdp2_group_s`` of the profile,
+    measured by ``--calibrate``; 0 on the built-in GPU profiles). For the
     compiled engine (simplefsdp) chains of non-matmul ops count as one fused
     kernel each, moving only the tensors that enter and leave the chain (what
     Inductor generates); for the eager engine (FSDP2) each op is a kernel.
@@ -509,10 +511,13 @@ def predict(
         copy_s = copy_seconds(
             buckets, cost_model, layout.reshard_after_forward, hw.copy_bytes_per_byte, kept
         )
+    # Eager FSDP2's hooks, per group: one per block and the root (Note:
+    # [Plan model]). Host time on the compute stream, at any world size.
+    hooks_s = (stage_blocks + 1) * hw.fsdp2_group_s if layout.engine == "fsdp2" else 0.0
     # The replay counts communication competing with compute for the CPU
     # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
-    mb_s = max(pipe_s, compute_s) + copy_s
-    compute_s += copy_s
+    mb_s = max(pipe_s, compute_s) + copy_s + hooks_s
+    compute_s += copy_s + hooks_s
     exposed_s = mb_s - compute_s
     slots = layout.microbatches + (layout.pp - 1 if layout.pp > 1 else 0)
     bubble_s = (layout.pp - 1) * mb_s if layout.pp > 1 else 0.0
@@ -544,6 +549,8 @@ def predict(
         "compute": layout.microbatches * compute_s,
         # Part of compute: the copies around the collectives (Note: [Plan model]).
         "copies": layout.microbatches * copy_s,
+        # Part of compute: eager FSDP2's hooks (Note: [Plan model]).
+        "hooks": layout.microbatches * hooks_s,
         "exposed_comm": layout.microbatches * exposed_s,
         "bubble": bubble_s,
         "optimizer": optimizer_s,
