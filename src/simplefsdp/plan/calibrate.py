@@ -72,12 +72,12 @@ def _compute_rates(device, sync) -> dict:
     two inputs and the output), and a copy's cost in bytes moved at that
     rate per byte written.
 
-    Why the matmul twice: with every tensor above 64 KiB a fresh mapping
-    (the bench's lowered mmap threshold), a matmul's output pages fault in
-    as it writes them, which costs per byte of output, not per FLOP. On the
-    2-core development machine a (128 x 256) @ (256 x 768) matmul ran at 51
-    GFLOP/s into a new buffer and 77 into a touched one; 1024^3 at 58 and
-    67. One rate fitted on the large matmul predicted the small model's
+    Why the matmul into a touched buffer: with every tensor above 64 KiB a
+    fresh mapping (the bench's lowered mmap threshold), a matmul's output
+    pages fault in as it writes them, which costs per byte of output, not
+    per FLOP. On the 2-core development machine a (128 x 256) @ (256 x 768)
+    matmul ran at 51 GFLOP/s into a new buffer and 77 into a touched one;
+    1024^3 at 58 and 67. One rate fitted on the large matmul predicted the small model's
     matmuls 1.3-1.5x fast (docs/scale.md, stop 28). A new buffer's first
     touch cost 0.5-1.3 ns per byte there, about the same for a matmul's
     output, an add's and a fill's.
@@ -165,10 +165,9 @@ def fsdp2_group_seconds(own_group, device, sync, timer=None) -> float:
     ``FSDP2_PARAMS`` linear layers, each block its own ``fully_shard``
     group, and the root) minus (the same model unsharded), per group: the
     hooks do per-parameter work too, so the blocks hold as many
-    parameters as a Llama block. On the 2-core development machine eager
-    FSDP2's comm-workload step spent about 5 ms per group in its hooks and
-    autograd's engine (docs/scale.md, stop 28), which the per-op cost does
-    not cover.
+    parameters as a Llama block. On the 2-core development machine this
+    measured 0.9-2.2 ms per group, which the per-op cost does not cover
+    (docs/scale.md, stop 28).
     """
     import torch
     import torch.nn as nn

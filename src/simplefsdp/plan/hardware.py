@@ -64,8 +64,8 @@ class HardwareProfile:
             28 bytes moved per parameter.
         alloc_s_per_byte: what a matmul's output costs per byte beyond the
             matmul rate because it is a new buffer whose pages fault in
-            (measured by ``--calibrate`` as a matmul into a new buffer
-            against one into a touched buffer); 0 on GPUs, whose caching
+            (measured by ``--calibrate`` as a fill of a new buffer against
+            one of a touched buffer); 0 on GPUs, whose caching
             allocator reuses touched memory. With it, the FLOP/s fields
             are the rate into a touched buffer.
         fsdp2_group_s: seconds per step that one eager FSDP2 group
