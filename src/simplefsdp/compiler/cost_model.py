@@ -144,13 +144,14 @@ class CostModel:
             return 0.0
         flops = node_flops(node)
         rate = self.flops_per_s
+        out_bytes = node_bytes(node)
         fresh_s = 0.0
         if "scaled_dot_product" in str(node.target):
             # Its measured rate (attention_efficiency) includes its buffers.
             rate *= self.attention_efficiency
         elif flops:
-            fresh_s = node_bytes(node) * self.alloc_s_per_byte
-        moved = node_bytes(node) + sum(node_bytes(i) for i in node.all_input_nodes)
+            fresh_s = out_bytes * self.alloc_s_per_byte
+        moved = out_bytes + sum(node_bytes(i) for i in node.all_input_nodes)
         return max(flops / rate, moved / self.bytes_per_s) + fresh_s + self.kernel_overhead_s
 
     def to_dict(self) -> dict:

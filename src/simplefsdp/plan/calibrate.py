@@ -258,11 +258,11 @@ def _measure_once(device, sync, own_group=None) -> dict:
     overlap = measure_comm_overlap(dist.group.WORLD, device, timer=_median_time)
     group_s = fsdp2_group_seconds(own_group, device, sync) if own_group is not None else 0.0
     return {
-        "fsdp2_group_s": group_s,
         "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
         **rates,
         "attention_flops": attention_flops,
         "adamw_s_per_param": adamw_s,
+        "fsdp2_group_s": group_s,
         "op_s": op_s,
         "overlap": overlap,
     }
