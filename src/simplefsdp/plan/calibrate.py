@@ -12,7 +12,8 @@ measure, at the same time as in training:
   relative to the matmul's is the profile's ``attention_efficiency``;
 * the fixed cost of one small op (dispatch and launch);
 * a foreach AdamW step (seconds per parameter);
-* what one eager FSDP2 group costs per step beyond its compute (its hooks);
+* what one eager FSDP2 group costs per step beyond its compute (its hooks),
+  and what FSDP2's copies cost per byte beyond its collectives;
 * how much a collective slows down while a matmul runs (``comm_overlap``:
   1 when they run fully in parallel, 0 when they take turns).
 
@@ -169,26 +170,89 @@ def fsdp2_group_seconds(own_group, device, sync, timer=None) -> float:
     measured 0.9-2.2 ms per group, which the per-op cost does not cover
     (docs/scale.md, stop 28).
     """
+    timer = timer or (lambda run: _median_time(run, repeats=15))
+    plain_s, sharded_s = _fsdp2_step_times(own_group, device, sync, FSDP2_WIDTH, timer)
+    return max(sharded_s - plain_s, 0.0) / (FSDP2_BLOCKS + 1)
+
+
+# The FSDP2 copy timing: the same blocks at this width (a 256 KiB fp32
+# matrix each), so that what FSDP2 does per byte stands out of its hooks.
+FSDP2_WIDE = 256
+
+
+def fsdp2_copy_written_bytes(width: int, world_size: int) -> float:
+    """Bytes the plan model's copies write per step for the FSDP2 timing's
+    model at ``width`` (``copy_seconds``' count, resharding after forward):
+    per block two all-gathers, each the shards in and the block out, and one
+    reduce-scatter's gradients in."""
+    block = FSDP2_PARAMS * width * width * 4
+    return FSDP2_BLOCKS * (2 * (block + block / world_size) + block)
+
+
+def fsdp2_copy_seconds_per_byte(group, device, sync, timer=None) -> float:
+    """Seconds eager FSDP2 spends per byte its copies write (the plan
+    model's count, ``fsdp2_copy_written_bytes``), on ``group``, beyond the
+    model's compute, its hooks and its collectives.
+
+    Measured with the model of ``fsdp2_group_seconds`` at two widths,
+    ``FSDP2_WIDTH`` and ``FSDP2_WIDE``, each a training step (forward,
+    backward, gradients dropped) sharded by ``fully_shard`` over ``group``
+    against the same model unsharded; from each difference the time of its
+    collectives alone is taken (two flat all-gathers and one flat
+    reduce-scatter per block, fp32, as FSDP2 issues them); what grows from
+    the narrow model to the wide one is per byte. The hooks cost the same at
+    both widths and cancel. On the 2-core development machine FSDP2's copies
+    took 1.8x what the elementwise rate gives the same bytes, and it copies
+    on one rank too (docs/scale.md, stop 28).
+    """
     import torch
+    import torch.distributed as dist
+
+    timer = timer or (lambda run: _median_time(run, repeats=9))
+    world_size = dist.get_world_size(group)
+
+    def extra_s(width: int) -> float:
+        plain_s, sharded_s = _fsdp2_step_times(group, device, sync, width, timer)
+        block = FSDP2_PARAMS * width * width // world_size
+        shard = torch.ones(block, device=device)
+        full = torch.empty(block * world_size, device=device)
+        grads = torch.ones(block * world_size, device=device)
+        out = torch.empty(block, device=device)
+
+        def collectives():
+            for _ in range(FSDP2_BLOCKS):
+                for _ in range(2):
+                    dist.all_gather_into_tensor(full, shard, group=group)
+                dist.reduce_scatter_tensor(out, grads, group=group)
+            sync()
+
+        return sharded_s - plain_s - timer(collectives)
+
+    grown = fsdp2_copy_written_bytes(FSDP2_WIDE, world_size)
+    grown -= fsdp2_copy_written_bytes(FSDP2_WIDTH, world_size)
+    return max(extra_s(FSDP2_WIDE) - extra_s(FSDP2_WIDTH), 0.0) / grown
+
+
+def _fsdp2_step_times(group, device, sync, width, timer) -> tuple[float, float]:
+    """(unsharded, FSDP2) seconds of a training step of the FSDP2 timing's
+    model at ``width``, its gradients dropped after each."""
+    import torch
+    import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    timer = timer or (lambda run: _median_time(run, repeats=15))
-
     def model():
         torch.manual_seed(0)
         blocks = [
-            nn.Sequential(
-                *(nn.Linear(FSDP2_WIDTH, FSDP2_WIDTH, bias=False) for _ in range(FSDP2_PARAMS))
-            )
+            nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(FSDP2_PARAMS)))
             for _ in range(FSDP2_BLOCKS)
         ]
         return nn.Sequential(*blocks).to(device)
 
-    x = torch.randn(4, FSDP2_WIDTH, device=device)
+    x = torch.randn(4, width, device=device)
     plain, sharded = model(), model()
-    mesh = DeviceMesh.from_group(own_group, device.type)
+    mesh = DeviceMesh.from_group(group, device.type)
     for block in sharded:
         fully_shard(block, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
@@ -196,12 +260,16 @@ def fsdp2_group_seconds(own_group, device, sync, timer=None) -> float:
     def step(m):
         def run():
             m(x).sum().backward()
+            m.zero_grad(set_to_none=True)
             sync()
 
         return run
 
-    plain_s, sharded_s = timer(step(plain)), timer(step(sharded))
-    return max(sharded_s - plain_s, 0.0) / (FSDP2_BLOCKS + 1)
+    def timed(m) -> float:
+        dist.barrier()  # every rank times the same model at the same time
+        return timer(step(m))
+
+    return timed(plain), timed(sharded)
 
 
 def _worker(rank: int, port: int, out: str, device_type: str, num_rounds: int = 1) -> None:
@@ -257,12 +325,14 @@ def _measure_once(device, sync, own_group=None) -> dict:
     op_s = _median_time(chain, repeats=200) / 8
     overlap = measure_comm_overlap(dist.group.WORLD, device, timer=_median_time)
     group_s = fsdp2_group_seconds(own_group, device, sync) if own_group is not None else 0.0
+    copy_s = fsdp2_copy_seconds_per_byte(dist.group.WORLD, device, sync)
     return {
         "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
         **rates,
         "attention_flops": attention_flops,
         "adamw_s_per_param": adamw_s,
         "fsdp2_group_s": group_s,
+        "fsdp2_copy_s_per_byte": copy_s,
         "op_s": op_s,
         "overlap": overlap,
     }
@@ -353,6 +423,7 @@ def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
         adamw_s_per_param=raw.get("adamw_s_per_param", 0.0),
         alloc_s_per_byte=raw.get("alloc_s_per_byte", 0.0),
         fsdp2_group_s=raw.get("fsdp2_group_s", 0.0),
+        fsdp2_copy_s_per_byte=raw.get("fsdp2_copy_s_per_byte", 0.0),
         source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
     )
 

@@ -73,6 +73,12 @@ class HardwareProfile:
             hooks and autograd's bookkeeping (measured by ``--calibrate``;
             0 in the built-in GPU profiles, where the host runs ahead of
             the GPU and this is hidden unless the step is host bound).
+        fsdp2_copy_s_per_byte: seconds per byte that eager FSDP2's copies
+            around its collectives write (the copies' count of
+            ``copy_seconds``), measured by ``--calibrate`` beyond FSDP2's
+            compute, hooks and collectives; 0 (the built-in GPU profiles)
+            prices them as the compiled engine's, by
+            ``copy_bytes_per_byte``.
     """
 
     name: str
@@ -97,6 +103,7 @@ class HardwareProfile:
     adamw_s_per_param: float = 0.0
     alloc_s_per_byte: float = 0.0
     fsdp2_group_s: float = 0.0
+    fsdp2_copy_s_per_byte: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -45,7 +45,11 @@ Note: [Plan model]
     to the parameters, per reduce-scatter the gradients copied in
     (``copy_seconds``), and for the eager engine (FSDP2) each group's hooks
     (one group per block and the root, ``fsdp2_group_s`` of the profile,
-    measured by ``--calibrate``; 0 on the built-in GPU profiles). For the
+    measured by ``--calibrate``; 0 on the built-in GPU profiles). Where the
+    profile measured eager FSDP2's copies (``fsdp2_copy_s_per_byte``, CPU
+    profiles from ``--calibrate``), its copies are priced at that rate
+    instead, at world size 1 too, where FSDP2 still copies around its
+    one-rank collectives (``fsdp2_copy_seconds``). For the
     compiled engine (simplefsdp) chains of non-matmul ops count as one fused
     kernel each, moving only the tensors that enter and leave the chain (what
     Inductor generates); for the eager engine (FSDP2) each op is a kernel.
@@ -66,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -76,12 +79,11 @@ from simplefsdp.compiler.auto_bucketing import (
     GatherUnit,
     bucket_comm_s,
     gather_units,
-    gathers_per_step,
     greedy_buckets,
     pipeline_time_s,
     step_extra_bytes,
 )
-from simplefsdp.compiler.cost_model import CostModel, LinearFit, node_flops
+from simplefsdp.compiler.cost_model import CostModel, node_flops
 from simplefsdp.compiler.keep_plan import choose_kept, free_keep_count
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.passes.bucketing import find_sites
@@ -91,6 +93,13 @@ from simplefsdp.compiler.patterns import (
     node_bytes,
 )
 from simplefsdp.models.llama3 import ModelArgs, flops_per_token, layer_ranges
+from simplefsdp.plan.costs import (
+    copy_seconds,
+    copy_written_bytes,
+    cost_model_for,
+    fsdp2_copy_seconds,
+    prefetch_extra_bytes,
+)
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.layout import AC_MODES, BUCKETINGS, ENGINES, Layout, validate
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
@@ -213,88 +222,6 @@ def measure(traced: Traced, cost_model: CostModel, fused: bool) -> GraphMeasures
         bw_transient=bw_mem.transient_peak_bytes,
         rs_to_ag_ratio=(rs / fw_ag) if fw_ag and rs else 1.0,
         eager_extra_saved_bytes=max(traced.eager_saved_bytes - traced.compiled_saved_bytes, 0),
-    )
-
-
-# ------------------------------------------------------------ cost model
-
-
-def copy_seconds(
-    buckets: list[list[GatherUnit]],
-    cost_model: CostModel,
-    reshard_after_forward: bool,
-    bytes_per_byte: float = 2.0,
-    kept: Collection[str] = (),
-) -> float:
-    """Seconds of the copies around a step's collectives (Note: [Plan
-    model]): per all-gather the copy-in of the shards and the copy-out of
-    the gathered bucket, per reduce-scatter the copy-in of the gradients,
-    plus one kernel per parameter copied. Each copy writes a new buffer and
-    moves ``bytes_per_byte`` bytes per byte written at the elementwise rate
-    (the profile's ``copy_bytes_per_byte``: 2, a read and a write, where
-    allocations are cached; about 3 measured on a CPU whose new buffers'
-    pages fault in, where a copy into an existing buffer is about 4x faster
-    than into a new one). A bucket whose parameters are all ``kept``
-    gathered from forward to backward is gathered once."""
-    written = kernels = 0.0
-    for bucket in buckets:
-        gathers = gathers_per_step(bucket, reshard_after_forward, kept)
-        size = sum(u.gathered_bytes for u in bucket)
-        shards = sum(u.gathered_bytes / u.group_size for u in bucket)
-        written += gathers * (size + shards) + size
-        kernels += (2 * gathers + 1) * len(bucket)
-    return (
-        bytes_per_byte * written / cost_model.bytes_per_s + kernels * cost_model.kernel_overhead_s
-    )
-
-
-def prefetch_extra_bytes(buckets: list[list[GatherUnit]], kept: Collection[str] = ()) -> float:
-    """Gathered parameters beyond the unbucketed graph at their worst, without
-    positions (Note: [Plan model]): in forward, bucket i gathered and copied
-    out beside the next one prefetched, ``2 * B_i + B_{i+1}``, plus the
-    ``kept`` parameters of the buckets before it (gathered once, held until
-    their backward); when backward starts, all the kept ones beside the
-    first bucket it gathers again, copied out (``2 * B_r``)."""
-    sizes = [sum(u.gathered_bytes for u in b) for b in buckets]
-    held = [sum(u.gathered_bytes for u in b if u.fqn in kept) for b in buckets]
-    before = list(itertools.accumulate(held, initial=0))
-    forward = (
-        before[i] + 2 * s + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i, s in enumerate(sizes)
-    )
-    regathered = [s for s, h in zip(sizes, held) if h < s]
-    backward = before[-1] + 2 * (regathered[-1] if regathered else 0)
-    return float(max(max(forward, default=0), backward))
-
-
-def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 2.0) -> CostModel:
-    """The compiler's ``CostModel`` for ``hw`` and the layout's groups.
-
-    Data-parallel groups are strided by ``tp`` (TP is the inner mesh dim), so a
-    DP group of ``dp`` ranks spans ``dp * tp`` GPUs. The reduce-scatter fit is
-    scaled by ``rs_to_ag_ratio`` because the planner sizes it by the gathered
-    (bf16) bytes while the gradients are reduced in fp32.
-    """
-    comm: dict[str, LinearFit] = {}
-    span_dp = layout.dp * layout.tp
-    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-        one = hw.comm_seconds(kind, layout.dp, 0.0, span_dp)
-        per_byte = hw.comm_seconds(kind, layout.dp, 1e9, span_dp) - one
-        scale = rs_to_ag_ratio if kind == "reduce_scatter" else 1.0
-        comm[f"{kind}/{layout.dp}"] = LinearFit(one, scale * per_byte / 1e9)
-        if layout.tp > 1:
-            one = hw.comm_seconds(kind, layout.tp, 0.0, layout.tp)
-            per_byte = hw.comm_seconds(kind, layout.tp, 1e9, layout.tp) - one
-            comm[f"tp:{kind}/{layout.tp}"] = LinearFit(one, per_byte / 1e9)
-    return CostModel(
-        comm=comm,
-        default_comm=LinearFit(hw.inter_latency_s, 1 / hw.inter_bandwidth),
-        flops_per_s=(hw.peak_bf16_flops if layout.dtype == "bf16" else hw.peak_fp32_flops)
-        * hw.matmul_efficiency,
-        bytes_per_s=hw.memory_bandwidth * hw.memory_efficiency,
-        kernel_overhead_s=hw.kernel_overhead_s,
-        comm_overlap=hw.comm_overlap,
-        attention_efficiency=hw.attention_efficiency,
-        alloc_s_per_byte=hw.alloc_s_per_byte,
     )
 
 
@@ -507,7 +434,12 @@ def predict(
         pipe_s, dp_comm_s = compute_s + fixed_s, 0.0
     # Bucket copies on the compute stream (Note: [Plan model]).
     copy_s = 0.0
-    if layout.dp > 1:
+    if layout.engine == "fsdp2" and hw.fsdp2_copy_s_per_byte > 0:
+        dtype_bytes = 2 if layout.dtype == "bf16" else 4
+        copy_s = fsdp2_copy_seconds(
+            buckets, hw, layout.reshard_after_forward, param_bytes * dtype_bytes / 4 * layout.dp
+        )
+    elif layout.dp > 1:
         copy_s = copy_seconds(
             buckets, cost_model, layout.reshard_after_forward, hw.copy_bytes_per_byte, kept
         )
@@ -585,6 +517,8 @@ __all__ = [
     "Prediction",
     "compute_time",
     "copy_seconds",
+    "copy_written_bytes",
+    "fsdp2_copy_seconds",
     "cost_model_for",
     "measure",
     "predict",
