@@ -208,6 +208,8 @@ def fsdp2_copy_seconds_per_byte(group, device, sync, timer=None) -> float:
     import torch
     import torch.distributed as dist
 
+    from simplefsdp._compat import all_gather_single, reduce_scatter_single
+
     timer = timer or (lambda run: _median_time(run, repeats=9))
     world_size = dist.get_world_size(group)
 
@@ -222,8 +224,8 @@ def fsdp2_copy_seconds_per_byte(group, device, sync, timer=None) -> float:
         def collectives():
             for _ in range(FSDP2_BLOCKS):
                 for _ in range(2):
-                    dist.all_gather_into_tensor(full, shard, group=group)
-                dist.reduce_scatter_tensor(out, grads, group=group)
+                    all_gather_single(full, shard, group=group)
+                reduce_scatter_single(out, grads, group=group)
             sync()
 
         return sharded_s - plain_s - timer(collectives)
