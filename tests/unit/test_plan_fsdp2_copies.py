@@ -18,7 +18,6 @@ from simplefsdp.plan.calibrate import (
     FSDP2_WIDTH,
     fsdp2_copy_seconds_per_byte,
     fsdp2_copy_written_bytes,
-    profile_from,
 )
 from simplefsdp.plan.costs import copy_written_bytes, fsdp2_copy_seconds
 from simplefsdp.plan.hardware import get_profile
@@ -77,20 +76,6 @@ def test_eager_fsdp2s_copies_at_their_measured_rate_at_any_world_size() -> None:
     for gpus in (1, 2):
         compiled = Layout(gpus=gpus, batch=2, seq=64, engine="simplefsdp")
         assert predict(args, compiled, measured).step_s == predict(args, compiled, FIXED).step_s
-
-
-def test_profiles_carry_the_measured_rate_and_older_calibrations_read_zero() -> None:
-    raw = {
-        "fits": {"all_gather/2": [1e-4, 1e-9], "reduce_scatter/2": [1e-4, 1e-9]},
-        "flops": 5e10,
-        "bytes_per_s": 5e9,
-        "op_s": 2e-5,
-        "overlap": 0.0,
-        "fsdp2_copy_s_per_byte": 2e-9,
-    }
-    assert profile_from(raw, "p", "cpu").fsdp2_copy_s_per_byte == 2e-9
-    del raw["fsdp2_copy_s_per_byte"]  # a calibration written before stop 29
-    assert profile_from(raw, "p", "cpu").fsdp2_copy_s_per_byte == 0.0
 
 
 # Each timing the measurement asks for runs once (real FSDP2 steps and real

@@ -162,9 +162,9 @@ def fsdp2_group_seconds(own_group, device, sync, timer=None) -> float:
     bookkeeping around them and its tiny copies, on a one-rank mesh
     (``own_group``: this rank alone), so no communication is in it.
 
-    Measured as (forward+backward of ``FSDP2_BLOCKS`` tiny blocks of
-    ``FSDP2_PARAMS`` linear layers, each block its own ``fully_shard``
-    group, and the root) minus (the same model unsharded), per group: the
+    Measured as (forward+backward, gradients dropped, of ``FSDP2_BLOCKS``
+    tiny blocks of ``FSDP2_PARAMS`` linear layers, each block its own
+    ``fully_shard`` group, and the root) minus (the same model unsharded), per group: the
     hooks do per-parameter work too, so the blocks hold as many
     parameters as a Llama block. On the 2-core development machine this
     measured 0.9-2.2 ms per group, which the per-op cost does not cover

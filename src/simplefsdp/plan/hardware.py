@@ -74,8 +74,8 @@ class HardwareProfile:
             0 in the built-in GPU profiles, where the host runs ahead of
             the GPU and this is hidden unless the step is host bound).
         fsdp2_copy_s_per_byte: seconds per byte that eager FSDP2's copies
-            around its collectives write (the copies' count of
-            ``copy_seconds``), measured by ``--calibrate`` beyond FSDP2's
+            around its collectives write (the count of
+            ``copy_written_bytes``), measured by ``--calibrate`` beyond FSDP2's
             compute, hooks and collectives; 0 (the built-in GPU profiles)
             prices them as the compiled engine's, by
             ``copy_bytes_per_byte``.

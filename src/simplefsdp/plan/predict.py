@@ -436,8 +436,9 @@ def predict(
     copy_s = 0.0
     if layout.engine == "fsdp2" and hw.fsdp2_copy_s_per_byte > 0:
         dtype_bytes = 2 if layout.dtype == "bf16" else 4
+        # Without buckets (world size 1) the shards are the whole parameters.
         copy_s = fsdp2_copy_seconds(
-            buckets, hw, layout.reshard_after_forward, param_bytes * dtype_bytes / 4 * layout.dp
+            buckets, hw, layout.reshard_after_forward, param_bytes * dtype_bytes / 4
         )
     elif layout.dp > 1:
         copy_s = copy_seconds(
