@@ -250,6 +250,7 @@ def test_calibration_profile_carries_the_attention_share() -> None:
         "alloc_s_per_byte": 6e-10,
         "fsdp2_group_s": 2e-3,
         "fsdp2_copy_s_per_byte": 2e-9,
+        "fsdp2_sharded_group_s": 4e-3,
     }
     profile = profile_from(raw, "t", "cpu")
     assert profile.attention_efficiency == pytest.approx(0.4)
@@ -258,17 +259,19 @@ def test_calibration_profile_carries_the_attention_share() -> None:
     assert profile.alloc_s_per_byte == 6e-10
     assert profile.fsdp2_group_s == 2e-3
     assert profile.fsdp2_copy_s_per_byte == 2e-9
+    assert profile.fsdp2_sharded_group_s == 4e-3
     assert profile.intra_latency_s == pytest.approx(2e-4)
     assert profile.intra_bandwidth == pytest.approx(0.5 / 2e-9)
     del raw["attention_flops"], raw["copy_bytes_per_byte"]  # an older calibration
     del raw["adamw_s_per_param"], raw["alloc_s_per_byte"], raw["fsdp2_group_s"]
-    del raw["fsdp2_copy_s_per_byte"]  # a calibration written before stop 29
+    del raw["fsdp2_copy_s_per_byte"], raw["fsdp2_sharded_group_s"]  # before stop 29 / 30
     old = profile_from(raw, "t", "cpu")
     assert (old.attention_efficiency, old.copy_bytes_per_byte) == (1.0, 2.0)
     assert old.adamw_s_per_param == 0.0  # the step from the memory bandwidth
     assert old.alloc_s_per_byte == 0.0  # matmuls at the one measured rate
     assert old.fsdp2_group_s == 0.0
     assert old.fsdp2_copy_s_per_byte == 0.0
+    assert old.fsdp2_sharded_group_s == 0.0
 
 
 def _key(n_layers: int, dp: int = 2, ac: str = "selective", **kw) -> TraceKey:

@@ -1,7 +1,8 @@
 """Eager FSDP2's copies in the plan model: priced at the rate ``--calibrate``
 measures (``fsdp2_copy_s_per_byte``), counted as the model counts copies, and
 charged at world size 1 too, where FSDP2 still copies around its one-rank
-collectives (docs/scale.md, stop 29)."""
+collectives (docs/scale.md, stop 29); and its groups, sharded, at what the
+same measurement leaves per group (stop 30)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from simplefsdp.plan.calibrate import (
     FSDP2_PARAMS,
     FSDP2_WIDE,
     FSDP2_WIDTH,
-    fsdp2_copy_seconds_per_byte,
     fsdp2_copy_written_bytes,
+    fsdp2_sharded_seconds,
 )
 from simplefsdp.plan.costs import copy_written_bytes, fsdp2_copy_seconds
 from simplefsdp.plan.hardware import get_profile
@@ -95,14 +96,36 @@ def _measure_scripted() -> float:
         run()
         return next(times)
 
-    rate = fsdp2_copy_seconds_per_byte(dist.group.WORLD, torch.device("cpu"), lambda: None, timer)
+    measured = fsdp2_sharded_seconds(dist.group.WORLD, torch.device("cpu"), lambda: None, timer)
     assert next(times, None) is None  # every timing was asked for
-    return rate
+    return measured
 
 
-def test_the_measurement_takes_the_hooks_and_collectives_out() -> None:
-    rates = run_distributed(_measure_scripted, 2)
+def test_the_measurement_takes_the_collectives_out_and_splits_bytes_from_groups() -> None:
+    results = run_distributed(_measure_scripted, 2)
     wide = SCRIPTED_S[1] - SCRIPTED_S[0] - SCRIPTED_S[2]
     narrow = SCRIPTED_S[4] - SCRIPTED_S[3] - SCRIPTED_S[5]
-    grown = fsdp2_copy_written_bytes(FSDP2_WIDE, 2) - fsdp2_copy_written_bytes(FSDP2_WIDTH, 2)
-    assert rates == [pytest.approx((wide - narrow) / grown)] * 2
+    narrow_bytes = fsdp2_copy_written_bytes(FSDP2_WIDTH, 2)
+    grown = fsdp2_copy_written_bytes(FSDP2_WIDE, 2) - narrow_bytes
+    rate = (wide - narrow) / grown
+    group_s = (narrow - rate * narrow_bytes) / (FSDP2_BLOCKS + 1)
+    assert results == [(pytest.approx(rate), pytest.approx(group_s))] * 2
+    # The two together give back what FSDP2 added at both widths.
+    for width, extra in ((FSDP2_WIDE, wide), (FSDP2_WIDTH, narrow)):
+        modelled = (FSDP2_BLOCKS + 1) * group_s + rate * fsdp2_copy_written_bytes(width, 2)
+        assert modelled == pytest.approx(extra)
+
+
+def test_sharded_fsdp2_groups_cost_what_was_measured_sharded() -> None:
+    # fsdp2_group_s is the one-rank figure; where the layout shards (data
+    # parallel above 1) the measured sharded figure replaces it, if any.
+    args = get_config("debug")  # 4 blocks: 5 groups with the root
+    hw = dataclasses.replace(FIXED, fsdp2_group_s=1e-3, fsdp2_sharded_group_s=3e-3)
+    one = Layout(gpus=1, batch=2, seq=64, engine="fsdp2")
+    two = Layout(gpus=2, batch=2, seq=64, engine="fsdp2")
+    assert predict(args, one, hw).time["hooks"] == pytest.approx(5e-3)
+    assert predict(args, two, hw).time["hooks"] == pytest.approx(15e-3)
+    unmeasured = dataclasses.replace(hw, fsdp2_sharded_group_s=0.0)  # older calibrations
+    assert predict(args, two, unmeasured).time["hooks"] == pytest.approx(5e-3)
+    compiled = Layout(gpus=2, batch=2, seq=64, engine="simplefsdp")
+    assert predict(args, compiled, hw).time["hooks"] == 0

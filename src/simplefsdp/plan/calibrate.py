@@ -189,21 +189,26 @@ def fsdp2_copy_written_bytes(width: int, world_size: int) -> float:
     return FSDP2_BLOCKS * (2 * (block + block / world_size) + block)
 
 
-def fsdp2_copy_seconds_per_byte(group, device, sync, timer=None) -> float:
-    """Seconds eager FSDP2 spends per byte its copies write (the plan
-    model's count, ``fsdp2_copy_written_bytes``), on ``group``, beyond the
-    model's compute, its hooks and its collectives.
+def fsdp2_sharded_seconds(group, device, sync, timer=None) -> tuple[float, float]:
+    """(seconds per byte its copies write, seconds per group) that eager
+    FSDP2 spends on ``group`` beyond the model's compute and its collectives
+    alone: the plan model's ``fsdp2_copy_s_per_byte`` (per byte of
+    ``fsdp2_copy_written_bytes``, the model's count) and
+    ``fsdp2_sharded_group_s``.
 
     Measured with the model of ``fsdp2_group_seconds`` at two widths,
     ``FSDP2_WIDTH`` and ``FSDP2_WIDE``, each a training step (forward,
     backward, gradients dropped) sharded by ``fully_shard`` over ``group``
     against the same model unsharded; from each difference the time of its
     collectives alone is taken (two flat all-gathers and one flat
-    reduce-scatter per block, fp32, as FSDP2 issues them); what grows from
-    the narrow model to the wide one is per byte. The hooks cost the same at
-    both widths and cancel. On the 2-core development machine FSDP2's copies
-    took 1.8x what the elementwise rate gives the same bytes, and it copies
-    on one rank too (docs/scale.md, stop 28).
+    reduce-scatter per block, fp32, as FSDP2 issues them). What remains is
+    ``groups * group_s + rate * written_bytes(width)`` at both widths, two
+    equations for the two unknowns: what grows from the narrow model to the
+    wide one is per byte, the narrow model's rest less its copies is per
+    group. On the 2-core development machine FSDP2's copies took 1.8x what
+    the elementwise rate gives the same bytes, it copies on one rank too
+    (docs/scale.md, stop 28), and a group cost 2-3x as much on two ranks as
+    on one (stop 30).
     """
     import torch
     import torch.distributed as dist
@@ -230,9 +235,12 @@ def fsdp2_copy_seconds_per_byte(group, device, sync, timer=None) -> float:
 
         return sharded_s - plain_s - timer(collectives)
 
-    grown = fsdp2_copy_written_bytes(FSDP2_WIDE, world_size)
-    grown -= fsdp2_copy_written_bytes(FSDP2_WIDTH, world_size)
-    return max(extra_s(FSDP2_WIDE) - extra_s(FSDP2_WIDTH), 0.0) / grown
+    wide, narrow = extra_s(FSDP2_WIDE), extra_s(FSDP2_WIDTH)
+    narrow_bytes = fsdp2_copy_written_bytes(FSDP2_WIDTH, world_size)
+    grown = fsdp2_copy_written_bytes(FSDP2_WIDE, world_size) - narrow_bytes
+    rate = max(wide - narrow, 0.0) / grown
+    group_s = max(narrow - rate * narrow_bytes, 0.0) / (FSDP2_BLOCKS + 1)
+    return rate, group_s
 
 
 def _fsdp2_step_times(group, device, sync, width, timer) -> tuple[float, float]:
@@ -327,7 +335,7 @@ def _measure_once(device, sync, own_group=None) -> dict:
     op_s = _median_time(chain, repeats=200) / 8
     overlap = measure_comm_overlap(dist.group.WORLD, device, timer=_median_time)
     group_s = fsdp2_group_seconds(own_group, device, sync) if own_group is not None else 0.0
-    copy_s = fsdp2_copy_seconds_per_byte(dist.group.WORLD, device, sync)
+    copy_s, sharded_group_s = fsdp2_sharded_seconds(dist.group.WORLD, device, sync)
     return {
         "fits": {k: [v.latency_s, v.seconds_per_byte] for k, v in fits.items()},
         **rates,
@@ -335,6 +343,7 @@ def _measure_once(device, sync, own_group=None) -> dict:
         "adamw_s_per_param": adamw_s,
         "fsdp2_group_s": group_s,
         "fsdp2_copy_s_per_byte": copy_s,
+        "fsdp2_sharded_group_s": sharded_group_s,
         "op_s": op_s,
         "overlap": overlap,
     }
@@ -426,6 +435,7 @@ def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
         alloc_s_per_byte=raw.get("alloc_s_per_byte", 0.0),
         fsdp2_group_s=raw.get("fsdp2_group_s", 0.0),
         fsdp2_copy_s_per_byte=raw.get("fsdp2_copy_s_per_byte", 0.0),
+        fsdp2_sharded_group_s=raw.get("fsdp2_sharded_group_s", 0.0),
         source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
     )
 

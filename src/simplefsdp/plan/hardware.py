@@ -73,6 +73,12 @@ class HardwareProfile:
             hooks and autograd's bookkeeping (measured by ``--calibrate``;
             0 in the built-in GPU profiles, where the host runs ahead of
             the GPU and this is hidden unless the step is host bound).
+            Measured on a one-rank mesh: the cost at world size 1.
+        fsdp2_sharded_group_s: the same cost per group where the group
+            shards over the calibration's ranks, beyond its collectives
+            alone: the hooks then also wait on each collective, and the
+            ranks meet at every one of them (measured by ``--calibrate``
+            with ``fsdp2_copy_s_per_byte``; 0 uses ``fsdp2_group_s``).
         fsdp2_copy_s_per_byte: seconds per byte that eager FSDP2's copies
             around its collectives write (the count of
             ``copy_written_bytes``), measured by ``--calibrate`` beyond FSDP2's
@@ -104,6 +110,7 @@ class HardwareProfile:
     alloc_s_per_byte: float = 0.0
     fsdp2_group_s: float = 0.0
     fsdp2_copy_s_per_byte: float = 0.0
+    fsdp2_sharded_group_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -45,7 +45,9 @@ Note: [Plan model]
     to the parameters, per reduce-scatter the gradients copied in
     (``copy_seconds``), and for the eager engine (FSDP2) each group's hooks
     (one group per block and the root, ``fsdp2_group_s`` of the profile,
-    measured by ``--calibrate``; 0 on the built-in GPU profiles). Where the
+    or ``fsdp2_sharded_group_s`` where the data-parallel degree is above 1
+    and the profile has it, measured by ``--calibrate``; 0 on the built-in
+    GPU profiles). Where the
     profile measured eager FSDP2's copies (``fsdp2_copy_s_per_byte``, CPU
     profiles from ``--calibrate``), its copies are priced at that rate
     instead, at world size 1 too, where FSDP2 still copies around its
@@ -446,7 +448,10 @@ def predict(
         )
     # Eager FSDP2's hooks, per group: one per block and the root (Note:
     # [Plan model]). Host time on the compute stream, at any world size.
-    hooks_s = (stage_blocks + 1) * hw.fsdp2_group_s if layout.engine == "fsdp2" else 0.0
+    group_s = hw.fsdp2_group_s
+    if layout.dp > 1 and hw.fsdp2_sharded_group_s > 0:
+        group_s = hw.fsdp2_sharded_group_s  # measured sharding, with collectives
+    hooks_s = (stage_blocks + 1) * group_s if layout.engine == "fsdp2" else 0.0
     # The replay counts communication competing with compute for the CPU
     # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
     mb_s = max(pipe_s, compute_s) + copy_s + hooks_s
