@@ -351,3 +351,46 @@ def test_kept_buckets_are_not_gathered_again_in_the_replay() -> None:
     # A bucket only partly kept is still gathered again.
     partly = {units[3].fqn}
     assert pipeline_time_s(buckets, cm, True, kept=partly) == pipeline_time_s(buckets, cm, True)
+
+
+def test_the_cached_overlap_is_a_median_and_single_measurements_are_recalibrated(
+    tmp_path, monkeypatch
+) -> None:
+    # Note: [Communication competing with compute]: one measurement ranged
+    # 0-0.52 on the development machine; the cache keeps a median of several,
+    # and a cache file with one measurement in it is measured again.
+    import json
+
+    import torch.distributed as dist
+
+    from simplefsdp.compiler import cost_model as cm
+
+    samples = iter([0.5, 0.0, 0.1, 0.9, 0.2] * 2)
+    calls = []
+
+    def overlap(group, device, timer=None):
+        calls.append(1)
+        return next(samples)
+
+    monkeypatch.setattr(cm, "measure_comm_overlap", overlap)
+    fit = {f"{kind}/1": LinearFit(1e-4, 1e-9) for kind in ("all_gather", "reduce_scatter")}
+    monkeypatch.setattr(cm, "_calibrate_comm", lambda group, device, prefix="": fit)
+    monkeypatch.setattr(cm, "_calibrate_compute", lambda device: (1e10, 1e9))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SIMPLEFSDP_RECALIBRATE", raising=False)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        path = cm._cache_path("gloo", 1, "cpu")
+        path.parent.mkdir(parents=True)
+        one = CostModel(comm=dict(fit), comm_overlap=0.52)  # one measurement, no rounds
+        path.write_text(json.dumps(one.to_dict()))
+        model = cm.calibrated_cost_model(device_type="cpu")
+        assert len(calls) == cm.OVERLAP_ROUNDS == 5
+        assert model.comm_overlap == pytest.approx(0.2)  # median of 0.5, 0, 0.1, 0.9, 0.2
+        assert json.loads(path.read_text())["overlap_rounds"] == cm.OVERLAP_ROUNDS
+        again = cm.calibrated_cost_model(device_type="cpu")  # from the cache now
+        assert len(calls) == 5 and again.comm_overlap == pytest.approx(0.2)
+    finally:
+        dist.destroy_process_group()
