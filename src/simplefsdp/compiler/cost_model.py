@@ -26,9 +26,9 @@ Note: [Communication competing with compute]
     concurrently with compute: calibration times an all-reduce, an equally
     long run of matmuls, and both together (``measure_comm_overlap``), and
     takes ``hidden / min(t_comm, t_compute)``, the median of
-    ``OVERLAP_ROUNDS`` such measurements (one alone ranged from 0 to 0.52 on
-    the 2-core development machine within an hour, and the cached value
-    decides every later auto plan there). The rest, ``(1 - comm_overlap)``
+    ``OVERLAP_ROUNDS`` such measurements (on the 2-core development machine
+    single ones ranged from 0 to 0.44 within an hour, and a cached single
+    0.52 had decided every later auto plan there). The rest, ``(1 - comm_overlap)``
     of every collective, also occupies the compute stream in ``simulate`` and
     in the auto planner's replay, so that on a machine with no overlap fewer,
     larger collectives win (each saves a latency) and splitting a bucket to
