@@ -480,8 +480,16 @@ def test_sweep_ranks_by_throughput_and_says_why_losers_lose() -> None:
     layouts = plan_cli.sweep_layouts(_debug(), base)
     assert {lay.ac for lay in layouts} == {"none", "selective", "full"}
     assert {lay.bucketing for lay in layouts} == {"auto", "per_block"}
-    # tp=8 is tried on 8 GPUs but does not divide the debug model's 4 KV heads
-    assert {lay.tp for lay in layouts} == {1}
+    # TP degrees up to a node are tried; 8 does not divide the debug model's
+    # 4 KV heads, and none is tried beyond the node.
+    assert {lay.tp for lay in layouts} == {1, 2, 4}
+    assert {lay.tp for lay in plan_cli.sweep_layouts(_debug(), base, gpus_per_node=2)} == {1, 2}
+    # The TP degree the user asked for is kept, even beyond a node.
+    asked = plan_cli.sweep_layouts(_debug(), Layout(gpus=8, batch=2, seq=64, tp=4), gpus_per_node=2)
+    assert {lay.tp for lay in asked} == {1, 2, 4}
+    # A degree that does not divide the GPUs is left out (6 GPUs: 4 is not tried).
+    six = plan_cli.sweep_layouts(_debug(), Layout(gpus=6, batch=2, seq=64))
+    assert {lay.tp for lay in six} == {1, 2}
     # Three options that share one trace; one of them made not to fit.
     preds = [
         predict(_debug(), Layout(gpus=2, batch=2, seq=64, bucketing=b), FIXED)
@@ -510,6 +518,31 @@ def test_why_a_loser_loses_keeps_copies_apart_from_compute() -> None:
     assert plan_cli.why_loses(pred(1.3, 0.1, 1.3), best).startswith("recomputation / compute")
     hooks = plan_cli.why_loses(pred(1.3, 0.1, 1.3, hooks=0.3), best)
     assert hooks.startswith("eager FSDP2's hooks")
+
+
+def test_why_a_loser_loses_compares_layouts_at_the_same_work() -> None:
+    """FSDP on 8 GPUs steps eight batches, TP 8 one: parts are compared per
+    token per GPU, so TP's shorter step is not read as less of everything."""
+
+    def pred(tokens_per_gpu: float, step: float, compute: float, comm: float):
+        time = {"compute": compute, "copies": 0.0, "exposed_comm": comm, "bubble": 0.0}
+        time |= {"optimizer": 0.0, "hooks": 0.0}
+        return types.SimpleNamespace(
+            fits=True,
+            layout=Layout(gpus=8, batch=1, seq=64),
+            time=time,
+            step_s=step,
+            tokens_per_s_per_gpu=tokens_per_gpu / step,
+        )
+
+    best = pred(tokens_per_gpu=2000, step=2.0, compute=1.9, comm=0.1)
+    # an eighth of the work in 0.3 s: 2.4 s at the best's, 0.8 s of it communication
+    tp = pred(tokens_per_gpu=250, step=0.3, compute=0.2, comm=0.1)
+    assert plan_cli.why_loses(tp, best) == (
+        "exposed communication (+0.700 s at the best's step size)"
+    )
+    same = pred(tokens_per_gpu=2000, step=2.2, compute=1.9, comm=0.3)
+    assert plan_cli.why_loses(same, best) == "exposed communication (+0.200 s per step)"
 
 
 def test_describe_names_gradient_accumulation_and_microbatches() -> None:

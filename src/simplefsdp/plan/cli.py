@@ -161,11 +161,23 @@ def format_prediction(pred) -> str:
 
 
 def why_loses(pred, best) -> str:
+    """Why ``pred`` ranks below ``best``: the step-time part that grew most.
+
+    Layouts of one sweep can do different work per step (TP 8 on 8 GPUs
+    runs one data-parallel batch, FSDP on 8 runs eight), so each part is
+    compared per token per GPU and reported at the best's tokens per step:
+    what the loser would spend on the best's step.
+    """
     if not pred.fits:
         return f"out of memory ({pred.peak_bytes / GiB:.1f} > {pred.usable_bytes / GiB:.1f} GiB)"
     if pred is best:
         return "best"
-    t, b = pred.time, best.time
+    if pred.tokens_per_s_per_gpu >= best.tokens_per_s_per_gpu * (1 - 1e-9):
+        return "tie with the best"
+    # tokens per GPU per step: the work each layout's step does
+    scale = (best.tokens_per_s_per_gpu * best.step_s) / (pred.tokens_per_s_per_gpu * pred.step_s)
+    t = {k: v * scale for k, v in pred.time.items()}
+    b = best.time
     reasons = {
         "exposed communication": t["exposed_comm"] - b["exposed_comm"],
         "pipeline bubble": t["bubble"] - b["bubble"],
@@ -176,14 +188,12 @@ def why_loses(pred, best) -> str:
         "optimizer": t["optimizer"] - b["optimizer"],
     }
     name, extra = max(reasons.items(), key=lambda kv: kv[1])
-    per_token = pred.step_s / (pred.layout.batch * pred.layout.dp) - best.step_s / (
-        best.layout.batch * best.layout.dp
-    )
-    if pred.tokens_per_s_per_gpu >= best.tokens_per_s_per_gpu * (1 - 1e-9):
-        return "tie with the best"
+    same_work = abs(scale - 1.0) < 1e-9
+    unit = "per step" if same_work else "at the best's step size"
     if extra <= 0:
-        return f"slower per token ({1e3 * per_token:+.3g} ms per sample per DP rank)"
-    return f"{name} (+{_seconds(extra)} per step)"
+        slower = pred.step_s * scale - best.step_s
+        return f"slower overall (+{_seconds(slower)} {unit})"
+    return f"{name} (+{_seconds(extra)} {unit})"
 
 
 def _seconds(value: float) -> str:
@@ -206,13 +216,21 @@ def format_sweep(preds) -> str:
     return "\n".join(lines)
 
 
-def sweep_layouts(args, base) -> list:
+def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
     """Layouts and options around ``base``: AC modes, bucketing, reshard
-    policy, TP degree (1 and ``base.tp`` or 8), PP degree (1 and ``base.pp``)
-    and microbatches (``pp`` and ``2 * pp``); invalid ones are left out."""
+    policy, TP degree (``base.tp`` and every power of two up to a node,
+    ``gpus_per_node``: TP's collectives are on every layer's critical path,
+    so it stays on the intra-node link), PP degree (1 and ``base.pp``) and
+    microbatches (``pp`` and ``2 * pp``); invalid ones (a degree that does
+    not divide the GPUs or the model's heads) are left out."""
     from simplefsdp.plan.predict import validate
 
-    tps = sorted({1, base.tp} | ({8} if base.gpus % 8 == 0 and base.gpus >= 8 else set()))
+    tps = {1, base.tp}
+    degree = 2
+    while degree <= min(gpus_per_node, base.gpus):
+        tps.add(degree)
+        degree *= 2
+    tps = sorted(tps)
     pps = sorted({1, base.pp})
     layouts = []
     for tp in tps:
@@ -309,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         base = _layout(ns)
         validate(args, base)
         if ns.sweep:
-            preds = [predict(args, layout, hw) for layout in sweep_layouts(args, base)]
+            layouts = sweep_layouts(args, base, hw.gpus_per_node)
+            preds = [predict(args, layout, hw) for layout in layouts]
             preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
         else:
             preds = [predict(args, base, hw)]
