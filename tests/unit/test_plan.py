@@ -501,6 +501,35 @@ def test_sweep_ranks_by_throughput_and_says_why_losers_lose() -> None:
     assert "out of memory" in table[3]
 
 
+def test_sweep_does_not_trace_options_that_need_more_than_an_oversized_leanest_one() -> None:
+    """Per (TP, PP, microbatches), full AC with resharding is predicted first;
+    when it does not fit, the group's other options are skipped, not traced."""
+    base = Layout(gpus=8, batch=2, seq=64)
+    layouts = plan_cli.sweep_layouts(_debug(), base, gpus_per_node=2)
+    called = []
+    ac_bytes = {"full": 1, "selective": 2, "none": 3}
+
+    def fake_predict(args, layout, hw):
+        called.append(layout)
+        # TP 1 is out of memory even with full AC; TP 2 fits with it
+        peak = ac_bytes[layout.ac] * GiB * (100 if layout.tp == 1 else 1)
+        return types.SimpleNamespace(
+            layout=layout, peak_bytes=peak, usable_bytes=10 * GiB, fits=peak <= 10 * GiB
+        )
+
+    preds, skipped = plan_cli.sweep_predictions(_debug(), layouts, None, fake_predict)
+    tp1 = [lay for lay in layouts if lay.tp == 1]
+    leanest_tp1 = [lay for lay in tp1 if lay.ac == "full" and lay.reshard_after_forward]
+    assert leanest_tp1 and len(skipped) == len(tp1) - len(leanest_tp1)
+    assert {lay for lay in called if lay.tp == 1} == set(leanest_tp1)
+    assert all(lay in called for lay in layouts if lay.tp == 2)  # its group fits: all traced
+    assert len(preds) == len(called)
+    assert all(
+        "full AC with resharding already needs 100.0 > 10.0 GiB" in s["reason"] for s in skipped
+    )
+    assert "more out of memory" in plan_cli.format_skipped(skipped)
+
+
 def test_why_a_loser_loses_keeps_copies_apart_from_compute() -> None:
     """Regathering in backward costs copies around the collectives, and eager
     FSDP2 its hooks, which are part of compute but are not recomputation."""

@@ -259,6 +259,51 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
     return layouts
 
 
+def sweep_predictions(args, layouts, hw, predict_fn=None) -> tuple[list, list[dict]]:
+    """Predict the sweep's ``layouts``; returns ``(predictions, skipped)``.
+
+    Layouts that share TP, PP and microbatches are predicted with full AC and
+    resharding after forward first, the least memory any of them can need
+    (less AC saves more activations, keeping parameters gathered holds more).
+    When none of those fits, the group's other options cannot either, and
+    they are not traced: each is in ``skipped`` (``layout``, ``reason``)
+    instead. A 405B sweep on 512 GPUs otherwise spends most of its time on
+    layouts without pipeline parallelism that need terabytes.
+    """
+    if predict_fn is None:
+        from simplefsdp.plan.predict import predict as predict_fn
+    groups: dict[tuple, list] = {}
+    for layout in layouts:
+        groups.setdefault((layout.tp, layout.pp, layout.microbatches), []).append(layout)
+    preds, skipped = [], []
+    for group in groups.values():
+        leanest = [lay for lay in group if lay.ac == "full" and lay.reshard_after_forward]
+        rest = [lay for lay in group if lay not in leanest]
+        first = [predict_fn(args, lay, hw) for lay in leanest]
+        preds.extend(first)
+        if first and not any(p.fits for p in first):
+            need = min(p.peak_bytes for p in first)
+            reason = (
+                f"not traced: full AC with resharding already needs {need / GiB:.1f} "
+                f"> {first[0].usable_bytes / GiB:.1f} GiB"
+            )
+            skipped.extend({"layout": lay.describe(), "reason": reason} for lay in rest)
+            continue
+        preds.extend(predict_fn(args, lay, hw) for lay in rest)
+    return preds, skipped
+
+
+def format_skipped(skipped: list[dict]) -> str:
+    """One line per reason: how many options it skipped, and which."""
+    by_reason: dict[str, list[str]] = {}
+    for item in skipped:
+        by_reason.setdefault(item["reason"], []).append(item["layout"])
+    lines = []
+    for reason, names in by_reason.items():
+        lines.append(f"    {len(names)} more out of memory, {reason}: {names[0]}, ...")
+    return "\n".join(lines)
+
+
 def largest_fitting_batch(pred) -> int:
     """About the largest per-rank batch that fits: activations and temporaries
     scale with the batch, the rest does not."""
@@ -328,10 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         validate(args, base)
         if ns.sweep:
             layouts = sweep_layouts(args, base, hw.gpus_per_node)
-            preds = [predict(args, layout, hw) for layout in layouts]
+            preds, skipped = sweep_predictions(args, layouts, hw, predict)
             preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
         else:
-            preds = [predict(args, base, hw)]
+            preds, skipped = [predict(args, base, hw)], []
     except ValueError as exc:
         print(f"simplefsdp plan: error: {exc}", file=sys.stderr)
         return 2
@@ -359,10 +404,14 @@ def main(argv: list[str] | None = None) -> int:
         "planning_s": elapsed,
         "predictions": [p.to_dict() for p in preds],
     }
+    if ns.sweep:
+        result["skipped"] = skipped
     if ns.json:
         print(json.dumps(result, indent=2, default=str))
     elif ns.sweep:
         print(format_sweep(preds))
+        if skipped:
+            print(format_skipped(skipped))
     else:
         print(format_prediction(pred))
     if ns.out:
