@@ -300,7 +300,8 @@ def format_skipped(skipped: list[dict]) -> str:
         by_reason.setdefault(item["reason"], []).append(item["layout"])
     lines = []
     for reason, names in by_reason.items():
-        lines.append(f"    {len(names)} more out of memory, {reason}: {names[0]}, ...")
+        shown = names[0] + (", ..." if len(names) > 1 else "")
+        lines.append(f"    {len(names)} more out of memory, {reason}: {shown}")
     return "\n".join(lines)
 
 
