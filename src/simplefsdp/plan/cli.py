@@ -259,8 +259,9 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
     return layouts
 
 
-def sweep_predictions(args, layouts, hw, predict_fn=None) -> tuple[list, list[dict]]:
-    """Predict the sweep's ``layouts``; returns ``(predictions, skipped)``.
+def sweep_predictions(args, layouts, hw, predict_fn) -> tuple[list, list[dict]]:
+    """Predict the sweep's ``layouts`` with ``predict_fn(args, layout, hw)``
+    (``simplefsdp.plan.predict.predict``); returns ``(predictions, skipped)``.
 
     Layouts that share TP, PP and microbatches are predicted with full AC and
     resharding after forward first, the least memory any of them can need
@@ -270,8 +271,6 @@ def sweep_predictions(args, layouts, hw, predict_fn=None) -> tuple[list, list[di
     instead. A 405B sweep on 512 GPUs otherwise spends most of its time on
     layouts without pipeline parallelism that need terabytes.
     """
-    if predict_fn is None:
-        from simplefsdp.plan.predict import predict as predict_fn
     groups: dict[tuple, list] = {}
     for layout in layouts:
         groups.setdefault((layout.tp, layout.pp, layout.microbatches), []).append(layout)
