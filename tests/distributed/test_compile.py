@@ -363,7 +363,7 @@ def _rank_dependent_timings_body(cache_dir: str) -> dict:
         f"{k}/{dist.get_world_size(group)}": fit
         for k in ("all_gather", "reduce_scatter", "all_reduce")
     }
-    cost_model._calibrate_compute = lambda device: (1e9 * (1 + 100 * rank), 1e9)
+    cost_model._calibrate_compute = lambda device: (1e9 * (1 + 100 * rank), 1e9, {})
     model = simplefsdp.data_parallel(build("blocks"))
     simplefsdp.compile(model, backend="aot_eager", bucketing="auto")
     _train(model, "blocks", 2)

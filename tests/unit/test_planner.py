@@ -375,7 +375,7 @@ def test_the_cached_overlap_is_a_median_and_single_measurements_are_recalibrated
     monkeypatch.setattr(cm, "measure_comm_overlap", overlap)
     fit = {f"{kind}/1": LinearFit(1e-4, 1e-9) for kind in ("all_gather", "reduce_scatter")}
     monkeypatch.setattr(cm, "_calibrate_comm", lambda group, device, prefix="": fit)
-    monkeypatch.setattr(cm, "_calibrate_compute", lambda device: (1e10, 1e9))
+    monkeypatch.setattr(cm, "_calibrate_compute", lambda device: (1e10, 1e9, {}))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SIMPLEFSDP_RECALIBRATE", raising=False)
     dist.init_process_group(
@@ -394,3 +394,81 @@ def test_the_cached_overlap_is_a_median_and_single_measurements_are_recalibrated
         assert len(calls) == 5 and again.comm_overlap == pytest.approx(0.2)
     finally:
         dist.destroy_process_group()
+
+
+def test_matmuls_are_priced_at_their_dtype_rate() -> None:
+    # Note: [Matmul rates by dtype]: a bf16 graph's matmuls run at the bf16
+    # rate (on an H200 about 14 times float32's); dtypes without a rate fall
+    # back to flops_per_s, and elementwise nodes are unaffected.
+    def f(a, b):
+        return torch.mm(a, b).relu()
+
+    model = CostModel(
+        flops_per_s=1e12,
+        flops_per_s_by_dtype={"bfloat16": 1e14},
+        bytes_per_s=1e30,
+        kernel_overhead_s=0.0,
+    )
+    flops = 2.0 * 256 * 512 * 128
+
+    def mm_and_relu(dtype):
+        gm = make_fx(f, tracing_mode="fake")(
+            torch.randn(256, 512, dtype=dtype), torch.randn(512, 128, dtype=dtype)
+        )
+        mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+        relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+        return model.node_time(mm), model.node_time(relu)
+
+    no_time = pytest.approx(0.0, abs=1e-20)  # relu: bytes only, at an unbounded bandwidth
+    assert mm_and_relu(torch.float32) == (pytest.approx(flops / 1e12), no_time)
+    assert mm_and_relu(torch.bfloat16) == (pytest.approx(flops / 1e14), no_time)
+    assert mm_and_relu(torch.float16)[0] == pytest.approx(flops / 1e12)  # not calibrated
+    data = model.to_dict()
+    assert CostModel.from_dict(data).flops_per_s_by_dtype == {"bfloat16": 1e14}
+    del data["flops_per_s_by_dtype"]  # a cache file written before the rates
+    assert CostModel.from_dict(data).flops_per_s_by_dtype == {}
+
+
+def test_a_cached_cost_model_without_dtype_rates_is_recalibrated(tmp_path, monkeypatch) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from simplefsdp.compiler import cost_model as cm
+
+    calls = []
+
+    def compute(device):
+        calls.append(device)
+        return 1e10, 1e9, {"bfloat16": 3e11}
+
+    fit = {f"{kind}/1": LinearFit(1e-4, 1e-9) for kind in ("all_gather", "reduce_scatter")}
+    monkeypatch.setattr(cm, "measure_comm_overlap", lambda group, device, timer=None: 0.5)
+    monkeypatch.setattr(cm, "_calibrate_comm", lambda group, device, prefix="": fit)
+    monkeypatch.setattr(cm, "_calibrate_compute", compute)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SIMPLEFSDP_RECALIBRATE", raising=False)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        path = cm._cache_path("gloo", 1, "cpu")
+        path.parent.mkdir(parents=True)
+        old = CostModel(comm=dict(fit), comm_overlap=0.5).to_dict()
+        del old["flops_per_s_by_dtype"]  # written before the rates by dtype
+        path.write_text(json.dumps({**old, "overlap_rounds": cm.OVERLAP_ROUNDS}))
+        model = cm.calibrated_cost_model(device_type="cpu")
+        assert len(calls) == 1 and model.flops_per_s_by_dtype == {"bfloat16": 3e11}
+        assert json.loads(path.read_text())["flops_per_s_by_dtype"] == {"bfloat16": 3e11}
+        again = cm.calibrated_cost_model(device_type="cpu")  # from the cache now
+        assert len(calls) == 1 and again.flops_per_s_by_dtype == {"bfloat16": 3e11}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_calibration_measures_a_bf16_matmul_rate_on_this_device() -> None:
+    from simplefsdp.compiler.cost_model import _calibrate_compute
+
+    flops, bandwidth, by_dtype = _calibrate_compute(torch.device("cpu"))
+    assert flops > 0 and bandwidth > 0
+    assert set(by_dtype) == {"bfloat16"} and by_dtype["bfloat16"] > 0

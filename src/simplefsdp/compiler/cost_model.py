@@ -90,7 +90,11 @@ class CostModel:
         comm: ``"kind/group_size"`` -> fit (kind: all_gather, reduce_scatter,
             all_reduce), and ``"tp:kind/group_size"`` for tensor-parallel
             groups. Missing keys fall back to ``default_comm``.
-        flops_per_s: sustained matmul throughput.
+        flops_per_s: sustained matmul throughput in float32 (and for any
+            dtype ``flops_per_s_by_dtype`` does not name).
+        flops_per_s_by_dtype: sustained matmul throughput by the matmul's
+            dtype name (``"bfloat16"``, ``"float16"``); calibrated where the
+            device has them (Note: [Matmul rates by dtype]).
         bytes_per_s: sustained memory bandwidth of elementwise kernels.
         kernel_overhead_s: fixed cost per compute node.
         comm_overlap: fraction of communication that runs concurrently with
@@ -107,6 +111,7 @@ class CostModel:
     comm: dict[str, LinearFit] = field(default_factory=dict)
     default_comm: LinearFit = LinearFit(50e-6, 1e-9)
     flops_per_s: float = 5e10
+    flops_per_s_by_dtype: dict[str, float] = field(default_factory=dict)
     bytes_per_s: float = 5e9
     kernel_overhead_s: float = 2e-6
     comm_overlap: float = 1.0
@@ -147,7 +152,7 @@ class CostModel:
         if not is_compute(node):
             return 0.0
         flops = node_flops(node)
-        rate = self.flops_per_s
+        rate = self.matmul_rate(node) if flops else self.flops_per_s
         out_bytes = node_bytes(node)
         fresh_s = 0.0
         if "scaled_dot_product" in str(node.target):
@@ -157,6 +162,17 @@ class CostModel:
             fresh_s = out_bytes * self.alloc_s_per_byte
         moved = out_bytes + sum(node_bytes(i) for i in node.all_input_nodes)
         return max(flops / rate, moved / self.bytes_per_s) + fresh_s + self.kernel_overhead_s
+
+    def matmul_rate(self, node: fx.Node) -> float:
+        """FLOP/s of a matmul-like node at its output's dtype (Note: [Matmul
+        rates by dtype])."""
+        val = node.meta.get("val")
+        dtype = getattr(val, "dtype", None)
+        if dtype is None and isinstance(val, (tuple, list)) and val:
+            dtype = getattr(val[0], "dtype", None)
+        if dtype is None or dtype == torch.float32:
+            return self.flops_per_s
+        return self.flops_per_s_by_dtype.get(str(dtype).removeprefix("torch."), self.flops_per_s)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -168,6 +184,7 @@ class CostModel:
             comm={k: LinearFit(**v) for k, v in data["comm"].items()},
             default_comm=LinearFit(**data["default_comm"]),
             flops_per_s=data["flops_per_s"],
+            flops_per_s_by_dtype=dict(data.get("flops_per_s_by_dtype", {})),
             bytes_per_s=data["bytes_per_s"],
             kernel_overhead_s=data["kernel_overhead_s"],
             comm_overlap=data.get("comm_overlap", 1.0),
@@ -329,19 +346,42 @@ def _calibrate_comm(
     return fits
 
 
-def _calibrate_compute(device: torch.device) -> tuple[float, float]:
+# Note: [Matmul rates by dtype]
+# A graph under mixed precision does its matmuls in ``param_dtype``: on a
+# Hopper GPU bf16 runs at about 15 times float32's rate (tensor cores against
+# the float32 path torch takes by default). Calibrating float32 alone priced
+# a 1.0B-parameter Llama's bf16 forward on one H200 at 0.28 s where it ran in
+# 0.032 s, so every collective looked hidden behind compute. The calibration
+# times one matmul per reduced-precision dtype the device computes in, and a
+# matmul node is priced at its output's dtype. Where a dtype was not
+# calibrated, float32's rate stands in, as before.
+_CALIBRATED_MATMUL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _calibrate_compute(device: torch.device) -> tuple[float, float, dict[str, float]]:
     n = 512 if device.type == "cpu" else 4096
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    mm_s = _time_it(lambda: (torch.mm(a, b), sync()))
+    def matmul_rate(dtype: torch.dtype) -> float:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        return 2.0 * n**3 / _time_it(lambda: (torch.mm(a, b), sync()))
+
+    flops = matmul_rate(torch.float32)
+    by_dtype = {}
+    for dtype in _CALIBRATED_MATMUL_DTYPES:
+        if device.type == "cpu" and dtype == torch.float16:
+            continue  # not a compute dtype on CPUs (reference kernels)
+        try:
+            by_dtype[str(dtype).removeprefix("torch.")] = matmul_rate(dtype)
+        except RuntimeError:  # the device has no matmul in this dtype
+            continue
     x = torch.randn(4 * 1024 * 1024, device=device)
     add_s = _time_it(lambda: (torch.add(x, x), sync()))
-    return 2.0 * n**3 / mm_s, 3 * x.numel() * 4 / add_s
+    return flops, 3 * x.numel() * 4 / add_s, by_dtype
 
 
 def measure_comm_overlap(
@@ -441,9 +481,12 @@ def calibrated_cost_model(
     if path.exists() and os.environ.get("SIMPLEFSDP_RECALIBRATE", "") not in ("1", "true"):
         try:
             raw = json.loads(path.read_text())
-            # A file written before comm_overlap was measured, or measured
-            # in fewer rounds than now, is recalibrated.
-            current = raw.get("overlap_rounds", 1) >= OVERLAP_ROUNDS
+            # A file written before comm_overlap was measured, measured in
+            # fewer rounds than now, or without the matmul rates by dtype
+            # (Note: [Matmul rates by dtype]) is recalibrated.
+            current = (
+                raw.get("overlap_rounds", 1) >= OVERLAP_ROUNDS and "flops_per_s_by_dtype" in raw
+            )
             cached = CostModel.from_dict(raw) if "comm_overlap" in raw and current else None
         except (ValueError, KeyError, TypeError):
             cached = None
@@ -464,9 +507,15 @@ def calibrated_cost_model(
             comm.update(_calibrate_comm(group, device))
         for group in tp_groups:
             comm.update(_calibrate_comm(group, device, prefix=f"{TENSOR_PARALLEL}:"))
-        flops, bandwidth = _calibrate_compute(device)
+        flops, bandwidth, flops_by_dtype = _calibrate_compute(device)
         overlap = median_comm_overlap(groups[0], device)
-        model = CostModel(comm=comm, flops_per_s=flops, bytes_per_s=bandwidth, comm_overlap=overlap)
+        model = CostModel(
+            comm=comm,
+            flops_per_s=flops,
+            flops_per_s_by_dtype=flops_by_dtype,
+            bytes_per_s=bandwidth,
+            comm_overlap=overlap,
+        )
         logger.debug("cost model calibrated in %.2fs", time.perf_counter() - start)
     payload = [model.to_dict()]
     dist.broadcast_object_list(payload, src=0)
