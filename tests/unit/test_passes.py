@@ -268,8 +268,8 @@ def test_default_device_type_decision(fake_mesh, monkeypatch) -> None:
 
 
 def test_cost_model_calibrates_on_the_mesh_device(fake_mesh, monkeypatch) -> None:
-    from simplefsdp.compiler.backend import _mesh_device_type
     from simplefsdp.compiler.cost_model import calibration_device
+    from simplefsdp.compiler.wrapped_model import _mesh_device_type
 
     # torch's default backend with CUDA visible is "cpu:gloo,cuda:nccl": the
     # backend name alone said cpu, so a cuda mesh was calibrated with gloo.
@@ -297,10 +297,10 @@ def test_passes_leave_other_process_groups_alone(fake_mesh) -> None:
     parallelism's) are neither bucketed nor moved."""
     import copy
 
-    from simplefsdp.compiler.backend import collective_groups
     from simplefsdp.compiler.passes.bucketing import find_sites
     from simplefsdp.compiler.passes.reordering import reorder
     from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups
+    from simplefsdp.compiler.wrapped_model import collective_groups
 
     torch.manual_seed(0)
     model = simplefsdp.data_parallel(BlockStack(), fake_mesh)

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -43,6 +42,7 @@ from simplefsdp.compiler.memory_estimate import estimate_memory, staged_by
 from simplefsdp.compiler.options import CompileOptions
 from simplefsdp.compiler.partition import inductor_partitioner, partition
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
+from simplefsdp.compiler.passes.one_rank import mark_one_rank_casts, one_rank_gathers
 from simplefsdp.compiler.passes.reshard import drop_unused_gathers, kept_buckets, mark_reshard
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
 from simplefsdp.compiler.pipeline import run_graph_passes
@@ -53,6 +53,14 @@ from simplefsdp.compiler.report import (
     build_graph_report,
     fx_overlap,
     inductor_overlap,
+)
+from simplefsdp.compiler.wrapped_model import (
+    _group_backends,
+    _mesh_device_type,
+    _mesh_groups,
+    _reshard_groups_of,
+    _tp_mesh_groups,
+    collective_groups,
 )
 from simplefsdp.frontend import rank_check
 
@@ -101,97 +109,6 @@ def primal_fqns(
         for is_local in _flat_slots(value):
             result.append(fqn if is_local else None)
     return result
-
-
-def _mesh_groups(model: nn.Module) -> list:
-    """The process groups of the model's data-parallel mesh (and submeshes)."""
-    from simplefsdp.frontend.data_parallel import get_data_parallel_state
-
-    try:
-        state = get_data_parallel_state(model)
-    except ValueError:
-        return []
-    groups = [state.mesh.get_group(dim) for dim in range(state.mesh.ndim)]
-    for spec in state.param_specs.values():
-        if spec.shard_mesh is not None:
-            groups.append(spec.shard_mesh.get_group())
-            break
-    return groups
-
-
-def _group_backends(groups: list) -> dict[str, str]:
-    """Process-group name -> its backend string (``dist.get_backend``)."""
-    backends = {}
-    for group in groups:
-        try:
-            backends[group.group_name] = str(dist.get_backend(group))
-        except (RuntimeError, ValueError, AttributeError):  # not a registered c10d group
-            continue
-    return backends
-
-
-def _tp_mesh_groups(model: nn.Module) -> list:
-    """The process groups of the model's tensor-parallel mesh (none: 1-D)."""
-    from simplefsdp.frontend.data_parallel import get_data_parallel_state
-
-    try:
-        tp_mesh = get_data_parallel_state(model).tp_mesh
-    except ValueError:
-        return []
-    if tp_mesh is None:
-        return []
-    return [tp_mesh.get_group(dim) for dim in range(tp_mesh.ndim)]
-
-
-def collective_groups(model: nn.Module) -> CollectiveGroups:
-    """Which process groups of ``model``'s graphs are data parallel (the
-    mesh's dim groups and the hybrid submeshes' groups) and which tensor
-    parallel (the TP mesh's). Not wrapped: every collective counts as data
-    parallel (Note: [Data-parallel collectives only])."""
-    from simplefsdp.frontend.data_parallel import get_data_parallel_state
-
-    try:
-        state = get_data_parallel_state(model)
-    except ValueError:
-        return ALL_DATA_PARALLEL
-    meshes = [state.mesh]
-    for spec in state.param_specs.values():
-        meshes.extend(m for m in (spec.replicate_mesh, spec.shard_mesh) if m is not None)
-        if spec.tp is not None:
-            meshes.append(spec.tp.dp_mesh)
-    dp = {m.get_group(dim).group_name for m in dict.fromkeys(meshes) for dim in range(m.ndim)}
-    dp |= {g.group_name for g in state.reshard_groups.values()}  # Note: [Partial resharding]
-    tp = {g.group_name for g in _tp_mesh_groups(model)}
-    return CollectiveGroups(data_parallel=frozenset(dp), tensor_parallel=frozenset(tp - dp))
-
-
-def _reshard_groups_of(model: nn.Module, reshard_after_forward: bool | int) -> dict:
-    """The model's groups for ``reshard_after_forward=N`` (Note: [Partial resharding])."""
-    from simplefsdp.frontend.data_parallel import get_data_parallel_state
-
-    if isinstance(reshard_after_forward, bool):
-        return {}
-    try:
-        state = get_data_parallel_state(model)
-    except ValueError:
-        state = None
-    if state is None or state.reshard_after_forward != reshard_after_forward:
-        raise ValueError(
-            f"reshard_after_forward={reshard_after_forward} needs the model wrapped with "
-            f"simplefsdp.data_parallel(..., reshard_after_forward={reshard_after_forward}), "
-            "which makes the smaller groups"
-        )
-    return dict(state.reshard_groups)
-
-
-def _mesh_device_type(model: nn.Module) -> str | None:
-    """The device type of the model's data-parallel mesh (``None``: not wrapped)."""
-    from simplefsdp.frontend.data_parallel import get_data_parallel_state
-
-    try:
-        return get_data_parallel_state(model).mesh.device_type
-    except ValueError:
-        return None
 
 
 def resolve_bucketing(model: nn.Module, bucketing: Any) -> BucketPlan | None:
@@ -323,8 +240,14 @@ class _GraphCompilation:
         done = mark_reshard(
             graph, bool(options.reshard_after_forward), keep, self.backend.partial_groups
         )
+        casts, cast_bytes = mark_one_rank_casts(
+            graph, options, self.primal_names, self.backend.one_rank_gathers
+        )
         if not record:
             return
+        if casts:  # Note: [Resharding a one-rank gather]
+            self.plan_notes_joint.append(f"resharded after forward on one rank: {casts} parameter "
+                f"casts recomputed in backward ({_fmt_bytes(cast_bytes)} not held)")  # fmt: skip
         for piece, primal in done.pieces.items():  # names the backward's regathers
             if primal in self.primal_names:
                 self.primal_names[piece] = self.primal_names[primal]
@@ -445,6 +368,7 @@ class SimpleFSDPBackend:
         self.groups: CollectiveGroups = ALL_DATA_PARALLEL
         # reshard_after_forward=N: shard group name -> PartialReshardGroup.
         self.partial_groups: dict[str, Any] = {}
+        self.one_rank_gathers: frozenset[str] = frozenset()  # Note: [Resharding a one-rank gather]
         # Note: [Checking the plan with the estimator]: only on even shards.
         self.shards_evenly = False
         if model is not None:
@@ -457,6 +381,7 @@ class SimpleFSDPBackend:
             self._mesh_device_type = _mesh_device_type(model)
             self._plan = resolve_bucketing(model, options.bucketing)
             self.partial_groups = _reshard_groups_of(model, options.reshard_after_forward)
+            self.one_rank_gathers = one_rank_gathers(model)
         elif options.bucketing != "none" or not isinstance(options.reshard_after_forward, bool):
             raise ValueError(
                 f"bucketing={options.bucketing!r} and reshard_after_forward="
