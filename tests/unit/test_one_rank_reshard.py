@@ -48,7 +48,7 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def _step(mesh, reshard_after_forward, keep_gathered=None):
+def _step(mesh, reshard_after_forward, keep_gathered=None, bucketing="none"):
     """Saved tensors (shape, dtype) of one compiled step, the gradients and the report."""
     torch.manual_seed(0)
     model = _Model()
@@ -60,7 +60,7 @@ def _step(mesh, reshard_after_forward, keep_gathered=None):
         ),
         reshard_after_forward=reshard_after_forward,
     )
-    simplefsdp.compile(model, backend="aot_eager", bucketing="none", keep_gathered=keep_gathered)
+    simplefsdp.compile(model, backend="aot_eager", bucketing=bucketing, keep_gathered=keep_gathered)
     saved = []
 
     def pack(t):
@@ -104,3 +104,18 @@ def test_one_rank_keep_gathered_list_saves_the_named_casts(one_rank) -> None:
     saved, _, report = _step(one_rank, reshard_after_forward=True, keep_gathered=["out"])
     assert _bf16_weights(saved) in ([(8, DIM)], [(DIM, 8)])  # only the output projection
     assert "4 parameter casts recomputed" in _one_rank_note(report)
+
+
+def test_one_rank_keeps_the_last_buckets_casts_as_keep_gathered_counts(one_rank) -> None:
+    # Per block: blocks.0, blocks.1, then the root (the output projection),
+    # in forward order; keeping the last 2 saves blocks.1's and the root's casts.
+    saved, grads, report = _step(
+        one_rank, reshard_after_forward=True, keep_gathered=2, bucketing="per_block"
+    )
+    _, ref_grads, _ = _step(one_rank, reshard_after_forward=False, bucketing="per_block")
+    kept = _bf16_weights(saved)
+    assert len(kept) == 3 and sum(8 in shape for shape in kept) == 1, kept
+    note = _one_rank_note(report)
+    assert "2 parameter casts recomputed" in note and "casts kept for backward" in note, note
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name

@@ -240,14 +240,15 @@ class _GraphCompilation:
         done = mark_reshard(
             graph, bool(options.reshard_after_forward), keep, self.backend.partial_groups
         )
-        casts, cast_bytes = mark_one_rank_casts(
-            graph, options, self.primal_names, self.backend.one_rank_gathers
-        )
+        one_rank = mark_one_rank_casts(  # Note: [Resharding a one-rank gather]
+            graph, options, self.primal_names, self.backend.one_rank_gathers,
+            bucket_lookup(self.backend.plan()),
+            free_keep_count(options.prefetch_distance, options.reorder),
+        )  # fmt: skip
         if not record:
             return
-        if casts:  # Note: [Resharding a one-rank gather]
-            self.plan_notes_joint.append(f"resharded after forward on one rank: {casts} parameter "
-                f"casts recomputed in backward ({_fmt_bytes(cast_bytes)} not held)")  # fmt: skip
+        if one_rank.note():
+            self.plan_notes_joint.append(one_rank.note())
         for piece, primal in done.pieces.items():  # names the backward's regathers
             if primal in self.primal_names:
                 self.primal_names[piece] = self.primal_names[primal]
@@ -279,7 +280,7 @@ class _GraphCompilation:
                 f"kept gathered for backward (not resharded): {', '.join(names)} "
                 f"({_fmt_bytes(nbytes)} held from forward to backward)"
             )
-        else:
+        elif not self.backend.one_rank_gathers:  # else the one-rank note says what was kept
             self.plan_notes_joint.append("kept gathered for backward: none matched keep_gathered")
         return kept
 

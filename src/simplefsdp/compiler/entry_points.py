@@ -109,7 +109,10 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
             0: none) or a list of module/parameter FQNs (the buckets holding
             them). ``None`` (default): ``"auto"`` with ``bucketing="auto"``,
             else 0. The forward graph's report lists the kept buckets and
-            their bytes.
+            their bytes. Where a parameter's shard group has one rank its
+            read is a cast with no all-gather: the same count keeps the casts
+            of the last buckets (``"auto"``: the last ``prefetch_distance +
+            1``) and the others are cast again in backward.
         cost_model: a ``simplefsdp.compiler.CostModel`` to plan with (must be
             identical on every rank); ``None`` calibrates one on this machine
             when ``bucketing="auto"`` (here, on every rank together; cached on

@@ -11,8 +11,12 @@ Note: [Resharding a one-rank gather]
     projection (501 MiB): 31.54 GiB against eager FSDP2's 31.22, which frees its
     blocks' bf16 parameters after forward. With ``reshard_after_forward=True``
     these casts (and their views) are tagged ``MUST_RECOMPUTE`` too: backward
-    casts the stored parameter again, as FSDP2's regather does. Parameters a
-    ``keep_gathered`` list names are saved instead. Casts of parameters the
+    casts the stored parameter again, as FSDP2's regather does. The buckets
+    ``keep_gathered`` keeps are saved instead, counted as for gathered ones
+    (Note: [Keeping gathered parameters]): ``"auto"`` keeps the last
+    ``prefetch_distance + 1`` of the forward, whose casts backward needs first
+    (as FSDP2 keeps its root), an int N the last N, a list the buckets holding
+    the FQNs it names. Casts of parameters the
     compiler does not manage, and reads without a dtype change (nothing to
     free: the stored parameter is alive anyway), are left alone.
 """
@@ -20,6 +24,7 @@ Note: [Resharding a one-rank gather]
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 import torch.nn as nn
@@ -27,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
 from simplefsdp.compiler.patterns import aten, prims, shaping_closure
+from simplefsdp.compiler.report import _fmt_bytes
 from simplefsdp.frontend.parametrization import SPECS_ATTR
 
 
@@ -46,23 +52,98 @@ def one_rank_gathers(model: nn.Module) -> frozenset[str]:
     return frozenset(fqns)
 
 
+@dataclass
+class OneRankCasts:
+    """What :func:`mark_one_rank_casts` did to a joint graph."""
+
+    recomputed: int = 0  # casts recomputed in backward
+    recomputed_bytes: int = 0
+    kept_buckets: list[str] = field(default_factory=list)  # forward order
+    kept_bytes: int = 0
+
+    def note(self) -> str | None:
+        """The forward report's line (``None``: nothing to say)."""
+        if not self.recomputed and not self.kept_buckets:
+            return None
+        text = (
+            f"resharded after forward on one rank: {self.recomputed} parameter casts "
+            f"recomputed in backward ({_fmt_bytes(self.recomputed_bytes)} not held)"
+        )
+        if self.kept_buckets:
+            text += (
+                f"; casts kept for backward: {', '.join(self.kept_buckets)} "
+                f"({_fmt_bytes(self.kept_bytes)} held)"
+            )
+        return text
+
+
 def mark_one_rank_casts(
-    graph: fx.Graph, options, primal_names: Mapping[str, str], one_rank: Collection[str]
-) -> tuple[int, int]:
-    """With ``reshard_after_forward=True``, recompute the casts of the
-    parameters ``one_rank`` names (FQNs) that ``graph`` reads, except those a
-    ``keep_gathered`` list names. Returns (casts tagged, their bytes)."""
+    graph: fx.Graph,
+    options,
+    primal_names: Mapping[str, str],
+    one_rank: Collection[str],
+    bucket_of: Callable[[str], tuple[int, str] | None],
+    free_keep: int,
+) -> OneRankCasts:
+    """With ``reshard_after_forward=True``, tag the casts of the parameters
+    ``one_rank`` names (FQNs) that ``graph`` reads ``MUST_RECOMPUTE``, except
+    the buckets ``keep_gathered`` keeps, counted as for gathered buckets:
+    ``"auto"`` keeps the last ``free_keep`` buckets of the forward (their
+    casts are used at the forward/backward boundary anyway), an int N the
+    last N, a list of module/parameter FQNs the buckets holding them
+    (Note: [Resharding a one-rank gather])."""
+    result = OneRankCasts()
     if options.reshard_after_forward is not True or not one_rank:
-        return 0, 0
+        return result
     local = {name for name, fqn in primal_names.items() if fqn in one_rank}
-    keep = options.keep_gathered
-    listed = keep if isinstance(keep, (list, tuple)) else ()
+    chains = find_local_cast_chains(graph, local)
+    # Buckets in the order of their first use in forward.
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    order: list[int] = []
+    names: dict[int, str] = {}
+    members: dict[int, list[tuple[fx.Node, tuple[fx.Node, ...]]]] = {}
+    first_use = {chain[0]: _first_use(chain[1], position) for chain in chains}
+    for chain in sorted(chains, key=lambda c: first_use[c[0]]):
+        bucket = bucket_of(primal_names[chain[0].name])
+        if bucket is None:
+            continue
+        index, name = bucket
+        if index not in members:
+            order.append(index)
+            names[index] = name
+        members.setdefault(index, []).append(chain)
+    keep = options.resolved_keep_gathered()
+    keep = free_keep if keep == "auto" else keep
+    if isinstance(keep, int):
+        chosen = order[len(order) - keep :] if keep > 0 else []
+    else:
+        prefixes = tuple(keep)
 
-    def kept(name: str) -> bool:
-        fqn = primal_names[name]
-        return any(fqn == f or fqn.startswith(f + ".") for f in listed)
+        def named(placeholder: fx.Node) -> bool:
+            fqn = primal_names[placeholder.name]
+            return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
 
-    return mark_local_casts(graph, local, kept)
+        chosen = [i for i in order if any(named(c[0]) for c in members[i])]
+    kept = {c[0] for i in chosen for c in members[i]}
+    result.kept_buckets = [names[i] for i in sorted(chosen, key=order.index)]
+    for placeholder, nodes in chains:
+        nbytes = max(_gathered_bytes(n) for n in nodes if _changes_dtype(n))
+        if placeholder in kept:
+            result.kept_bytes += nbytes
+            continue
+        for node in nodes:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta.pop("ac_graph_id", None)
+        result.recomputed += 1
+        result.recomputed_bytes += nbytes
+    return result
+
+
+def _first_use(nodes: tuple[fx.Node, ...], position: Mapping[fx.Node, int]) -> int:
+    """Graph position of the first node outside ``nodes`` that reads one of them."""
+    members = set(nodes)
+    uses = [position[u] for n in nodes for u in n.users if u not in members]
+    return min(uses, default=len(position))
 
 
 def find_local_cast_chains(
@@ -78,24 +159,6 @@ def find_local_cast_chains(
         if any(_changes_dtype(n) for n in closure):
             chains.append((node, closure))
     return chains
-
-
-def mark_local_casts(
-    graph: fx.Graph, placeholders: Collection[str], keep: Callable[[str], bool] = lambda n: False
-) -> tuple[int, int]:
-    """Tag the one-rank parameter casts of ``graph`` ``MUST_RECOMPUTE``
-    (Note: [Resharding a one-rank gather]), except those of inputs ``keep``
-    accepts. Returns (casts tagged, their bytes in the cast dtype)."""
-    count = nbytes = 0
-    for placeholder, nodes in find_local_cast_chains(graph, placeholders):
-        if keep(placeholder.name):
-            continue
-        for node in nodes:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta.pop("ac_graph_id", None)
-        count += 1
-        nbytes += max(_gathered_bytes(n) for n in nodes if _changes_dtype(n))
-    return count, nbytes
 
 
 def _gathered_bytes(node: fx.Node) -> int:
