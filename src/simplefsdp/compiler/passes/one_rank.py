@@ -125,7 +125,7 @@ def mark_one_rank_casts(
 
         chosen = [i for i in order if any(named(c[0]) for c in members[i])]
     kept = {c[0] for i in chosen for c in members[i]}
-    result.kept_buckets = [names[i] for i in sorted(chosen, key=order.index)]
+    result.kept_buckets = [names[i] for i in chosen]
     for placeholder, nodes in chains:
         nbytes = max(_gathered_bytes(n) for n in nodes if _changes_dtype(n))
         if placeholder in kept:
