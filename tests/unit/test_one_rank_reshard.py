@@ -48,7 +48,7 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def _step(mesh, reshard_after_forward, keep_gathered=None, bucketing="none"):
+def _step(mesh, reshard_after_forward, keep_gathered=None, bucketing="none", cost_model=None):
     """Saved tensors (shape, dtype) of one compiled step, the gradients and the report."""
     torch.manual_seed(0)
     model = _Model()
@@ -60,7 +60,13 @@ def _step(mesh, reshard_after_forward, keep_gathered=None, bucketing="none"):
         ),
         reshard_after_forward=reshard_after_forward,
     )
-    simplefsdp.compile(model, backend="aot_eager", bucketing=bucketing, keep_gathered=keep_gathered)
+    simplefsdp.compile(
+        model,
+        backend="aot_eager",
+        bucketing=bucketing,
+        keep_gathered=keep_gathered,
+        cost_model=cost_model,
+    )
     saved = []
 
     def pack(t):
@@ -119,3 +125,18 @@ def test_one_rank_keeps_the_last_buckets_casts_as_keep_gathered_counts(one_rank)
     assert "2 parameter casts recomputed" in note and "casts kept for backward" in note, note
     for name in grads:
         assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_one_rank_auto_keeps_the_free_buckets_without_a_keep_search(one_rank) -> None:
+    # "auto" on a one-rank mesh: the last prefetch_distance + 1 = 2 buckets'
+    # casts are kept; there is no gathered bucket, so the budgeted keep
+    # search (a trial partition per graph) does not run.
+    from simplefsdp.compiler import CostModel
+
+    saved, _, report = _step(
+        one_rank, reshard_after_forward=True, bucketing="auto", cost_model=CostModel()
+    )
+    assert len(_bf16_weights(saved)) == 3
+    (forward,) = [g for g in report.graphs if g.graph == "forward"]
+    assert not any("keep search" in n for n in forward.notes), forward.notes
+    assert "2 parameter casts recomputed" in _one_rank_note(report)

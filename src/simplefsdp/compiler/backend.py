@@ -155,13 +155,16 @@ class _GraphCompilation:
 
     def searches_keep(self) -> bool:
         """Whether ``keep_gathered="auto"`` is decided by the budgeted search
-        of Note: [Keeping what eager FSDP2 would hold]."""
-        options = self.backend.options
+        of Note: [Keeping what eager FSDP2 would hold]. Not where every
+        parameter is read without a collective (Note: [Resharding a one-rank
+        gather]): there is no gathered bucket to keep."""
+        options, one_rank = self.backend.options, self.backend.one_rank_gathers
         return (
             options.resolved_keep_gathered() == "auto"
             and options.reshard_after_forward is True
             and not self.backend.partial_groups
             and self.backend.plan() is not None
+            and not (one_rank and all(f in one_rank for f in self.fqns if f))
         )
 
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):

@@ -16,7 +16,8 @@ Note: [Resharding a one-rank gather]
     (Note: [Keeping gathered parameters]): ``"auto"`` keeps the last
     ``prefetch_distance + 1`` of the forward, whose casts backward needs first
     (as FSDP2 keeps its root), an int N the last N, a list the buckets holding
-    the FQNs it names. Casts of parameters the
+    the FQNs it names; the budgeted keep search does not run where every
+    parameter is read so (there is no gathered bucket). Casts of parameters the
     compiler does not manage, and reads without a dtype change (nothing to
     free: the stored parameter is alive anyway), are left alone.
 """
