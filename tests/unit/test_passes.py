@@ -269,7 +269,7 @@ def test_default_device_type_decision(fake_mesh, monkeypatch) -> None:
 
 def test_cost_model_calibrates_on_the_mesh_device(fake_mesh, monkeypatch) -> None:
     from simplefsdp.compiler.cost_model import calibration_device
-    from simplefsdp.compiler.wrapped_model import _mesh_device_type
+    from simplefsdp.compiler.wrapped_model import mesh_device_type
 
     # torch's default backend with CUDA visible is "cpu:gloo,cuda:nccl": the
     # backend name alone said cpu, so a cuda mesh was calibrated with gloo.
@@ -281,8 +281,8 @@ def test_cost_model_calibrates_on_the_mesh_device(fake_mesh, monkeypatch) -> Non
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
     assert calibration_device(None) == torch.device("cuda", 3)
     model = simplefsdp.data_parallel(BlockStack(), fake_mesh)
-    assert _mesh_device_type(model) == "cpu"
-    assert _mesh_device_type(BlockStack()) is None
+    assert mesh_device_type(model) == "cpu"
+    assert mesh_device_type(BlockStack()) is None
 
 
 # ------------------------------------------- data-parallel vs other collectives

@@ -55,12 +55,12 @@ from simplefsdp.compiler.report import (
     inductor_overlap,
 )
 from simplefsdp.compiler.wrapped_model import (
-    _group_backends,
-    _mesh_device_type,
-    _mesh_groups,
-    _reshard_groups_of,
-    _tp_mesh_groups,
     collective_groups,
+    group_backends,
+    mesh_device_type,
+    mesh_groups,
+    reshard_groups_of,
+    tp_mesh_groups,
 )
 from simplefsdp.frontend import rank_check
 
@@ -378,13 +378,13 @@ class SimpleFSDPBackend:
         if model is not None:
             self.shards_evenly = plan_check.shards_evenly(model)
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
-            self._mesh_groups = _mesh_groups(model)
-            self._tp_mesh_groups = _tp_mesh_groups(model)
-            self.staging = staged_by(_group_backends(self._mesh_groups + self._tp_mesh_groups))
+            self._mesh_groups = mesh_groups(model)
+            self._tp_mesh_groups = tp_mesh_groups(model)
+            self.staging = staged_by(group_backends(self._mesh_groups + self._tp_mesh_groups))
             self.groups = collective_groups(model)
-            self._mesh_device_type = _mesh_device_type(model)
+            self._mesh_device_type = mesh_device_type(model)
             self._plan = resolve_bucketing(model, options.bucketing)
-            self.partial_groups = _reshard_groups_of(model, options.reshard_after_forward)
+            self.partial_groups = reshard_groups_of(model, options.reshard_after_forward)
             self.one_rank_gathers = one_rank_gathers(model)
         elif options.bucketing != "none" or not isinstance(options.reshard_after_forward, bool):
             raise ValueError(

@@ -9,7 +9,7 @@ import torch.nn as nn
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups
 
 
-def _mesh_groups(model: nn.Module) -> list:
+def mesh_groups(model: nn.Module) -> list:
     """The process groups of the model's data-parallel mesh (and submeshes)."""
     from simplefsdp.frontend.data_parallel import get_data_parallel_state
 
@@ -25,7 +25,7 @@ def _mesh_groups(model: nn.Module) -> list:
     return groups
 
 
-def _group_backends(groups: list) -> dict[str, str]:
+def group_backends(groups: list) -> dict[str, str]:
     """Process-group name -> its backend string (``dist.get_backend``)."""
     backends = {}
     for group in groups:
@@ -36,7 +36,7 @@ def _group_backends(groups: list) -> dict[str, str]:
     return backends
 
 
-def _tp_mesh_groups(model: nn.Module) -> list:
+def tp_mesh_groups(model: nn.Module) -> list:
     """The process groups of the model's tensor-parallel mesh (none: 1-D)."""
     from simplefsdp.frontend.data_parallel import get_data_parallel_state
 
@@ -67,11 +67,11 @@ def collective_groups(model: nn.Module) -> CollectiveGroups:
             meshes.append(spec.tp.dp_mesh)
     dp = {m.get_group(dim).group_name for m in dict.fromkeys(meshes) for dim in range(m.ndim)}
     dp |= {g.group_name for g in state.reshard_groups.values()}  # Note: [Partial resharding]
-    tp = {g.group_name for g in _tp_mesh_groups(model)}
+    tp = {g.group_name for g in tp_mesh_groups(model)}
     return CollectiveGroups(data_parallel=frozenset(dp), tensor_parallel=frozenset(tp - dp))
 
 
-def _reshard_groups_of(model: nn.Module, reshard_after_forward: bool | int) -> dict:
+def reshard_groups_of(model: nn.Module, reshard_after_forward: bool | int) -> dict:
     """The model's groups for ``reshard_after_forward=N`` (Note: [Partial resharding])."""
     from simplefsdp.frontend.data_parallel import get_data_parallel_state
 
@@ -90,7 +90,7 @@ def _reshard_groups_of(model: nn.Module, reshard_after_forward: bool | int) -> d
     return dict(state.reshard_groups)
 
 
-def _mesh_device_type(model: nn.Module) -> str | None:
+def mesh_device_type(model: nn.Module) -> str | None:
     """The device type of the model's data-parallel mesh (``None``: not wrapped)."""
     from simplefsdp.frontend.data_parallel import get_data_parallel_state
 
