@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
+from simplefsdp.compiler.passes.reshard import choose_buckets, group_by_bucket
 from simplefsdp.compiler.patterns import aten, prims, shaping_closure
 from simplefsdp.compiler.report import _fmt_bytes
 from simplefsdp.frontend.parametrization import SPECS_ATTR
@@ -100,31 +101,12 @@ def mark_one_rank_casts(
     chains = find_local_cast_chains(graph, local)
     # Buckets in the order of their first use in forward.
     position = {node: i for i, node in enumerate(graph.nodes)}
-    order: list[int] = []
-    names: dict[int, str] = {}
-    members: dict[int, list[tuple[fx.Node, tuple[fx.Node, ...]]]] = {}
     first_use = {chain[0]: _first_use(chain[1], position) for chain in chains}
-    for chain in sorted(chains, key=lambda c: first_use[c[0]]):
-        bucket = bucket_of(primal_names[chain[0].name])
-        if bucket is None:
-            continue
-        index, name = bucket
-        if index not in members:
-            order.append(index)
-            names[index] = name
-        members.setdefault(index, []).append(chain)
+    ordered = sorted(chains, key=lambda c: first_use[c[0]])
+    fqn = lambda chain: primal_names[chain[0].name]  # noqa: E731
+    order, names, members = group_by_bucket(ordered, fqn, bucket_of)
     keep = options.resolved_keep_gathered()
-    keep = free_keep if keep == "auto" else keep
-    if isinstance(keep, int):
-        chosen = order[len(order) - keep :] if keep > 0 else []
-    else:
-        prefixes = tuple(keep)
-
-        def named(placeholder: fx.Node) -> bool:
-            fqn = primal_names[placeholder.name]
-            return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
-
-        chosen = [i for i in order if any(named(c[0]) for c in members[i])]
+    chosen = choose_buckets(order, members, free_keep if keep == "auto" else keep, fqn)
     kept = {c[0] for i in chosen for c in members[i]}
     result.kept_buckets = [names[i] for i in chosen]
     for placeholder, nodes in chains:

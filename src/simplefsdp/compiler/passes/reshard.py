@@ -270,16 +270,9 @@ def kept_buckets(
         bytes of the kept buckets)``.
     """
     order, names, members = _buckets_in_forward_order(graph, bucket_of, fqn_of)
-    if isinstance(keep_gathered, int):
-        chosen = order[len(order) - keep_gathered :] if keep_gathered > 0 else []
-    else:
-        prefixes = tuple(keep_gathered)
-
-        def named(chain: GatherChain) -> bool:
-            fqn = fqn_of(chain.placeholder.name) or ""
-            return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
-
-        chosen = [i for i in order if any(named(c) for c in members[i])]
+    chosen = choose_buckets(
+        order, members, keep_gathered, lambda c: fqn_of(c.placeholder.name) or ""
+    )
     kept = {c.placeholder.name for i in chosen for c in members[i]}
     nbytes = sum(_gathered_bytes(c.wait) for i in chosen for c in members[i])
     return kept, [names[i] for i in chosen], nbytes
@@ -291,11 +284,24 @@ def _buckets_in_forward_order(
     fqn_of: Callable[[str], str | None],
 ) -> tuple[list[int], dict[int, str], dict[int, list[GatherChain]]]:
     """Bucket indices by their first all-gather, their names and chains."""
+    return group_by_bucket(
+        find_gather_chains(graph), lambda c: fqn_of(c.placeholder.name), bucket_of
+    )
+
+
+def group_by_bucket(
+    items: Sequence[Any],
+    fqn_of: Callable[[Any], str | None],
+    bucket_of: Callable[[str], tuple[int, str] | None],
+) -> tuple[list[int], dict[int, str], dict[int, list[Any]]]:
+    """``items`` (in forward order) grouped by their parameter's bucket:
+    bucket indices in order of first appearance, their names and members.
+    Items without a parameter or bucket are left out."""
     order: list[int] = []
     names: dict[int, str] = {}
-    members: dict[int, list[GatherChain]] = {}
-    for chain in find_gather_chains(graph):
-        fqn = fqn_of(chain.placeholder.name)
+    members: dict[int, list[Any]] = {}
+    for item in items:
+        fqn = fqn_of(item)
         bucket = bucket_of(fqn) if fqn is not None else None
         if bucket is None:
             continue
@@ -303,8 +309,28 @@ def _buckets_in_forward_order(
         if index not in members:
             order.append(index)
             names[index] = name
-        members.setdefault(index, []).append(chain)
+        members.setdefault(index, []).append(item)
     return order, names, members
+
+
+def choose_buckets(
+    order: list[int],
+    members: dict[int, list[Any]],
+    keep_gathered: int | Sequence[str],
+    fqn_of: Callable[[Any], str],
+) -> list[int]:
+    """The buckets ``keep_gathered`` keeps (Note: [Keeping gathered
+    parameters]): the last N of ``order``, or those holding a member whose
+    FQN is or lies under one it names."""
+    if isinstance(keep_gathered, int):
+        return order[len(order) - keep_gathered :] if keep_gathered > 0 else []
+    prefixes = tuple(keep_gathered)
+
+    def named(item: Any) -> bool:
+        fqn = fqn_of(item)
+        return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+    return [i for i in order if any(named(m) for m in members[i])]
 
 
 def gathered_bucket_bytes(
