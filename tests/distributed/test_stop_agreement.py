@@ -2,35 +2,44 @@
 
 from __future__ import annotations
 
+import signal
+
+import pytest
 import torch
 
 from simplefsdp.testing import run_distributed
 
 
-def _agree(asked_at: dict[int, int]) -> list[bool]:
+def _agree(signalled_at: dict[int, tuple[int, int]]) -> list[int]:
     import torch.distributed as dist
 
     from simplefsdp.train.interrupts import StopAgreement
 
     agreement = StopAgreement(torch.device("cpu"), dist.get_world_size())
-    rank, asked = dist.get_rank(), False
+    rank, signum = dist.get_rank(), None
     results = []
     for step in range(1, 7):
-        asked = asked or asked_at.get(rank) == step
-        results.append(agreement.after_step(asked))
+        at, sig = signalled_at.get(rank, (0, 0))
+        signum = signum or (sig if at == step else None)
+        results.append(agreement.after_step(signum))
     return results
 
 
-def test_all_ranks_stop_after_the_same_step():
-    # rank 1 is signalled during step 3; rank 0 during step 5 (too late to matter)
-    results = run_distributed(_agree, world_size=2, args=({1: 3, 0: 5},))
-    expected = [False, False, False, True, True, True]  # known after step 4
-    assert results == [expected, expected]
+def test_all_ranks_stop_after_the_same_step_and_learn_the_signal():
+    # rank 1 gets SIGTERM during step 3; rank 0 SIGINT during step 5 (too late
+    # to matter): both learn after step 4 that SIGTERM stopped the run
+    term, intr = int(signal.SIGTERM), int(signal.SIGINT)
+    results = run_distributed(_agree, world_size=2, args=({1: (3, term), 0: (5, intr)},))
+    assert results[0] == results[1] == [0, 0, 0, term, term, term]
 
 
 def test_one_process_answers_at_once():
     from simplefsdp.train.interrupts import StopAgreement
 
     agreement = StopAgreement(torch.device("cpu"), 1)
-    assert agreement.after_step(False) is False
-    assert agreement.after_step(True) is True
+    assert agreement.after_step(None) == 0
+    assert agreement.after_step(int(signal.SIGINT)) == int(signal.SIGINT)
+    with pytest.raises(
+        ValueError, match="signum must be a positive signal number or None, got True"
+    ):
+        agreement.after_step(True)

@@ -160,6 +160,26 @@ def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_signal_to_one_worker_stops_both_and_rank_0_names_it(tmp_path):
+    """Note: [Clean stop]: SIGTERM to rank 1 alone (a scheduler stopping one
+    process); both ranks stop after the same step and rank 0, which received
+    nothing, reports the signal that rank 1 received."""
+    proc = _training(tmp_path, stderr=subprocess.PIPE)
+    (rank_1,) = [
+        pid
+        for pid in children(proc.pid)
+        if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    ]
+    os.kill(rank_1, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    (line,) = [x for x in out.splitlines() if "stopped by SIGTERM (received by another rank)" in x]
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
     """Note: [Orphaned workers]: SIGKILL to the launcher alone (as the OOM
     killer sends it) leaves workers in sessions of their own; they stop

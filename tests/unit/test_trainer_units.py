@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -388,3 +389,34 @@ def test_check_ranks_setting_reaches_the_engine_spec():
     assert engine_spec(load_config(None, [])).check_ranks is True
     job = load_config(None, ["--parallel.check_ranks", "false"])
     assert engine_spec(job).check_ranks is False
+
+
+class _Failures:
+    """What ``_report_failure`` reads of torchelastic's ``ChildFailedError``."""
+
+    def __init__(self, codes: dict[int, int]) -> None:
+        self.failures = {rank: SimpleNamespace(exitcode=c) for rank, c in codes.items()}
+
+    def format_msg(self) -> str:
+        return "details"
+
+
+@pytest.mark.parametrize(
+    ("codes", "marked", "expected"),
+    [
+        ({0: 143, 1: 143}, False, 143),  # every rank stopped cleanly
+        ({0: -15, 1: 143}, True, 143),  # rank 0 reported, then torn down by the agent
+        ({0: -15, 1: 143}, False, 1),  # nobody reported: killed mid-step
+        ({0: -9, 1: 143}, True, 1),  # SIGKILL is not a teardown
+        ({0: -15, 1: -15}, True, 1),  # no rank finished a clean stop
+    ],
+)
+def test_a_clean_stop_torn_down_by_the_agent_is_still_clean(
+    tmp_path, capsys, codes, marked, expected
+):
+    from simplefsdp.train.launch import STOPPED_MARK, _report_failure
+
+    if marked:
+        (tmp_path / STOPPED_MARK).touch()
+    assert _report_failure(_Failures(codes), tmp_path) == expected
+    assert ("training failed" in capsys.readouterr().err) == (expected == 1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -278,7 +279,12 @@ def _run_worker(job: JobConfig) -> int:
             summary = trainer.train()
         except TrainingError as exc:
             return _report_worker_error(_one_line(exc), 1)
-        if trainer.rank == 0 and not summary.interrupted_by:  # a stop is reported in one line
+        if summary.interrupted_by:
+            # Stopped cleanly and saved: the agent's SIGTERM, sent once another
+            # rank has exited, must not cut this rank's teardown short.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+        elif trainer.rank == 0:  # a stop is reported in one line
             print(summary.format(), flush=True)
         clean = True
         return trainer.exit_code

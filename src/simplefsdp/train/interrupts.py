@@ -2,8 +2,9 @@
 
 Note: [Clean stop]
     A SIGINT or SIGTERM only sets a flag; the step in progress finishes.
-    After every step each rank posts its flag in an asynchronous all-reduce
-    (MAX) and reads the result of the *previous* step's (``StopAgreement``),
+    After every step each rank posts the signal it received (0: none) in an
+    asynchronous all-reduce (MAX) and reads the result of the *previous*
+    step's (``StopAgreement``),
     so all ranks stop after the same step, one step after the signal, without
     a per-step device synchronisation (on CUDA the result is copied to pinned
     host memory on a side stream and only that copy is waited for). They save
@@ -12,6 +13,12 @@ Note: [Clean stop]
     process; torchrun's agent then also sends SIGTERM to its workers and kills
     them 30 s later, which bounds how long the final save may take (a save cut
     short leaves the previous checkpoint intact: saves are atomic).
+    A rank that received nothing itself (one worker signalled by a scheduler,
+    or its launcher watcher firing a moment after another rank's) reports
+    the agreed signal "received by another rank". The first rank to exit
+    makes torchrun's agent SIGTERM the rest, which by then have saved: a
+    stopped worker ignores further signals while it tears down, and the
+    launcher counts such a teardown as part of the clean stop.
 """
 
 from __future__ import annotations
@@ -110,6 +117,9 @@ class StopAgreement:
 
     Every rank calls :meth:`after_step` once per step, in the same order as
     its other collectives; the result for step N is known after step N + 1.
+    What is agreed is a signal number (the largest any rank received), so a
+    rank whose own watcher or handler has not fired yet still reports which
+    signal stopped the run.
 
     Args:
         device: where the default process group's collectives run (``cuda``
@@ -122,18 +132,21 @@ class StopAgreement:
         self.world_size = world_size
         self._pending = None  # (flag, work, host copy, event) of the previous step
 
-    def after_step(self, asked: bool) -> bool:
-        """Post this step's flag; return the agreed flag of the previous step."""
+    def after_step(self, signum: int | None) -> int:
+        """Post this step's signal (``None``: none received); return the
+        previous step's agreed signal number, 0 when no rank had one."""
+        if signum is not None and (type(signum) is not int or signum <= 0):
+            raise ValueError(f"signum must be a positive signal number or None, got {signum!r}")
         if self.world_size == 1:
-            return asked
-        previous, self._pending = self._pending, self._post(asked)
-        return previous is not None and self._read(previous)
+            return signum or 0
+        previous, self._pending = self._pending, self._post(signum or 0)
+        return 0 if previous is None else self._read(previous)
 
-    def _post(self, asked: bool):
+    def _post(self, signum: int):
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if asked else 0], dtype=torch.int32, device=self.device)
+        flag = torch.tensor([signum], dtype=torch.int32, device=self.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         if self.device.type != "cuda":
             return flag, work, None, None
@@ -147,10 +160,10 @@ class StopAgreement:
         return flag, work, host, event
 
     @staticmethod
-    def _read(pending) -> bool:
+    def _read(pending) -> int:
         flag, work, host, event = pending
         if event is None:
             work.wait()
-            return bool(flag.item())
+            return int(flag.item())
         event.synchronize()  # the previous step's flag only, not this step's work
-        return bool(host.item())
+        return int(host.item())

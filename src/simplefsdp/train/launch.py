@@ -130,9 +130,17 @@ def _report_failure(exc: Any, error_dir: Path) -> int:
         print(f"simplefsdp train: error: {message}", file=sys.stderr)
         return int(code)
     codes = {failure.exitcode for failure in exc.failures.values()}
-    stopped = {c for c in codes if c in (128 + signal.SIGINT, 128 + signal.SIGTERM)}
+    stop_codes = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    stopped = {c for c in codes if c in stop_codes}
     if stopped and stopped == codes:
-        return stopped.pop()  # a clean stop, already reported by rank 0
+        return max(stopped)  # a clean stop, already reported by rank 0
+    # A rank that ended its clean stop first makes the agent send the others
+    # SIGTERM while they tear down (they saved and reported already, Note:
+    # [Clean stop]); rank 0's mark tells that apart from a worker killed
+    # mid-step.
+    torn_down = {-signal.SIGINT, -signal.SIGTERM}
+    if stopped and codes <= stopped | torn_down and (error_dir / STOPPED_MARK).exists():
+        return max(stopped)
     logger.debug("worker failure details: %s", exc.format_msg())
     failed = sorted(exc.failures)
     print(

@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -498,8 +499,9 @@ class Trainer:
                     self._record_summary(record)
                     window_steps, window_s = 0, 0.0
                 self._after_step(step, record)
-                if self._stop_agreed(stop):
-                    self._stop_cleanly(step, stop)
+                agreed = self._stop_agreed(stop)
+                if agreed:
+                    self._stop_cleanly(step, stop, agreed)
                     break
         self._finish_summary(time.perf_counter() - run_start, steady_s)
         return self.summary
@@ -526,22 +528,27 @@ class Trainer:
             served = f" (Inductor cache: {cache['hit']} hits, {cache['miss']} misses)"
         self._progress.line(f"compiled and ran step 1 in {self.summary.compile_s:.1f}s{served}")
 
-    def _stop_agreed(self, stop: StopRequest) -> bool:
-        """Whether any rank was asked to stop, agreed one step late so that all
-        ranks stop after the same step (Note: [Clean stop])."""
+    def _stop_agreed(self, stop: StopRequest) -> int:
+        """The signal any rank was stopped by (0: none), agreed one step late so
+        that all ranks stop after the same step (Note: [Clean stop])."""
         if self._stop_agreement is None:
             self._stop_agreement = StopAgreement(comm_device(self.device), self.world_size)
-        return self._stop_agreement.after_step(stop.signum is not None)
+        return self._stop_agreement.after_step(stop.signum)
 
-    def _stop_cleanly(self, step: int, stop: StopRequest) -> None:
+    def _stop_cleanly(self, step: int, stop: StopRequest, agreed: int) -> None:
         """Save a checkpoint of ``step`` (unless just saved) and report; see Note: [Clean stop]."""
         ck = self.job.checkpoint
         saved = ck.enable and self._should(ck.interval, step)
         if ck.enable and not saved:
             self.summary.checkpoint = str(self.checkpointer.save(step, self._trainer_state(step)))
-        signal_name = stop.name or "another rank's signal"
+        # This rank's own signal where it had one; else the one another rank
+        # received (its watcher or handler may fire a moment later than theirs).
+        signum = stop.signum or agreed
+        signal_name = signal.Signals(signum).name
+        if stop.signum is None:
+            signal_name += " (received by another rank)"
         self.summary.interrupted_by = signal_name
-        self.exit_code = stop.exit_code or 128 + 15
+        self.exit_code = 128 + signum
         if self.rank == 0:
             where = (
                 f"saved {self.summary.checkpoint}; continue with: simplefsdp train --resume"
