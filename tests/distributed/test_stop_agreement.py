@@ -43,3 +43,14 @@ def test_one_process_answers_at_once():
         ValueError, match="signum must be a positive signal number or None, got True"
     ):
         agreement.after_step(True)
+
+
+def test_a_rank_without_a_signal_reports_the_agreed_one():
+    from simplefsdp.train.interrupts import StopRequest
+
+    quiet, signalled = StopRequest(), StopRequest()
+    signalled._handle(int(signal.SIGINT), None)
+    assert quiet.settle(int(signal.SIGTERM)) == "SIGTERM (received by another rank)"
+    assert quiet.exit_code == 128 + signal.SIGTERM
+    assert signalled.settle(int(signal.SIGTERM)) == "SIGINT"  # its own signal first
+    assert signalled.exit_code == 128 + signal.SIGINT

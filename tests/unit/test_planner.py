@@ -353,29 +353,17 @@ def test_kept_buckets_are_not_gathered_again_in_the_replay() -> None:
     assert pipeline_time_s(buckets, cm, True, kept=partly) == pipeline_time_s(buckets, cm, True)
 
 
-def test_the_cached_overlap_is_a_median_and_single_measurements_are_recalibrated(
-    tmp_path, monkeypatch
-) -> None:
-    # Note: [Communication competing with compute]: one measurement ranged
-    # 0-0.52 on the development machine; the cache keeps a median of several,
-    # and a cache file with one measurement in it is measured again.
-    import json
-
+@pytest.fixture
+def calibration_cache(tmp_path, monkeypatch):
+    """A one-rank gloo group and an empty calibration cache under ``tmp_path``,
+    with the communication calibration replaced by a fixed fit; yields the
+    cache file's path and that fit."""
     import torch.distributed as dist
 
     from simplefsdp.compiler import cost_model as cm
 
-    samples = iter([0.5, 0.0, 0.1, 0.9, 0.2] * 2)
-    calls = []
-
-    def overlap(group, device, timer=None):
-        calls.append(1)
-        return next(samples)
-
-    monkeypatch.setattr(cm, "measure_comm_overlap", overlap)
     fit = {f"{kind}/1": LinearFit(1e-4, 1e-9) for kind in ("all_gather", "reduce_scatter")}
     monkeypatch.setattr(cm, "_calibrate_comm", lambda group, device, prefix="": fit)
-    monkeypatch.setattr(cm, "_calibrate_compute", lambda device: (1e10, 1e9, {}))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SIMPLEFSDP_RECALIBRATE", raising=False)
     dist.init_process_group(
@@ -384,16 +372,39 @@ def test_the_cached_overlap_is_a_median_and_single_measurements_are_recalibrated
     try:
         path = cm._cache_path("gloo", 1, "cpu")
         path.parent.mkdir(parents=True)
-        one = CostModel(comm=dict(fit), comm_overlap=0.52)  # one measurement, no rounds
-        path.write_text(json.dumps(one.to_dict()))
-        model = cm.calibrated_cost_model(device_type="cpu")
-        assert len(calls) == cm.OVERLAP_ROUNDS == 5
-        assert model.comm_overlap == pytest.approx(0.2)  # median of 0.5, 0, 0.1, 0.9, 0.2
-        assert json.loads(path.read_text())["overlap_rounds"] == cm.OVERLAP_ROUNDS
-        again = cm.calibrated_cost_model(device_type="cpu")  # from the cache now
-        assert len(calls) == 5 and again.comm_overlap == pytest.approx(0.2)
+        yield path, fit
     finally:
         dist.destroy_process_group()
+
+
+def test_the_cached_overlap_is_a_median_and_single_measurements_are_recalibrated(
+    calibration_cache, monkeypatch
+) -> None:
+    # Note: [Communication competing with compute]: one measurement ranged
+    # 0-0.52 on the development machine; the cache keeps a median of several,
+    # and a cache file with one measurement in it is measured again.
+    import json
+
+    from simplefsdp.compiler import cost_model as cm
+
+    path, fit = calibration_cache
+    samples = iter([0.5, 0.0, 0.1, 0.9, 0.2] * 2)
+    calls = []
+
+    def overlap(group, device, timer=None):
+        calls.append(1)
+        return next(samples)
+
+    monkeypatch.setattr(cm, "measure_comm_overlap", overlap)
+    monkeypatch.setattr(cm, "_calibrate_compute", lambda device: (1e10, 1e9, {}))
+    one = CostModel(comm=dict(fit), comm_overlap=0.52)  # one measurement, no rounds
+    path.write_text(json.dumps(one.to_dict()))
+    model = cm.calibrated_cost_model(device_type="cpu")
+    assert len(calls) == cm.OVERLAP_ROUNDS == 5
+    assert model.comm_overlap == pytest.approx(0.2)  # median of 0.5, 0, 0.1, 0.9, 0.2
+    assert json.loads(path.read_text())["overlap_rounds"] == cm.OVERLAP_ROUNDS
+    again = cm.calibrated_cost_model(device_type="cpu")  # from the cache now
+    assert len(calls) == 5 and again.comm_overlap == pytest.approx(0.2)
 
 
 def test_matmuls_are_priced_at_their_dtype_rate() -> None:
@@ -429,41 +440,30 @@ def test_matmuls_are_priced_at_their_dtype_rate() -> None:
     assert CostModel.from_dict(data).flops_per_s_by_dtype == {}
 
 
-def test_a_cached_cost_model_without_dtype_rates_is_recalibrated(tmp_path, monkeypatch) -> None:
+def test_a_cached_cost_model_without_dtype_rates_is_recalibrated(
+    calibration_cache, monkeypatch
+) -> None:
     import json
-
-    import torch.distributed as dist
 
     from simplefsdp.compiler import cost_model as cm
 
+    path, fit = calibration_cache
     calls = []
 
     def compute(device):
         calls.append(device)
         return 1e10, 1e9, {"bfloat16": 3e11}
 
-    fit = {f"{kind}/1": LinearFit(1e-4, 1e-9) for kind in ("all_gather", "reduce_scatter")}
     monkeypatch.setattr(cm, "measure_comm_overlap", lambda group, device, timer=None: 0.5)
-    monkeypatch.setattr(cm, "_calibrate_comm", lambda group, device, prefix="": fit)
     monkeypatch.setattr(cm, "_calibrate_compute", compute)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("SIMPLEFSDP_RECALIBRATE", raising=False)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        path = cm._cache_path("gloo", 1, "cpu")
-        path.parent.mkdir(parents=True)
-        old = CostModel(comm=dict(fit), comm_overlap=0.5).to_dict()
-        del old["flops_per_s_by_dtype"]  # written before the rates by dtype
-        path.write_text(json.dumps({**old, "overlap_rounds": cm.OVERLAP_ROUNDS}))
-        model = cm.calibrated_cost_model(device_type="cpu")
-        assert len(calls) == 1 and model.flops_per_s_by_dtype == {"bfloat16": 3e11}
-        assert json.loads(path.read_text())["flops_per_s_by_dtype"] == {"bfloat16": 3e11}
-        again = cm.calibrated_cost_model(device_type="cpu")  # from the cache now
-        assert len(calls) == 1 and again.flops_per_s_by_dtype == {"bfloat16": 3e11}
-    finally:
-        dist.destroy_process_group()
+    old = CostModel(comm=dict(fit), comm_overlap=0.5).to_dict()
+    del old["flops_per_s_by_dtype"]  # written before the rates by dtype
+    path.write_text(json.dumps({**old, "overlap_rounds": cm.OVERLAP_ROUNDS}))
+    model = cm.calibrated_cost_model(device_type="cpu")
+    assert len(calls) == 1 and model.flops_per_s_by_dtype == {"bfloat16": 3e11}
+    assert json.loads(path.read_text())["flops_per_s_by_dtype"] == {"bfloat16": 3e11}
+    again = cm.calibrated_cost_model(device_type="cpu")  # from the cache now
+    assert len(calls) == 1 and again.flops_per_s_by_dtype == {"bfloat16": 3e11}
 
 
 def test_the_calibration_measures_a_bf16_matmul_rate_on_this_device() -> None:

@@ -103,6 +103,15 @@ class StopRequest:
         if self.signum is None:  # later signals (e.g. the agent's SIGTERM after
             self.signum = signum  # the terminal's SIGINT) change nothing
 
+    def settle(self, agreed: int) -> str:
+        """Take the ``agreed`` signal (``StopAgreement``) where this rank received
+        none (its launcher watcher or handler may fire a moment after another
+        rank's); the signal's name as reported."""
+        if self.signum is not None:
+            return self.name
+        self.signum = agreed
+        return f"{self.name} (received by another rank)"
+
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""

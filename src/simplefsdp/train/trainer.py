@@ -21,7 +21,6 @@ import contextlib
 import datetime
 import logging
 import os
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -499,8 +498,7 @@ class Trainer:
                     self._record_summary(record)
                     window_steps, window_s = 0, 0.0
                 self._after_step(step, record)
-                agreed = self._stop_agreed(stop)
-                if agreed:
+                if agreed := self._stop_agreed(stop):
                     self._stop_cleanly(step, stop, agreed)
                     break
         self._finish_summary(time.perf_counter() - run_start, steady_s)
@@ -541,14 +539,8 @@ class Trainer:
         saved = ck.enable and self._should(ck.interval, step)
         if ck.enable and not saved:
             self.summary.checkpoint = str(self.checkpointer.save(step, self._trainer_state(step)))
-        # This rank's own signal where it had one; else the one another rank
-        # received (its watcher or handler may fire a moment later than theirs).
-        signum = stop.signum or agreed
-        signal_name = signal.Signals(signum).name
-        if stop.signum is None:
-            signal_name += " (received by another rank)"
-        self.summary.interrupted_by = signal_name
-        self.exit_code = 128 + signum
+        signal_name = self.summary.interrupted_by = stop.settle(agreed)
+        self.exit_code = stop.exit_code
         if self.rank == 0:
             where = (
                 f"saved {self.summary.checkpoint}; continue with: simplefsdp train --resume"
