@@ -126,11 +126,11 @@ def test_a_rerun_is_a_new_run_and_never_mixes_files(tmp_path):
     # (A checkpoint that does not fit the model: test_checkpoint_cli.py.)
 
 
-def _training(tmp_path: Path, stderr: int) -> subprocess.Popen:
+def _training(tmp_path: Path, stderr: int, *extra: str) -> subprocess.Popen:
     """A 500-step run in its own session, returned once it logs its first step."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "simplefsdp.cli", "train", *SMALL, "--training.steps", "500",
-         "--checkpoint.interval", "100"],
+         "--checkpoint.interval", "100", *extra],
         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=stderr, text=True,
         start_new_session=True,
     )  # fmt: skip
@@ -163,8 +163,9 @@ def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
 def test_a_signal_to_one_worker_stops_both_and_rank_0_names_it(tmp_path):
     """Note: [Clean stop]: SIGTERM to rank 1 alone (a scheduler stopping one
     process); both ranks stop after the same step and rank 0, which received
-    nothing, reports the signal that rank 1 received."""
-    proc = _training(tmp_path, stderr=subprocess.PIPE)
+    nothing, reports the signal that rank 1 received. A stop is no failure:
+    --max-restarts does not start the run again."""
+    proc = _training(tmp_path, subprocess.PIPE, "--max-restarts", "1")
     (rank_1,) = [
         pid
         for pid in children(proc.pid)
@@ -176,6 +177,9 @@ def test_a_signal_to_one_worker_stops_both_and_rank_0_names_it(tmp_path):
     (line,) = [x for x in out.splitlines() if "stopped by SIGTERM (received by another rank)" in x]
     step = int(line.split("after step ")[1].split(":")[0])
     assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
+    assert out.splitlines()[-1] == line, out  # no step after the stop
+    steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert max(steps) == step, steps
 
 
 @pytest.mark.slow

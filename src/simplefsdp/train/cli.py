@@ -279,15 +279,19 @@ def _run_worker(job: JobConfig) -> int:
             summary = trainer.train()
         except TrainingError as exc:
             return _report_worker_error(_one_line(exc), 1)
-        if summary.interrupted_by:
-            # Stopped cleanly and saved: the agent's SIGTERM, sent once another
-            # rank has exited, must not cut this rank's teardown short.
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
-        elif trainer.rank == 0:  # a stop is reported in one line
-            print(summary.format(), flush=True)
         clean = True
-        return trainer.exit_code
+        if not summary.interrupted_by:
+            if trainer.rank == 0:  # a stop is reported in one line
+                print(summary.format(), flush=True)
+            return trainer.exit_code
+        # Stopped cleanly and saved: the agent's SIGTERM, sent once another
+        # rank has exited, must not cut this rank's teardown short.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        # Under `simplefsdp train` the launcher returns 128 + the signal from
+        # rank 0's mark; a non-zero exit would make torchrun's agent restart
+        # the group (--max-restarts) and train on after the stop.
+        return 0 if os.environ.get(ERROR_DIR_ENV) else trainer.exit_code
     finally:
         trainer.close(clean=clean)
 

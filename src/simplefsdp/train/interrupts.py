@@ -4,21 +4,24 @@ Note: [Clean stop]
     A SIGINT or SIGTERM only sets a flag; the step in progress finishes.
     After every step each rank posts the signal it received (0: none) in an
     asynchronous all-reduce (MAX) and reads the result of the *previous*
-    step's (``StopAgreement``),
-    so all ranks stop after the same step, one step after the signal, without
-    a per-step device synchronisation (on CUDA the result is copied to pinned
-    host memory on a side stream and only that copy is waited for). They save
-    a checkpoint of that step (when checkpoints are on) and exit with 128 +
-    the signal number, rank 0 printing one line. On Ctrl-C the terminal signals every
-    process; torchrun's agent then also sends SIGTERM to its workers and kills
-    them 30 s later, which bounds how long the final save may take (a save cut
-    short leaves the previous checkpoint intact: saves are atomic).
-    A rank that received nothing itself (one worker signalled by a scheduler,
-    or its launcher watcher firing a moment after another rank's) reports
-    the agreed signal "received by another rank". The first rank to exit
-    makes torchrun's agent SIGTERM the rest, which by then have saved: a
-    stopped worker ignores further signals while it tears down, and the
-    launcher counts such a teardown as part of the clean stop.
+    step's (``StopAgreement``), so all ranks stop after the same step, one
+    step after the signal, without a per-step device synchronisation (on
+    CUDA the result is copied to pinned host memory on a side stream and
+    only that copy is waited for). They save a checkpoint of that step (when
+    checkpoints are on), rank 0 prints one line, and the run exits with 128
+    + the signal number: under ``simplefsdp train`` the launcher does, from
+    rank 0's mark, while the workers exit 0, so that torchrun's agent does
+    not restart them (``--max-restarts``) and train on after the stop.
+    On Ctrl-C the terminal signals every process; torchrun's agent then also
+    sends SIGTERM to its workers and kills them 30 s later, which bounds how
+    long the final save may take (a save cut short leaves the previous
+    checkpoint intact: saves are atomic). A rank that received nothing itself
+    (one worker signalled by a scheduler, or its launcher watcher firing a
+    moment after another rank's) reports the agreed signal "received by
+    another rank". Under plain torchrun the first rank to exit makes the
+    agent SIGTERM the rest, which by then have saved: a stopped worker
+    ignores further signals while it tears down, and the launcher counts
+    such a teardown as part of the clean stop.
 """
 
 from __future__ import annotations

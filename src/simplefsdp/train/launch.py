@@ -28,7 +28,8 @@ __all__ = ["ERROR_DIR_ENV", "STOPPED_MARK", "launch", "under_torchrun"]
 
 #: Folder where workers leave their one-line error reports for the launcher.
 ERROR_DIR_ENV = "SIMPLEFSDP_ERROR_DIR"
-#: File rank 0 leaves in that folder once it has saved and reported a clean stop.
+#: File rank 0 leaves in that folder once it has saved and reported a clean
+#: stop; it holds the signal's number.
 STOPPED_MARK = "stopped"
 
 WORKER_MODULE = "simplefsdp.train"
@@ -107,6 +108,9 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
         try:
             with _quiet_agent():
                 torchrun.run(args)
+            stopped = Path(error_dir) / STOPPED_MARK
+            if stopped.exists():  # workers exit 0 after a clean stop: no restart
+                return 128 + _mark_signal(stopped)
         except ChildFailedError as exc:
             return _report_failure(exc, Path(error_dir))
         except (SignalException, KeyboardInterrupt) as exc:
@@ -120,6 +124,12 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
     return 0
+
+
+def _mark_signal(mark: Path) -> int:
+    """The signal number in rank 0's stop mark (SIGTERM where it holds none)."""
+    text = mark.read_text(encoding="utf-8").strip()
+    return int(text) if text.isdigit() else int(signal.SIGTERM)
 
 
 def _report_failure(exc: Any, error_dir: Path) -> int:

@@ -551,8 +551,8 @@ class Trainer:
                 f"simplefsdp train: stopped by {signal_name} after step {step}: {where}", flush=True
             )
             error_dir = os.environ.get(ERROR_DIR_ENV)
-            if error_dir:  # tells the launcher that the stop was reported
-                Path(error_dir, STOPPED_MARK).touch()
+            if error_dir:  # tells the launcher that the stop was reported, and why
+                Path(error_dir, STOPPED_MARK).write_text(str(stop.signum), encoding="utf-8")
 
     def _record_summary(self, record: dict[str, Any]) -> None:
         if self.summary.first_loss is None:
