@@ -13,26 +13,23 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 extern void *__libc_malloc(size_t);
 extern void *__libc_calloc(size_t, size_t);
 extern void *__libc_realloc(void *, size_t);
 extern void *__libc_memalign(size_t, size_t);
-extern void __libc_free(void *);
 
 #define SMALL (64 * 1024)
 #define SPAN_PAGES ((uintptr_t)1 << 25) /* 128 GiB of 4 KiB pages */
 
-static volatile int enabled;
-static long counting_tid;
+static __thread int counting __attribute__((tls_model("initial-exec"))); /* this thread counts */
 static unsigned long count[32], bytes[32], distinct_pages;
 static unsigned char *bitmap; /* SPAN_PAGES bits */
 static uintptr_t first_page;
 
 static void record(void *p, size_t n) {
-    if (!enabled || p == NULL || n >= SMALL || syscall(SYS_gettid) != counting_tid) return;
+    if (!counting || p == NULL || n >= SMALL) return;
     int c = 0;
     while (((size_t)1 << c) < n && c < 31) c++;
     count[c]++;
@@ -50,7 +47,6 @@ static void record(void *p, size_t n) {
 void *malloc(size_t n) { void *p = __libc_malloc(n); record(p, n); return p; }
 void *calloc(size_t a, size_t b) { void *p = __libc_calloc(a, b); record(p, a * b); return p; }
 void *realloc(void *o, size_t n) { void *p = __libc_realloc(o, n); record(p, n); return p; }
-void free(void *p) { __libc_free(p); }
 void *memalign(size_t al, size_t n) { void *p = __libc_memalign(al, n); record(p, n); return p; }
 void *aligned_alloc(size_t al, size_t n) { void *p = __libc_memalign(al, n); record(p, n); return p; }
 int posix_memalign(void **out, size_t al, size_t n) {
@@ -64,17 +60,16 @@ int posix_memalign(void **out, size_t al, size_t n) {
 /* Start (on != 0) counting this thread's allocations from zero, or stop. */
 void heap_pages_enable(int on) {
     if (on) {
-        enabled = 0;
+        counting = 0;
         memset(count, 0, sizeof count);
         memset(bytes, 0, sizeof bytes);
         distinct_pages = 0;
         if (bitmap == NULL) bitmap = __libc_calloc(SPAN_PAGES / 8, 1);
         else memset(bitmap, 0, SPAN_PAGES / 8);
-        counting_tid = syscall(SYS_gettid);
         uintptr_t brk_page = (uintptr_t)sbrk(0) >> 12;
         first_page = brk_page > SPAN_PAGES / 2 ? brk_page - SPAN_PAGES / 2 : 0;
     }
-    enabled = on && bitmap != NULL;
+    counting = on && bitmap != NULL;
 }
 
 /* Write "class count bytes" lines and a "pages N" line to path. */

@@ -39,6 +39,7 @@ def test_one_process_answers_at_once():
     agreement = StopAgreement(torch.device("cpu"), 1)
     assert agreement.after_step(None) == 0
     assert agreement.after_step(int(signal.SIGINT)) == int(signal.SIGINT)
+    assert agreement.after_step(signal.SIGTERM) == int(signal.SIGTERM)  # the enum, too
     with pytest.raises(
         ValueError, match="signum must be a positive signal number or None, got True"
     ):

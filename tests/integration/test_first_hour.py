@@ -142,6 +142,12 @@ def _training(tmp_path: Path, stderr: int, *extra: str) -> subprocess.Popen:
     return proc
 
 
+def _stop_line(out: str, text: str) -> tuple[str, int]:
+    """Rank 0's one stop line, which contains ``text``, and the step it names."""
+    (line,) = [x for x in out.splitlines() if text in x]
+    return line, int(line.split("after step ")[1].split(":")[0])
+
+
 @pytest.mark.slow
 def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
     proc = _training(tmp_path, stderr=subprocess.PIPE)
@@ -149,8 +155,7 @@ def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
-    (line,) = [x for x in out.splitlines() if "stopped by SIGINT" in x]
-    step = int(line.split("after step ")[1].split(":")[0])
+    line, step = _stop_line(out, "stopped by SIGINT")
     assert f"saved out/ck/step-{step}; continue with: simplefsdp train --resume" in line
     assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
     resumed = _cli(["train", *SMALL, "--training.steps", str(step + 1), "--resume"], tmp_path)
@@ -174,8 +179,7 @@ def test_a_signal_to_one_worker_stops_both_and_rank_0_names_it(tmp_path):
     os.kill(rank_1, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    (line,) = [x for x in out.splitlines() if "stopped by SIGTERM (received by another rank)" in x]
-    step = int(line.split("after step ")[1].split(":")[0])
+    line, step = _stop_line(out, "stopped by SIGTERM (received by another rank)")
     assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
     assert out.splitlines()[-1] == line, out  # no step after the stop
     steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").open()]
@@ -201,8 +205,7 @@ def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
             pytest.fail("the workers went on after their launcher was killed")
         time.sleep(0.5)
     out = proc.stdout.read()  # the workers exited: the pipe is closed
-    (line,) = [x for x in out.splitlines() if "stopped by SIGTERM" in x]
-    step = int(line.split("after step ")[1].split(":")[0])
+    line, step = _stop_line(out, "stopped by SIGTERM")
     assert step < 500, line
     assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
     for pid in workers:

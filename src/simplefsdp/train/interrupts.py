@@ -20,8 +20,7 @@ Note: [Clean stop]
     moment after another rank's) reports the agreed signal "received by
     another rank". Under plain torchrun the first rank to exit makes the
     agent SIGTERM the rest, which by then have saved: a stopped worker
-    ignores further signals while it tears down, and the launcher counts
-    such a teardown as part of the clean stop.
+    ignores further signals while it tears down.
 """
 
 from __future__ import annotations
@@ -147,11 +146,14 @@ class StopAgreement:
     def after_step(self, signum: int | None) -> int:
         """Post this step's signal (``None``: none received); return the
         previous step's agreed signal number, 0 when no rank had one."""
-        if signum is not None and (type(signum) is not int or signum <= 0):
+        if signum is not None and (
+            isinstance(signum, bool) or not isinstance(signum, int) or signum <= 0
+        ):
             raise ValueError(f"signum must be a positive signal number or None, got {signum!r}")
+        signum = int(signum or 0)  # a signal.Signals is an int too
         if self.world_size == 1:
-            return signum or 0
-        previous, self._pending = self._pending, self._post(signum or 0)
+            return signum
+        previous, self._pending = self._pending, self._post(signum)
         return 0 if previous is None else self._read(previous)
 
     def _post(self, signum: int):

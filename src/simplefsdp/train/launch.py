@@ -139,18 +139,8 @@ def _report_failure(exc: Any, error_dir: Path) -> int:
         code, _, message = reports[0].read_text(encoding="utf-8").strip().partition(" ")
         print(f"simplefsdp train: error: {message}", file=sys.stderr)
         return int(code)
+    # A clean stop never gets here: its workers exit 0 (Note: [Clean stop]).
     codes = {failure.exitcode for failure in exc.failures.values()}
-    stop_codes = (128 + signal.SIGINT, 128 + signal.SIGTERM)
-    stopped = {c for c in codes if c in stop_codes}
-    if stopped and stopped == codes:
-        return max(stopped)  # a clean stop, already reported by rank 0
-    # A rank that ended its clean stop first makes the agent send the others
-    # SIGTERM while they tear down (they saved and reported already, Note:
-    # [Clean stop]); rank 0's mark tells that apart from a worker killed
-    # mid-step.
-    torn_down = {-signal.SIGINT, -signal.SIGTERM}
-    if stopped and codes <= stopped | torn_down and (error_dir / STOPPED_MARK).exists():
-        return max(stopped)
     logger.debug("worker failure details: %s", exc.format_msg())
     failed = sorted(exc.failures)
     print(
