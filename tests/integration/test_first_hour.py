@@ -191,10 +191,18 @@ def test_a_signal_to_one_worker_stops_both_and_rank_0_names_it(tmp_path):
 def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
     """Note: [Orphaned workers]: SIGKILL to the launcher alone (as the OOM
     killer sends it) leaves workers in sessions of their own; they stop
-    cleanly after the same step and save it, rather than train on."""
+    cleanly after the same step and save it, rather than train on, and
+    remove the launcher's error folder, which the launcher cannot."""
     proc = _training(tmp_path, stderr=subprocess.STDOUT)
     workers = children(proc.pid)
     assert len(workers) == 2, workers
+    environ = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+    (error_dir,) = [
+        Path(v.split(b"=", 1)[1].decode())
+        for v in environ
+        if v.startswith(b"SIMPLEFSDP_ERROR_DIR=")
+    ]
+    assert error_dir.is_dir()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 120
@@ -208,6 +216,7 @@ def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
     line, step = _stop_line(out, "stopped by SIGTERM")
     assert step < 500, line
     assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
+    assert not error_dir.exists(), sorted(error_dir.iterdir())
     for pid in workers:
         assert (
             not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -248,8 +249,10 @@ def _report_worker_error(message: str, code: int) -> int:
     prints each distinct one once), or under torchrun from every failing rank
     (other ranks name themselves: an error on one node only is not lost)."""
     rank = int(os.environ.get("RANK", "0"))
+    from simplefsdp.train.interrupts import launcher_gone
+
     error_dir = os.environ.get(ERROR_DIR_ENV)
-    if error_dir:
+    if error_dir and not launcher_gone():  # Note: [Orphaned workers]
         Path(error_dir, f"rank{rank}.txt").write_text(f"{code} {message}\n", encoding="utf-8")
     elif rank == 0:
         _error(message)
@@ -266,6 +269,7 @@ def _run_worker(job: JobConfig) -> int:
     (1 for a broken environment); anything else is a bug and keeps its
     traceback.
     """
+    from simplefsdp.train.interrupts import launcher_gone
     from simplefsdp.train.trainer import Trainer, TrainingError
 
     trainer = Trainer(job)
@@ -294,6 +298,9 @@ def _run_worker(job: JobConfig) -> int:
         return 0 if os.environ.get(ERROR_DIR_ENV) else trainer.exit_code
     finally:
         trainer.close(clean=clean)
+        error_dir = os.environ.get(ERROR_DIR_ENV)
+        if error_dir and os.environ.get("RANK", "0") == "0" and launcher_gone():
+            shutil.rmtree(error_dir, ignore_errors=True)  # Note: [Orphaned workers]
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:

@@ -32,7 +32,7 @@ import threading
 import time
 from types import FrameType
 
-__all__ = ["LAUNCHER_PID_ENV", "StopAgreement", "StopRequest", "watch_launcher"]
+__all__ = ["LAUNCHER_PID_ENV", "StopAgreement", "StopRequest", "launcher_gone", "watch_launcher"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,10 @@ def watch_launcher(interval_s: float = 1.0) -> threading.Thread | None:
         clean stop of Note: [Clean stop] (all ranks stop after the same step
         and save it) or, before that handler is installed, the default exit.
         Workers of a plain ``torchrun`` (no such variable) keep torch's
-        behaviour.
+        behaviour. The dead launcher cannot remove its error folder (a
+        temporary directory), so orphaned workers write nothing into it
+        (errors go to their stderr, as under torchrun) and rank 0 removes it
+        when it exits.
 
     Returns:
         The daemon thread watching, or ``None`` when not under our launcher.
@@ -75,6 +78,15 @@ def watch_launcher(interval_s: float = 1.0) -> threading.Thread | None:
     thread = threading.Thread(target=watch, name="simplefsdp-launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def launcher_gone() -> bool:
+    """Whether this worker's ``simplefsdp train`` launcher has died (its parent
+    is no longer the launcher named by ``SIMPLEFSDP_LAUNCHER_PID``); ``False``
+    for workers of any other launcher. Nothing reads the launcher's error
+    folder then, and nothing would remove it: see Note: [Orphaned workers]."""
+    expected = os.environ.get(LAUNCHER_PID_ENV, "")
+    return expected.isdigit() and os.getppid() != int(expected)
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
