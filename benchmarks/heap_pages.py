@@ -1,13 +1,21 @@
-"""Where a CPU bench step's small allocations land in the glibc heap.
+"""Where a CPU bench step's allocations land in the glibc heap.
 
-On CPU the bench measures peak RSS (Note: [Measuring peak memory on CPU]).
-Allocations below the 64 KiB mmap threshold come from glibc's main heap,
-whose freed pages stay resident, so a step whose small allocations spread
-over many heap pages raises RSS beyond the tensors it holds. This runs bench
-configurations with ``heap_pages_shim.c`` preloaded and reports, per
-measured step on each rank, the main thread's allocations below 64 KiB and
-the distinct 4 KiB heap pages they landed on (Linux with glibc and a C
-compiler; the steps are the bench worker's own).
+On CPU the bench measures peak RSS (Note: [Measuring peak memory on CPU]),
+and before the measured steps it runs ``malloc_trim``, which gives the free
+pages inside the main heap back to the OS. A step that then allocates in
+those free chunks makes their pages resident again, and they stay resident
+after it frees them: RSS the step's tensors alone do not explain. This runs
+bench configurations with ``heap_pages_shim.c`` preloaded and reports, per
+measured step on each rank, for the main thread (Linux with glibc and a C
+compiler; the steps are the bench worker's own):
+
+- allocations below 64 KiB (served from the heap), their bytes, and the
+  distinct 4 KiB pages they landed on (median over the measured steps);
+- pages given back by the trim that the step's allocations made resident
+  again, for allocations below 64 KiB and for larger ones (which glibc
+  serves from a free heap chunk that fits before mapping new memory), with
+  the number of large allocations served from the heap; in the first
+  measured step, the one after the trim, and in all of them.
 
 Usage::
 
@@ -52,16 +60,20 @@ def _worker(argv: list[str]) -> int:
     return worker.main(argv)
 
 
-def _read(path: Path) -> tuple[int, int, int]:
-    """(allocations, bytes, distinct pages) of one report file."""
-    allocs = nbytes = pages = 0
+def _read(path: Path) -> dict[str, int]:
+    """One report file: allocations and bytes below 64 KiB, distinct pages,
+    re-touched pages (small, large) and large allocations in the heap."""
+    row = dict.fromkeys(("allocs", "bytes", "pages", "small", "large", "large_allocs"), 0)
     for line in path.read_text().splitlines():
         fields = line.split()
         if fields[0] == "pages":
-            pages = int(fields[1])
+            row["pages"] = int(fields[1])
+        elif fields[0] == "retouched":
+            row["small"], row["large"], row["large_allocs"] = map(int, fields[1:4])
         else:
-            allocs, nbytes = allocs + int(fields[1]), nbytes + int(fields[2])
-    return allocs, nbytes, pages
+            row["allocs"] += int(fields[1])
+            row["bytes"] += int(fields[2])
+    return row
 
 
 def main() -> int:
@@ -81,8 +93,10 @@ def main() -> int:
     spec = out / "spec.json"
     spec.write_text(BenchSpec(workload, nproc=args.nproc).to_json())
     print(f"workload {workload.name}, {args.nproc} ranks, {workload.steps} measured steps; "
-          "per step, median over steps: main-thread allocations < 64 KiB, their bytes, "
-          "distinct 4 KiB heap pages they landed on")  # fmt: skip
+          "main thread. Per step, median over steps: allocations < 64 KiB, their bytes, "
+          "distinct 4 KiB heap pages they landed on. Heap pages made resident again "
+          "after the bench's malloc_trim, first measured step / all: by allocations "
+          "< 64 KiB, by larger ones (how many of those the heap served)")  # fmt: skip
     for config in args.configs.split(","):
         env = {
             **os.environ,
@@ -102,9 +116,16 @@ def main() -> int:
             continue
         for rank in range(args.nproc):
             rows = [_read(out / f"{config}.step{s}.rank{rank}") for s in range(workload.steps)]
-            allocs, nbytes, pages = (statistics.median(col) for col in zip(*rows))
-            print(f"{config:<24} rank {rank}: {allocs:9.0f} allocations  "
-                  f"{nbytes / 2**20:6.1f} MiB  {pages:6.0f} pages ({pages * 4 / 1024:.1f} MiB)")  # fmt: skip
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            total = {k: sum(r[k] for r in rows) for k in rows[0]}
+            first = rows[0]
+            print(f"{config:<24} rank {rank}: {med['allocs']:9.0f} allocations  "
+                  f"{med['bytes'] / 2**20:6.1f} MiB  {med['pages']:6.0f} pages "
+                  f"({med['pages'] * 4 / 1024:.1f} MiB); re-touched "
+                  f"{first['small']}/{total['small']} small, "
+                  f"{first['large']}/{total['large']} large "
+                  f"({first['large_allocs']}/{total['large_allocs']} allocations), "
+                  f"first step {(first['small'] + first['large']) * 4 / 1024:.1f} MiB")  # fmt: skip
     print(f"reports in {out}")
     return 0
 

@@ -9,7 +9,8 @@ Note: [Benchmark memory]
     size over the measured steps minus the RSS at start-up (after imports,
     process-group set-up and data loading, before the model is built), with
     glibc's mmap threshold lowered at process start so freed tensors leave the
-    RSS at once (see Note: [Measuring peak memory on CPU] in
+    RSS at once, except those glibc placed in free heap chunks (see Note:
+    [Measuring peak memory on CPU] in
     ``simplefsdp.engines.memory``), and ``malloc_trim(0)`` run after warm-up so heap
     pages freed by the compiler go back to the OS. Every worker imports
     Inductor before the baseline. The CPU number therefore includes the

@@ -7,8 +7,14 @@ Note: [Measuring peak memory on CPU]
     glibc serves small allocations from its heap and rarely returns freed heap
     memory to the OS, so the resident set size (RSS) would not drop when a
     tensor is freed and peaks would be meaningless. ``lower_mmap_threshold``
-    makes glibc serve every allocation above the threshold with its own
-    ``mmap``, which ``free`` unmaps at once, so RSS follows tensor lifetimes.
+    makes glibc serve an allocation above the threshold with its own
+    ``mmap``, which ``free`` unmaps at once, so RSS follows tensor lifetimes;
+    but only where no free chunk of the heap fits it. After a large compile
+    the heap has such chunks; ``malloc_trim`` (``MemoryProbe.reset``) gives
+    their pages back, and tensors placed in them later make those pages
+    resident again, where they stay once the tensors are freed. A region's
+    peak can therefore include a few MiB of heap that an earlier phase
+    (compiling) had used (``benchmarks/heap_pages.py`` counts them).
     ``reset_peak_rss`` writes ``5`` to ``/proc/self/clear_refs``, which resets
     the kernel's high-water mark ``VmHWM``; the peak of a region is then
     ``VmHWM`` read afterwards minus ``VmRSS`` read at the reset (the baseline).
