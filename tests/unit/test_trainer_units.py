@@ -413,14 +413,14 @@ def test_a_failed_worker_group_is_one_line_with_its_exit_codes(tmp_path, capsys,
     assert f"exit codes {sorted(set(codes.values()))}" in err and "training failed" in err
 
 
-def test_launcher_gone_only_when_the_named_launcher_is_no_longer_the_parent(monkeypatch):
-    from simplefsdp.train.interrupts import LAUNCHER_PID_ENV, launcher_gone
+def test_launcher_gone_only_when_the_watched_launcher_is_no_longer_the_parent(monkeypatch):
+    from simplefsdp.train import interrupts
 
-    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
-    assert not launcher_gone()  # plain torchrun: no launcher of ours
-    monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getppid()))
-    assert not launcher_gone()
-    monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getppid() + 1))
-    assert launcher_gone()
-    monkeypatch.setenv(LAUNCHER_PID_ENV, "not-a-pid")
-    assert not launcher_gone()
+    monkeypatch.setattr(interrupts, "_watched_launcher", None)
+    monkeypatch.setenv(interrupts.LAUNCHER_PID_ENV, str(os.getppid() + 1))
+    assert interrupts.watch_launcher() is None  # its parent is not that launcher
+    assert not interrupts.launcher_gone()  # nothing watched: another launcher's worker
+    monkeypatch.setattr(interrupts, "_watched_launcher", os.getppid())
+    assert not interrupts.launcher_gone()
+    monkeypatch.setattr(interrupts, "_watched_launcher", os.getppid() + 1)
+    assert interrupts.launcher_gone()

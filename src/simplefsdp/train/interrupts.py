@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 LAUNCHER_PID_ENV = "SIMPLEFSDP_LAUNCHER_PID"
 
 
+_watched_launcher: int | None = None  # the launcher's pid, once watch_launcher watches it
+
+
 def watch_launcher(interval_s: float = 1.0) -> threading.Thread | None:
     """Stop this worker cleanly if the ``simplefsdp train`` launcher dies.
 
@@ -62,10 +65,12 @@ def watch_launcher(interval_s: float = 1.0) -> threading.Thread | None:
     Returns:
         The daemon thread watching, or ``None`` when not under our launcher.
     """
+    global _watched_launcher
     expected = os.environ.get(LAUNCHER_PID_ENV, "")
     parent = os.getppid()
     if not expected.isdigit() or int(expected) != parent:
         return None
+    _watched_launcher = parent
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -81,12 +86,12 @@ def watch_launcher(interval_s: float = 1.0) -> threading.Thread | None:
 
 
 def launcher_gone() -> bool:
-    """Whether this worker's ``simplefsdp train`` launcher has died (its parent
-    is no longer the launcher named by ``SIMPLEFSDP_LAUNCHER_PID``); ``False``
-    for workers of any other launcher. Nothing reads the launcher's error
-    folder then, and nothing would remove it: see Note: [Orphaned workers]."""
-    expected = os.environ.get(LAUNCHER_PID_ENV, "")
-    return expected.isdigit() and os.getppid() != int(expected)
+    """Whether the ``simplefsdp train`` launcher that :func:`watch_launcher`
+    watches has died (this process's parent is no longer it); ``False`` where
+    none is watched (workers of another launcher). Nothing reads the
+    launcher's error folder then, and nothing would remove it: see Note:
+    [Orphaned workers]."""
+    return _watched_launcher is not None and os.getppid() != _watched_launcher
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
