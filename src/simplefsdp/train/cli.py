@@ -246,11 +246,12 @@ def _configure_logging(rank: int) -> None:
 
 def _report_worker_error(message: str, code: int) -> int:
     """One line per error: to the launcher's error folder (``simplefsdp train``
-    prints each distinct one once), or under torchrun from every failing rank
-    (other ranks name themselves: an error on one node only is not lost)."""
-    rank = int(os.environ.get("RANK", "0"))
+    prints each distinct one once), or, under torchrun or once that launcher
+    is gone, from every failing rank (other ranks name themselves: an error
+    on one node only is not lost)."""
     from simplefsdp.train.interrupts import launcher_gone
 
+    rank = int(os.environ.get("RANK", "0"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir and not launcher_gone():  # Note: [Orphaned workers]
         Path(error_dir, f"rank{rank}.txt").write_text(f"{code} {message}\n", encoding="utf-8")
