@@ -32,7 +32,7 @@ from simplefsdp.train.config import (
     format_config,
     load_config,
 )
-from simplefsdp.train.launch import ERROR_DIR_ENV, launch, under_torchrun
+from simplefsdp.train.launch import ERROR_DIR_ENV, launch, launcher_error_dir, under_torchrun
 
 logger = logging.getLogger(__name__)
 
@@ -249,12 +249,10 @@ def _report_worker_error(message: str, code: int) -> int:
     prints each distinct one once), or, under torchrun or once that launcher
     is gone, from every failing rank (other ranks name themselves: an error
     on one node only is not lost)."""
-    from simplefsdp.train.interrupts import launcher_gone
-
     rank = int(os.environ.get("RANK", "0"))
-    error_dir = os.environ.get(ERROR_DIR_ENV)
-    if error_dir and not launcher_gone():  # Note: [Orphaned workers]
-        Path(error_dir, f"rank{rank}.txt").write_text(f"{code} {message}\n", encoding="utf-8")
+    error_dir = launcher_error_dir()
+    if error_dir is not None:
+        (error_dir / f"rank{rank}.txt").write_text(f"{code} {message}\n", encoding="utf-8")
     elif rank == 0:
         _error(message)
     else:

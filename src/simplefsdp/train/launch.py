@@ -22,9 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from simplefsdp.train.interrupts import launcher_gone
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["ERROR_DIR_ENV", "STOPPED_MARK", "launch", "under_torchrun"]
+__all__ = ["ERROR_DIR_ENV", "STOPPED_MARK", "launch", "launcher_error_dir", "under_torchrun"]
 
 #: Folder where workers leave their one-line error reports for the launcher.
 ERROR_DIR_ENV = "SIMPLEFSDP_ERROR_DIR"
@@ -124,6 +126,15 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
     return 0
+
+
+def launcher_error_dir() -> Path | None:
+    """The folder where this worker's ``simplefsdp train`` launcher reads the
+    workers' error reports and rank 0's stop mark; ``None`` under any other
+    launcher, and once that launcher is gone, when nothing would read (or
+    remove) what is written there (Note: [Orphaned workers])."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    return Path(error_dir) if error_dir and not launcher_gone() else None
 
 
 def _mark_signal(mark: Path) -> int:

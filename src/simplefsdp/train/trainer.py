@@ -53,8 +53,8 @@ from simplefsdp.engines import (
 )
 from simplefsdp.testing.faults import maybe_kill_at_step
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
-from simplefsdp.train.interrupts import StopAgreement, StopRequest, launcher_gone
-from simplefsdp.train.launch import ERROR_DIR_ENV, STOPPED_MARK
+from simplefsdp.train.interrupts import StopAgreement, StopRequest
+from simplefsdp.train.launch import STOPPED_MARK, launcher_error_dir
 from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
     Heartbeat,
@@ -550,9 +550,9 @@ class Trainer:
             print(
                 f"simplefsdp train: stopped by {signal_name} after step {step}: {where}", flush=True
             )
-            error_dir = os.environ.get(ERROR_DIR_ENV)
-            if error_dir and not launcher_gone():  # the stop was reported, and why
-                Path(error_dir, STOPPED_MARK).write_text(str(stop.signum), encoding="utf-8")
+            error_dir = launcher_error_dir()
+            if error_dir is not None:  # the stop was reported, and why
+                (error_dir / STOPPED_MARK).write_text(str(stop.signum), encoding="utf-8")
 
     def _record_summary(self, record: dict[str, Any]) -> None:
         if self.summary.first_loss is None:
