@@ -26,7 +26,7 @@ Note: [Communication competing with compute]
     concurrently with compute: calibration times an all-reduce, an equally
     long run of matmuls, and both together (``measure_comm_overlap``), and
     takes ``hidden / min(t_comm, t_compute)``, the median of
-    ``OVERLAP_ROUNDS`` such measurements (on the 2-core development machine
+    ``OVERLAP_ROUNDS`` such measurements (on a 2-core CPU
     single ones ranged from 0 to 0.44 within an hour, and a cached single
     0.52 had decided every later auto plan there). The rest, ``(1 - comm_overlap)``
     of every collective, also occupies the compute stream in ``simulate`` and

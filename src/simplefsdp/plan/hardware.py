@@ -3,8 +3,8 @@
 A profile is plain data (:class:`HardwareProfile`). The built-in ones are in
 ``PROFILES`` below, each number with its public source or marked as an
 assumption; ``simplefsdp plan --calibrate`` measures this machine and writes
-one as JSON, which ``--hardware PATH.json`` reads back (``cpu-gloo``, this
-development machine, is such a measurement copied into ``PROFILES``).
+one as JSON, which ``--hardware PATH.json`` reads back (``cpu-gloo``, a
+2-core CPU machine, is such a measurement copied into ``PROFILES``).
 
 Collectives are modelled as rings: an all-gather or reduce-scatter of ``S``
 bytes (the unsharded buffer) over ``n`` ranks moves ``(n - 1) / n * S`` bytes
@@ -231,13 +231,13 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_latency_s=50e-6,
         source="NVIDIA A100 datasheet, DGX A100 user guide; efficiencies assumed",
     ),
-    # Measured on this project's development machine (2 CPU cores, 24 GB,
-    # gloo) by ``simplefsdp plan --calibrate`` on 2026-12-01 at a 1-minute load
+    # Measured on a 2-core, 24 GB CPU machine (gloo) by
+    # ``simplefsdp plan --calibrate`` at a 1-minute load
     # average of about 5.6 (other jobs ran concurrently): medians, so that
     # load is in the numbers. Rerun --calibrate on a machine of your own.
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo",
-        description="2-core CPU development machine, 2 gloo ranks (measured, loaded)",
+        description="2-core CPU machine, 2 gloo ranks (measured, loaded)",
         peak_bf16_flops=27.64e9,  # fp32 1024^2 matmul per rank (no bf16 path measured)
         peak_fp32_flops=27.64e9,
         matmul_efficiency=1.0,  # measured rate, not a peak
@@ -252,7 +252,7 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_bandwidth=105.5e6,
         inter_latency_s=0.0,
         comm_overlap=0.0,  # an all-reduce and matmuls took turns (no overlap measured)
-        source="measured by simplefsdp plan --calibrate on the development machine, 2026-12-01",
+        source="measured by simplefsdp plan --calibrate on a 2-core, 24 GB CPU machine",
     ),
 }
 

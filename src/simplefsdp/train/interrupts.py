@@ -48,7 +48,7 @@ def watch_launcher(interval_s: float = 1.0) -> threading.Thread | None:
 
     Note: [Orphaned workers]
         torchrun's agent (our launcher runs it in-process) starts each worker
-        in a session of its own, so a launcher killed by SIGKILL (the OOM
+        detached from the launcher's process group (``setsid``), so a launcher killed by SIGKILL (the OOM
         killer, ``kill -9``) takes no worker with it: the workers, adopted by
         init, went on training and writing checkpoints, and a ``--resume``
         started meanwhile would share their checkpoint folder. A worker whose
