@@ -74,7 +74,12 @@ def test_history_words_found_and_legitimate_words_not(tmp_path):
     assert [h.split(": ", 1)[1] for h in history_words([page])] == [
         "Since stop 12 the planner keeps buckets."
     ]
-    for diary in ("issue 17's goals", "stops 23 and 24", "in this session", "on the development machine"):
+    for diary in (
+        "issue 17's goals",
+        "stops 23 and 24",
+        "in this session",
+        "on the development machine",
+    ):
         page.write_text(diary + "\n")
         assert history_words([page]), diary
     for legit in ("stop signal", "the run stops after 12 steps", "setsid", "it issues 3 waits"):
