@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU, one call: the world-size-1 comparison of docs/benchmarks.md (stop 32).
+# One GPU, one call: the world-size-1 comparison of docs/benchmarks.md.
 # Runs each configuration of benchmarks/world_size_one.py in its own process
 # (CUDA, NCCL, a 1-rank mesh), keeps the CUDA allocator snapshots of ours and
 # FSDP2's, and prints a table. Writes at most 5 files under OUT.
@@ -8,6 +8,7 @@
 #
 # Default variants: limit-mp sfsdp-auto fsdp2c. About 40-60 s each on one H200.
 set -u
+case "${1:-}" in -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 OUT=${OUT:-./gpu_check_out}
 mkdir -p "$OUT"
 here=$(dirname "$0")

@@ -7,7 +7,7 @@ machine running nothing else)::
         [--configs fsdp2,simplefsdp-auto] [--rounds 3] [--calibrate-rounds 3]
 
 Why bracketed: on a small shared machine the speed drifts by more than the
-model's error (on the 2-core development machine the same configuration took
+model's error (on a 2-core CPU machine the same configuration took
 0.56 s in one launch and 0.90 s in another minutes later; docs/scale.md). A
 profile calibrated once and a bench run minutes later measure two different
 machines. So this script alternates them: a calibration (``simplefsdp plan

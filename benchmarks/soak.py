@@ -2,7 +2,7 @@
 
 Each *training* builds a small model (embedding, residual MLP blocks with
 LayerNorm, head: 12-13-float shards and gathered outputs of 24-26 floats, the
-sizes of the crashes in issue 16), wraps it with ``simplefsdp.data_parallel``,
+sizes of the gloo all-gather crashes in docs/crashes.md), wraps it with ``simplefsdp.data_parallel``,
 runs a few AdamW steps and checks that the loss is finite. Trainings run in
 *sessions*: one ``run_distributed`` job of 2 ranks (gloo) that runs
 ``--per-session`` trainings back to back, so process start-up and, by

@@ -4,7 +4,7 @@ One training configuration per process (Llama 3, about 1.0B parameters by
 default: dim 2048, 8 layers, vocabulary 128256; batch 4 x 2048), bf16 compute:
 
 - ``limit``: the plain model in bf16, ``torch.compile``: no master weights, no
-  sharding machinery (the floor of issue 17's H200 row);
+  sharding machinery (the floor for a one-GPU run);
 - ``limit-mp``: the plain model with fp32 parameters read through a
   ``torch.nn.utils.parametrize`` cast to bf16, ``torch.compile``: the floor of
   any fp32-master-weight scheme (the cast in forward, the gradient's cast back,
