@@ -3,8 +3,13 @@ README.md, docs/ or src/, and no broken relative link in README.md or docs/."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,3 +106,22 @@ def test_broken_link_found(tmp_path):
         "[gone](missing.md#x) `[code](nowhere.md)`\n"
     )
     assert [b.split(": ", 1)[1] for b in broken_links([page])] == ["gone.png", "missing.md#x"]
+
+
+def test_docs_site_builds_strict(tmp_path):
+    """``mkdocs build --strict``: no warning, so no broken link or anchor, no
+    page left out of the navigation, no docstring the API reference cannot
+    read."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    pytest.importorskip("material")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
