@@ -125,3 +125,18 @@ def test_docs_site_builds_strict(tmp_path):
         timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_readme_commands_are_what_ci_runs():
+    """The README's set-up, check and test commands are the lines `.ci/run` runs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    commands = [line for line in ci if line and not line.startswith(("#", "set ", "cd ", "rm "))]
+    commands = [c for c in commands if not c.startswith(("python3 -m venv", "source "))]
+    assert commands, "no commands found in .ci/run"
+    for command in commands:
+        assert command in readme, f"README.md does not show the command CI runs: {command}"
+
+
+def test_readme_is_an_overview():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 300
