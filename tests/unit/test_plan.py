@@ -264,7 +264,7 @@ def test_calibration_profile_carries_the_attention_share() -> None:
     assert profile.intra_bandwidth == pytest.approx(0.5 / 2e-9)
     del raw["attention_flops"], raw["copy_bytes_per_byte"]  # an older calibration
     del raw["adamw_s_per_param"], raw["alloc_s_per_byte"], raw["fsdp2_group_s"]
-    del raw["fsdp2_copy_s_per_byte"], raw["fsdp2_sharded_group_s"]  # before stop 29 / 30
+    del raw["fsdp2_copy_s_per_byte"], raw["fsdp2_sharded_group_s"]  # an older calibration
     old = profile_from(raw, "t", "cpu")
     assert (old.attention_efficiency, old.copy_bytes_per_byte) == (1.0, 2.0)
     assert old.adamw_s_per_param == 0.0  # the step from the memory bandwidth

@@ -1,8 +1,8 @@
 """Eager FSDP2's copies in the plan model: priced at the rate ``--calibrate``
 measures (``fsdp2_copy_s_per_byte``), counted as the model counts copies, and
 charged at world size 1 too, where FSDP2 still copies around its one-rank
-collectives (docs/scale.md, stop 29); and its groups, sharded, at what the
-same measurement leaves per group (stop 30)."""
+collectives (docs/scale.md); and its groups, sharded, at what the
+same measurement leaves per group."""
 
 from __future__ import annotations
 

@@ -381,7 +381,7 @@ def test_the_cached_overlap_is_a_median_and_single_measurements_are_recalibrated
     calibration_cache, monkeypatch
 ) -> None:
     # Note: [Communication competing with compute]: one measurement ranged
-    # 0-0.52 on the development machine; the cache keeps a median of several,
+    # 0-0.52 on a 2-core CPU; the cache keeps a median of several,
     # and a cache file with one measurement in it is measured again.
     import json
 
