@@ -179,9 +179,7 @@ def merge_rounds(rows: list[dict]) -> dict[str, Any]:
     Note: [Bench rounds]
         On a shared machine the speed drifts between one configuration's
         processes and the next's by more than the differences the bench is
-        run to show (on a 2-core CPU two compiled
-        configurations swapped places, by 3-10%, between runs of the same
-        code). Rounds run every configuration again, in alternating order
+        run to show (docs/benchmarks.md). Rounds run every configuration again, in alternating order
         (A B C, C B A, A B C, ...), so that drift falls on all of them alike.
         The row pools the rounds' measured steps: its median, min and max
         step time (and the tokens/s from that median) are over all of them.

@@ -26,9 +26,9 @@ Note: [Communication competing with compute]
     concurrently with compute: calibration times an all-reduce, an equally
     long run of matmuls, and both together (``measure_comm_overlap``), and
     takes ``hidden / min(t_comm, t_compute)``, the median of
-    ``OVERLAP_ROUNDS`` such measurements (on a 2-core CPU
-    single ones ranged from 0 to 0.44 within an hour, and a cached single
-    0.52 had decided every later auto plan there). The rest, ``(1 - comm_overlap)``
+    ``OVERLAP_ROUNDS`` such measurements (single ones vary by several times
+    on a busy machine, and the cached value decides every later auto plan
+    there). The rest, ``(1 - comm_overlap)``
     of every collective, also occupies the compute stream in ``simulate`` and
     in the auto planner's replay, so that on a machine with no overlap fewer,
     larger collectives win (each saves a latency) and splitting a bucket to
@@ -347,14 +347,13 @@ def _calibrate_comm(
 
 
 # Note: [Matmul rates by dtype]
-# A graph under mixed precision does its matmuls in ``param_dtype``: on an
-# H200 this calibration measured bf16 at 14 times float32's rate (tensor
-# cores against the float32 path torch takes by default). Calibrating float32
-# alone priced a 1.0B-parameter Llama's bf16 forward on it at 0.28 s where it
-# ran in 0.030-0.032 s, so every collective looked hidden behind compute. The calibration
-# times one matmul per reduced-precision dtype the device computes in, and a
-# matmul node is priced at its output's dtype. Where a dtype was not
-# calibrated, float32's rate stands in, as before.
+# A graph under mixed precision does its matmuls in ``param_dtype``, whose
+# rate differs from float32's by an order of magnitude either way (tensor
+# cores on a GPU; no bf16 units on most CPUs); priced at float32's rate, every
+# collective of a bf16 graph on a GPU would look hidden behind compute. The
+# calibration times one matmul per reduced-precision dtype the device
+# computes in, and a matmul node is priced at its output's dtype. Where a
+# dtype was not calibrated, float32's rate stands in.
 _CALIBRATED_MATMUL_DTYPES = (torch.bfloat16, torch.float16)
 
 

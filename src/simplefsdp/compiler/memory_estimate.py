@@ -19,10 +19,8 @@ Note: [Collective buffers until the wait]
     The compiler asks each process group which backend serves the
     collective's device (``staged_by``); a group it cannot ask is taken to
     be gloo on CPU and not to stage elsewhere (``staged_on_cpu``).
-    On the bench's comm workload (2 ranks, gloo, a 7/4 bucket plan;
-    docs/benchmarks.md) the backward graph's live peak came out at
-    20.5 MiB without either, 26.9 with the inputs held to the wait and 37.4
-    with gloo's staging, against 35.2 MiB of RSS above the step's start.
+    Both matter: without them the estimate of a bucketed, reordered gloo
+    graph falls far below the memory the step measures (docs/benchmarks.md).
 """
 
 from __future__ import annotations

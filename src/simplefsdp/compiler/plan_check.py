@@ -9,10 +9,8 @@ Note: [Checking the plan with the estimator]
     all-gather issued beside another where the reordering puts two in
     flight. Larger buckets hold more of these, so under a budget set by the
     per-block plan the model lets buckets grow past what the per-block plan
-    would hold. On the bench's memory workload (2 ranks, gloo) a
-    plan within the default budget by the model was estimated at 403 MiB
-    (live peak of its backward graph) against the per-block plan's 354 MiB,
-    and measured at 388 MiB, above the optimizer step's 386.
+    would hold, and a plan within the default budget by the model can hold
+    more than eager FSDP2 (docs/design.md, auto plans).
 
     So under the default budget (Note: [Keeping what eager FSDP2 would
     hold]; a budget the user sets is the user's, in the planner's terms) the

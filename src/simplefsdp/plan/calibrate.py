@@ -76,12 +76,9 @@ def _compute_rates(device, sync) -> dict:
     Why the matmul into a touched buffer: with every tensor above 64 KiB a
     fresh mapping (the bench's lowered mmap threshold), a matmul's output
     pages fault in as it writes them, which costs per byte of output, not
-    per FLOP. On a 2-core CPU a (128 x 256) @ (256 x 768)
-    matmul ran at 51 GFLOP/s into a new buffer and 77 into a touched one;
-    1024^3 at 58 and 67. One rate fitted on the large matmul predicted the small model's
-    matmuls 1.3-1.5x fast (docs/scale.md). A new buffer's first
-    touch cost 0.5-1.3 ns per byte there, about the same for a matmul's
-    output, an add's and a fill's.
+    per FLOP, and weighs most on small matmuls; so the FLOP rate is measured
+    into a touched buffer and the first touch is a rate of its own, about
+    the same for a matmul's output, an add's and a fill's (docs/scale.md).
     """
     import torch
 
@@ -166,8 +163,7 @@ def fsdp2_group_seconds(own_group, device, sync, timer=None) -> float:
     tiny blocks of ``FSDP2_PARAMS`` linear layers, each block its own
     ``fully_shard`` group, and the root) minus (the same model unsharded), per group: the
     hooks do per-parameter work too, so the blocks hold as many
-    parameters as a Llama block. On a 2-core CPU this
-    measured 0.9-2.2 ms per group, which the per-op cost does not cover
+    parameters as a Llama block. The per-op cost does not cover it
     (docs/scale.md).
     """
     timer = timer or (lambda run: _median_time(run, repeats=15))
@@ -205,10 +201,9 @@ def fsdp2_sharded_seconds(group, device, sync, timer=None) -> tuple[float, float
     ``groups * group_s + rate * written_bytes(width)`` at both widths, two
     equations for the two unknowns: what grows from the narrow model to the
     wide one is per byte, the narrow model's rest less its copies is per
-    group. On a 2-core CPU FSDP2's copies took 1.8x what
-    the elementwise rate gives the same bytes, it copies on one rank too
-    (docs/scale.md), and a group cost 2-3x as much on two ranks as
-    on one.
+    group. FSDP2's copies do not run at the elementwise rate, it copies on
+    one rank too, and a group costs more where it shards than on one rank
+    (docs/scale.md).
     """
     import torch
     import torch.distributed as dist
@@ -353,12 +348,9 @@ def median_raw(rounds: list[dict]) -> dict:
     """Per measured quantity the median over ``rounds`` (each fit's latency
     and per-byte cost apart).
 
-    On a shared machine one round can land on a burst of load: four single
-    rounds within 40 minutes on a shared 2-core CPU measured the
-    reduce-scatter's per-byte cost between 1.8 and 3.9 ns, the attention rate
-    between 0.39 and 0.75 of the matmul's, and predicted the memory
-    workload's eager FSDP2 step between 4.8 and 7.1 s. The median of several
-    rounds is what a single round is not: robust to one of them.
+    On a shared machine one round can land on a burst of load, which moves
+    single quantities by 2x; the median of several rounds is robust to one
+    of them.
     """
     if not rounds:
         raise ValueError("median_raw needs at least one round")

@@ -5,11 +5,9 @@ Note: [Resharding a one-rank gather]
     or hybrid sharding with shard groups of one), reading it all-gathers
     nothing: DTensor's redistribute is the cast to ``param_dtype`` and views,
     so the graph has no gather chain to tag. Left to itself, the min-cut
-    partitioner saved the cast parameters for backward. On one H200 (1.0B
-    Llama, bf16 compute) the allocator's snapshot at the backward peak held
-    the bf16 copies of every block's weights (928 MiB) and of the output
-    projection (501 MiB): 31.54 GiB against eager FSDP2's 31.22, which frees its
-    blocks' bf16 parameters after forward. With ``reshard_after_forward=True``
+    partitioner saves the cast parameters for backward: a bf16 copy of every
+    weight alive at the backward peak, which eager FSDP2 frees after forward
+    (docs/benchmarks.md, world size 1). With ``reshard_after_forward=True``
     these casts (and their views) are tagged ``MUST_RECOMPUTE`` too: backward
     casts the stored parameter again, as FSDP2's regather does. The buckets
     ``keep_gathered`` keeps are saved instead, counted as for gathered ones
