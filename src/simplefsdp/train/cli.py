@@ -170,13 +170,15 @@ def _check_data_files(path: str) -> None:
 
 
 def _check_resume(job: JobConfig) -> None:
-    """``--resume`` needs a checkpoint to resume from (``--resume-if-possible`` does not)."""
+    """``--resume`` needs a checkpoint to resume from (``--resume-if-possible`` does not);
+    neither resumes from a damaged one (see [Damaged checkpoints] in simplefsdp.checkpoint.steps)."""
     ck = job.checkpoint
-    if not ck.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    resumes = ck.resume or ck.resume_if_possible
+    if not resumes or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
-    from simplefsdp.checkpoint import latest_checkpoint
+    from simplefsdp.checkpoint import resume_checkpoint
 
-    if latest_checkpoint(ck.folder) is None:
+    if resume_checkpoint(ck.folder, ck.load_step) is None and ck.resume:
         raise ValueError(
             f"--resume: no complete checkpoint in {ck.folder}; leave out --resume to start a "
             "new run, or pass --resume-if-possible"
@@ -201,7 +203,7 @@ def _check_tensor_parallel(job: JobConfig) -> None:
         top = max(sizes.values())
         valid = [d for d in range(1, top + 1) if all(v % d == 0 for v in sizes.values())]
         raise ValueError(
-            f"parallel.tp {tp} does not divide model {m.name!r}'s {found}; "
+            f"parallel.tp {tp} does not divide the {found} of model {m.name!r}; "
             f"valid tensor-parallel sizes for this model: {valid}"
         )
 

@@ -259,6 +259,11 @@ class CheckpointConfig:
             when there is none.
         resume_if_possible: Resume from the latest checkpoint in ``folder``
             when there is one, else start a new run.
+        load_step: The step of the checkpoint to resume from (``-1``: the
+            latest). Resuming never passes over a damaged checkpoint on its
+            own: its one-line error names this flag and the previous good
+            step. Restarts after a failure (``--max-restarts``) resume from
+            the latest checkpoint.
     """
 
     enable: bool = True
@@ -267,6 +272,7 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: bool = False
     resume_if_possible: bool = False
+    load_step: int = -1
 
 
 @dataclass
@@ -452,6 +458,7 @@ def validate_config(cfg: JobConfig) -> None:
 
     check(ck.interval >= 1, "checkpoint.interval", ck.interval, ">= 1")
     check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, ">= 1")
+    check(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, ">= 0, or -1 for the latest")
     check(bool(ck.folder.strip()), "checkpoint.folder", ck.folder, "a non-empty path")
 
     check(mt.log_interval >= 1, "metrics.log_interval", mt.log_interval, ">= 1")
