@@ -423,8 +423,15 @@ def test_print_config_shows_overrides(capsys):
             "valid shapes for 2 ranks",
         ),
         (["--data.seq_len", "1024"], "exceeds max_seq_len 512 of model 'debug'"),
+        (["--nprocs", "4"], "unknown option --nprocs. Did you mean --nproc?"),
+        (["--nproc-per-node=4"], "unknown option --nproc-per-node. Did you mean --nproc?"),
+        (["--steps", "4"], "unknown option --steps. Did you mean --training.steps?"),
+        (["--learning-rate", "1"], "Did you mean --training.lr?"),
+        (["--reume"], "unknown option --reume. Did you mean --resume?"),
+        (["--training.learning_rate", "1"], "'learning_rate' in section [training]. Did you mean 'lr'?"),
+        (["--resume", "--checkpoint.load_step", "4"], "no checkpoint step-4"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     argv, needle, capsys, tmp_path, monkeypatch
 ):
@@ -436,6 +443,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert err.count("\n") == 1 and err.startswith("simplefsdp train: error: ")
     assert needle in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_config_notes_and_warnings_are_printed_once_each(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.toml").write_text('[model]\nname = "debug"\n[training]\nsteps = 12\n')
+    assert cli.main(["--config", "my.toml", "--print-config"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(x.startswith("simplefsdp train: warning: ") for x in lines)
+    assert "no 'extends'" in lines[0] and "--training.warmup_steps 1" in lines[1]
 
 
 def test_load_config_debug_default_is_debug_model():

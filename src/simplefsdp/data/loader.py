@@ -75,6 +75,7 @@ def iter_val_batches(
     rank: int = 0,
     world_size: int = 1,
     global_batch: bool = False,
+    warn: bool = True,
 ) -> Iterator[Batch]:
     """Deterministic, unshuffled batches over a validation stream.
 
@@ -92,6 +93,8 @@ def iter_val_batches(
         rank: This rank.
         world_size: Number of ranks.
         global_batch: Yield the whole global batch instead of the rank slice.
+        warn: Log a warning (with the fix) when the stream is shorter than
+            one global batch.
 
     Yields:
         ``(inputs, targets)`` int64 tensors of shape ``(batch_size, seq_len)``.
@@ -103,9 +106,11 @@ def iter_val_batches(
     total = n_windows // g
     if num_batches is not None:
         total = min(total, max(0, num_batches))
-    if total == 0 and (num_batches is None or num_batches > 0):
+    if warn and total == 0 and (num_batches is None or num_batches > 0):
         logger.warning(
-            "validation split (%d tokens) is too small for one global batch of %d x %d tokens",
+            "validation split (%d tokens) is too small for one global batch of %d x %d tokens, "
+            "so there is no validation loss; raise data.val_fraction or data.max_bytes, lower "
+            "data.batch_size or data.seq_len, or set metrics.val_interval 0",
             tokens.numel(),
             g,
             seq_len + 1,
@@ -184,6 +189,7 @@ class DistributedTokenLoader:
         self.position = 0
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
+        self._val_warned = False
 
     # -- order ---------------------------------------------------------------
 
@@ -246,6 +252,8 @@ class DistributedTokenLoader:
         """
         if self.val_tokens is None:
             raise ValueError("this loader has no validation tokens (pass val_tokens=...)")
+        warn = not self._val_warned and self.rank == 0  # once per run
+        self._val_warned = True
         return iter_val_batches(
             self.val_tokens,
             seq_len=self.seq_len,
@@ -254,6 +262,7 @@ class DistributedTokenLoader:
             rank=self.rank,
             world_size=self.world_size,
             global_batch=self.global_batch,
+            warn=warn,
         )
 
     # -- state ---------------------------------------------------------------

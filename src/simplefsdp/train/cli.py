@@ -18,6 +18,7 @@ process starts or any file is written.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 from simplefsdp.train.config import (
     SECTIONS,
     JobConfig,
+    closest_key,
     config_warnings,
     format_config,
     load_config,
@@ -304,15 +306,43 @@ def _run_worker(job: JobConfig) -> int:
             shutil.rmtree(error_dir, ignore_errors=True)  # Note: [Orphaned workers]
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
-    """Split known flags from dotted overrides and load the config (may raise)."""
-    args, overrides = _build_parser().parse_known_args(argv)
+def _check_unknown_flags(parser: argparse.ArgumentParser, overrides: list[str]) -> None:
+    """An undotted ``--flag`` that is not the command's: one line with the closest
+    flag or config key.
+
+    Raises:
+        ValueError: e.g. ``unknown option --nprocs. Did you mean --nproc?``.
+    """
+    flags = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for token in overrides:
+        name = token.split("=", 1)[0]
+        if not name.startswith("--") or "." in name or len(name) == 2:
+            continue
+        ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()  # noqa: E731
+        scored = [(ratio(name.replace("_", "-"), flag), flag) for flag in flags]
+        key = closest_key(name[2:])
+        if key is not None:  # a field's own name or a known alias scores 1, a near miss less
+            near = ratio(name[2:].replace("-", "_"), key.split(".")[1])
+            scored.append((near if 0.75 <= near < 1 else 1.0, f"--{key}"))
+        score, best = max(scored, key=lambda pair: pair[0]) if scored else (0.0, "")
+        if score >= 0.6:
+            raise ValueError(f"unknown option {name}. Did you mean {best}?")
+
+
+def _parse(argv: list[str], notes: list[str] | None = None) -> tuple[argparse.Namespace, JobConfig]:
+    """Split known flags from dotted overrides and load the config (may raise).
+
+    ``notes`` collects one-line notes about the config file (see ``load_config``).
+    """
+    parser = _build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    _check_unknown_flags(parser, overrides)
     if args.resume:
         overrides = [*overrides, "--checkpoint.resume", "true"]
     if args.resume_if_possible:
         overrides = [*overrides, "--checkpoint.resume_if_possible", "true"]
     try:
-        job = load_config(args.config, overrides)
+        job = load_config(args.config, overrides, notes=notes)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
     return args, job
@@ -340,18 +370,19 @@ def main(argv: list[str] | None = None) -> int:
     torch is imported, so ``--help`` and configuration errors are immediate.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    notes: list[str] = []
     try:
-        args, job = _parse(argv)
+        args, job = _parse(argv, notes)
     except ValueError as exc:
         return _error(_one_line(exc))
-    if args.print_config:
-        print(format_config(job), end="")
-        return 0
     worker = under_torchrun()
     rank = int(os.environ.get("RANK", "0"))
     if not worker or rank == 0:
-        for warning in config_warnings(job):
+        for warning in [*notes, *config_warnings(job)]:
             print(f"simplefsdp train: warning: {warning}", file=sys.stderr)
+    if args.print_config:
+        print(format_config(job), end="")
+        return 0
     if worker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))

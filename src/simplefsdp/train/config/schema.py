@@ -470,14 +470,61 @@ def validate_config(cfg: JobConfig) -> None:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
 
 
+#: Bytes of the embedded stdlib corpus read when ``data.max_bytes`` is unset
+#: (``simplefsdp.data.DEFAULT_STDLIB_MAX_BYTES``; this module does not import the data package).
+_STDLIB_BYTES = 8_000_000
+
+
+def _contradictions(job: JobConfig) -> list[str]:
+    """Valid settings that contradict each other, one line each with the fix."""
+    t, d, mt, ck = job.training, job.data, job.metrics, job.checkpoint
+    out = []
+    if t.warmup_steps > 0 and t.warmup_steps >= t.steps:
+        fix = min(max(1, t.steps // 10), t.steps - 1)
+        out.append(
+            f"training.warmup_steps {t.warmup_steps} is not below training.steps {t.steps}: "
+            "the learning rate warms up for the whole run and never decays; use "
+            f"--training.warmup_steps {fix} (or more training.steps)"
+        )
+    validates = mt.val_interval > 0 and mt.val_batches > 0
+    if validates and d.val_fraction == 0:
+        out.append(
+            f"metrics.val_interval {mt.val_interval} but data.val_fraction 0 holds out no "
+            "validation data (no val_loss); set --data.val_fraction 0.05 or "
+            "--metrics.val_interval 0"
+        )
+    corpus_bytes = d.max_bytes if d.max_bytes is not None else None
+    if corpus_bytes is None and d.path is None:
+        corpus_bytes = _STDLIB_BYTES
+    if validates and d.val_fraction > 0 and corpus_bytes is not None:
+        # tokens <= bytes for the byte tokenizer and subword tokenizers alike
+        held_out = int(corpus_bytes * d.val_fraction)
+        batch = d.batch_size * (d.seq_len + 1)
+        if held_out < batch:
+            need = math.ceil(batch / corpus_bytes * 100) / 100
+            fix = f"--data.val_fraction {need:g}" if need < 0.5 else "more data (data.max_bytes)"
+            out.append(
+                f"data.val_fraction {d.val_fraction:g} of at most {corpus_bytes} bytes holds out "
+                f"at most {held_out} tokens, less than one validation batch of "
+                f"data.batch_size {d.batch_size} x (data.seq_len {d.seq_len} + 1) = {batch} "
+                f"tokens per rank (no val_loss); use {fix}, or --metrics.val_interval 0"
+            )
+    if ck.load_step >= 0 and not (ck.resume or ck.resume_if_possible):
+        out.append(
+            f"checkpoint.load_step {ck.load_step} is only used when resuming; add --resume "
+            "to resume from it"
+        )
+    return out
+
+
 def config_warnings(job: JobConfig) -> list[str]:
-    """Settings that are valid but have no effect, one message each.
+    """Settings that are valid but have no effect or contradict each other, one line each.
 
     The command line prints them once (``simplefsdp train: warning: ...``),
     not once per rank.
     """
     p = job.parallel
-    warnings = []
+    warnings = _contradictions(job)
     if p.mesh_shape is not None and p.mode != "hybrid_shard":
         warnings.append(
             f"parallel.mesh_shape={list(p.mesh_shape)} is only used by mode 'hybrid_shard' "
