@@ -445,6 +445,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_binary_data_path_is_refused_before_anything_starts(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.bin").write_bytes(bytes(range(256)) * 16)
+    assert cli.main(["--data.path", "model.bin"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "data file 'model.bin' is mostly not text" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.bin"]
+
+
 def test_config_notes_and_warnings_are_printed_once_each(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my.toml").write_text('[model]\nname = "debug"\n[training]\nsteps = 12\n')

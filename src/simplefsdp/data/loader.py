@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .corpus import TokenCorpus, build_corpus, data_fingerprint
+from .corpus import DEFAULT_TEXT_FIELD, TokenCorpus, build_corpus, data_fingerprint
 from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -334,6 +334,7 @@ class DataSpec(Protocol):
     tokenizer: str
     num_workers: int
     max_bytes: int | None
+    text_field: str
 
 
 @dataclass
@@ -358,6 +359,7 @@ def build_data(
     world_size: int = 1,
     seed: int = 0,
     global_batch: bool = False,
+    report: bool = True,
 ) -> DataBundle:
     """Build tokenizer, corpus and loader from the ``[data]`` config section.
 
@@ -370,9 +372,18 @@ def build_data(
         world_size: Number of data-parallel ranks.
         seed: Data-order seed (usually ``training.seed``).
         global_batch: See :class:`DistributedTokenLoader`.
+        report: Log what reading the data found (undecodable bytes, skipped
+            records); one rank of a job is enough.
     """
     tok = load_tokenizer(cfg.tokenizer)
-    corpus = build_corpus(cfg.path, tok, val_fraction=cfg.val_fraction, max_bytes=cfg.max_bytes)
+    corpus = build_corpus(
+        cfg.path,
+        tok,
+        val_fraction=cfg.val_fraction,
+        max_bytes=cfg.max_bytes,
+        text_field=getattr(cfg, "text_field", DEFAULT_TEXT_FIELD),
+        report=report,
+    )
     if cfg.num_workers:
         logger.debug("data.num_workers=%d ignored: the token loader is in-memory", cfg.num_workers)
     loader = DistributedTokenLoader(

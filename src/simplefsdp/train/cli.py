@@ -156,13 +156,18 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
 
 
 def _check_data_files(path: str) -> None:
-    """``data.path`` must hold at least one non-empty text file."""
-    from simplefsdp.data import list_corpus_files
+    """``data.path`` must hold at least one non-empty text file, and none that is
+    mostly binary (judged by its head) or Parquet without pyarrow."""
+    from simplefsdp.data import list_corpus_files, sniff_data_file
 
     try:
         _, files = list_corpus_files(path)
     except (FileNotFoundError, ValueError) as exc:
         raise ValueError(f"data.path {path!r}: {_one_line(exc)}") from exc
+    for f in files:
+        problem = sniff_data_file(f)
+        if problem is not None:
+            raise ValueError(problem)
     if not any(f.stat().st_size > 0 for f in files):
         what = "is empty" if Path(path).is_file() else "holds no non-empty text file"
         raise ValueError(

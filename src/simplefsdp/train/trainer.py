@@ -155,7 +155,11 @@ class Trainer:
         from simplefsdp.data import build_data
 
         bundle = build_data(
-            self.job.data, rank=self.dp_rank, world_size=self.dp_size, seed=self.job.training.seed
+            self.job.data,
+            rank=self.dp_rank,
+            world_size=self.dp_size,
+            seed=self.job.training.seed,
+            report=self.rank == 0,
         )
         self.tokenizer, self.loader = bundle.tokenizer, bundle.loader
         self._check_same_data(self.loader.fingerprint)

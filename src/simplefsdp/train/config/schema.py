@@ -108,6 +108,9 @@ class DataConfig:
             synchronous, so this is accepted for compatibility and unused.
         max_bytes: Cap on the bytes read from the corpus (``None``: 8 MB for
             the embedded stdlib corpus, unlimited for a user ``path``).
+        text_field: The field of each JSON Lines record (``.jsonl``,
+            ``.ndjson``) and the column of a Parquet file (``.parquet``, needs
+            ``pyarrow``) that holds the text; other files are read as text.
     """
 
     path: str | None = None
@@ -117,6 +120,7 @@ class DataConfig:
     tokenizer: str = "byte"
     num_workers: int = 0
     max_bytes: int | None = None
+    text_field: str = "text"
 
 
 @dataclass
@@ -368,6 +372,7 @@ def validate_config(cfg: JobConfig) -> None:
     check(bool(d.tokenizer.strip()), "data.tokenizer", d.tokenizer, "'byte' or a tokenizer path")
     check(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
     check(d.max_bytes is None or d.max_bytes > 0, "data.max_bytes", d.max_bytes, "> 0 or none")
+    check(bool(d.text_field.strip()), "data.text_field", d.text_field, "a field name")
     if m.max_seq_len is not None and d.seq_len > m.max_seq_len:
         errors.append(
             f"data.seq_len: invalid value {d.seq_len!r}; must be <= model.max_seq_len ({m.max_seq_len})"
