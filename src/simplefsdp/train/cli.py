@@ -318,12 +318,15 @@ def _check_unknown_flags(parser: argparse.ArgumentParser, overrides: list[str]) 
     Raises:
         ValueError: e.g. ``unknown option --nprocs. Did you mean --nproc?``.
     """
+
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
     flags = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
     for token in overrides:
         name = token.split("=", 1)[0]
         if not name.startswith("--") or "." in name or len(name) == 2:
             continue
-        ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()  # noqa: E731
         scored = [(ratio(name.replace("_", "-"), flag), flag) for flag in flags]
         key = closest_key(name[2:])
         if key is not None:  # a field's own name or a known alias scores 1, a near miss less
