@@ -430,6 +430,8 @@ def test_print_config_shows_overrides(capsys):
         (["--reume"], "unknown option --reume. Did you mean --resume?"),
         (["--training.learning_rate", "1"], "'learning_rate' in section [training]. Did you mean 'lr'?"),
         (["--resume", "--checkpoint.load_step", "4"], "no checkpoint step-4"),
+        (["--nproc", "3", "--parallel.tp", "3", "--parallel.sequence_parallel", "false"],
+         "parallel.tp 3 does not divide the n_heads 8, n_kv_heads 4 of model 'debug'; valid"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
@@ -461,6 +463,20 @@ def test_config_notes_and_warnings_are_printed_once_each(capsys, tmp_path, monke
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and all(x.startswith("simplefsdp train: warning: ") for x in lines)
     assert "no 'extends'" in lines[0] and "--training.warmup_steps 1" in lines[1]
+
+
+@pytest.mark.parametrize(("launcher", "printed"), [(True, 0), (False, 1)])
+def test_config_warnings_are_printed_by_the_launcher_not_again_by_its_workers(
+    capsys, monkeypatch, tmp_path, launcher, printed
+):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    if launcher:  # a worker of `simplefsdp train`, which printed them already
+        monkeypatch.setenv("SIMPLEFSDP_ERROR_DIR", str(tmp_path))
+    else:  # under a plain torchrun, rank 0 prints them
+        monkeypatch.delenv("SIMPLEFSDP_ERROR_DIR", raising=False)
+    assert cli.main(["--print-config", "--training.steps", "5"]) == 0
+    assert capsys.readouterr().err.count("warmup_steps 10 is not below") == printed
 
 
 def test_load_config_debug_default_is_debug_model():

@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         return _error(_one_line(exc))
     worker = under_torchrun()
     rank = int(os.environ.get("RANK", "0"))
-    if not worker or rank == 0:
+    # once: by `simplefsdp train`, else (under a plain torchrun) by rank 0
+    if not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV)):
         for warning in [*notes, *config_warnings(job)]:
             print(f"simplefsdp train: warning: {warning}", file=sys.stderr)
     if args.print_config:
