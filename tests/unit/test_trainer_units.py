@@ -238,6 +238,23 @@ def test_damaged_latest_checkpoint_is_one_error_naming_file_previous_step_and_fl
     assert info.step == 4 and ck.load(info.path)["step"] == 4
 
 
+@pytest.mark.parametrize("given", ["folder", "step"])
+def test_export_refuses_a_damaged_checkpoint_naming_the_previous_good_one(tmp_path, given):
+    from simplefsdp.checkpoint.export import resolve_checkpoint
+
+    _fake_checkpoint(tmp_path, 4)
+    damaged = _fake_checkpoint(tmp_path, 8)
+    data = (damaged / "__0_0.distcp").read_bytes()
+    (damaged / "__0_0.distcp").write_bytes(bytes([data[0] ^ 1]) + data[1:])  # same size
+    with pytest.raises(ValueError) as err:
+        resolve_checkpoint(tmp_path if given == "folder" else damaged)
+    message = str(err.value)
+    assert f"checkpoint {damaged} is damaged: {damaged / '__0_0.distcp'} does not match" in message
+    assert message.endswith(
+        f"previous good checkpoint is step 4: export it with --checkpoint {tmp_path / 'step-4'}"
+    )
+
+
 def test_damaged_checkpoint_without_earlier_one_says_so(tmp_path):
     _fake_checkpoint(tmp_path, 4)
     (tmp_path / "step-4" / "__0_0.distcp").write_bytes(b"short")
