@@ -141,10 +141,14 @@ def test_file_without_extends_builds_on_defaults_and_says_so(tmp_path):
     cfg = load_config(path, notes=notes)
     assert cfg.compile.backend == JobConfig().compile.backend  # the defaults, not debug.toml
     assert len(notes) == 1 and "no 'extends'" in notes[0] and 'extends = "debug"' in notes[0]
+    assert "differ from the 'debug' config in " in notes[0] and "compile.backend" in notes[0]
     explicit = _write(tmp_path, 'extends = "defaults"\n[model]\nname = "debug"\n', "d.toml")
     notes = []
     assert load_config(explicit, notes=notes).compile.backend == JobConfig().compile.backend
     assert notes == []
+    # a complete file (e.g. a run's saved config.toml) takes nothing from the defaults
+    complete = _write(tmp_path, format_config(load_config("debug")), "complete.toml")
+    assert load_config(complete, notes=notes) == load_config("debug") and notes == []
 
 
 @pytest.mark.parametrize(

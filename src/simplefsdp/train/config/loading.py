@@ -28,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Union
 
+from .output import config_to_dict
 from .schema import SECTIONS, JobConfig, suggest, validate_config
 
 try:  # Python >= 3.11
@@ -473,21 +474,44 @@ def _config_layers(
             f"({', '.join(builtin_configs())}), a TOML path or {_DEFAULTS_NAME!r}"
         )
     if base is None or base == _DEFAULTS_NAME:
-        model_name = (
-            data.get("model", {}).get("name") if isinstance(data.get("model"), dict) else None
-        )
-        if base is None and file is not None and model_name in builtin_configs():
-            notes.append(
-                f"{label} sets model.name = {model_name!r} but has no '{EXTENDS_KEY}': it builds "
-                f"on the built-in defaults, not on the {model_name!r} config; add "
-                f'{EXTENDS_KEY} = "{model_name}" at its top to build on that config '
-                f'(or {EXTENDS_KEY} = "{_DEFAULTS_NAME}" to keep the defaults without this note)'
-            )
+        if base is None and file is not None:
+            note = _preset_note(data, label)
+            if note is not None:
+                notes.append(note)
         return [(data, label)]
     parent = _config_layers(
         base, notes, relative_to=None if file is None else file.parent, chain=(*chain, label)
     )
     return [*parent, (data, label)]
+
+
+def _preset_note(data: dict[str, Any], label: str) -> str | None:
+    """The note for a file without ``extends`` that names a shipped config's model
+    and would differ from that config where it leaves values out, else ``None``."""
+    model = data.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    if name not in builtin_configs():
+        return None
+    try:
+        on_defaults = config_to_dict(apply_dict(JobConfig(), data))
+        on_preset = config_to_dict(apply_dict(load_config(name), data))
+    except ValueError:  # reported when the file is applied
+        return None
+    differ = [
+        f"{section}.{key}"
+        for section, values in on_defaults.items()
+        for key, value in values.items()
+        if on_preset[section][key] != value
+    ]
+    if not differ:  # the file sets everything the preset would
+        return None
+    shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+    return (
+        f"{label} sets model.name = {name!r} but has no '{EXTENDS_KEY}': it builds on the "
+        f"built-in defaults, which differ from the {name!r} config in {shown}; add "
+        f'{EXTENDS_KEY} = "{name}" at its top to build on that config (or '
+        f'{EXTENDS_KEY} = "{_DEFAULTS_NAME}" to keep the defaults without this note)'
+    )
 
 
 def load_config(
