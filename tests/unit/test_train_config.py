@@ -171,7 +171,7 @@ def test_bad_extends(tmp_path, text, match):
          "training.warmup_steps 20 is not below training.steps 12: .* --training.warmup_steps 1"),
         (["--data.val_fraction", "0"], "holds out no validation data.*--data.val_fraction 0.05"),
         (["--data.val_fraction", "0.001", "--data.max_bytes", "300000"],
-         "at most 300 tokens, less than one validation batch .*--data.val_fraction 0.01"),
+         "about 300 tokens, less than one validation batch .*--data.val_fraction 0.01"),
         (["--checkpoint.load_step", "4"], "load_step 4 is only used when resuming; add --resume"),
     ],
 )  # fmt: skip

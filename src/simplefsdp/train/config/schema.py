@@ -502,15 +502,15 @@ def _contradictions(job: JobConfig) -> list[str]:
     if corpus_bytes is None and d.path is None:
         corpus_bytes = _STDLIB_BYTES
     if validates and d.val_fraction > 0 and corpus_bytes is not None:
-        # tokens <= bytes for the byte tokenizer and subword tokenizers alike
+        # tokens ~ bytes for the byte tokenizer, fewer for subword tokenizers
         held_out = int(corpus_bytes * d.val_fraction)
         batch = d.batch_size * (d.seq_len + 1)
         if held_out < batch:
             need = math.ceil(batch / corpus_bytes * 100) / 100
             fix = f"--data.val_fraction {need:g}" if need < 0.5 else "more data (data.max_bytes)"
             out.append(
-                f"data.val_fraction {d.val_fraction:g} of at most {corpus_bytes} bytes holds out "
-                f"at most {held_out} tokens, less than one validation batch of "
+                f"data.val_fraction {d.val_fraction:g} of about {corpus_bytes} bytes holds out "
+                f"about {held_out} tokens, less than one validation batch of "
                 f"data.batch_size {d.batch_size} x (data.seq_len {d.seq_len} + 1) = {batch} "
                 f"tokens per rank (no val_loss); use {fix}, or --metrics.val_interval 0"
             )
