@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import types
@@ -195,7 +196,8 @@ def _make_folder(root, names):
 
 
 def test_user_folder_recursive_text_files(tmp_path):
-    _make_folder(tmp_path, ["a.txt", "sub/b.md", "sub/deep/c.py", "d.jsonl", "NOTES"])
+    _make_folder(tmp_path, ["a.txt", "sub/b.md", "sub/deep/c.py", "NOTES"])
+    (tmp_path / "d.jsonl").write_text('{"text": "a record"}\n')  # one document per record
     (tmp_path / "model.bin").write_bytes(b"\x00\x01binary")
     (tmp_path / "blob").write_bytes(b"abc\x00def")  # no suffix, has NUL -> binary
     (tmp_path / ".hidden.txt").write_text("hidden")
@@ -203,8 +205,82 @@ def test_user_folder_recursive_text_files(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     docs = read_documents(tmp_path)
     names = [d.name for d in docs]
-    assert names == ["NOTES", "a.txt", "bad.txt", "d.jsonl", "sub/b.md", "sub/deep/c.py"]
+    assert names == ["NOTES", "a.txt", "bad.txt", "d.jsonl:1", "sub/b.md", "sub/deep/c.py"]
     assert docs[2].text == "ok \ufffd\ufffd bytes"
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_jsonl_is_read_by_its_text_field(tmp_path, caplog):
+    records = [{"id": i, "text": f"record {i} " * 5, "meta": "x"} for i in range(20)]
+    path = _jsonl(tmp_path / "data.jsonl", [*records, {"id": 99}, {"body": "no text"}])
+    with caplog.at_level("WARNING", logger="simplefsdp.data.corpus"):
+        docs = read_documents(path)
+    assert [d.text for d in docs] == [r["text"] for r in records]  # the text, not the JSON
+    assert docs[3].name == "data.jsonl:4"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 22 lines have no string field 'text' (skipped)"
+    ]
+    other = _jsonl(tmp_path / "b.jsonl", [{"content": "hello"}])
+    assert [d.text for d in read_documents(other, text_field="content")] == ["hello"]
+    with pytest.raises(ValueError, match=r"b.jsonl' has no string field 'text' .*\['content'\]"):
+        read_documents(other)
+
+
+def test_data_config_text_field_reaches_the_corpus(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [{"body": "x" * 400}, {"body": "y" * 400}])
+    cfg = DataConfig(path=str(path), seq_len=8, batch_size=2, val_fraction=0.0, text_field="body")
+    bundle = build_data(cfg)
+    assert bundle.corpus.train.numel() == 802  # two records and their EOS tokens
+
+
+def test_parquet_is_read_by_its_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["first row", None, "third"], "n": [1, 2, 3]}), path)
+    assert [d.text for d in read_documents(path)] == ["first row", "third"]
+    with pytest.raises(ValueError, match=r"no string field 'body' .*\['text', 'n'\]"):
+        read_documents(path, text_field="body")
+
+
+def test_parquet_without_pyarrow_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"PAR1 not read")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    for check in (lambda: read_documents(path), lambda: D.sniff_data_file(path)):
+        try:
+            problem = check()
+        except ValueError as exc:
+            problem = str(exc)
+        assert "d.parquet' is Parquet" in problem and "pip install pyarrow" in problem
+
+
+def test_undecodable_bytes_are_counted_and_reported_once(tmp_path, caplog):
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 au lait, " * 10)  # Latin-1, not UTF-8
+    (tmp_path / "b.txt").write_bytes(b"na\xefve " * 10 + b"ok " * 50)
+    (tmp_path / "c.txt").write_bytes("fine UTF-8: café".encode())
+    with caplog.at_level("WARNING", logger="simplefsdp.data.corpus"):
+        docs = read_documents(tmp_path)
+    assert docs[0].text.startswith("caf\ufffd au lait")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"20 bytes that are not UTF-8 in 2 file(s) (first: {tmp_path / 'a.txt'}) "
+        "were replaced by U+FFFD"
+    ]
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 64, b"\x00" * 5000 + b"text"])
+def test_a_file_that_is_mostly_not_text_is_refused(tmp_path, content):
+    path = tmp_path / "weights.txt"  # the suffix does not make it text
+    path.write_bytes(b"some text first\n" + content)
+    with pytest.raises(ValueError, match=r"weights.txt' is mostly not text \(\d+% of its bytes"):
+        read_documents(path)
+    assert "is mostly not text" in D.sniff_data_file(path)
 
 
 def test_folder_split_is_stable_when_files_are_added(tmp_path):

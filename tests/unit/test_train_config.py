@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +117,73 @@ enable = false
     assert cfg.compile.enable is True
     assert cfg.training.lr == 0.5
     assert cfg.parallel.mesh_shape == [2, 2]  # TOML beats defaults
+
+
+def test_extends_builds_on_a_shipped_config_then_a_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    base = _write(tmp_path, 'extends = "debug"\n[training]\nsteps = 12\nwarmup_steps = 2\n')
+    child = _write(tmp_path, 'extends = "../base.toml"\n[data]\nbatch_size = 2\n', "sub/c.toml")
+    assert base.endswith("job.toml")
+    (tmp_path / "base.toml").write_text(Path(base).read_text())
+    debug = load_config("debug")
+    notes: list[str] = []
+    cfg = load_config(child, ["--training.steps", "14"], notes=notes)
+    assert cfg.compile.backend == debug.compile.backend == "aot_eager"  # from debug
+    assert cfg.checkpoint.interval == debug.checkpoint.interval
+    assert cfg.training.warmup_steps == 2 and cfg.data.batch_size == 2  # the files
+    assert cfg.training.steps == 14  # the command line last
+    assert notes == []
+
+
+def test_file_without_extends_builds_on_defaults_and_says_so(tmp_path):
+    path = _write(tmp_path, '[model]\nname = "debug"\n[training]\nsteps = 12\n')
+    notes: list[str] = []
+    cfg = load_config(path, notes=notes)
+    assert cfg.compile.backend == JobConfig().compile.backend  # the defaults, not debug.toml
+    assert len(notes) == 1 and "no 'extends'" in notes[0] and 'extends = "debug"' in notes[0]
+    assert "differ from the 'debug' config in " in notes[0] and "compile.backend" in notes[0]
+    explicit = _write(tmp_path, 'extends = "defaults"\n[model]\nname = "debug"\n', "d.toml")
+    notes = []
+    assert load_config(explicit, notes=notes).compile.backend == JobConfig().compile.backend
+    assert notes == []
+    # a complete file (e.g. a run's saved config.toml) takes nothing from the defaults
+    complete = _write(tmp_path, format_config(load_config("debug")), "complete.toml")
+    assert load_config(complete, notes=notes) == load_config("debug") and notes == []
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('extends = "nope"\n', "config file 'nope' not found"),
+        ("extends = 3\n", "extends = 3 must be a shipped config name"),
+        ('extends = "job.toml"\n', "'extends' loops back to itself"),
+    ],
+)
+def test_bad_extends(tmp_path, text, match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        load_config(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["--training.steps", "12", "--training.warmup_steps", "20"],
+         "training.warmup_steps 20 is not below training.steps 12: .* --training.warmup_steps 1"),
+        (["--data.val_fraction", "0"], "holds out no validation data.*--data.val_fraction 0.05"),
+        (["--data.val_fraction", "0.001", "--data.max_bytes", "300000"],
+         "about 300 tokens, less than one validation batch .*--data.val_fraction 0.01"),
+        (["--checkpoint.load_step", "4"], "load_step 4 is only used when resuming; add --resume"),
+    ],
+)  # fmt: skip
+def test_contradictions_warn_one_line_each_with_the_fix(overrides, expected):
+    warnings = C.config_warnings(load_config("debug", overrides))
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert re.search(expected, warnings[0]), warnings[0]
+
+
+@pytest.mark.parametrize("name", builtin_configs())
+def test_shipped_configs_warn_about_nothing(name):
+    assert C.config_warnings(load_config(name)) == []
 
 
 def test_validation_happens_after_all_layers(tmp_path):
@@ -285,6 +354,19 @@ def test_unknown_key_suggests_and_lists_valid_keys():
 def test_unknown_key_in_toml(tmp_path):
     with pytest.raises(ValueError, match=r"'batchsize'.*Did you mean 'batch_size'"):
         load_config(_write(tmp_path, "[data]\nbatchsize = 4\n"))
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[training]\nlearning_rate = 1e-3\n", "'learning_rate' in section \\[training\\]. Did you mean 'lr'"),
+        ("[data]\nmax_steps = 3\n", "Did you mean 'training.steps'"),
+        ("[optimizer]\nlr = 1e-3\n", "'optimizer'. Did you mean 'training'"),
+    ],
+)  # fmt: skip
+def test_names_of_other_trainers_are_suggested(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(_write(tmp_path, text))
 
 
 def test_key_of_other_section_is_suggested():

@@ -13,10 +13,14 @@ import torch.nn as nn
 
 from simplefsdp.checkpoint import (
     MANIFEST_NAME,
+    Checkpointer,
+    DamagedCheckpointError,
     build_manifest,
     latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
+    resume_checkpoint,
+    scan_checkpoints,
     verify_checkpoint,
     write_json_atomic,
 )
@@ -100,6 +104,27 @@ def test_scheduler_state_is_json_and_resumes_the_same_lrs():
     assert opt_b.param_groups[0]["lr"] == pytest.approx(lrs[6])
 
 
+def test_first_resumed_step_follows_the_new_schedule():
+    """12 steps with warm-up 2, then resumed with training.steps 24: step 13 (index 12)
+    gets the 24-step schedule's rate, not the 12-step run's last one."""
+    job = JobConfig()
+    job.training.steps, job.training.warmup_steps, job.training.lr = 12, 2, 1e-3
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=job.training.lr)
+    sched = build_lr_scheduler(opt, job)
+    for _ in range(12):
+        opt.step()
+        sched.step()
+    job.training.steps, job.training.lr = 24, 2e-3  # the resumed run's config
+    opt_b = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=job.training.lr)
+    opt_b.load_state_dict(opt.state_dict())  # the optimizer state as a checkpoint restores it
+    sched_b = build_lr_scheduler(opt_b, job, start_step=12)
+    new = [2e-3 * f for f in _factors(24, 2)]
+    assert opt_b.param_groups[0]["lr"] == pytest.approx(new[12])  # about 1.17e-3
+    opt_b.step()
+    sched_b.step()
+    assert opt_b.param_groups[0]["lr"] == pytest.approx(new[13])
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -162,6 +187,109 @@ def test_prune_keeps_last_k_and_removes_stale_tmp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4", "step-6.tmp"]
     with pytest.raises(ValueError, match="keep_last"):
         prune_checkpoints(tmp_path, 0)
+
+
+# --------------------------------------------------------------------------- damaged checkpoints
+
+
+def _real_checkpoints(folder: Path, steps: tuple[int, ...]) -> Checkpointer:
+    """A single-process Checkpointer of a tiny model that saved ``steps``."""
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    ck = Checkpointer(folder, model=model, optimizer=optimizer, device=torch.device("cpu"),
+                      keep_last=5, config_hash="h", config_json={})  # fmt: skip
+    for step in steps:
+        ck.save(step, {"step": step})
+    return ck
+
+
+def _shard(folder: Path) -> Path:
+    return sorted(folder.glob("*.distcp"))[0]
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[:-10])
+    elif how == "changed":  # same size, other bytes: only the sha256 tells
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    else:
+        path.unlink()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("how", ["truncated", "changed", "missing"])
+def test_damaged_latest_checkpoint_is_one_error_naming_file_previous_step_and_flag(tmp_path, how):
+    ck = _real_checkpoints(tmp_path, (4, 8))
+    shard = _shard(tmp_path / "step-8")
+    _damage(shard, how)
+    with pytest.raises(DamagedCheckpointError) as err:
+        info = resume_checkpoint(tmp_path)  # sizes only: catches truncated and missing
+        ck.load(info.path)  # every sha256: catches the same-size change
+    message = str(err.value)
+    assert "\n" not in message and str(shard) in message
+    assert "previous good checkpoint is step 4" in message
+    assert "--checkpoint.load_step 4" in message
+    assert err.value.previous == 4 and err.value.step == 8
+    # falling back, as the message says, resumes from step 4
+    info = resume_checkpoint(tmp_path, 4)
+    assert info.step == 4 and ck.load(info.path)["step"] == 4
+
+
+@pytest.mark.parametrize("given", ["folder", "step"])
+def test_export_refuses_a_damaged_checkpoint_naming_the_previous_good_one(tmp_path, given):
+    from simplefsdp.checkpoint.export import resolve_checkpoint
+
+    _fake_checkpoint(tmp_path, 4)
+    damaged = _fake_checkpoint(tmp_path, 8)
+    data = (damaged / "__0_0.distcp").read_bytes()
+    (damaged / "__0_0.distcp").write_bytes(bytes([data[0] ^ 1]) + data[1:])  # same size
+    with pytest.raises(ValueError) as err:
+        resolve_checkpoint(tmp_path if given == "folder" else damaged)
+    message = str(err.value)
+    assert f"checkpoint {damaged} is damaged: {damaged / '__0_0.distcp'} does not match" in message
+    assert message.endswith(
+        f"previous good checkpoint is step 4: export it with --checkpoint {tmp_path / 'step-4'}"
+    )
+
+
+def test_damaged_checkpoint_without_earlier_one_says_so(tmp_path):
+    _fake_checkpoint(tmp_path, 4)
+    (tmp_path / "step-4" / "__0_0.distcp").write_bytes(b"short")
+    with pytest.raises(DamagedCheckpointError, match="no earlier complete checkpoint"):
+        resume_checkpoint(tmp_path)
+
+
+def test_load_step_must_name_a_checkpoint(tmp_path):
+    _fake_checkpoint(tmp_path, 4)
+    _fake_checkpoint(tmp_path, 8)
+    assert resume_checkpoint(tmp_path, 4).step == 4
+    with pytest.raises(ValueError, match=r"load_step 6: .* no checkpoint step-6; .*steps 4, 8"):
+        resume_checkpoint(tmp_path, 6)
+
+
+def test_uncommitted_save_is_skipped_with_one_line(tmp_path, caplog):
+    _fake_checkpoint(tmp_path, 4)
+    _fake_checkpoint(tmp_path, 8)
+    _fake_checkpoint(tmp_path, 12, tmp=True)  # the run died while saving step 12
+    with caplog.at_level("WARNING", logger="simplefsdp.checkpoint.steps"):
+        assert resume_checkpoint(tmp_path, report=True).step == 8
+        assert resume_checkpoint(tmp_path).step == 8  # preflight: quiet
+    assert len(caplog.records) == 1
+    line = caplog.records[0].getMessage()
+    assert "step-12.tmp" in line and "never committed" in line and "step 8" in line
+
+
+def test_scan_sorts_complete_damaged_and_uncommitted(tmp_path):
+    _fake_checkpoint(tmp_path, 4)
+    _fake_checkpoint(tmp_path, 8, manifest=False)
+    _fake_checkpoint(tmp_path, 12, tmp=True)
+    scan = scan_checkpoints(tmp_path)
+    assert [i.step for i in scan.complete] == [4]
+    assert list(scan.damaged) == [8] and "manifest.json is missing" in scan.damaged[8]
+    assert scan.uncommitted == [12] and scan.previous_good(8) == 4
 
 
 # --------------------------------------------------------------------------- metrics
@@ -312,8 +440,17 @@ def test_print_config_shows_overrides(capsys):
             "valid shapes for 2 ranks",
         ),
         (["--data.seq_len", "1024"], "exceeds max_seq_len 512 of model 'debug'"),
+        (["--nprocs", "4"], "unknown option --nprocs. Did you mean --nproc?"),
+        (["--nproc-per-node=4"], "unknown option --nproc-per-node. Did you mean --nproc?"),
+        (["--steps", "4"], "unknown option --steps. Did you mean --training.steps?"),
+        (["--learning-rate", "1"], "Did you mean --training.lr?"),
+        (["--reume"], "unknown option --reume. Did you mean --resume?"),
+        (["--training.learning_rate", "1"], "'learning_rate' in section [training]. Did you mean 'lr'?"),
+        (["--resume", "--checkpoint.load_step", "4"], "no checkpoint step-4"),
+        (["--nproc", "3", "--parallel.tp", "3", "--parallel.sequence_parallel", "false"],
+         "parallel.tp 3 does not divide the n_heads 8, n_kv_heads 4 of model 'debug'; valid"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     argv, needle, capsys, tmp_path, monkeypatch
 ):
@@ -325,6 +462,38 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert err.count("\n") == 1 and err.startswith("simplefsdp train: error: ")
     assert needle in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_binary_data_path_is_refused_before_anything_starts(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.bin").write_bytes(bytes(range(256)) * 16)
+    assert cli.main(["--data.path", "model.bin"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "data file 'model.bin' is mostly not text" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.bin"]
+
+
+def test_config_notes_and_warnings_are_printed_once_each(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.toml").write_text('[model]\nname = "debug"\n[training]\nsteps = 12\n')
+    assert cli.main(["--config", "my.toml", "--print-config"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(x.startswith("simplefsdp train: warning: ") for x in lines)
+    assert "no 'extends'" in lines[0] and "--training.warmup_steps 1" in lines[1]
+
+
+@pytest.mark.parametrize(("launcher", "printed"), [(True, 0), (False, 1)])
+def test_config_warnings_are_printed_by_the_launcher_not_again_by_its_workers(
+    capsys, monkeypatch, tmp_path, launcher, printed
+):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    if launcher:  # a worker of `simplefsdp train`, which printed them already
+        monkeypatch.setenv("SIMPLEFSDP_ERROR_DIR", str(tmp_path))
+    else:  # under a plain torchrun, rank 0 prints them
+        monkeypatch.delenv("SIMPLEFSDP_ERROR_DIR", raising=False)
+    assert cli.main(["--print-config", "--training.steps", "5"]) == 0
+    assert capsys.readouterr().err.count("warmup_steps 10 is not below") == printed
 
 
 def test_load_config_debug_default_is_debug_model():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import stat
 import sys
 import warnings
@@ -33,12 +34,15 @@ import torch
 
 from simplefsdp.checkpoint import (
     CONFIG_NAME,
+    DamagedCheckpointError,
     SafeFileSystemReader,
     TensorOnlyLoadPlanner,
     fsync_dir,
-    latest_checkpoint,
     read_json,
     read_manifest,
+    resume_checkpoint,
+    scan_checkpoints,
+    step_dir_name,
     verify_checkpoint,
     write_json_atomic,
 )
@@ -53,6 +57,7 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_PREFIX = "model."
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _require_safetensors() -> Any:
@@ -78,18 +83,28 @@ def model_args_from_config(config: dict[str, Any]) -> Any:
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A complete checkpoint folder: ``path`` itself, or the latest one inside it.
 
+    Every file is checked (size and sha256); a damaged checkpoint is refused,
+    never passed over (see [Damaged checkpoints] in ``simplefsdp.checkpoint.steps``).
+
     Raises:
-        ValueError: ``path`` is neither a complete checkpoint nor a folder holding one.
+        ValueError: ``path`` is neither a complete checkpoint nor a folder
+            holding one, or the checkpoint is damaged (naming the file and
+            the previous good checkpoint).
     """
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} does not exist or is not a folder")
-    if read_manifest(folder) is not None:
+    match = _STEP_DIR.match(folder.name)
+    if match is not None or read_manifest(folder) is not None:
         problem = verify_checkpoint(folder, check_hashes=True)
         if problem is not None:
-            raise ValueError(f"checkpoint is damaged: {problem}")
+            step = int(match.group(1)) if match is not None else None
+            raise _damaged(folder.parent, step, problem)
         return folder
-    info = latest_checkpoint(folder)
+    try:
+        info = resume_checkpoint(folder)
+    except DamagedCheckpointError as exc:
+        raise _damaged(folder, exc.step, exc.problem) from None
     if info is None:
         raise ValueError(
             f"{str(path)!r} holds no complete checkpoint (a step-N folder with a valid "
@@ -97,8 +112,24 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         )
     problem = verify_checkpoint(info.path, check_hashes=True)
     if problem is not None:
-        raise ValueError(f"checkpoint is damaged: {problem}")
+        raise _damaged(folder, info.step, problem)
     return info.path
+
+
+def _damaged(folder: Path, step: int | None, problem: str) -> ValueError:
+    """The one-line export error for the damaged checkpoint ``step`` of ``folder``."""
+    if step is None:
+        return ValueError(f"checkpoint is damaged: {problem}")
+    previous = scan_checkpoints(folder).previous_good(step)
+    fallback = (
+        "there is no earlier complete checkpoint"
+        if previous is None
+        else f"the previous good checkpoint is step {previous}: export it with "
+        f"--checkpoint {folder / step_dir_name(previous)}"
+    )
+    return ValueError(
+        f"checkpoint {folder / step_dir_name(step)} is damaged: {problem}; {fallback}"
+    )
 
 
 def load_full_model_state(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

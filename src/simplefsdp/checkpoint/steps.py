@@ -18,13 +18,25 @@ Note: [Atomic checkpoints]
     as ``step-N.tmp/``, verified, given its manifest and renamed into place in
     one atomic rename (see [Atomic publish] in ``simplefsdp.checkpoint._api``).
     A crash at any point before the rename leaves only a ``*.tmp`` folder,
-    which :func:`list_checkpoints` ignores (and the next save removes); a
-    folder without a valid manifest (missing, unparsable, wrong step, or a
-    listed file missing or of another size) is ignored too, so a damaged or
-    partial checkpoint is never picked as latest. Old checkpoints are pruned only after the new one is published,
-    each first renamed to ``*.tmp`` (unpublished atomically) and then deleted.
-    Loading checks every file's sha256 and that the checkpoint fits the model,
-    and refuses with a one-line error naming the file and the mismatch.
+    which :func:`list_checkpoints` ignores (and the next save removes). Old
+    checkpoints are pruned only after the new one is published, each first
+    renamed to ``*.tmp`` (unpublished atomically) and then deleted. Loading
+    checks every file's sha256 and that the checkpoint fits the model, and
+    refuses with a one-line error naming the file and the mismatch.
+
+Note: [Damaged checkpoints]
+    One rule: a ``step-N`` folder was committed (its save finished: the
+    rename publishes it together with its manifest), so it is complete. If
+    anything in it is later missing, truncated or changed (manifest gone or
+    unparsable, a listed file missing, of another size, or, when loading,
+    with another sha256), resuming from it or exporting it stops with one
+    line naming the file, the newest earlier checkpoint whose files are all
+    there with their sizes, and the flag that accepts falling back to it
+    (``--checkpoint.load_step N``); it is never skipped silently, as that
+    would redo the steps since the earlier checkpoint without saying so.
+    Only a save that never committed (``step-N.tmp``) is skipped, with one
+    line (:func:`resume_checkpoint`). Selecting a checkpoint checks sizes
+    only (cheap); the sha256 of every file is checked when it is loaded.
 
 Note: [No pickles]
     DCP pickles non-tensor values and unpickles them with
@@ -72,10 +84,15 @@ __all__ = [
     "CONFIG_NAME",
     "TRAINER_STATE_NAME",
     "CheckpointInfo",
+    "CheckpointScan",
     "Checkpointer",
+    "DamagedCheckpointError",
+    "damaged_checkpoint_error",
     "latest_checkpoint",
     "list_checkpoints",
     "prune_checkpoints",
+    "resume_checkpoint",
+    "scan_checkpoints",
     "step_dir_name",
     "verify_checkpoint",
 ]
@@ -83,6 +100,9 @@ __all__ = [
 TRAINER_STATE_NAME = "trainer_state.json"
 CONFIG_NAME = "config.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_UNCOMMITTED_DIR = re.compile(r"^step-(\d+)\.tmp$")
+#: The flag that names the checkpoint to resume from (``-1``: the latest).
+LOAD_STEP_FLAG = "--checkpoint.load_step"
 
 
 def step_dir_name(step: int) -> str:
@@ -126,32 +146,169 @@ class CheckpointInfo:
     manifest: dict[str, Any]
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A committed checkpoint whose files were later lost or changed (see [Damaged checkpoints]).
+
+    Attributes:
+        step: the damaged checkpoint's step.
+        previous: the newest earlier checkpoint whose files check out, or ``None``.
+        problem: what is wrong, one line naming the file.
+    """
+
+    def __init__(self, message: str, *, step: int, previous: int | None, problem: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.previous = previous
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """The ``step-N`` folders of a checkpoint folder, by state.
+
+    Attributes:
+        complete: committed checkpoints whose files are all there with their
+            listed sizes, oldest step first.
+        damaged: ``{step: problem}`` of committed checkpoints that are not
+            (``problem`` is one line naming the file).
+        uncommitted: steps of saves that never committed (``step-N.tmp``).
+    """
+
+    complete: list[CheckpointInfo]
+    damaged: dict[int, str]
+    uncommitted: list[int]
+
+    def previous_good(self, step: int) -> int | None:
+        """The newest complete step before ``step``, or ``None``."""
+        earlier = [info.step for info in self.complete if info.step < step]
+        return earlier[-1] if earlier else None
+
+
+def scan_checkpoints(folder: str | os.PathLike[str]) -> CheckpointScan:
+    """Sort the ``step-N`` folders of ``folder`` into complete, damaged and uncommitted.
+
+    Checks manifests and file sizes (no hashing); nothing is logged.
+    """
+    root = Path(folder)
+    complete: list[CheckpointInfo] = []
+    damaged: dict[int, str] = {}
+    uncommitted: list[int] = []
+    children = sorted(root.iterdir()) if root.is_dir() else []
+    for child in children:
+        if not child.is_dir():
+            continue
+        match = _STEP_DIR.match(child.name)
+        if match is None:
+            tmp = _UNCOMMITTED_DIR.match(child.name)
+            if tmp is not None:
+                uncommitted.append(int(tmp.group(1)))
+            continue
+        step = int(match.group(1))
+        problem = verify_checkpoint(child)
+        if problem is not None:
+            damaged[step] = problem
+            continue
+        complete.append(CheckpointInfo(step, child, read_manifest(child) or {}))
+    complete.sort(key=lambda info: info.step)
+    return CheckpointScan(complete, damaged, sorted(uncommitted))
+
+
+def damaged_checkpoint_error(
+    folder: str | os.PathLike[str], step: int, problem: str, *, scan: CheckpointScan | None = None
+) -> DamagedCheckpointError:
+    """The one-line error for the damaged checkpoint ``step`` of ``folder``.
+
+    Names ``problem`` (the file and what is wrong), the previous good
+    checkpoint and ``--checkpoint.load_step`` to fall back to it.
+    """
+    scan = scan_checkpoints(folder) if scan is None else scan
+    previous = scan.previous_good(step)
+    where = Path(folder) / step_dir_name(step)
+    if previous is None:
+        fallback = "there is no earlier complete checkpoint to fall back to"
+    else:
+        fallback = (
+            f"the previous good checkpoint is step {previous}: pass {LOAD_STEP_FLAG} "
+            f"{previous} to resume from it (the steps after it are trained again)"
+        )
+    return DamagedCheckpointError(
+        f"checkpoint {where} is damaged: {problem}; {fallback}",
+        step=step,
+        previous=previous,
+        problem=problem,
+    )
+
+
 def list_checkpoints(folder: str | os.PathLike[str]) -> list[CheckpointInfo]:
     """Complete checkpoints in ``folder``, oldest step first.
 
-    ``*.tmp`` folders (saves in progress or crashed) and folders that fail
-    :func:`verify_checkpoint` are skipped (the latter with a warning).
+    ``*.tmp`` folders (saves in progress or crashed) and damaged checkpoints
+    (see :func:`scan_checkpoints`) are left out; to resume, use
+    :func:`resume_checkpoint`, which refuses a damaged latest checkpoint.
     """
-    root = Path(folder)
-    if not root.is_dir():
-        return []
-    found: list[CheckpointInfo] = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match is None or not child.is_dir():
-            continue
-        problem = verify_checkpoint(child)
-        if problem is not None:
-            logger.warning("ignoring incomplete checkpoint: %s", problem)
-            continue
-        found.append(CheckpointInfo(int(match.group(1)), child, read_manifest(child) or {}))
-    return sorted(found, key=lambda info: info.step)
+    return scan_checkpoints(folder).complete
 
 
 def latest_checkpoint(folder: str | os.PathLike[str]) -> CheckpointInfo | None:
-    """The complete checkpoint with the highest step in ``folder``, or ``None``."""
+    """The complete checkpoint with the highest step in ``folder``, or ``None``.
+
+    A query: a newer damaged checkpoint is passed over without a word. To
+    choose the checkpoint to resume from, use :func:`resume_checkpoint`.
+    """
     found = list_checkpoints(folder)
     return found[-1] if found else None
+
+
+def resume_checkpoint(
+    folder: str | os.PathLike[str], step: int = -1, *, report: bool = False
+) -> CheckpointInfo | None:
+    """The checkpoint to resume from: the newest committed one, or ``step``.
+
+    See [Damaged checkpoints]. With ``report``, a save that never committed
+    and is newer than the chosen checkpoint is named in one logged warning.
+
+    Args:
+        folder: the checkpoint folder.
+        step: the step to resume from (``checkpoint.load_step``); ``-1``: the newest.
+        report: log the skipped uncommitted save (rank 0 of the run only).
+
+    Returns:
+        The checkpoint, or ``None`` when ``step`` is ``-1`` and no save in
+        ``folder`` ever committed.
+
+    Raises:
+        DamagedCheckpointError: the chosen checkpoint is damaged (one line:
+            file, previous good checkpoint, flag).
+        CheckpointError: ``step`` has no checkpoint in ``folder``.
+    """
+    scan = scan_checkpoints(folder)
+    committed = sorted({info.step for info in scan.complete} | set(scan.damaged))
+    if step >= 0:
+        if step not in committed:
+            have = ", ".join(map(str, [i.step for i in scan.complete])) or "none"
+            raise CheckpointError(
+                f"checkpoint.load_step {step}: {Path(folder)} has no checkpoint "
+                f"{step_dir_name(step)}; complete checkpoints there: steps {have}"
+            )
+        chosen = step
+    elif not committed:
+        chosen = None
+    else:
+        chosen = committed[-1]
+    if chosen is not None and chosen in scan.damaged:
+        raise damaged_checkpoint_error(folder, chosen, scan.damaged[chosen], scan=scan)
+    if report and step < 0:
+        newer = [s for s in scan.uncommitted if chosen is None or s > chosen]
+        if newer:
+            start = "starting without it" if chosen is None else f"using step {chosen}"
+            logger.warning(
+                "skipping %s: that save never committed (the run stopped while writing it); %s",
+                Path(folder) / (step_dir_name(newer[-1]) + TMP_SUFFIX),
+                start,
+            )
+    if chosen is None:
+        return None
+    return next(info for info in scan.complete if info.step == chosen)
 
 
 def prune_checkpoints(
@@ -272,11 +429,21 @@ class Checkpointer:
         ranks that existed. Every file's sha256 is checked first.
 
         Raises:
-            CheckpointError: (a ``ValueError``) ``path`` is incomplete, damaged
-                or written for another model; one line naming file and mismatch.
+            DamagedCheckpointError: a file of ``path`` is missing, truncated or
+                changed; one line naming it and the previous good checkpoint
+                (see [Damaged checkpoints]).
+            CheckpointError: (a ``ValueError``) ``path`` is written for another
+                model; one line naming file and mismatch.
         """
         folder = Path(path)
-        _api.load(self.model, self.optimizer, folder)  # verifies the files first
+        try:
+            _api.verify(folder, check_hashes=True)
+        except CheckpointError as exc:
+            match = _STEP_DIR.match(folder.name)
+            if match is None:
+                raise
+            raise damaged_checkpoint_error(folder.parent, int(match.group(1)), str(exc)) from None
+        _api.load(self.model, self.optimizer, folder, check_hashes=False)  # verified above
         trainer_state = read_json(folder / TRAINER_STATE_NAME)
         if not isinstance(trainer_state, dict):
             raise CheckpointError(f"{folder / TRAINER_STATE_NAME} does not hold a JSON object")

@@ -2,7 +2,9 @@
 
 :func:`read_documents` reads a text file, a folder of text files, or by default
 the embedded corpus: this Python's own standard-library ``.py`` sources (the
-first ~8 MB in sorted path order). :func:`build_corpus` tokenises the documents
+first ~8 MB in sorted path order). JSON Lines files (``.jsonl``, ``.ndjson``)
+and Parquet files (``.parquet``, with ``pyarrow``) are read by a text field
+(``text`` unless told otherwise), one document per record; see [Reading text]. :func:`build_corpus` tokenises the documents
 into one stream (an EOS token after every document) and splits it into
 train/validation by document, using a fixed hash of each document's path, so
 adding files never moves the others between splits. Tokens are kept in memory
@@ -12,10 +14,13 @@ disk.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import json
 import logging
 import os
 import sysconfig
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +33,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_STDLIB_MAX_BYTES",
+    "DEFAULT_TEXT_FIELD",
     "Document",
     "stdlib_dir",
     "list_corpus_files",
     "read_documents",
+    "sniff_data_file",
     "token_dtype",
     "TokenCorpus",
     "build_corpus",
@@ -40,6 +47,8 @@ __all__ = [
 
 #: Bytes read from the stdlib corpus when no explicit cap is given.
 DEFAULT_STDLIB_MAX_BYTES = 8_000_000
+#: The field of a JSON Lines record / the column of a Parquet file holding the text.
+DEFAULT_TEXT_FIELD = "text"
 
 
 @dataclass(frozen=True)
@@ -69,9 +78,27 @@ _BINARY_SUFFIXES = frozenset(
         ".pyc", ".pyo", ".so", ".dll", ".dylib", ".o", ".a", ".exe", ".bin", ".pt", ".pth",
         ".safetensors", ".npy", ".npz", ".pkl", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar",
         ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".ico", ".pdf", ".wav", ".mp3", ".mp4",
-        ".whl", ".db", ".sqlite", ".parquet", ".arrow",
+        ".whl", ".db", ".sqlite", ".arrow",
     }
 )  # fmt: skip
+_JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+_PARQUET_SUFFIXES = frozenset({".parquet"})
+#: A text file with more than this fraction of its bytes undecodable or control
+#: characters is refused (see [Reading text]).
+MAX_NON_TEXT_FRACTION = 0.25
+_CONTROL_CHARS = [chr(c) for c in range(32) if chr(c) not in "\t\n\r\f\v"] + ["\x7f"]
+
+# Note: [Reading text]
+#     A text file is decoded as UTF-8; undecodable bytes become U+FFFD and
+#     are counted, and the total is reported once per corpus (file count and
+#     an example file). A file whose bytes are mostly not text (more than
+#     MAX_NON_TEXT_FRACTION undecodable or control characters, e.g. a binary
+#     file given as data.path) is refused with one line naming it rather than
+#     trained on. A JSON Lines file gives one document per line: the string
+#     field ``text_field`` of each object; a Parquet file one per row of the
+#     column ``text_field`` (needs pyarrow, else one line saying so). Records
+#     without that field are counted and reported once per file; a file where
+#     none has it is refused with one line naming the fields it has.
 
 
 def stdlib_dir() -> Path:
@@ -82,7 +109,7 @@ def stdlib_dir() -> Path:
 def _looks_like_text(path: Path) -> bool:
     """Whether ``path`` should be read as text (by suffix, else no NUL in its first 8 KiB)."""
     suffix = path.suffix.lower()
-    if suffix in _TEXT_SUFFIXES:
+    if suffix in _TEXT_SUFFIXES or suffix in _PARQUET_SUFFIXES:
         return True
     if suffix in _BINARY_SUFFIXES:
         return False
@@ -142,25 +169,166 @@ def list_corpus_files(path: str | os.PathLike[str] | None = None) -> tuple[Path,
     raise ValueError(f"data path {str(path)!r} is neither a file nor a folder")
 
 
+_decode_state = threading.local()
+
+
+def _count_undecodable(err: UnicodeError) -> tuple[str, int]:
+    """Codec error handler: count the undecodable bytes, replace them with U+FFFD."""
+    assert isinstance(err, UnicodeDecodeError)
+    _decode_state.bad += err.end - err.start
+    return "\ufffd", err.end
+
+
+codecs.register_error("simplefsdp.count", _count_undecodable)
+
+
+def _decode(raw: bytes) -> tuple[str, int]:
+    """``(text, undecodable bytes)`` of UTF-8 ``raw``; each bad sequence becomes U+FFFD."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        pass
+    _decode_state.bad = 0
+    text = raw.decode("utf-8", errors="simplefsdp.count")
+    return text, _decode_state.bad
+
+
+def _non_text_fraction(raw: bytes, text: str, bad: int) -> float:
+    """Fraction of ``raw``'s bytes that are undecodable or control characters."""
+    controls = sum(text.count(c) for c in _CONTROL_CHARS)
+    return (bad + controls) / max(1, len(raw))
+
+
+def _not_text_error(path: Path, fraction: float) -> ValueError:
+    return ValueError(
+        f"data file {str(path)!r} is mostly not text ({fraction:.0%} of its bytes are not "
+        "UTF-8 text); remove it from data.path, or give text, JSON Lines or Parquet files"
+    )
+
+
+def sniff_data_file(path: str | os.PathLike[str], *, head_bytes: int = 65536) -> str | None:
+    """Why ``path`` cannot be training data, judged cheaply, or ``None``.
+
+    A text file's first ``head_bytes`` must be mostly text; a Parquet file
+    needs ``pyarrow``. Reading the file (:func:`read_documents`) checks all of it.
+    """
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in _PARQUET_SUFFIXES:
+        return _parquet_problem(p)
+    try:
+        with p.open("rb") as fh:
+            head = fh.read(head_bytes)
+    except OSError as exc:
+        return f"data file {str(p)!r} cannot be read: {exc}"
+    if len(head) == head_bytes:  # a character may be cut at the end
+        head = head[:-4]
+    text, bad = _decode(head)
+    fraction = _non_text_fraction(head, text, bad)
+    return str(_not_text_error(p, fraction)) if fraction > MAX_NON_TEXT_FRACTION else None
+
+
+def _parquet_problem(path: Path) -> str | None:
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        return (
+            f"data file {str(path)!r} is Parquet, which needs the 'pyarrow' package: "
+            "pip install pyarrow (or convert it to JSON Lines)"
+        )
+    return None
+
+
+def _missing_field_error(path: Path, field: str, seen: list[str]) -> ValueError:
+    return ValueError(
+        f"data file {str(path)!r} has no string field {field!r} in any record (fields: "
+        f"{seen}); set data.text_field to the field that holds the text"
+    )
+
+
+def _jsonl_documents(path: Path, name: str, raw: bytes, field: str) -> tuple[list[Document], int]:
+    """The documents of a JSON Lines file and the number of lines without ``field``."""
+    text, _ = _decode(raw)
+    docs: list[Document] = []
+    skipped = 0
+    seen: list[str] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        value = record.get(field) if isinstance(record, dict) else None
+        if isinstance(value, str):
+            if value:
+                docs.append(Document(f"{name}:{lineno}", value))
+            continue
+        skipped += 1
+        if not seen and isinstance(record, dict):
+            seen = sorted(record)[:10]
+    if not docs and skipped:
+        if not seen:
+            raise ValueError(
+                f"data file {str(path)!r} has no line with a JSON object; JSON Lines files "
+                "(.jsonl) hold one JSON object per line"
+            )
+        raise _missing_field_error(path, field, seen)
+    return docs, skipped
+
+
+def _parquet_documents(path: Path, name: str, field: str) -> tuple[list[Document], int]:
+    """The documents of a Parquet file's column ``field`` and the rows without text."""
+    problem = _parquet_problem(path)
+    if problem is not None:
+        raise ValueError(problem)
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+        if field not in schema.names:
+            raise _missing_field_error(path, field, list(schema.names)[:10])
+        column = pq.read_table(path, columns=[field]).column(field).to_pylist()
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "has no string field" in str(exc):
+            raise
+        raise ValueError(f"data file {str(path)!r} is not a readable Parquet file: {exc}") from None
+    docs = [Document(f"{name}:{i}", v) for i, v in enumerate(column) if isinstance(v, str) and v]
+    skipped = sum(1 for v in column if not isinstance(v, str))
+    if not docs and skipped:
+        raise _missing_field_error(path, field, [f"{field} (not strings)"])
+    return docs, skipped
+
+
 def read_documents(
-    path: str | os.PathLike[str] | None = None, *, max_bytes: int | None = None
+    path: str | os.PathLike[str] | None = None,
+    *,
+    max_bytes: int | None = None,
+    text_field: str = DEFAULT_TEXT_FIELD,
+    report: bool = True,
 ) -> list[Document]:
     """Read the documents of a corpus, in sorted path order.
 
-    Files are decoded as UTF-8 with ``errors="replace"``; empty files are skipped.
+    Text files are decoded as UTF-8, undecodable bytes replaced by U+FFFD and
+    counted; JSON Lines and Parquet files give one document per record's
+    ``text_field`` (see [Reading text]). Empty files are skipped.
 
     Args:
         path: See :func:`list_corpus_files`.
         max_bytes: Stop after the file that brings the total to at least this
             many bytes. ``None``: :data:`DEFAULT_STDLIB_MAX_BYTES` for the
             stdlib corpus, unlimited for a user path.
+        text_field: The JSON Lines field / Parquet column holding the text.
+        report: Log the undecodable bytes and skipped records (once).
 
     Returns:
         The documents.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: ``max_bytes`` is not positive, or there is no readable text.
+        ValueError: ``max_bytes`` is not positive, there is no readable text,
+            a file is mostly not text, a JSON Lines / Parquet file has no
+            ``text_field``, or Parquet without ``pyarrow``; one line naming the file.
     """
     if max_bytes is None and path is None:
         max_bytes = DEFAULT_STDLIB_MAX_BYTES
@@ -169,12 +337,25 @@ def read_documents(
     root, files = list_corpus_files(path)
     docs: list[Document] = []
     total = 0
+    bad_bytes, bad_files = 0, []
     for f in files:
         if max_bytes is not None and total >= max_bytes:
             logger.info(
                 "corpus capped at %d bytes (%d of %d files)", max_bytes, len(docs), len(files)
             )
             break
+        name = f.relative_to(root).as_posix()
+        suffix = f.suffix.lower()
+        if suffix in _PARQUET_SUFFIXES:
+            records, skipped = _parquet_documents(f, name, text_field)
+            total += f.stat().st_size
+            docs.extend(records)
+            if skipped and report:
+                n = skipped + len(records)
+                logger.warning(
+                    "%s: %d of %d rows have no text in %r (skipped)", f, skipped, n, text_field
+                )
+            continue
         try:
             raw = f.read_bytes()
         except OSError as exc:
@@ -183,8 +364,34 @@ def read_documents(
         if not raw:
             continue
         total += len(raw)
-        docs.append(Document(f.relative_to(root).as_posix(), raw.decode("utf-8", errors="replace")))
+        if suffix in _JSONL_SUFFIXES:
+            records, skipped = _jsonl_documents(f, name, raw, text_field)
+            docs.extend(records)
+            if skipped and report:
+                logger.warning(
+                    "%s: %d of %d lines have no string field %r (skipped)",
+                    f,
+                    skipped,
+                    skipped + len(records),
+                    text_field,
+                )
+            continue
+        text, bad = _decode(raw)
+        if bad or "\x00" in text:
+            fraction = _non_text_fraction(raw, text, bad)
+            if fraction > MAX_NON_TEXT_FRACTION:
+                raise _not_text_error(f, fraction)
+            if bad:
+                bad_bytes, bad_files = bad_bytes + bad, [*bad_files, f]
+        docs.append(Document(name, text))
     where = "the stdlib corpus" if path is None else repr(str(path))
+    if bad_bytes and report:
+        logger.warning(
+            "%d bytes that are not UTF-8 in %d file(s) (first: %s) were replaced by U+FFFD",
+            bad_bytes,
+            len(bad_files),
+            bad_files[0],
+        )
     if not docs:
         raise ValueError(f"data path {where} contains no readable, non-empty text files")
     logger.info("read %d documents (%d bytes) from %s", len(docs), total, where)
@@ -259,6 +466,8 @@ def build_corpus(
     *,
     val_fraction: float = 0.05,
     max_bytes: int | None = None,
+    text_field: str = DEFAULT_TEXT_FIELD,
+    report: bool = True,
 ) -> TokenCorpus:
     """Read, tokenise and split a corpus.
 
@@ -274,6 +483,8 @@ def build_corpus(
         tokenizer: A tokenizer or a spec for :func:`load_tokenizer`.
         val_fraction: Held-out fraction, in [0, 1).
         max_bytes: See :func:`read_documents`.
+        text_field: See :func:`read_documents`.
+        report: See :func:`read_documents`.
 
     Returns:
         The corpus.
@@ -285,7 +496,7 @@ def build_corpus(
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"invalid val_fraction {val_fraction!r}; must be in [0, 1)")
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    docs = read_documents(path, max_bytes=max_bytes)
+    docs = read_documents(path, max_bytes=max_bytes, text_field=text_field, report=report)
     dtype = token_dtype(tok.vocab_size)
     train_docs: list[Document] = []
     val_docs: list[Document] = []

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .corpus import TokenCorpus, build_corpus, data_fingerprint
+from .corpus import DEFAULT_TEXT_FIELD, TokenCorpus, build_corpus, data_fingerprint
 from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ def iter_val_batches(
     rank: int = 0,
     world_size: int = 1,
     global_batch: bool = False,
+    warn: bool = True,
 ) -> Iterator[Batch]:
     """Deterministic, unshuffled batches over a validation stream.
 
@@ -92,6 +93,8 @@ def iter_val_batches(
         rank: This rank.
         world_size: Number of ranks.
         global_batch: Yield the whole global batch instead of the rank slice.
+        warn: Log a warning (with the fix) when the stream is shorter than
+            one global batch.
 
     Yields:
         ``(inputs, targets)`` int64 tensors of shape ``(batch_size, seq_len)``.
@@ -103,9 +106,11 @@ def iter_val_batches(
     total = n_windows // g
     if num_batches is not None:
         total = min(total, max(0, num_batches))
-    if total == 0 and (num_batches is None or num_batches > 0):
+    if warn and total == 0 and (num_batches is None or num_batches > 0):
         logger.warning(
-            "validation split (%d tokens) is too small for one global batch of %d x %d tokens",
+            "validation split (%d tokens) is too small for one global batch of %d x %d tokens, "
+            "so there is no validation loss; raise data.val_fraction or data.max_bytes, lower "
+            "data.batch_size or data.seq_len, or set metrics.val_interval 0",
             tokens.numel(),
             g,
             seq_len + 1,
@@ -184,6 +189,7 @@ class DistributedTokenLoader:
         self.position = 0
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
+        self._val_warned = False
 
     # -- order ---------------------------------------------------------------
 
@@ -246,6 +252,8 @@ class DistributedTokenLoader:
         """
         if self.val_tokens is None:
             raise ValueError("this loader has no validation tokens (pass val_tokens=...)")
+        warn = not self._val_warned and self.rank == 0  # once per run
+        self._val_warned = True
         return iter_val_batches(
             self.val_tokens,
             seq_len=self.seq_len,
@@ -254,6 +262,7 @@ class DistributedTokenLoader:
             rank=self.rank,
             world_size=self.world_size,
             global_batch=self.global_batch,
+            warn=warn,
         )
 
     # -- state ---------------------------------------------------------------
@@ -325,6 +334,7 @@ class DataSpec(Protocol):
     tokenizer: str
     num_workers: int
     max_bytes: int | None
+    text_field: str
 
 
 @dataclass
@@ -349,6 +359,7 @@ def build_data(
     world_size: int = 1,
     seed: int = 0,
     global_batch: bool = False,
+    report: bool = True,
 ) -> DataBundle:
     """Build tokenizer, corpus and loader from the ``[data]`` config section.
 
@@ -361,9 +372,18 @@ def build_data(
         world_size: Number of data-parallel ranks.
         seed: Data-order seed (usually ``training.seed``).
         global_batch: See :class:`DistributedTokenLoader`.
+        report: Log what reading the data found (undecodable bytes, skipped
+            records); one rank of a job is enough.
     """
     tok = load_tokenizer(cfg.tokenizer)
-    corpus = build_corpus(cfg.path, tok, val_fraction=cfg.val_fraction, max_bytes=cfg.max_bytes)
+    corpus = build_corpus(
+        cfg.path,
+        tok,
+        val_fraction=cfg.val_fraction,
+        max_bytes=cfg.max_bytes,
+        text_field=getattr(cfg, "text_field", DEFAULT_TEXT_FIELD),
+        report=report,
+    )
     if cfg.num_workers:
         logger.debug("data.num_workers=%d ignored: the token loader is in-memory", cfg.num_workers)
     loader = DistributedTokenLoader(

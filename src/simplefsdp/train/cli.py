@@ -18,6 +18,7 @@ process starts or any file is written.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 from simplefsdp.train.config import (
     SECTIONS,
     JobConfig,
+    closest_key,
     config_warnings,
     format_config,
     load_config,
@@ -154,13 +156,18 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
 
 
 def _check_data_files(path: str) -> None:
-    """``data.path`` must hold at least one non-empty text file."""
-    from simplefsdp.data import list_corpus_files
+    """``data.path`` must hold at least one non-empty text file, and none that is
+    mostly binary (judged by its head) or Parquet without pyarrow."""
+    from simplefsdp.data import list_corpus_files, sniff_data_file
 
     try:
         _, files = list_corpus_files(path)
     except (FileNotFoundError, ValueError) as exc:
         raise ValueError(f"data.path {path!r}: {_one_line(exc)}") from exc
+    for f in files:
+        problem = sniff_data_file(f)
+        if problem is not None:
+            raise ValueError(problem)
     if not any(f.stat().st_size > 0 for f in files):
         what = "is empty" if Path(path).is_file() else "holds no non-empty text file"
         raise ValueError(
@@ -170,13 +177,15 @@ def _check_data_files(path: str) -> None:
 
 
 def _check_resume(job: JobConfig) -> None:
-    """``--resume`` needs a checkpoint to resume from (``--resume-if-possible`` does not)."""
+    """``--resume`` needs a checkpoint to resume from (``--resume-if-possible`` does not);
+    neither resumes from a damaged one (see [Damaged checkpoints] in simplefsdp.checkpoint.steps)."""
     ck = job.checkpoint
-    if not ck.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    resumes = ck.resume or ck.resume_if_possible
+    if not resumes or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
-    from simplefsdp.checkpoint import latest_checkpoint
+    from simplefsdp.checkpoint import resume_checkpoint
 
-    if latest_checkpoint(ck.folder) is None:
+    if resume_checkpoint(ck.folder, ck.load_step) is None and ck.resume:
         raise ValueError(
             f"--resume: no complete checkpoint in {ck.folder}; leave out --resume to start a "
             "new run, or pass --resume-if-possible"
@@ -201,7 +210,7 @@ def _check_tensor_parallel(job: JobConfig) -> None:
         top = max(sizes.values())
         valid = [d for d in range(1, top + 1) if all(v % d == 0 for v in sizes.values())]
         raise ValueError(
-            f"parallel.tp {tp} does not divide model {m.name!r}'s {found}; "
+            f"parallel.tp {tp} does not divide the {found} of model {m.name!r}; "
             f"valid tensor-parallel sizes for this model: {valid}"
         )
 
@@ -302,15 +311,46 @@ def _run_worker(job: JobConfig) -> int:
             shutil.rmtree(error_dir, ignore_errors=True)  # Note: [Orphaned workers]
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
-    """Split known flags from dotted overrides and load the config (may raise)."""
-    args, overrides = _build_parser().parse_known_args(argv)
+def _check_unknown_flags(parser: argparse.ArgumentParser, overrides: list[str]) -> None:
+    """An undotted ``--flag`` that is not the command's: one line with the closest
+    flag or config key.
+
+    Raises:
+        ValueError: e.g. ``unknown option --nprocs. Did you mean --nproc?``.
+    """
+
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    flags = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for token in overrides:
+        name = token.split("=", 1)[0]
+        if not name.startswith("--") or "." in name or len(name) == 2:
+            continue
+        scored = [(ratio(name.replace("_", "-"), flag), flag) for flag in flags]
+        key = closest_key(name[2:])
+        if key is not None:  # a field's own name or a known alias scores 1, a near miss less
+            near = ratio(name[2:].replace("-", "_"), key.split(".")[1])
+            scored.append((near if 0.75 <= near < 1 else 1.0, f"--{key}"))
+        score, best = max(scored, key=lambda pair: pair[0]) if scored else (0.0, "")
+        if score >= 0.6:
+            raise ValueError(f"unknown option {name}. Did you mean {best}?")
+
+
+def _parse(argv: list[str], notes: list[str] | None = None) -> tuple[argparse.Namespace, JobConfig]:
+    """Split known flags from dotted overrides and load the config (may raise).
+
+    ``notes`` collects one-line notes about the config file (see ``load_config``).
+    """
+    parser = _build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    _check_unknown_flags(parser, overrides)
     if args.resume:
         overrides = [*overrides, "--checkpoint.resume", "true"]
     if args.resume_if_possible:
         overrides = [*overrides, "--checkpoint.resume_if_possible", "true"]
     try:
-        job = load_config(args.config, overrides)
+        job = load_config(args.config, overrides, notes=notes)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
     return args, job
@@ -338,18 +378,20 @@ def main(argv: list[str] | None = None) -> int:
     torch is imported, so ``--help`` and configuration errors are immediate.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    notes: list[str] = []
     try:
-        args, job = _parse(argv)
+        args, job = _parse(argv, notes)
     except ValueError as exc:
         return _error(_one_line(exc))
+    worker = under_torchrun()
+    rank = int(os.environ.get("RANK", "0"))
+    # once: by `simplefsdp train`, else (under a plain torchrun) by rank 0
+    if not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV)):
+        for warning in [*notes, *config_warnings(job)]:
+            print(f"simplefsdp train: warning: {warning}", file=sys.stderr)
     if args.print_config:
         print(format_config(job), end="")
         return 0
-    worker = under_torchrun()
-    rank = int(os.environ.get("RANK", "0"))
-    if not worker or rank == 0:
-        for warning in config_warnings(job):
-            print(f"simplefsdp train: warning: {warning}", file=sys.stderr)
     if worker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))

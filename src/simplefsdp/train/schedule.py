@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from functools import partial
 from typing import Any
 
@@ -28,9 +29,21 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: f
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, job: JobConfig
+    optimizer: torch.optim.Optimizer, job: JobConfig, *, start_step: int = 0
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warm-up + cosine ``LambdaLR`` for ``job.training``; its state is JSON-ready."""
+    """Warm-up + cosine ``LambdaLR`` for ``job.training``, positioned at ``start_step``.
+
+    The learning rate is a function of the step and the configuration only:
+    every param group gets ``training.lr * lr_factor(step)``. A resumed run
+    builds its scheduler with ``start_step`` = the checkpoint's step (no
+    scheduler state is restored), so the first resumed step already follows
+    the current ``training.steps``, ``warmup_steps``, ``lr`` and ``min_lr_ratio``.
+
+    Args:
+        optimizer: the optimizer whose param groups' ``lr`` is set.
+        job: the job config (its ``training`` section).
+        start_step: optimizer steps already taken (0-based index of the next step).
+    """
     t = job.training
     fn = partial(
         lr_factor,
@@ -38,7 +51,12 @@ def build_lr_scheduler(
         total_steps=t.steps,
         min_lr_ratio=t.min_lr_ratio,
     )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=fn)
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = t.lr
+    with warnings.catch_warnings():
+        # Positioning a new scheduler on a resumed step is not a skipped optimizer.step().
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=fn, last_epoch=start_step - 1)
 
 
 def json_ready(state: dict[str, Any]) -> dict[str, Any]:

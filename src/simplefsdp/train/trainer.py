@@ -33,8 +33,8 @@ import torch.distributed as dist
 from simplefsdp.checkpoint import (
     TRAINER_STATE_NAME,
     Checkpointer,
-    latest_checkpoint,
     read_json,
+    resume_checkpoint,
     step_dir_name,
 )
 from simplefsdp.compiler.inductor_cache import inductor_cache_counts
@@ -155,7 +155,11 @@ class Trainer:
         from simplefsdp.data import build_data
 
         bundle = build_data(
-            self.job.data, rank=self.dp_rank, world_size=self.dp_size, seed=self.job.training.seed
+            self.job.data,
+            rank=self.dp_rank,
+            world_size=self.dp_size,
+            seed=self.job.training.seed,
+            report=self.rank == 0,
         )
         self.tokenizer, self.loader = bundle.tokenizer, bundle.loader
         self._check_same_data(self.loader.fingerprint)
@@ -270,7 +274,10 @@ class Trainer:
         elastic_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         run_id = os.environ.get(RUN_ID_ENV) or (elastic_id if elastic_id != "none" else "")
         if ck.resume or ck.resume_if_possible or (restarted and ck.enable):
-            info = latest_checkpoint(ck.folder)
+            try:  # a restart continues from the latest, not from load_step again
+                info = resume_checkpoint(ck.folder, -1 if restarted else ck.load_step, report=True)
+            except ValueError as exc:  # a damaged checkpoint: see [Damaged checkpoints]
+                return -1, "", [], str(exc)
             if info is not None:
                 state = read_json(info.path / TRAINER_STATE_NAME)  # verified: it exists
                 run_id = (state.get("run_id") if isinstance(state, dict) else None) or run_id
@@ -302,11 +309,10 @@ class Trainer:
         if step >= 0:
             folder = Path(self.job.checkpoint.folder) / step_dir_name(step)
             state = self.checkpointer.load(folder)
-            self.scheduler.load_state_dict(state["scheduler"])
-            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = lr
             self.loader.load_state_dict(state["data_loader"])
             self.step = int(state["step"])
+            # The LR follows the step and the current config, not the saved schedule.
+            self.scheduler = build_lr_scheduler(self.optimizer, self.job, start_step=self.step)
             self.summary.checkpoint = str(folder)
         if self._writer is not None:
             event = "run_resumed" if step >= 0 else "run_started"
@@ -524,7 +530,9 @@ class Trainer:
         served = ""
         if any(cache.values()):
             served = f" (Inductor cache: {cache['hit']} hits, {cache['miss']} misses)"
-        self._progress.line(f"compiled and ran step 1 in {self.summary.compile_s:.1f}s{served}")
+        self._progress.line(
+            f"compiled and ran step {step} in {self.summary.compile_s:.1f}s{served}"
+        )
 
     def _stop_agreed(self, stop: StopRequest) -> int:
         """The signal any rank was stopped by (0: none), agreed one step late so

@@ -1,5 +1,15 @@
 """Building a job config in layers: defaults, a TOML file, then CLI-style overrides.
 
+Note: [What a TOML file builds on]
+    A TOML file names what it builds on with a top-level ``extends`` key: a
+    shipped config name (``extends = "debug"``) or another TOML file (a path
+    relative to the extending file), which may itself extend another. Without
+    ``extends`` (or with ``extends = "defaults"``) a file builds on the
+    built-in defaults of the dataclasses, not on any shipped config:
+    ``[model] name = "debug"`` picks the debug *model* only, and a file that
+    sets a shipped config's model name without ``extends`` gets a one-line
+    note saying so (:func:`load_config`'s ``notes``).
+
 Values are converted to the declared field types while the layers are applied
 (unknown sections or keys fail immediately, with a "did you mean" suggestion);
 :func:`load_config` validates the complete result once at the end, so a TOML
@@ -9,6 +19,7 @@ file may be fixed up by a later override.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import types
@@ -17,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Union
 
+from .output import config_to_dict
 from .schema import SECTIONS, JobConfig, suggest, validate_config
 
 try:  # Python >= 3.11
@@ -30,7 +42,9 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10 only
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EXTENDS_KEY",
     "builtin_configs",
+    "closest_key",
     "parse_overrides",
     "apply_overrides",
     "apply_dict",
@@ -40,6 +54,50 @@ __all__ = [
 
 _BUILTIN_PACKAGE = "simplefsdp.train"
 _BUILTIN_DIR = "configs"
+#: The top-level TOML key naming what a file builds on (see [What a TOML file builds on]).
+EXTENDS_KEY = "extends"
+_DEFAULTS_NAME = "defaults"
+
+#: Names other trainers (torchtitan, Hugging Face) use -> this config's ``section.key``.
+_KEY_ALIASES: dict[str, str] = {
+    "learning_rate": "training.lr",
+    "max_lr": "training.lr",
+    "warmup": "training.warmup_steps",
+    "num_warmup_steps": "training.warmup_steps",
+    "max_steps": "training.steps",
+    "num_steps": "training.steps",
+    "total_steps": "training.steps",
+    "train_steps": "training.steps",
+    "max_grad_norm": "training.max_norm",
+    "grad_clip": "training.max_norm",
+    "clip_grad_norm": "training.max_norm",
+    "gradient_accumulation_steps": "training.grad_accum_steps",
+    "local_batch_size": "data.batch_size",
+    "micro_batch_size": "data.batch_size",
+    "per_device_train_batch_size": "data.batch_size",
+    "seq_length": "data.seq_len",
+    "sequence_length": "data.seq_len",
+    "max_seq_length": "data.seq_len",
+    "dataset": "data.path",
+    "dataset_path": "data.path",
+    "data_path": "data.path",
+    "tensor_parallel_degree": "parallel.tp",
+    "pipeline_parallel_degree": "parallel.pp",
+    "flavor": "model.name",
+    "save_interval": "checkpoint.interval",
+    "keep_latest_k": "checkpoint.keep_last",
+    "enable_tensorboard": "metrics.tensorboard",
+    "save_tb_folder": "metrics.output_dir",
+}
+#: Section names of other trainers -> this config's section.
+_SECTION_ALIASES: dict[str, str] = {
+    "optimizer": "training",
+    "lr_scheduler": "training",
+    "parallelism": "parallel",
+    "job": "metrics",
+    "activation_checkpointing": "activation_checkpoint",
+    "dataset": "data",
+}
 
 _NONE_STRINGS = frozenset({"none", "null", ""})
 _TRUE_STRINGS = frozenset({"true", "1", "yes", "y", "on"})
@@ -65,6 +123,23 @@ def _sections_with_key(key: str, exclude: str | None = None) -> list[str]:
     return [s for s in SECTIONS if s != exclude and key in _section_keys(s)]
 
 
+def closest_key(name: str) -> str | None:
+    """The ``section.key`` a bare key ``name`` most likely means, or ``None``.
+
+    A field of that name in some section, a name other trainers use (e.g.
+    ``learning_rate`` -> ``training.lr``), or the closest field name.
+    """
+    name = name.replace("-", "_")
+    owners = _sections_with_key(name)
+    if owners:
+        return f"{owners[0]}.{name}"
+    if name in _KEY_ALIASES:
+        return _KEY_ALIASES[name]
+    dotted = {f"{s}.{k}": k for s in SECTIONS for k in _section_keys(s)}
+    close = difflib.get_close_matches(name, list(dotted.values()), n=1, cutoff=0.75)
+    return next((d for d, k in dotted.items() if close and k == close[0]), None)
+
+
 def _check_section(section: str) -> None:
     """Raise ``ValueError`` if ``section`` is not a config section."""
     if section not in SECTIONS:
@@ -73,6 +148,8 @@ def _check_section(section: str) -> None:
         owners = _sections_with_key(section)
         if not hint and owners:
             hint = f" {section!r} is a key of section {owners[0]!r}."
+        if not hint and section in _SECTION_ALIASES:
+            hint = f" Did you mean {_SECTION_ALIASES[section]!r}?"
         raise ValueError(f"unknown config section {section!r}.{hint} Valid sections: {valid}")
 
 
@@ -86,7 +163,12 @@ def _field_type(section: str, key: str) -> Any:
     field_types = _field_types(section)
     if key not in field_types:
         keys = _section_keys(section)
-        hint = suggest(key, keys)
+        hint = ""
+        if key in _KEY_ALIASES:  # another trainer's name for a field
+            alias_section, alias_key = _KEY_ALIASES[key].split(".")
+            target = alias_key if alias_section == section else f"{alias_section}.{alias_key}"
+            hint = f" Did you mean {target!r}?"
+        hint = hint or suggest(key, keys)
         if not hint:
             owners = _sections_with_key(key, exclude=section)
             if owners:
@@ -259,8 +341,8 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
             i += 1
         key = key.replace("-", "_")
         if key.count(".") != 1 or not all(key.split(".")):
-            owners = _sections_with_key(key)
-            hint = f" Did you mean '--{owners[0]}.{key}'?" if owners else ""
+            close = closest_key(key) if "." not in key else None
+            hint = f" Did you mean '--{close}'?" if close else ""
             raise ValueError(
                 f"bad override key {token!r}: expected '--section.key' "
                 f"with a section among {list(SECTIONS)}.{hint}"
@@ -345,53 +427,126 @@ def builtin_configs() -> list[str]:
     return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
-def _read_config_text(path: str) -> tuple[str, str]:
-    """Return ``(toml_text, source_label)`` for a file path or a built-in config name."""
-    candidate = Path(path).expanduser()
-    if candidate.is_file():
-        return candidate.read_text(encoding="utf-8"), str(candidate)
+def _read_config_text(path: str, relative_to: Path | None = None) -> tuple[str, str, Path | None]:
+    """``(toml_text, source_label, file)`` for a file path or a built-in config name.
+
+    ``file`` is ``None`` for a built-in config; a relative path is looked up
+    in ``relative_to`` first (the folder of an extending file).
+    """
+    raw = Path(path).expanduser()
+    candidates = [raw] if relative_to is None or raw.is_absolute() else [relative_to / raw, raw]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.read_text(encoding="utf-8"), str(candidate), candidate
     name = path[: -len(".toml")] if path.endswith(".toml") else path
     if "/" not in name and name in builtin_configs():
         res = resources.files(_BUILTIN_PACKAGE).joinpath(_BUILTIN_DIR, f"{name}.toml")
-        return res.read_text(encoding="utf-8"), f"<builtin {name}.toml>"
+        return res.read_text(encoding="utf-8"), f"<builtin {name}.toml>", None
     raise FileNotFoundError(
         f"config file {path!r} not found (and it is not a built-in config; "
         f"built-in configs: {builtin_configs()})"
     )
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
+def _config_layers(
+    path: str, notes: list[str], *, relative_to: Path | None = None, chain: tuple[str, ...] = ()
+) -> list[tuple[dict[str, Any], str]]:
+    """The TOML tables of ``path`` and of what it extends, base first, with their labels.
+
+    See [What a TOML file builds on].
+    """
+    if _toml is None:  # pragma: no cover - Python 3.10 without tomli
+        raise ValueError(
+            f"cannot read config {path!r}: reading TOML needs Python >= 3.11 "
+            "(tomllib) or the 'tomli' package (pip install tomli)"
+        )
+    text, label, file = _read_config_text(path, relative_to)
+    if label in chain:
+        raise ValueError(f"{label}: 'extends' loops back to itself: {' -> '.join([*chain, label])}")
+    try:
+        data = _toml.loads(text)
+    except _toml.TOMLDecodeError as exc:
+        raise ValueError(f"{label}: invalid TOML: {exc}") from exc
+    base = data.pop(EXTENDS_KEY, None)
+    if base is not None and (not isinstance(base, str) or not base.strip()):
+        raise ValueError(
+            f"{label}: {EXTENDS_KEY} = {base!r} must be a shipped config name "
+            f"({', '.join(builtin_configs())}), a TOML path or {_DEFAULTS_NAME!r}"
+        )
+    if base is None or base == _DEFAULTS_NAME:
+        if base is None and file is not None:
+            note = _preset_note(data, label)
+            if note is not None:
+                notes.append(note)
+        return [(data, label)]
+    parent = _config_layers(
+        base, notes, relative_to=None if file is None else file.parent, chain=(*chain, label)
+    )
+    return [*parent, (data, label)]
+
+
+def _preset_note(data: dict[str, Any], label: str) -> str | None:
+    """The note for a file without ``extends`` that names a shipped config's model
+    and would differ from that config where it leaves values out, else ``None``."""
+    model = data.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    if name not in builtin_configs():
+        return None
+    try:
+        on_defaults = config_to_dict(apply_dict(JobConfig(), data))
+        on_preset = config_to_dict(apply_dict(load_config(name), data))
+    except ValueError:  # reported when the file is applied
+        return None
+    differ = [
+        f"{section}.{key}"
+        for section, values in on_defaults.items()
+        for key, value in values.items()
+        if on_preset[section][key] != value
+    ]
+    if not differ:  # the file sets everything the preset would
+        return None
+    shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+    return (
+        f"{label} sets model.name = {name!r} but has no '{EXTENDS_KEY}': it builds on the "
+        f"built-in defaults, which differ from the {name!r} config in {shown}; add "
+        f'{EXTENDS_KEY} = "{name}" at its top to build on that config (or '
+        f'{EXTENDS_KEY} = "{_DEFAULTS_NAME}" to keep the defaults without this note)'
+    )
+
+
+def load_config(
+    path: str | None = None,
+    overrides: list[str] | None = None,
+    *,
+    notes: list[str] | None = None,
+) -> JobConfig:
     """Build a job configuration: defaults, then a TOML file, then CLI overrides.
 
     Args:
         path: A TOML file, the name of a shipped example (see
             :func:`builtin_configs`; an existing file of the same name takes
-            precedence), or ``None`` for defaults only.
+            precedence), or ``None`` for defaults only. A file may build on
+            another with ``extends`` (see [What a TOML file builds on]).
         overrides: CLI-style tokens, e.g.
             ``["--training.steps", "200", "--parallel.mode=hybrid_shard", "--compile.enable", "false"]``.
+        notes: If given, one-line notes about the file are appended (e.g. a
+            file naming a shipped config's model without extending it).
 
     Returns:
         The validated configuration.
 
     Raises:
-        FileNotFoundError: ``path`` is neither a file nor a built-in config.
-        ValueError: invalid TOML, unknown section/key, unconvertible value, or a
-            value rejected by :func:`validate_config`.
+        FileNotFoundError: ``path`` (or what it extends) is neither a file nor
+            a built-in config.
+        ValueError: invalid TOML, unknown section/key, unconvertible value, a
+            bad or circular ``extends``, or a value rejected by
+            :func:`validate_config`.
     """
     cfg = JobConfig()
     if path is not None:
-        if _toml is None:  # pragma: no cover - Python 3.10 without tomli
-            raise ValueError(
-                f"cannot read config {path!r}: reading TOML needs Python >= 3.11 "
-                "(tomllib) or the 'tomli' package (pip install tomli)"
-            )
-        text, label = _read_config_text(path)
-        try:
-            data = _toml.loads(text)
-        except _toml.TOMLDecodeError as exc:
-            raise ValueError(f"{label}: invalid TOML: {exc}") from exc
-        apply_dict(cfg, data, source=f"{label}: ")
-        logger.debug("applied config file %s", label)
+        for data, label in _config_layers(path, [] if notes is None else notes):
+            apply_dict(cfg, data, source=f"{label}: ")
+            logger.debug("applied config file %s", label)
     if overrides:
         apply_overrides(cfg, list(overrides))
     validate_config(cfg)

@@ -108,6 +108,9 @@ class DataConfig:
             synchronous, so this is accepted for compatibility and unused.
         max_bytes: Cap on the bytes read from the corpus (``None``: 8 MB for
             the embedded stdlib corpus, unlimited for a user ``path``).
+        text_field: The field of each JSON Lines record (``.jsonl``,
+            ``.ndjson``) and the column of a Parquet file (``.parquet``, needs
+            ``pyarrow``) that holds the text; other files are read as text.
     """
 
     path: str | None = None
@@ -117,6 +120,7 @@ class DataConfig:
     tokenizer: str = "byte"
     num_workers: int = 0
     max_bytes: int | None = None
+    text_field: str = "text"
 
 
 @dataclass
@@ -259,6 +263,11 @@ class CheckpointConfig:
             when there is none.
         resume_if_possible: Resume from the latest checkpoint in ``folder``
             when there is one, else start a new run.
+        load_step: The step of the checkpoint to resume from (``-1``: the
+            latest). Resuming never passes over a damaged checkpoint on its
+            own: its one-line error names this flag and the previous good
+            step. Restarts after a failure (``--max-restarts``) resume from
+            the latest checkpoint.
     """
 
     enable: bool = True
@@ -267,6 +276,7 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: bool = False
     resume_if_possible: bool = False
+    load_step: int = -1
 
 
 @dataclass
@@ -362,6 +372,7 @@ def validate_config(cfg: JobConfig) -> None:
     check(bool(d.tokenizer.strip()), "data.tokenizer", d.tokenizer, "'byte' or a tokenizer path")
     check(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
     check(d.max_bytes is None or d.max_bytes > 0, "data.max_bytes", d.max_bytes, "> 0 or none")
+    check(bool(d.text_field.strip()), "data.text_field", d.text_field, "a field name")
     if m.max_seq_len is not None and d.seq_len > m.max_seq_len:
         errors.append(
             f"data.seq_len: invalid value {d.seq_len!r}; must be <= model.max_seq_len ({m.max_seq_len})"
@@ -452,6 +463,7 @@ def validate_config(cfg: JobConfig) -> None:
 
     check(ck.interval >= 1, "checkpoint.interval", ck.interval, ">= 1")
     check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, ">= 1")
+    check(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, ">= 0, or -1 for the latest")
     check(bool(ck.folder.strip()), "checkpoint.folder", ck.folder, "a non-empty path")
 
     check(mt.log_interval >= 1, "metrics.log_interval", mt.log_interval, ">= 1")
@@ -463,14 +475,61 @@ def validate_config(cfg: JobConfig) -> None:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
 
 
+#: Bytes of the embedded stdlib corpus read when ``data.max_bytes`` is unset
+#: (``simplefsdp.data.DEFAULT_STDLIB_MAX_BYTES``; this module does not import the data package).
+_STDLIB_BYTES = 8_000_000
+
+
+def _contradictions(job: JobConfig) -> list[str]:
+    """Valid settings that contradict each other, one line each with the fix."""
+    t, d, mt, ck = job.training, job.data, job.metrics, job.checkpoint
+    out = []
+    if t.warmup_steps > 0 and t.warmup_steps >= t.steps:
+        fix = min(max(1, t.steps // 10), t.steps - 1)
+        out.append(
+            f"training.warmup_steps {t.warmup_steps} is not below training.steps {t.steps}: "
+            "the learning rate warms up for the whole run and never decays; use "
+            f"--training.warmup_steps {fix} (or more training.steps)"
+        )
+    validates = mt.val_interval > 0 and mt.val_batches > 0
+    if validates and d.val_fraction == 0:
+        out.append(
+            f"metrics.val_interval {mt.val_interval} but data.val_fraction 0 holds out no "
+            "validation data (no val_loss); set --data.val_fraction 0.05 or "
+            "--metrics.val_interval 0"
+        )
+    corpus_bytes = d.max_bytes if d.max_bytes is not None else None
+    if corpus_bytes is None and d.path is None:
+        corpus_bytes = _STDLIB_BYTES
+    if validates and d.val_fraction > 0 and corpus_bytes is not None:
+        # tokens ~ bytes for the byte tokenizer, fewer for subword tokenizers
+        held_out = int(corpus_bytes * d.val_fraction)
+        batch = d.batch_size * (d.seq_len + 1)
+        if held_out < batch:
+            need = math.ceil(batch / corpus_bytes * 100) / 100
+            fix = f"--data.val_fraction {need:g}" if need < 0.5 else "more data (data.max_bytes)"
+            out.append(
+                f"data.val_fraction {d.val_fraction:g} of about {corpus_bytes} bytes holds out "
+                f"about {held_out} tokens, less than one validation batch of "
+                f"data.batch_size {d.batch_size} x (data.seq_len {d.seq_len} + 1) = {batch} "
+                f"tokens per rank (no val_loss); use {fix}, or --metrics.val_interval 0"
+            )
+    if ck.load_step >= 0 and not (ck.resume or ck.resume_if_possible):
+        out.append(
+            f"checkpoint.load_step {ck.load_step} is only used when resuming; add --resume "
+            "to resume from it"
+        )
+    return out
+
+
 def config_warnings(job: JobConfig) -> list[str]:
-    """Settings that are valid but have no effect, one message each.
+    """Settings that are valid but have no effect or contradict each other, one line each.
 
     The command line prints them once (``simplefsdp train: warning: ...``),
     not once per rank.
     """
     p = job.parallel
-    warnings = []
+    warnings = _contradictions(job)
     if p.mesh_shape is not None and p.mode != "hybrid_shard":
         warnings.append(
             f"parallel.mesh_shape={list(p.mesh_shape)} is only used by mode 'hybrid_shard' "
