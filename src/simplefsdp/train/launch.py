@@ -326,7 +326,7 @@ def _report_failure(exc: Any, error_dir: Path, reporter: _FailureReporter | None
     if reporter is not None and reporter.last is not None:
         restarts = ""
         if reporter.max_restarts:
-            restarts = f" after {reporter.restarts} of {reporter.max_restarts} restarts"
+            restarts = f"; no restarts left ({reporter.restarts} of {reporter.max_restarts} used)"
         checkpoint = reporter.resume_point()
         resume = (
             f"; latest checkpoint {checkpoint} (simplefsdp train --resume continues from it)"
