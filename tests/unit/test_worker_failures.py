@@ -84,12 +84,13 @@ def test_a_dead_worker_is_one_line_naming_rank_signal_step_and_restart(our_worke
 
 def test_exit_codes_and_deaths_before_the_first_step(tmp_path, capsys):
     reporter = _FailureReporter(tmp_path, 2, lambda: None)
+    (tmp_path / "rank0.txt").write_text("1 the loss is not finite (nan) at step 4\n")
     assert reporter.handle("failed (exitcode: 1) local_rank: 0 (pid: 1) of binary: x")
     assert reporter.handle("failed (exitcode: -6) local_rank: 1 (pid: 1) of binary: x")
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
-        "simplefsdp train: rank 0 exited with exit code 1 before its first step; restart 1 of "
-        "2, starting over (no checkpoint)",
+        "simplefsdp train: rank 0 exited with exit code 1 before its first step: the loss is "
+        "not finite (nan) at step 4; restart 1 of 2, starting over (no checkpoint)",
         "simplefsdp train: rank 1 died of SIGABRT before its first step; restart 2 of 2, "
         "starting over (no checkpoint)",
     ]

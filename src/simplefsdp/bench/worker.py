@@ -79,6 +79,10 @@ def _phase(text: str) -> None:
         os.replace(tmp, _phase_file)
 
 
+def _steps(count: int) -> str:
+    return f"{count} step" + ("" if count == 1 else "s")
+
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -242,12 +246,12 @@ def _run_training(
                 _phase(
                     "compiling (the first warm-up step)"
                     if config.compiled
-                    else f"warming up ({workload.warmup} steps)"
+                    else f"warming up ({_steps(workload.warmup)})"
                 )
             elif i == 1 and config.compiled and workload.warmup > 1:
-                _phase(f"warming up ({workload.warmup - 1} more steps)")
+                _phase(f"warming up ({_steps(workload.warmup - 1)} more)")
             if i == workload.warmup:
-                _phase(f"measuring {workload.steps} steps")
+                _phase(f"measuring {_steps(workload.steps)}")
                 state = state_bytes(parallel.module, optimizer)
                 probe.reset()
                 measure_start = probe.start_bytes  # phase_peaks resets the probe again

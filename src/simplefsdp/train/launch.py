@@ -300,10 +300,14 @@ class _FailureReporter:
         verb = "died of" if exitcode < 0 else "exited with"
         text = f"rank {rank} {verb} {_cause(exitcode)}"
         step_file = self.error_dir / f"{STEP_FILE_PREFIX}{rank}"
-        with contextlib.suppress(OSError, ValueError):
+        try:
             text += f" in step {int(step_file.read_text(encoding='utf-8'))}"
-            return text
-        return text + " before its first step"
+        except (OSError, ValueError):
+            text += " before its first step"
+        report = self.error_dir / f"rank{rank}.txt"  # its own one-line error, if any
+        with contextlib.suppress(OSError):
+            text += ": " + report.read_text(encoding="utf-8").strip().partition(" ")[2]
+        return text
 
     def _clear(self) -> None:
         """Forget the failed attempt's step files and reports (its workers are
