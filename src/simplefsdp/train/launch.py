@@ -88,8 +88,9 @@ def oversubscription_warning(nproc: int, *, cuda: bool, cores: int | None = None
     cores = cores or cpu_cores()
     if cuda or nproc <= cores:
         return None
+    plural = "s" if cores != 1 else ""
     return (
-        f"--nproc {nproc} is more than the {cores} CPU cores of this machine: the processes "
+        f"--nproc {nproc} is more than the {cores} CPU core{plural} of this machine: the processes "
         "will share cores (oversubscription), so every step runs slower than on "
         f"{cores} or fewer processes and timings mean little; the results are unaffected"
     )
