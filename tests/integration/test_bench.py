@@ -215,7 +215,7 @@ def test_ratios_table_and_png_fallback(tmp_path, monkeypatch):
 
 
 def test_failed_comm_only_run_is_reported_and_fails_the_run(tmp_path, monkeypatch, capsys):
-    def fake_run_one(config, spec, spec_path, raw_dir):
+    def fake_run_one(config, spec, spec_path, raw_dir, on_phase=None):
         if config.engine == "comm":
             return None, "exit code 1: boom"
         return _row(config.name, 6.0, 5.0, 1.0, 400), None
@@ -437,7 +437,7 @@ def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path, monkeypatch, ca
     times = {"fsdp2": [[5.0, 6.0, 7.0], [1.0, 2.0, 3.0], [4.0, 4.0, 4.0]]}
     times["simplefsdp-auto"] = [[2.0, 2.0, 2.0], [3.0, 3.0, 3.0], [1.0, 1.0, 1.0]]
 
-    def fake_run_one(config, spec, spec_path, raw_dir):
+    def fake_run_one(config, spec, spec_path, raw_dir, on_phase=None):
         if config.engine == "comm":
             return None, "skipped"
         launched.append((raw_dir.name, config.name))
@@ -472,7 +472,7 @@ def test_rounds_alternate_the_order_and_pool_the_steps(tmp_path, monkeypatch, ca
 def test_a_failed_round_is_the_row_and_is_not_run_again(tmp_path, monkeypatch):
     launched = []
 
-    def fake_run_one(config, spec, spec_path, raw_dir):
+    def fake_run_one(config, spec, spec_path, raw_dir, on_phase=None):
         if config.engine == "comm":
             return None, "skipped"
         launched.append(config.name)

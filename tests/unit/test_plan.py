@@ -464,6 +464,79 @@ def test_cli_batch_that_cannot_fit(tmp_path, capsys) -> None:
     assert "\n" not in err
 
 
+def test_cli_layout_that_does_not_fit_names_changes_that_fit_and_not_those_given(
+    tmp_path, capsys
+) -> None:
+    # Debug model, 2 GPUs, batch 4 x 64, full AC, per-block buckets: about
+    # 37.4 MB, 34.3 MB at batch 1; one GPU per node (no TP candidates).
+    small = dataclasses.replace(FIXED, memory_bytes=37.0e6, gpus_per_node=1)
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(small.to_dict()))
+    argv = ["--model", "llama3_debug", "--gpus", "2", "--batch", "4", "--seq", "64"]
+    argv += ["--bucketing", "per_block", "--ac", "full", "--hardware", str(path)]
+    assert plan_cli.main(argv) == 2
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err.strip()
+    # The breakdown, the largest batch that fits and the changes that would
+    # (more GPUs shard the state), never the --ac full given.
+    assert "DOES NOT FIT" in out and "activations" in out and "temporary" in out
+    assert "\n" not in err and "--batch 4 does not fit" in err, err
+    assert "largest batch that fits: about" in err and "changes that fit" in err, err
+    assert "--gpus 4 (" in err and "--ac" not in err, err
+
+
+def test_candidate_changes_leave_out_what_was_given() -> None:
+    def candidates(**layout):
+        base = Layout(gpus=8, batch=4, seq=64, **layout)
+        memory = {"parameters": 4.0, "gradients": 4.0, "optimizer": 8.0, "activations": 10.0}
+        pred = types.SimpleNamespace(layout=base, memory=memory, peak_bytes=26.0, usable_bytes=20.0)
+        return [
+            text for ladder in plan_cli._candidate_changes(_debug(), pred, 8) for text, _ in ladder
+        ]
+
+    given_selective = candidates(ac="selective")
+    assert "--ac full" in given_selective and "--tp 2" in given_selective
+    assert "--gpus 16" in given_selective  # 16 / 2 + 10 <= 20: twice the GPUs first
+    given_full = candidates(ac="full", tp=8)
+    assert not [c for c in given_full if c.startswith(("--ac", "--tp"))], given_full
+    assert "no --no-reshard" in candidates(reshard_after_forward=False)
+    assert "--dtype bf16" in candidates(dtype="fp32")
+
+
+def test_defaults_are_torchtitans_layouts_and_given_values_win() -> None:
+    def values(*argv):
+        return plan_cli.plan_defaults(plan_cli._parser().parse_args(list(argv)))[0]
+
+    assert values("--model", "llama3_8b") == {
+        "gpus": 8, "tp": 1, "batch": 1, "seq": 8192, "ac": "selective"
+    }  # fmt: skip
+    assert values("--model", "llama3_70b") == {
+        "gpus": 64, "tp": 8, "batch": 8, "seq": 8192, "ac": "full"
+    }  # fmt: skip
+    assert values("--model", "llama3_405b")["gpus"] == 128
+    # A default TP degree that does not divide the GPUs given is lowered.
+    assert values("--model", "llama3_70b", "--gpus", "4")["tp"] == 4
+    assert values("--model", "llama3_70b", "--tp", "2", "--batch", "3", "--ac", "none") == {
+        "gpus": 64, "tp": 2, "batch": 3, "seq": 8192, "ac": "none"
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "llama3_8b", "--gpus", "8"],
+        ["--model", "llama3_70b", "--gpus", "64", "--tp", "8"],
+        ["--model", "llama3_405b"],
+    ],
+)
+def test_defaults_fit_for_the_shipped_models_on_their_gpu_counts(argv, capsys) -> None:
+    assert plan_cli.main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" not in out and "tokens/s/GPU" in out
+    assert "note: defaults (torchtitan's layout)" in out
+
+
 def test_cli_table_json_and_png(tmp_path, capsys) -> None:
     argv = ["--model", "llama3_debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
     assert plan_cli.main([*argv, "--hardware", "h100", "--out", str(tmp_path)]) == 0

@@ -27,12 +27,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from simplefsdp.bench.configs import (
     COMM_ONLY,
     CONFIGS,
+    PHASE_SUFFIX,
     WORKLOADS,
     BenchConfig,
     BenchSpec,
@@ -242,8 +244,23 @@ def _worker_env(nproc: int) -> dict[str, str]:
     return env
 
 
-def launch_config(name: str, spec: BenchSpec, spec_path: Path, raw_dir: Path) -> str | None:
+#: Seconds between "still <phase>" lines while a phase lasts.
+STILL_EVERY_S = 60.0
+
+
+def launch_config(
+    name: str,
+    spec: BenchSpec,
+    spec_path: Path,
+    raw_dir: Path,
+    on_phase: Callable[[str], None] | None = None,
+) -> str | None:
     """Run configuration ``name`` in ``spec.nproc`` fresh processes.
+
+    Args:
+        on_phase: called with each phase its rank 0 reports (``compiling
+            (...)``, ``measuring N steps``), and with ``still <phase> (N s)``
+            every ``STILL_EVERY_S`` seconds while one lasts.
 
     Returns ``None`` on success, else an error message (the log's tail).
     """
@@ -259,7 +276,7 @@ def launch_config(name: str, spec: BenchSpec, spec_path: Path, raw_dir: Path) ->
             cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(spec.nproc)
         )
         try:
-            rc = proc.wait(timeout=spec.timeout_s)
+            rc = _wait_reporting(proc, spec.timeout_s, raw_dir / f"{name}{PHASE_SUFFIX}", on_phase)
         except subprocess.TimeoutExpired:
             _stop(proc)
             return f"timed out after {spec.timeout_s:.0f} s (log: {log_path})"
@@ -269,6 +286,41 @@ def launch_config(name: str, spec: BenchSpec, spec_path: Path, raw_dir: Path) ->
     if rc != 0:
         return f"exit code {rc}: {_failure_reason(log_path)[:300]} (log: {log_path})"
     return None
+
+
+def _wait_reporting(
+    proc: subprocess.Popen,
+    timeout_s: float,
+    phase_file: Path,
+    on_phase: Callable[[str], None] | None,
+    poll_s: float = 0.5,
+) -> int:
+    """``proc.wait(timeout_s)``, passing each new phase in ``phase_file`` (and
+    a ``still ...`` line every ``STILL_EVERY_S`` seconds of one) to ``on_phase``."""
+    phase_file.unlink(missing_ok=True)
+    deadline = time.monotonic() + timeout_s
+    current, since, said = "", time.monotonic(), time.monotonic()
+    while True:
+        try:
+            rc = proc.wait(timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
+            phase_file.unlink(missing_ok=True)
+            return rc
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+        if on_phase is None:
+            continue
+        try:
+            text = phase_file.read_text(encoding="utf-8").strip()
+        except OSError:
+            text = ""
+        now = time.monotonic()
+        if text and text != current:
+            current, since, said = text, now, now
+            on_phase(text)
+        elif current and now - said >= STILL_EVERY_S:
+            said = now
+            on_phase(f"still {current.split(' (')[0]} ({now - since:.0f} s)")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -311,11 +363,17 @@ def _load_ranks(name: str, raw_dir: Path, nproc: int) -> list[dict]:
     return [json.loads(p.read_text()) for p in paths]
 
 
-def _run_one(config: BenchConfig, spec: BenchSpec, spec_path: Path, raw_dir: Path):
+def _run_one(
+    config: BenchConfig,
+    spec: BenchSpec,
+    spec_path: Path,
+    raw_dir: Path,
+    on_phase: Callable[[str], None] | None = None,
+):
     """Launch one configuration and merge its ranks: (row or comm dict, error)."""
     for stale in raw_dir.glob(f"{config.name}.rank*.json"):
         stale.unlink()
-    error = launch_config(config.name, spec, spec_path, raw_dir)
+    error = launch_config(config.name, spec, spec_path, raw_dir, on_phase)
     if error is None:
         try:
             ranks = _load_ranks(config.name, raw_dir, spec.nproc)
@@ -410,10 +468,17 @@ def run_bench(
         load_avg_1m.append(round(os.getloadavg()[0], 2))
         in_rounds = rounds > 1 and config.engine != "comm"
         label = config.name + (f" (round {r + 1}/{rounds})" if in_rounds else "")
-        print(f"[{i + 1}/{len(launches)}] {label} ...", end=" ", flush=True)
+        prefix = f"[{i + 1}/{len(launches)}] {label}:"
+        print(f"{prefix} starting {spec.nproc} processes", flush=True)
         round_dir = raw_dir / f"round{r + 1}" if in_rounds else raw_dir
         round_dir.mkdir(exist_ok=True)
-        outcome, error = _run_one(config, spec, spec_path, round_dir)
+        outcome, error = _run_one(
+            config,
+            spec,
+            spec_path,
+            round_dir,
+            lambda text, prefix=prefix: print(f"{prefix} {text}", flush=True),
+        )
         if config.engine == "comm":
             comm_only, comm_only_error = outcome, error
         else:
@@ -423,9 +488,10 @@ def run_bench(
                 failed.add(config.name)
         took = time.perf_counter() - t0
         if error:
-            print(f"FAILED ({took:.0f} s): {error}", flush=True)
+            print(f"{prefix} FAILED ({took:.0f} s): {error}", flush=True)
         else:
-            print(f"{outcome['step_time_s_median']:.3f} s/step ({took:.0f} s)", flush=True)
+            median = outcome["step_time_s_median"]
+            print(f"{prefix} {median:.3f} s/step ({took:.0f} s)", flush=True)
     rows = [merge_rounds(per_config[c.name]) for c in configs]
     loss_check = check_losses(rows, loss_rtol)
     add_ratios(rows)
@@ -468,6 +534,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"simplefsdp bench: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    import torch
+
+    from simplefsdp.train.launch import oversubscription_warning
+
+    warning = oversubscription_warning(spec.nproc, cuda=torch.cuda.is_available())
+    if warning:
+        print(f"simplefsdp bench: warning: {warning}", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     # Note: [Stopping a bench]
     #     Ctrl-C reaches the whole foreground process group, but a signal sent

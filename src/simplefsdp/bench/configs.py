@@ -18,6 +18,7 @@ __all__ = [
     "COMM_ONLY",
     "CONFIGS",
     "DEFAULT_CONFIGS",
+    "PHASE_SUFFIX",
     "TEST_CONFIGS",
     "WORKLOADS",
     "BenchConfig",
@@ -33,6 +34,12 @@ __all__ = [
 ENGINES = ("replica", "ddp", "fsdp2", "simplefsdp", "simplefsdp_eager", "comm")
 #: Engines that compose with tensor parallelism (``simplefsdp.engines.TP_ENGINES``).
 TP_ENGINES = ("fsdp2", "simplefsdp")
+
+
+#: Suffix of the file (``<config><suffix>`` in the raw folder) where a
+#: configuration's rank 0 says what it is doing (compiling, warming up,
+#: measuring), read by the bench runner.
+PHASE_SUFFIX = ".phase"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from simplefsdp.bench.configs import (
     COMM_ONLY,
     CONFIGS,
+    PHASE_SUFFIX,
     TEST_CONFIGS,
     BenchConfig,
     BenchSpec,
@@ -64,6 +65,23 @@ from simplefsdp.engines import (
 )
 
 logger = logging.getLogger(__name__)
+
+_phase_file: Path | None = None  # set on rank 0 by main()
+
+
+def _phase(text: str) -> None:
+    """Tell the bench runner what this configuration is doing now (rank 0)."""
+    if _phase_file is None:
+        return
+    tmp = _phase_file.with_name(_phase_file.name + ".tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, _phase_file)
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" + ("" if count == 1 else "s")
+
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -224,7 +242,16 @@ def _run_training(
     dist.barrier()
     with parallel.compile_context():
         for i in range(workload.warmup + workload.steps):
+            if i == 0:
+                _phase(
+                    "compiling (the first warm-up step)"
+                    if config.compiled
+                    else f"warming up ({_steps(workload.warmup)})"
+                )
+            elif i == 1 and config.compiled and workload.warmup > 1:
+                _phase(f"warming up ({_steps(workload.warmup - 1)} more)")
             if i == workload.warmup:
+                _phase(f"measuring {_steps(workload.steps)}")
                 state = state_bytes(parallel.module, optimizer)
                 probe.reset()
                 measure_start = probe.start_bytes  # phase_peaks resets the probe again
@@ -359,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
         format=f"[rank{os.environ.get('RANK', '0')}] %(name)s: %(message)s",
     )
+    global _phase_file
+    if os.environ.get("RANK", "0") == "0":
+        args.out.mkdir(parents=True, exist_ok=True)
+        _phase_file = args.out / f"{config.name}{PHASE_SUFFIX}"
     result = run(config, spec)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{config.name}.rank{result['rank']}.json"

@@ -2,6 +2,8 @@
 
 Examples::
 
+    simplefsdp plan --model llama3_8b                 # torchtitan's 8B layout: 8 GPUs
+    simplefsdp plan --model llama3_70b                # 64 GPUs, TP 8, full AC
     simplefsdp plan --model llama3_8b --gpus 8 --hardware h100 --batch 2 --seq 8192
     simplefsdp plan --model llama3_405b --gpus 512 --tp 8 --pp 8 --microbatches 8 \\
         --batch 32 --ac full --out plans/405b
@@ -35,6 +37,20 @@ MODEL_ALIASES = {
     "llama3_debug": "debug",
     "llama3_small": "small",
 }
+
+
+# torchtitan's published layouts of the Llama 3 models (the defaults of
+# ``simplefsdp plan`` for them): local batch, sequence length and AC mode of
+# its train configs (torchtitan/models/llama3/train_configs/llama3_{8b,70b,
+# 405b}.toml), TP degree and GPU count of the runs its docs/performance.md
+# reports (8B on 8 GPUs, 70B on 64 with TP 8, 405B on 128 with TP 8).
+# Other models default to ``GENERIC_DEFAULTS``.
+PLAN_DEFAULTS = {
+    "8B": {"gpus": 8, "tp": 1, "batch": 1, "seq": 8192, "ac": "selective"},
+    "70B": {"gpus": 64, "tp": 8, "batch": 8, "seq": 8192, "ac": "full"},
+    "405B": {"gpus": 128, "tp": 8, "batch": 2, "seq": 8192, "ac": "full"},
+}
+GENERIC_DEFAULTS = {"gpus": 8, "tp": 1, "batch": 2, "seq": 8192, "ac": "selective"}
 
 
 def model_args(model: str | None, config: str | None):
@@ -73,14 +89,34 @@ def _parser() -> argparse.ArgumentParser:
         help="llama3_8b (default), llama3_70b, llama3_405b, llama3_debug, llama3_small",
     )
     p.add_argument("--config", help="JSON file of ModelArgs fields (optional key 'base')")
-    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="default: torchtitan's count for the model (8B: 8, 70B: 64, 405B: 128), else 8",
+    )
     p.add_argument(
         "--hardware", default="h100", help=f"{', '.join(profile_names())} or a .json profile"
     )
-    p.add_argument("--batch", type=int, default=2, help="per data-parallel rank, per step")
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--ac", default="selective", help="none, selective, full")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="per data-parallel rank, per step (default: torchtitan's local batch for the "
+        "model, 8B: 1, 70B: 8, 405B: 2, else 2; lowered to the largest that fits)",
+    )
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 8192)")
+    p.add_argument(
+        "--ac",
+        default=None,
+        help="none, selective, full (default: torchtitan's, 8B: selective, 70B and 405B: full)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree (default: torchtitan's, 70B and 405B: 8, else 1)",
+    )
     p.add_argument("--pp", type=int, default=1)
     p.add_argument(
         "--microbatches",
@@ -113,16 +149,42 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _layout(ns: argparse.Namespace):
+def plan_defaults(ns: argparse.Namespace) -> tuple[dict, set[str]]:
+    """The values of ``--gpus``, ``--tp``, ``--batch``, ``--seq`` and ``--ac``:
+    those given, the rest from ``PLAN_DEFAULTS`` for a ``--model`` that has
+    them (torchtitan's layouts), else ``GENERIC_DEFAULTS``. Returns the values
+    and the names of those taken as defaults.
+
+    A default TP degree that does not divide the GPUs given is lowered to the
+    largest power of two that does.
+    """
+    preset = GENERIC_DEFAULTS
+    if ns.config is None:
+        preset = PLAN_DEFAULTS.get(MODEL_ALIASES.get(ns.model, ns.model), GENERIC_DEFAULTS)
+    values, defaulted = {}, set()
+    for name, default in preset.items():
+        given = getattr(ns, name)
+        values[name] = default if given is None else given
+        if given is None:
+            defaulted.add(name)
+    if "tp" in defaulted and values["gpus"] >= 1:
+        while values["tp"] > 1 and values["gpus"] % values["tp"]:
+            values["tp"] //= 2
+    return values, defaulted
+
+
+def _layout(ns: argparse.Namespace, values: dict | None = None):
     from simplefsdp.plan.predict import Layout
 
+    if values is None:
+        values, _ = plan_defaults(ns)
     return Layout(
-        gpus=ns.gpus,
-        batch=ns.batch,
-        seq=ns.seq,
-        tp=ns.tp,
+        gpus=values["gpus"],
+        batch=values["batch"],
+        seq=values["seq"],
+        tp=values["tp"],
         pp=ns.pp,
-        ac=ns.ac,
+        ac=values["ac"],
         microbatches=ns.microbatches if ns.microbatches is not None else max(ns.pp, 1),
         reshard_after_forward=not ns.no_reshard,
         bucketing=ns.bucketing,
@@ -134,7 +196,8 @@ def _layout(ns: argparse.Namespace):
 def format_prediction(pred) -> str:
     """A terminal table of one prediction."""
     lines = [
-        f"{pred.layout.describe()}  engine={pred.layout.engine}  hardware={pred.hardware}",
+        f"{pred.layout.describe()}  batch={pred.layout.batch}x{pred.layout.seq}  "
+        f"engine={pred.layout.engine}  hardware={pred.hardware}",
         f"  peak memory / GPU     {pred.peak_bytes / GiB:8.1f} GiB  "
         f"(usable {pred.usable_bytes / GiB:.1f} GiB){'' if pred.fits else '  DOES NOT FIT'}",
     ]
@@ -316,6 +379,106 @@ def largest_fitting_batch(pred) -> int:
     return int(room // per_batch) // step * step
 
 
+def fit_default_batch(args, pred, hw, predict_fn, tries: int = 4):
+    """``pred`` if it fits, else the prediction at the largest smaller batch
+    (a multiple of the microbatches) that fits, ``None`` where none does
+    within ``tries`` predictions. Each try starts from the last one's
+    ``largest_fitting_batch`` (an estimate), one step lower where that
+    would not lower the batch."""
+    current = pred
+    for _ in range(tries):
+        if current.fits:
+            return current
+        step = current.layout.microbatches
+        batch = min(largest_fitting_batch(current), current.layout.batch - step) // step * step
+        if batch < step:
+            return None
+        current = predict_fn(args, dataclasses.replace(current.layout, batch=batch), hw)
+    return current if current.fits else None
+
+
+def _candidate_changes(args, pred, gpus_per_node: int) -> list[list[tuple[str, object]]]:
+    """Single changes to a layout that does not fit, as ladders: each ladder
+    is tried in order until one fits (the cheapest of its kind). Only
+    changes away from what was given: a leaner AC mode, resharding after
+    forward, bf16, a larger TP degree within a node, a deeper pipeline, more
+    GPUs (when the sharded state is what overflows)."""
+    from simplefsdp.plan.layout import AC_MODES, validate
+
+    layout = pred.layout
+    replace = dataclasses.replace
+    ladders: list[list[tuple[str, object]]] = []
+    for ac in AC_MODES[AC_MODES.index(layout.ac) + 1 :]:
+        ladders.append([(f"--ac {ac}", replace(layout, ac=ac))])
+    if not layout.reshard_after_forward:
+        ladders.append([("no --no-reshard", replace(layout, reshard_after_forward=True))])
+    if layout.dtype != "bf16":
+        ladders.append([("--dtype bf16", replace(layout, dtype="bf16"))])
+    tps, tp = [], layout.tp * 2
+    while tp <= gpus_per_node:
+        tps.append((f"--tp {tp}", replace(layout, tp=tp)))
+        tp *= 2
+    ladders.append(tps)
+    pp = max(layout.pp, 1) * 2
+    micro = max(layout.microbatches, pp)
+    ladders.append(
+        [(f"--pp {pp} --microbatches {micro}", replace(layout, pp=pp, microbatches=micro))]
+    )
+    # More GPUs shard the parameters, gradients and optimizer state further;
+    # the rest per GPU stays. Worth trying where that alone can fit.
+    state = sum(pred.memory[k] for k in ("parameters", "gradients", "optimizer"))
+    rest = pred.peak_bytes - state
+    if rest < pred.usable_bytes and state > 0:
+        factor = 2
+        while state / factor + rest > pred.usable_bytes:
+            factor *= 2
+        gpus = [layout.gpus * factor, layout.gpus * factor * 2]
+        ladders.append([(f"--gpus {g}", replace(layout, gpus=g)) for g in gpus])
+    valid = []
+    for ladder in ladders:
+        kept = []
+        for text, candidate in ladder:
+            try:
+                validate(args, candidate)
+            except ValueError:
+                continue
+            kept.append((text, candidate))
+        if kept:
+            valid.append(kept)
+    return valid
+
+
+def fitting_changes(args, pred, hw, predict_fn) -> tuple[list[tuple[str, object]], list[str]]:
+    """Single changes to ``pred``'s layout that fit, fastest first, each with
+    its prediction; and the kinds of change tried (``--ac``, ``--tp``, ...).
+
+    Each candidate (``_candidate_changes``) is predicted, not estimated;
+    none repeats a value given (a leaner AC mode than the one given, a larger
+    TP degree, ...).
+    """
+    found, tried = [], []
+    for ladder in _candidate_changes(args, pred, hw.gpus_per_node):
+        tried.append(ladder[0][0].split()[0] if ladder[0][0].startswith("--") else ladder[0][0])
+        for text, layout in ladder:
+            candidate = predict_fn(args, layout, hw)
+            if candidate.fits:
+                found.append((text, candidate))
+                break
+    found.sort(key=lambda item: -item[1].tokens_per_s_per_gpu)
+    return found, list(dict.fromkeys(tried))
+
+
+def format_changes(found, tried: list[str]) -> str:
+    """``changes that fit: --ac full (61.2 GiB, 5,912 tokens/s/GPU); ...``."""
+    if not found:
+        return "no single change of " + ", ".join(tried) + " fits" if tried else ""
+    parts = [
+        f"{text} ({p.peak_bytes / GiB:.1f} GiB, {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)"
+        for text, p in found
+    ]
+    return "changes that fit, fastest first: " + "; ".join(parts)
+
+
 def write_png(preds, path: Path) -> bool:
     """Memory and step-time breakdown per option; False without matplotlib."""
     try:
@@ -369,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
 
         args = model_args(ns.model, ns.config)
         hw = get_profile(ns.hardware)
-        base = _layout(ns)
+        values, defaulted = plan_defaults(ns)
+        base = _layout(ns, values)
         validate(args, base)
         if ns.sweep:
             layouts = sweep_layouts(args, base, hw.gpus_per_node)
@@ -377,24 +541,46 @@ def main(argv: list[str] | None = None) -> int:
             preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
         else:
             preds, skipped = [predict(args, base, hw)], []
+            if "batch" in defaulted and not preds[0].fits:
+                # The default batch (torchtitan's) lowered to what fits.
+                fitted = fit_default_batch(args, preds[0], hw, predict)
+                if fitted is not None:
+                    fitted.notes.append(
+                        f"--batch {fitted.layout.batch}: the default {base.batch} is predicted "
+                        f"to need {preds[0].peak_bytes / GiB:.1f} GiB of "
+                        f"{preds[0].usable_bytes / GiB:.1f} GiB usable"
+                    )
+                    preds = [fitted]
+        shown = ", ".join(
+            f"--{name} {values[name]}"
+            for name in ("gpus", "tp", "batch", "seq", "ac")
+            if name in defaulted and not (name == "tp" and values["tp"] == 1)
+        )
+        if shown:
+            preset = ns.config is None and MODEL_ALIASES.get(ns.model, ns.model) in PLAN_DEFAULTS
+            source = "torchtitan's layout" if preset else "generic"
+            preds[0].notes.insert(0, f"defaults ({source}): {shown}")
+        pred = preds[0]
+        if not ns.sweep and not pred.fits:
+            largest = largest_fitting_batch(pred)
+            changes, tried = fitting_changes(args, pred, hw, predict)
     except ValueError as exc:
         print(f"simplefsdp plan: error: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
-    pred = preds[0]
     if not ns.sweep and not pred.fits:
-        largest = largest_fitting_batch(pred)
         hint = (
             f"largest batch that fits: about {largest}"
             if largest
             else "no batch fits: the model state alone is too large"
         )
+        advice = format_changes(changes, tried)
         print(format_prediction(pred))  # the breakdown shows what to cut
         print(
             f"simplefsdp plan: error: --batch {pred.layout.batch} does not fit on "
             f"{hw.name}: predicted {pred.peak_bytes / GiB:.2f} GiB of "
-            f"{pred.usable_bytes / GiB:.2f} GiB usable per GPU; {hint} "
-            "(or use --ac full, more --gpus, --tp/--pp)",
+            f"{pred.usable_bytes / GiB:.2f} GiB usable per GPU; {hint}"
+            + (f"; {advice}" if advice else ""),
             file=sys.stderr,
         )
         return 2

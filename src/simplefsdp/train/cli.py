@@ -34,7 +34,14 @@ from simplefsdp.train.config import (
     format_config,
     load_config,
 )
-from simplefsdp.train.launch import ERROR_DIR_ENV, launch, launcher_error_dir, under_torchrun
+from simplefsdp.train.launch import (
+    ERROR_DIR_ENV,
+    launch,
+    launcher_error_dir,
+    oversubscription_warning,
+    peer_lost,
+    under_torchrun,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +311,12 @@ def _run_worker(job: JobConfig) -> int:
         # rank 0's mark; a non-zero exit would make torchrun's agent restart
         # the group (--max-restarts) and train on after the stop.
         return 0 if os.environ.get(ERROR_DIR_ENV) else trainer.exit_code
+    except RuntimeError as exc:
+        if launcher_error_dir() is None or not peer_lost(exc):
+            raise
+        # Another rank died; the launcher names it (Note: [Worker failures]).
+        logging.getLogger(__name__).debug("collective failed after a peer's death: %s", exc)
+        return 1
     finally:
         trainer.close(clean=clean)
         error_dir = os.environ.get(ERROR_DIR_ENV)
@@ -420,5 +433,24 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = "cuda (nccl)" if torch.cuda.is_available() else "cpu (gloo)"
+    warning = oversubscription_warning(world, cuda=torch.cuda.is_available())
+    if warning:
+        print(f"simplefsdp train: warning: {warning}", file=sys.stderr, flush=True)
     print(f"simplefsdp train: starting {world} processes on {device}", flush=True)
-    return launch(_worker_argv(argv), nproc=world, max_restarts=args.max_restarts)
+    return launch(
+        _worker_argv(argv),
+        nproc=world,
+        max_restarts=args.max_restarts,
+        resume_point=lambda: _resume_point(job),
+    )
+
+
+def _resume_point(job: JobConfig) -> str | None:
+    """The checkpoint a restarted run resumes from (the latest complete one in
+    ``checkpoint.folder``), or ``None`` with checkpoints off or none saved."""
+    if not job.checkpoint.enable:
+        return None
+    from simplefsdp.checkpoint.steps import latest_checkpoint
+
+    info = latest_checkpoint(job.checkpoint.folder)
+    return None if info is None else str(info.path)

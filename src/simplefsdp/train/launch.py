@@ -7,6 +7,18 @@ it starts a local elastic agent (``torch.distributed.run``) with a c10d
 rendezvous on a free local port, which spawns ``N`` workers running
 ``python -m simplefsdp.train ARGS`` and restarts them up to ``max_restarts``
 times on failure (restarted workers resume from the latest checkpoint).
+
+Note: [Worker failures]
+    A worker that dies (a signal, a crash) is one line from the launcher:
+    which rank, of what (the signal's name or the exit code), in which step
+    (each worker keeps the step it is in, ``note_step``, in the launcher's
+    error folder) and, while restarts remain, ``restart n of m`` and the
+    checkpoint it resumes from (``resume_point``); once none remain, an
+    error line with the latest checkpoint. torchelastic's own record of the
+    failure is dropped for it. The survivors' collectives then fail
+    ("Connection closed by peer" under gloo): a worker of this launcher
+    whose collective fails so (``peer_lost``) exits with code 1 and no
+    traceback, since the launcher names the rank that died.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ import re
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +38,24 @@ from simplefsdp.train.interrupts import launcher_gone
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ERROR_DIR_ENV", "STOPPED_MARK", "launch", "launcher_error_dir", "under_torchrun"]
+__all__ = [
+    "ERROR_DIR_ENV",
+    "STOPPED_MARK",
+    "launch",
+    "launcher_error_dir",
+    "note_step",
+    "oversubscription_warning",
+    "peer_lost",
+    "under_torchrun",
+]
 
 #: Folder where workers leave their one-line error reports for the launcher.
 ERROR_DIR_ENV = "SIMPLEFSDP_ERROR_DIR"
 #: File rank 0 leaves in that folder once it has saved and reported a clean
 #: stop; it holds the signal's number.
 STOPPED_MARK = "stopped"
+#: Files each worker keeps in that folder: the step it is in (``step-rank<N>``).
+STEP_FILE_PREFIX = "step-rank"
 
 WORKER_MODULE = "simplefsdp.train"
 
@@ -46,19 +69,53 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def oversubscription_warning(nproc: int, *, cuda: bool, cores: int | None = None) -> str | None:
+    """One line when ``nproc`` CPU (gloo) processes exceed the machine's cores,
+    else ``None``.
+
+    Args:
+        nproc: processes (ranks) on this machine.
+        cuda: whether they run on GPUs (then cores do not bound them).
+        cores: CPU cores available (default: :func:`cpu_cores`).
+    """
+    cores = cores or cpu_cores()
+    if cuda or nproc <= cores:
+        return None
+    plural = "s" if cores != 1 else ""
+    return (
+        f"--nproc {nproc} is more than the {cores} CPU core{plural} of this machine: the processes "
+        "will share cores (oversubscription), so every step runs slower than on "
+        f"{cores} or fewer processes and timings mean little; the results are unaffected"
+    )
+
+
 def _set_worker_threads(nproc: int) -> None:
     """Share the CPU cores between the workers unless ``OMP_NUM_THREADS`` is set."""
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
 
 
-def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
+def launch(
+    worker_argv: list[str],
+    *,
+    nproc: int,
+    max_restarts: int = 0,
+    resume_point: Callable[[], str | None] | None = None,
+) -> int:
     """Run ``python -m simplefsdp.train *worker_argv`` on ``nproc`` local ranks.
 
     The workers share one run id (``SIMPLEFSDP_RUN_ID``, see
     :mod:`simplefsdp.train.runs`) and report errors the user can act on as
     one line each into a temporary folder (``SIMPLEFSDP_ERROR_DIR``); the
-    launcher prints the lowest rank's line once. On Ctrl-C or SIGTERM
+    launcher prints the lowest rank's line once. A worker that dies is one
+    line per event (Note: [Worker failures]). On Ctrl-C or SIGTERM
     torchrun's agent sends SIGTERM to the workers, which finish their step and
     save (Note: [Clean stop] in :mod:`simplefsdp.train.interrupts`) within the
     agent's grace period.
@@ -67,6 +124,8 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
         worker_argv: the arguments every worker gets (config and overrides).
         nproc: number of processes (ranks) on this machine.
         max_restarts: restarts of the whole worker group after a failure.
+        resume_point: returns the checkpoint a restarted group resumes from
+            (``None``: none, it starts over); named in the failure lines.
 
     Returns:
         0 when every worker succeeded; otherwise the workers' exit code (2
@@ -108,13 +167,14 @@ def launch(worker_argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
     with tempfile.TemporaryDirectory(prefix="simplefsdp-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         try:
-            with _quiet_agent():
+            reporter = _FailureReporter(Path(error_dir), max_restarts, resume_point)
+            with _quiet_agent(reporter):
                 torchrun.run(args)
             stopped = Path(error_dir) / STOPPED_MARK
             if stopped.exists():  # workers exit 0 after a clean stop: no restart
                 return 128 + _mark_signal(stopped)
         except ChildFailedError as exc:
-            return _report_failure(exc, Path(error_dir))
+            return _report_failure(exc, Path(error_dir), reporter)
         except (SignalException, KeyboardInterrupt) as exc:
             # The agent sent SIGTERM to the workers, which finished their step
             # and saved; rank 0 said so unless it was killed first.
@@ -143,7 +203,123 @@ def _mark_signal(mark: Path) -> int:
     return int(text) if text.isdigit() else int(signal.SIGTERM)
 
 
-def _report_failure(exc: Any, error_dir: Path) -> int:
+def note_step(step: int) -> None:
+    """Record that this worker is in ``step`` (in the launcher's error folder,
+    read when the worker dies: Note: [Worker failures]); a no-op under any
+    other launcher."""
+    error_dir = launcher_error_dir()
+    if error_dir is None:
+        return
+    path = error_dir / f"{STEP_FILE_PREFIX}{os.environ.get('RANK', '0')}"
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(str(step), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+#: What the survivors' collectives raise once a peer is gone (gloo: the TCP
+#: connection closes; NCCL: the communicator is aborted).
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "NCCL Error 6",  # remote process exited or there was a network error
+)
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank is gone
+    (Note: [Worker failures])."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_LOST)
+
+
+def _cause(exitcode: int) -> str:
+    """``SIGKILL`` for a negative exit code (killed by that signal), else ``exit code N``."""
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    if exitcode > 128:
+        with contextlib.suppress(ValueError):
+            return f"exit code {exitcode} ({signal.Signals(exitcode - 128).name})"
+    return f"exit code {exitcode}"
+
+
+class _FailureReporter:
+    """Turns torchelastic's record of a failed worker into one line per event
+    (Note: [Worker failures]).
+
+    Args:
+        error_dir: the launcher's error folder (step files and error reports).
+        max_restarts: restarts the agent will make.
+        resume_point: the checkpoint a restart resumes from, or ``None``.
+    """
+
+    _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+    def __init__(
+        self,
+        error_dir: Path,
+        max_restarts: int,
+        resume_point: Callable[[], str | None] | None,
+    ) -> None:
+        self.error_dir = error_dir
+        self.max_restarts = max_restarts
+        self.resume_point = resume_point or (lambda: None)
+        self.restarts = 0
+        self.last: str | None = None  # the final failure, for _report_failure
+
+    def handle(self, message: str) -> bool:
+        """Report the failure ``message`` describes; whether it was one."""
+        match = self._FAILED.search(message)
+        if match is None:
+            return False
+        exitcode, rank = int(match.group(1)), int(match.group(2))
+        if exitcode in (2, 130, 143):  # a reported error or a clean stop: said by the workers
+            return True
+        event = self._describe(rank, exitcode)
+        if self.restarts < self.max_restarts:
+            self.restarts += 1
+            checkpoint = self.resume_point()
+            where = f"resuming from {checkpoint}" if checkpoint else "starting over (no checkpoint)"
+            print(
+                f"simplefsdp train: {event}; restart {self.restarts} of {self.max_restarts}, "
+                f"{where}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._clear()
+        else:
+            self.last = event
+        return True
+
+    def _describe(self, rank: int, exitcode: int) -> str:
+        """``rank 1 died of SIGKILL in step 3`` (the step its file names)."""
+        verb = "died of" if exitcode < 0 else "exited with"
+        text = f"rank {rank} {verb} {_cause(exitcode)}"
+        step_file = self.error_dir / f"{STEP_FILE_PREFIX}{rank}"
+        try:
+            text += f" in step {int(step_file.read_text(encoding='utf-8'))}"
+        except (OSError, ValueError):
+            text += " before its first step"
+        report = self.error_dir / f"rank{rank}.txt"  # its own one-line error, if any
+        with contextlib.suppress(OSError):
+            text += ": " + report.read_text(encoding="utf-8").strip().partition(" ")[2]
+        return text
+
+    def _clear(self) -> None:
+        """Forget the failed attempt's step files and reports (its workers are
+        gone: the agent stops them all before it logs the failure)."""
+        for path in self.error_dir.glob(f"{STEP_FILE_PREFIX}*"):
+            path.unlink(missing_ok=True)
+        for path in self.error_dir.glob("rank*.txt"):
+            path.unlink(missing_ok=True)
+
+
+def _report_failure(exc: Any, error_dir: Path, reporter: _FailureReporter | None = None) -> int:
     """One line for a failed worker group; the exit code to return."""
     reports = sorted(error_dir.glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
     if reports:
@@ -151,8 +327,20 @@ def _report_failure(exc: Any, error_dir: Path) -> int:
         print(f"simplefsdp train: error: {message}", file=sys.stderr)
         return int(code)
     # A clean stop never gets here: its workers exit 0 (Note: [Clean stop]).
-    codes = {failure.exitcode for failure in exc.failures.values()}
     logger.debug("worker failure details: %s", exc.format_msg())
+    if reporter is not None and reporter.last is not None:
+        restarts = ""
+        if reporter.max_restarts:
+            restarts = f"; no restarts left ({reporter.restarts} of {reporter.max_restarts} used)"
+        checkpoint = reporter.resume_point()
+        resume = (
+            f"; latest checkpoint {checkpoint} (simplefsdp train --resume continues from it)"
+            if checkpoint
+            else ""
+        )
+        print(f"simplefsdp train: error: {reporter.last}{restarts}{resume}", file=sys.stderr)
+        return 1
+    codes = {failure.exitcode for failure in exc.failures.values()}
     failed = sorted(exc.failures)
     print(
         f"simplefsdp train: error: training failed on rank(s) {failed} (exit codes "
@@ -164,21 +352,28 @@ def _report_failure(exc: Any, error_dir: Path) -> int:
 
 class _AgentNoiseFilter(logging.Filter):
     """Drops torchelastic's records about exits we report ourselves: a worker that
-    exited with our user-error or clean-stop code, and the signals it sends while
-    tearing a worker group down. Crashes and restarts stay visible."""
+    exited with our user-error or clean-stop code, the signals it sends while
+    tearing a worker group down, and a failed worker, which ``reporter`` (Note:
+    [Worker failures]) reports in one line instead. Restarts stay visible."""
 
     _OURS = re.compile(r"failed \(exitcode: (2|130|143)\)")
     _TEARDOWN = ("closing signal", "death signal")
 
+    def __init__(self, reporter: _FailureReporter | None = None) -> None:
+        super().__init__()
+        self.reporter = reporter
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
+        if self.reporter is not None and self.reporter.handle(message):
+            return False
         if self._OURS.search(message):
             return False
         return not any(text in message for text in self._TEARDOWN)
 
 
 @contextlib.contextmanager
-def _quiet_agent() -> Iterator[None]:
+def _quiet_agent(reporter: _FailureReporter | None = None) -> Iterator[None]:
     """Install :class:`_AgentNoiseFilter` on torchelastic's loggers while the agent runs."""
     prefix = "torch.distributed.elastic"
     loggers = [logging.getLogger(prefix)] + [
@@ -186,7 +381,7 @@ def _quiet_agent() -> Iterator[None]:
         for name in list(logging.root.manager.loggerDict)
         if name.startswith(prefix + ".")
     ]
-    noise = _AgentNoiseFilter()
+    noise = _AgentNoiseFilter(reporter)
     for lg in loggers:
         lg.addFilter(noise)
     try:

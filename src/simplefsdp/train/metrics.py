@@ -2,9 +2,9 @@
 
 Peak memory is measured by ``simplefsdp.engines.MemoryProbe``.
 
-Everything here is optional at runtime: TensorBoard is used only when
-``torch.utils.tensorboard`` imports, ``tqdm`` only when installed and stdout is
-a terminal; otherwise the progress display is one plain line per log step.
+TensorBoard is used only when ``torch.utils.tensorboard`` imports; the
+progress bar (``tqdm``, a dependency) only when stdout is a terminal;
+otherwise the progress display is one plain line per log step.
 
 Note: [Peak memory on CPU]
     On CUDA the peak is the caching allocator's ``max_memory_allocated`` (live
@@ -202,26 +202,40 @@ class MetricsWriter:
 class ProgressDisplay:
     """Rank-0 progress: a ``tqdm`` bar on a terminal when installed, else plain lines.
 
+    The lines are the same either way (``format_step_line``): on a terminal
+    they are written above the bar, elsewhere (a log file, a pipe) they are
+    all there is.
+
     Args:
         total_steps: last step of the run.
         start_step: step the run starts after (non-zero when resuming).
         enabled: ``False`` on ranks other than 0 (then nothing is shown).
+        stream: where to write (default: ``sys.stdout`` when created); the
+            bar is shown only if it is a terminal (``isatty()``).
     """
 
     total_steps: int
     start_step: int = 0
     enabled: bool = True
+    stream: TextIO | None = None
 
     def __post_init__(self) -> None:
         self._bar: Any = None
-        if not self.enabled or not sys.stdout.isatty():
+        if self.stream is None:
+            self.stream = sys.stdout
+        isatty = getattr(self.stream, "isatty", None)
+        if not self.enabled or not (callable(isatty) and isatty()):
             return
         try:
             from tqdm import tqdm
         except ImportError:
             return
         self._bar = tqdm(
-            total=self.total_steps, initial=self.start_step, unit="step", dynamic_ncols=True
+            total=self.total_steps,
+            initial=self.start_step,
+            unit="step",
+            dynamic_ncols=True,
+            file=self.stream,
         )
 
     def update(self, step: int) -> None:
@@ -234,9 +248,9 @@ class ProgressDisplay:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.write(text)
+            self._bar.write(text, file=self.stream)
         else:
-            print(text, flush=True)
+            print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
         """Close the bar."""

@@ -54,7 +54,7 @@ from simplefsdp.engines import (
 from simplefsdp.testing.faults import maybe_kill_at_step
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
-from simplefsdp.train.launch import STOPPED_MARK, launcher_error_dir
+from simplefsdp.train.launch import STOPPED_MARK, launcher_error_dir, note_step
 from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
     Heartbeat,
@@ -450,10 +450,11 @@ class Trainer:
             if val is not None and record is not None:
                 record["val_loss"] = val
             self.summary.final_val_loss = val
+        if self._progress is not None:
+            self._progress.update(step)  # the bar (on a terminal) moves every step
         if record is not None and self.rank == 0:
             assert self._writer is not None and self._progress is not None
             self._writer.write(record, step=step)
-            self._progress.update(step)
             self._progress.line(format_step_line(step, self.job.training.steps, record))
         ck = self.job.checkpoint
         if ck.enable and self._should(ck.interval, step):
@@ -485,6 +486,7 @@ class Trainer:
         window_steps, window_s, steady_s = 0, 0.0, 0.0
         with StopRequest() as stop:
             for step in range(start_step + 1, total + 1):
+                note_step(step)  # for the launcher, should this rank die (Note: [Worker failures])
                 is_log = self._should(self.job.metrics.log_interval, step) or step == start_step + 1
                 t0 = time.perf_counter()
                 with self._first_step_notice(step == start_step + 1, step), _compile_errors():
