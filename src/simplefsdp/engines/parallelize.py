@@ -51,21 +51,17 @@ from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines.activation import apply_activation_checkpointing
 from simplefsdp.engines.distributed import split_mesh
 from simplefsdp.engines.parallel_model import ParallelModel
+from simplefsdp.parallel_dims import ENGINES, TP_ENGINES
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ENGINES", "TP_ENGINES", "EngineSpec", "parallelize", "torch_passes_patches"]
 
-#: Engine names, one vocabulary for ``simplefsdp train`` and ``simplefsdp bench``.
-ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 InitFn = Callable[[nn.Module], None]
 TensorParallelFn = Callable[[nn.Module, DeviceMesh], Any]
-
-#: Engines that compose with tensor parallelism.
-TP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
 
 
 def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
