@@ -49,8 +49,8 @@ from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import (
     CommReport,
     GraphReport,
-    _fmt_bytes,
     build_graph_report,
+    format_bytes,
     fx_overlap,
     inductor_overlap,
 )
@@ -259,7 +259,7 @@ class _GraphCompilation:
             size = options.reshard_after_forward
             self.plan_notes_joint.append(
                 f"resharded to groups of {size} after forward: {done.partial} parameters "
-                f"({_fmt_bytes(done.partial_bytes)} of pieces held from forward to backward)"
+                f"({format_bytes(done.partial_bytes)} of pieces held from forward to backward)"
                 + (
                     f"; {done.partial_skipped} fully (activation checkpointing or uneven rows)"
                     if done.partial_skipped
@@ -281,7 +281,7 @@ class _GraphCompilation:
         if names:
             self.plan_notes_joint.append(
                 f"kept gathered for backward (not resharded): {', '.join(names)} "
-                f"({_fmt_bytes(nbytes)} held from forward to backward)"
+                f"({format_bytes(nbytes)} held from forward to backward)"
             )
         elif not self.backend.one_rank_gathers:  # else the one-rank note says what was kept
             self.plan_notes_joint.append("kept gathered for backward: none matched keep_gathered")

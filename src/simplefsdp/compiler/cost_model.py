@@ -231,10 +231,6 @@ def node_flops(node: fx.Node) -> float:
     return 0.0
 
 
-def graph_compute_time(gm: fx.GraphModule, cost_model: CostModel) -> float:
-    return sum(cost_model.node_time(n) for n in gm.graph.nodes)
-
-
 def simulate(
     gm: fx.GraphModule, cost_model: CostModel, groups: CollectiveGroups = ALL_DATA_PARALLEL
 ) -> dict[str, float]:

@@ -77,7 +77,7 @@ from simplefsdp.bucket_plan import BucketPlan
 from simplefsdp.compiler.keep_plan import copy_joint
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.pipeline import run_graph_passes
-from simplefsdp.compiler.report import _fmt_bytes
+from simplefsdp.compiler.report import format_bytes
 
 if TYPE_CHECKING:
     from simplefsdp.compiler.auto_bucketing import AutoPlan
@@ -152,16 +152,16 @@ def fit_to_reference(
         if peak <= allowed:
             auto, peak, refined = _refine(auto, peak, over, plan_with, estimate, allowed)
             notes.append(
-                f"estimate check: {auto.data['num_buckets']} buckets hold {_fmt_bytes(peak)} "
-                f"at their peak, within the per-block plan's {_fmt_bytes(reference_peak)} + "
-                f"{_fmt_bytes(slack)} slack"
+                f"estimate check: {auto.data['num_buckets']} buckets hold {format_bytes(peak)} "
+                f"at their peak, within the per-block plan's {format_bytes(reference_peak)} + "
+                f"{format_bytes(slack)} slack"
                 + (f" (after {round_} replans, {refined} bisections)" if round_ else "")
             )
             return auto, notes
         budget = auto.data["memory_budget_bytes"] - (peak - allowed)
         notes.append(
-            f"estimate check: {auto.data['num_buckets']} buckets hold {_fmt_bytes(peak)}, "
-            f"{_fmt_bytes(peak - allowed)} over the per-block plan's + slack; "
+            f"estimate check: {auto.data['num_buckets']} buckets hold {format_bytes(peak)}, "
+            f"{format_bytes(peak - allowed)} over the per-block plan's + slack; "
             + (f"budget lowered to {budget} bytes" if round_ < ROUNDS else "giving up")
         )
         if round_ == ROUNDS:

@@ -323,7 +323,6 @@ class DataSpec(Protocol):
     batch_size: int
     val_fraction: float
     tokenizer: str
-    num_workers: int
     max_bytes: int | None
 
 
@@ -364,8 +363,6 @@ def build_data(
     """
     tok = load_tokenizer(cfg.tokenizer)
     corpus = build_corpus(cfg.path, tok, val_fraction=cfg.val_fraction, max_bytes=cfg.max_bytes)
-    if cfg.num_workers:
-        logger.debug("data.num_workers=%d ignored: the token loader is in-memory", cfg.num_workers)
     loader = DistributedTokenLoader(
         corpus.train,
         seq_len=cfg.seq_len,

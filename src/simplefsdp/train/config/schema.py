@@ -111,8 +111,6 @@ class DataConfig:
         val_fraction: Fraction of documents held out for validation, in [0, 1).
         tokenizer: ``"byte"`` or a path to a local ``tokenizer.json`` / Hugging
             Face tokenizer directory.
-        num_workers: Loader worker processes. The token loader is in-memory and
-            synchronous, so this is accepted for compatibility and unused.
         max_bytes: Cap on the bytes read from the corpus (``None``: 8 MB for
             the embedded stdlib corpus, unlimited for a user ``path``).
     """
@@ -122,7 +120,6 @@ class DataConfig:
     batch_size: int = 8
     val_fraction: float = 0.05
     tokenizer: str = "byte"
-    num_workers: int = 0
     max_bytes: int | None = None
 
 
@@ -367,7 +364,6 @@ def validate_config(cfg: JobConfig) -> None:
         "in [0, 1)",
     )
     check(bool(d.tokenizer.strip()), "data.tokenizer", d.tokenizer, "'byte' or a tokenizer path")
-    check(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
     check(d.max_bytes is None or d.max_bytes > 0, "data.max_bytes", d.max_bytes, "> 0 or none")
     if m.max_seq_len is not None and d.seq_len > m.max_seq_len:
         errors.append(
