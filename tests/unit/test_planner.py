@@ -363,7 +363,7 @@ def calibration_cache(tmp_path, monkeypatch):
     from simplefsdp.compiler import cost_model as cm
 
     fit = {f"{kind}/1": LinearFit(1e-4, 1e-9) for kind in ("all_gather", "reduce_scatter")}
-    monkeypatch.setattr(cm, "_calibrate_comm", lambda group, device, prefix="": fit)
+    monkeypatch.setattr(cm, "calibrate_comm", lambda group, device, prefix="": fit)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SIMPLEFSDP_RECALIBRATE", raising=False)
     dist.init_process_group(

@@ -217,7 +217,58 @@ class _GraphCompilation:
             return found.count
 
         # Once per parameters, or without sizes: Note: [Plans from sizes, not guards].
-        return plan_check.keep_count(self, search, free)
+        return self._keep_count(search, free)
+
+    def decision_key(self, kind: str) -> tuple:
+        """Under what a decision about this graph is recorded for later
+        graphs of the same parameters (Note: [Plans from sizes, not guards])."""
+        return (kind, tuple(f for f in dict.fromkeys(self.fqns) if f))
+
+    def _keep_count(self, search: Callable[[], int], free: int) -> int:
+        """How many of the last buckets the joint graph keeps gathered:
+        ``search()``'s answer for the first joint graph over its parameters,
+        reused by later ones (Note: [Plans from sizes, not guards]); ``free``
+        (the buckets gathered at the boundary anyway) when the ranks' first
+        inputs differed (Note: [Ranks' first inputs])."""
+        backend = self.backend
+        key = self.decision_key("keep")
+        if key in backend.decisions:
+            count, self.default_budget_bytes, self.keep_search, graph_id = backend.decisions[key]
+            self.plan_notes_joint.append(
+                f"keep_gathered: {count} buckets, as decided for graph {graph_id} (same parameters)"
+            )
+            return count
+        if "forward" in backend.size_independent:
+            count = free
+            self.plan_notes_joint.append(
+                f"keep_gathered: {count} buckets (the ranks' first inputs differ in shape)"
+            )
+        else:
+            count = search()
+        backend.decisions[key] = (count, self.default_budget_bytes, self.keep_search, self.graph_id)
+        return count
+
+    def _plan_forward(self, gm: fx.GraphModule, graph_name: str) -> None:
+        """Plan the auto buckets of the forward (or inference) graph ``gm``
+        (Note: [Checking the plan with the estimator]), or reuse the plan of
+        an earlier graph of the same parameters (Note: [Plans from sizes, not
+        guards]); sets ``plan``, ``plan_notes`` and ``planned_sites``."""
+        backend = self.backend
+        key = self.decision_key(graph_name)
+        backward, self.backward_graph = self.backward_graph, None  # needed only here
+        if key in backend.decisions:
+            plan, notes, graph_id = backend.decisions[key]
+            note = f"auto plan: the plan of graph {graph_id} (same parameters), not planned again"
+            decided = plan_check.GraphPlan(plan, None, [note, *notes])
+        else:
+            if graph_name in backend.size_independent:  # Note: [Ranks' first inputs]
+                note = "auto plan: the ranks' first inputs differ in shape; the per-block plan"
+                decided = plan_check.GraphPlan(backend.plan(), None, [note])
+            else:
+                decided = plan_check.plan_graph(self, gm, backward)
+            backend.decisions[key] = (decided.plan, decided.notes, self.graph_id)
+        self.planned = True
+        self.plan, self.planned_sites, self.plan_notes = decided.plan, decided.sites, decided.notes
 
     def joint_pass(
         self, graph: fx.Graph, keep_count: int | None = None, record: bool = True
@@ -316,7 +367,7 @@ class _GraphCompilation:
             gm.recompile()  # Note: [Partial resharding in the graph]
         if not self.planned and graph_name in ("forward", "inference"):
             # Note: [Checking the plan with the estimator]
-            plan_check.plan_graph(self, gm, graph_name)
+            self._plan_forward(gm, graph_name)
             notes.extend(self.plan_notes)
             # Found on this very graph, not yet changed: reuse them.
             sites, self.planned_sites = self.planned_sites, None

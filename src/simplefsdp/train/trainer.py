@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from simplefsdp._faults import maybe_kill_at_step
 from simplefsdp.checkpoint import (
     TRAINER_STATE_NAME,
     Checkpointer,
@@ -51,7 +52,6 @@ from simplefsdp.engines import (
     plain_loss,
     teardown_process_group,
 )
-from simplefsdp.testing.faults import maybe_kill_at_step
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
 from simplefsdp.train.launch import STOPPED_MARK, launcher_error_dir
