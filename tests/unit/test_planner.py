@@ -257,7 +257,7 @@ def test_comm_overlap_from_timings_and_old_cost_model_files() -> None:
 
 
 def test_keep_choice_spends_the_slack_on_the_last_buckets() -> None:
-    from simplefsdp.compiler.keep_plan import choose_kept
+    from simplefsdp.compiler.keep_gathered import choose_kept
 
     sizes = [5, 1, 2, 3, 4]  # forward order; the last 2 are free
     assert choose_kept(sizes, free=2, slack_bytes=0) == (2, 0)

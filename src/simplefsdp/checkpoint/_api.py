@@ -33,7 +33,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from simplefsdp._faults import save_fault_point
-from simplefsdp.checkpoint._compat import check_state_fits, check_storage_files
 from simplefsdp.checkpoint._files import (
     MANIFEST_NAME,
     TMP_SUFFIX,
@@ -49,6 +48,7 @@ from simplefsdp.checkpoint._files import (
     read_manifest,
     write_json_atomic,
 )
+from simplefsdp.checkpoint._metadata_check import check_state_fits, check_storage_files
 from simplefsdp.checkpoint._safe_reader import (
     SafeFileSystemReader,
     TensorOnlyLoadPlanner,

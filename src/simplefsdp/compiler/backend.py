@@ -34,18 +34,18 @@ import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from simplefsdp.bucket_plan import BucketPlan, resolve_plan
-from simplefsdp.compiler import keep_plan, plan_check
+from simplefsdp.compiler import estimate_check, keep_gathered
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
-from simplefsdp.compiler.keep_plan import bucket_lookup, free_keep_count, search_keep
+from simplefsdp.compiler.keep_gathered import bucket_lookup, free_keep_count, search_keep
 from simplefsdp.compiler.memory_estimate import estimate_memory, staged_by
 from simplefsdp.compiler.options import CompileOptions
 from simplefsdp.compiler.partition import inductor_partitioner, partition
+from simplefsdp.compiler.pass_sequence import run_graph_passes
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
 from simplefsdp.compiler.passes.one_rank import mark_one_rank_casts, one_rank_gathers
 from simplefsdp.compiler.passes.reshard import drop_unused_gathers, kept_buckets, mark_reshard
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
-from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import (
     CommReport,
     GraphReport,
@@ -176,14 +176,14 @@ class _GraphCompilation:
             keep = self._search_keep(joint, joint_inputs, kwargs)
         record = self.backend.saved_activations is not None
         if record:  # read before the joint pass tags the graph
-            eager = keep_plan.eager_saved_bytes(joint.graph, self.num_fwd_outputs)
-            gathered = keep_plan.gather_chain_names(joint.graph)
+            eager = keep_gathered.eager_saved_bytes(joint.graph, self.num_fwd_outputs)
+            gathered = keep_gathered.gather_chain_names(joint.graph)
         self.joint_pass(joint.graph, keep_count=keep)
         joint.recompile()
         forward, backward = partition(joint, joint_inputs, **kwargs)
         self.backward_graph = backward if keep is not None else None
         if record:
-            saved = (eager, keep_plan.compiled_saved_bytes(backward, gathered))
+            saved = (eager, keep_gathered.compiled_saved_bytes(backward, gathered))
             self.backend.saved_activations.append(saved)
         return forward, backward
 
@@ -259,13 +259,13 @@ class _GraphCompilation:
         if key in backend.decisions:
             plan, notes, graph_id = backend.decisions[key]
             note = f"auto plan: the plan of graph {graph_id} (same parameters), not planned again"
-            decided = plan_check.GraphPlan(plan, None, [note, *notes])
+            decided = estimate_check.GraphPlan(plan, None, [note, *notes])
         else:
             if graph_name in backend.size_independent:  # Note: [Ranks' first inputs]
                 note = "auto plan: the ranks' first inputs differ in shape; the per-block plan"
-                decided = plan_check.GraphPlan(backend.plan(), None, [note])
+                decided = estimate_check.GraphPlan(backend.plan(), None, [note])
             else:
-                decided = plan_check.plan_graph(self, gm, backward)
+                decided = estimate_check.plan_graph(self, gm, backward)
             backend.decisions[key] = (decided.plan, decided.notes, self.graph_id)
         self.planned = True
         self.plan, self.planned_sites, self.plan_notes = decided.plan, decided.sites, decided.notes
@@ -427,7 +427,7 @@ class SimpleFSDPBackend:
         # Note: [Checking the plan with the estimator]: only on even shards.
         self.shards_evenly = False
         if model is not None:
-            self.shards_evenly = plan_check.shards_evenly(model)
+            self.shards_evenly = estimate_check.shards_evenly(model)
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = mesh_groups(model)
             self._tp_mesh_groups = tp_mesh_groups(model)

@@ -25,7 +25,7 @@ from simplefsdp.compiler.cost_model import (
     measure_comm_overlap,
     node_flops,
 )
-from simplefsdp.compiler.keep_plan import choose_kept, free_keep_count
+from simplefsdp.compiler.keep_gathered import choose_kept, free_keep_count
 from simplefsdp.compiler.memory_estimate import estimate_memory
 from simplefsdp.compiler.passes.bucketing import find_sites
 from simplefsdp.compiler.patterns import (

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 _BUILTIN_PACKAGE = "simplefsdp.train"
-_BUILTIN_DIR = "configs"
+_BUILTIN_DIR = "presets"
 
 _NONE_STRINGS = frozenset({"none", "null", ""})
 _TRUE_STRINGS = frozenset({"true", "1", "yes", "y", "on"})

@@ -76,9 +76,9 @@ import torch.nn as nn
 
 from simplefsdp.bucket_plan import BucketPlan
 from simplefsdp.compiler.auto_bucketing import AutoPlan, plan_forward_graph
-from simplefsdp.compiler.keep_plan import copy_joint
+from simplefsdp.compiler.keep_gathered import copy_joint
 from simplefsdp.compiler.memory_estimate import estimate_memory
-from simplefsdp.compiler.pipeline import run_graph_passes
+from simplefsdp.compiler.pass_sequence import run_graph_passes
 from simplefsdp.compiler.report import format_bytes
 
 ROUNDS = 3
