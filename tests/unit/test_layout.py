@@ -180,6 +180,14 @@ def test_plan_uses_the_compilers_planning_face():
         assert inner <= {"simplefsdp.compiler.planning"}, (path.relative_to(SRC), inner)
 
 
+def test_only_the_recipe_of_a_model_imports_the_engines():
+    """``models/llama3`` is plain modules; ``parallelize.py`` (the recipe) composes the engines."""
+    for path in SOURCES:
+        if _package_of(path) == "models" and path.name != "parallelize.py":
+            engines = {m for m in _imports(path) if m.startswith("simplefsdp.engines")}
+            assert not engines, (path.relative_to(SRC), engines)
+
+
 def test_no_private_checkpoint_imports_outside_checkpoint():
     for path in SOURCES:
         if _package_of(path) == "checkpoint":

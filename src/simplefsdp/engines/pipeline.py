@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.engines.distributed import pipeline_mesh, stage_mesh
-from simplefsdp.engines.parallel_model import ParallelModel
+from simplefsdp.engines.parallel_model import ParallelModel, plain_loss
 from simplefsdp.engines.parallelize import EngineSpec, InitFn, TensorParallelFn, parallelize
 from simplefsdp.parallel_dims import INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES, PP_ENGINES
 
@@ -266,6 +266,17 @@ class PipelinedModel:
 
         return timed
 
+    @property
+    def has_loss(self) -> bool:
+        """Whether :meth:`step` and :meth:`eval_loss` return a loss on this
+        rank (it holds the last stage)."""
+        return self.has_last
+
+    @property
+    def can_evaluate(self) -> bool:
+        """Whether this torch's schedules can run :meth:`eval_loss`."""
+        return hasattr(self.schedule, "eval")
+
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target) * self._scale
 
@@ -359,13 +370,6 @@ class PipelinedModel:
         if not self.has_last:
             return None
         return torch.stack([plain_loss(loss).detach() for loss in losses]).sum()
-
-
-def plain_loss(value: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def parallelize_pipeline(
