@@ -99,3 +99,11 @@ def test_tp_split_sizes_with_loss_parallel():
     args = get_config("debug")
     assert set(tp_split_sizes(args)) == {"n_heads", "n_kv_heads", "feed-forward hidden dim"}
     assert tp_split_sizes(args, loss_parallel=True)["vocab_size"] == args.vocab_size
+
+
+def test_bench_raises_max_seq_len_to_the_workloads_sequence():
+    """The bench's workers build the model with max_seq_len >= --seq-len: no error for it."""
+    from simplefsdp.bench.cli import _build_parser, build_spec
+
+    spec = build_spec(_build_parser().parse_args(["--nproc", "2", "--seq-len", "1024"]))
+    assert spec.workload.seq_len == 1024

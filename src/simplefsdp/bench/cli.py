@@ -211,10 +211,14 @@ def _check_layout(
 ) -> None:
     """The degrees against the ranks and the workload's model (:meth:`ParallelDims.validate`).
 
-    The bench runs the Llama 3 TP plan with sequence parallelism.
+    The bench runs the Llama 3 TP plan with sequence parallelism, and raises
+    the model's ``max_seq_len`` to the workload's sequence where it is shorter.
     """
     from simplefsdp.models.llama3 import get_config
 
+    args = get_config(workload.model, **workload.model_overrides)
+    if workload.seq_len > args.max_seq_len:  # as the workers' build_model does
+        args = args.replace(max_seq_len=workload.seq_len)
     pipelined = pp > 1
     dims = ParallelDims(
         nproc,
@@ -224,7 +228,7 @@ def _check_layout(
         pp_schedule=schedule,
     )
     dims.validate(
-        get_config(workload.model, **workload.model_overrides),
+        args,
         batch=workload.batch_size,
         seq_len=workload.seq_len,
         sequence_parallel=True,
