@@ -245,9 +245,3 @@ def _with_uncovered(
             result.append(manual[i])
     flush()
     return result
-
-
-def single_param_plan(model: nn.Module) -> BucketPlan:
-    """One bucket per parameter (no bucketing)."""
-    order, _ = _alias_map(model)
-    return BucketPlan(tuple(Bucket(fqn, (fqn,), "single") for fqn in order))

@@ -7,21 +7,12 @@ from typing import Literal, get_args
 
 import torch
 
-DataParallelMode = Literal["replicate", "fully_shard", "hybrid_shard"]
-"""How parameters are placed on the data-parallel mesh.
-
-- ``"replicate"``: DDP. Every rank holds the full parameter; gradients are all-reduced.
-- ``"fully_shard"``: FSDP / ZeRO-3. Parameters are sharded along ``shard_dim``;
-  reads all-gather, gradients are reduce-scattered.
-- ``"hybrid_shard"``: HSDP on a 2-D mesh ``(replicate, shard)``: sharded within
-  mesh dim 1, replicated across mesh dim 0; gradients are reduce-scattered in
-  the shard group and all-reduced in the replica group.
-"""
+from simplefsdp.parallel_dims import DATA_PARALLEL_MODES as DATA_PARALLEL_MODES
+from simplefsdp.parallel_dims import DataParallelMode as DataParallelMode
 
 GradReduceOp = Literal["avg", "sum"]
 """How gradients are combined across data-parallel ranks: DDP's mean, or the sum."""
 
-DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
 GRAD_REDUCE_OPS: tuple[str, ...] = get_args(GradReduceOp)
 
 # Mesh dimensionality each mode needs.

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import simplefsdp
 import simplefsdp.checkpoint as ckpt
+from simplefsdp._faults import FAIL_SAVE_ENV
 from simplefsdp.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -32,7 +33,6 @@ from simplefsdp.checkpoint import (
     write_json_atomic,
 )
 from simplefsdp.testing import run_distributed
-from simplefsdp.testing.faults import FAIL_SAVE_ENV
 from toy_models import TiedEmbeddingModel, loss_fn, make_batch
 
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4 ranks

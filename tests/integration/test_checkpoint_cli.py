@@ -5,7 +5,7 @@ give one-line errors.
 
 Runs are tiny and eager (6 steps of the debug model on 300 kB of the stdlib
 corpus, checkpoints every 2 steps); rank 1 is killed by the test-only hook
-``SIMPLEFSDP_TEST_KILL_AT_STEP`` (see ``simplefsdp.testing.faults``).
+``SIMPLEFSDP_TEST_KILL_AT_STEP`` (see ``simplefsdp._faults``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cli_runs import losses, small_args, train_env
-from simplefsdp.testing.faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV
+from simplefsdp._faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from cli_runs import losses, small_args, train_env
-from simplefsdp.testing.faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV, KILL_RANK_ENV
+from simplefsdp._faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV, KILL_RANK_ENV
 
 pytestmark = pytest.mark.slow
 

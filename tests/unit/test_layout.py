@@ -1,41 +1,52 @@
-"""The package layout of docs/design.md: import arrows point one way, files stay small.
+"""The package layout of docs/design.md: import arrows point one way, no circles.
 
-cli -> train / bench / plan -> engines -> compiler / eager_executor -> frontend ->
-policies, bucket_plan. checkpoint sits beside the engines (it reads the
-frontend); data and models import nothing of ours. Checked on the source text
-(every ``import``/``from`` statement, also those inside functions).
+The table under "## Layout" in docs/design.md says, per folder or module of
+``src/simplefsdp``, which of our packages it may import; this test reads that
+table and checks every ``import``/``from`` statement of the source against it
+(also those inside functions and under ``TYPE_CHECKING``). It also checks that
+the modules' imports form a DAG: no two modules import each other, directly
+or around a circle, inside a package or across packages. (The lazily loading
+``simplefsdp/__init__.py``, which imports everything on first use, and a
+package's ``__init__`` importing its own modules are the exceptions.)
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "simplefsdp"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "simplefsdp"
 
-_CORE = {"policies", "bucket_plan", "frontend", "_version", "_compat"}
-_EXECUTORS = _CORE | {"compiler", "eager_executor", "top"}
-# package (first component under simplefsdp) -> the packages it may import.
-ALLOWED: dict[str, set[str]] = {
-    "_version": set(),
-    "_compat": set(),
-    "policies": set(),
-    "bucket_plan": set(),
-    "models": set(),
-    "data": {"_version"},
-    "testing": {"_compat"},
-    "frontend": {"policies", "bucket_plan", "_compat"},
-    "compiler": _CORE,
-    "eager_executor": _CORE,
-    "checkpoint": {"frontend", "testing", "models", "_version"},
-    "engines": _EXECUTORS,
-    "train": _EXECUTORS | {"engines", "data", "checkpoint", "models", "testing"},
-    "bench": _EXECUTORS | {"engines", "data", "models"},
-    "plan": _EXECUTORS | {"engines", "models"},
-    "cli": {"_version"},
-}
+
+def _documented_layout() -> dict[str, set[str]]:
+    """package (first component under simplefsdp) -> the packages docs/design.md lets it import."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    allowed: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`") or cells[0] == "`__init__.py`":
+            continue
+        name = cells[0].strip("`").split("/")[0].removesuffix(".py")
+        may = re.sub(r"\([^)]*\)", "", cells[2]).replace("`", "")
+        names = {m.strip() for m in may.split(",") if m.strip()} - {"nothing"}
+        allowed[name] = {"top" if m == "the API" else m for m in names}
+    return allowed
+
+
+ALLOWED = _documented_layout()
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in SRC.rglob("*.py")}
 
 
 def _package_of(path: Path) -> str:
@@ -43,33 +54,138 @@ def _package_of(path: Path) -> str:
     return "top" if parts == ("__init__",) else parts[0]
 
 
-def _imported_packages(path: Path) -> set[str]:
-    """First components of the simplefsdp modules ``path`` imports (``top``: ``simplefsdp``)."""
+def _resolve(name: str) -> str | None:
+    """The simplefsdp module ``name`` is, or lies in (``None``: not ours)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: Path) -> set[str]:
+    """The simplefsdp modules ``path`` imports (``from pkg import mod`` names the module)."""
+    module = _module_name(path)
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: set[str] = set()
     for node in ast.walk(tree):
-        names: list[str] = []
+        targets: list[str] = []
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        for name in names:
-            if name == "simplefsdp":
-                found.add("top")
-            elif name.startswith("simplefsdp."):
-                found.add(name.split(".")[1])
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = (
+                    module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                )
+                package = package[: len(package) - node.level + 1]
+                base = ".".join(package + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names]
+            targets = [t if _resolve(t) == t else base for t in targets]
+        for target in targets:
+            if target == "simplefsdp" or target.startswith("simplefsdp."):
+                resolved = _resolve(target)
+                if resolved is not None:
+                    found.add(resolved)
     return found
 
 
 SOURCES = sorted(p for p in SRC.rglob("*.py") if _package_of(p) != "top")
 
 
+def test_the_table_names_every_package():
+    packages = {_package_of(p) for p in SOURCES}
+    assert packages == set(ALLOWED), "docs/design.md's layout table and src/simplefsdp differ"
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(SRC)))
 def test_imports_point_one_way(path):
     package = _package_of(path)
     assert package in ALLOWED, f"{package} is not in the documented layout (docs/design.md)"
-    bad = _imported_packages(path) - ALLOWED[package] - {package}
+    imported = {"top" if m == "simplefsdp" else m.split(".")[1] for m in _imports(path)}
+    bad = imported - ALLOWED[package] - {package}
     assert not bad, f"{path.relative_to(SRC)} ({package}) imports {sorted(bad)}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _module_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if name == "simplefsdp":
+            continue  # the lazy public API imports everything on first use
+        graph[name] = {
+            m
+            for m in _imports(path)
+            if m not in (name, "simplefsdp") and not m.startswith(name + ".")
+        }
+    return graph
+
+
+def test_no_import_circles_between_modules():
+    assert _cycles(_module_graph()) == []
+
+
+def test_no_import_circles_between_packages():
+    packages: dict[str, set[str]] = {}
+    for name, imported in _module_graph().items():
+        own = name.split(".")[1]
+        packages.setdefault(own, set()).update(m.split(".")[1] for m in imported)
+    for own, imported in packages.items():
+        imported.discard(own)
+    assert _cycles(packages) == []
+
+
+def test_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_plan_uses_the_compilers_planning_face():
+    """``simplefsdp.plan`` reaches the compiler only through ``simplefsdp.compiler.planning``."""
+    for path in SOURCES:
+        if _package_of(path) != "plan":
+            continue
+        inner = {m for m in _imports(path) if m.startswith("simplefsdp.compiler")}
+        assert inner <= {"simplefsdp.compiler.planning"}, (path.relative_to(SRC), inner)
+
+
+def test_only_the_recipe_of_a_model_imports_the_engines():
+    """``models/llama3`` is plain modules; ``parallelize.py`` (the recipe) composes the engines."""
+    for path in SOURCES:
+        if _package_of(path) == "models" and path.name != "parallelize.py":
+            engines = {m for m in _imports(path) if m.startswith("simplefsdp.engines")}
+            assert not engines, (path.relative_to(SRC), engines)
 
 
 def test_no_private_checkpoint_imports_outside_checkpoint():
@@ -80,6 +196,18 @@ def test_no_private_checkpoint_imports_outside_checkpoint():
         assert "simplefsdp.checkpoint._" not in text, path
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(SRC)))
-def test_files_stay_small(path):
-    assert len(path.read_text(encoding="utf-8").splitlines()) <= 600
+def test_no_private_names_across_packages():
+    """``from simplefsdp.<other package>... import _name``: a private name used outside its home."""
+    for path in SOURCES:
+        package = _package_of(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (
+                isinstance(node, ast.ImportFrom) and (node.module or "").startswith("simplefsdp.")
+            ):
+                continue
+            if node.module.split(".")[1] == package:
+                continue
+            private = [
+                a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")
+            ]
+            assert not private, f"{path.relative_to(SRC)} imports {private} from {node.module}"

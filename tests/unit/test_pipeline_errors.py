@@ -34,7 +34,10 @@ def test_mesh_shapes_with_pipeline():
     )
     with pytest.raises(ValueError, match="valid pipeline-parallel sizes for 6 ranks: 1, 2, 3, 6"):
         mesh_shape_for("simplefsdp", "fully_shard", 6, pp=4)
-    with pytest.raises(ValueError, match=r"pp \* tp must divide it"):
+    with pytest.raises(
+        ValueError,
+        match=r"pp 2 x tp 2 does not divide world size 6; valid tensor-parallel sizes with pp 2: 1, 3",
+    ):
         mesh_shape_for("simplefsdp", "fully_shard", 6, pp=2, tp=2)
 
 
@@ -120,9 +123,9 @@ def test_bench_pipeline_arguments():
 
     s = spec("--pp", "2", "--pp-schedule", "gpipe")
     assert (s.pp, s.pp_schedule, s.microbatches) == (2, "gpipe", 2)
-    with pytest.raises(ValueError, match="--microbatches 3 does not divide the per-rank batch 4"):
+    with pytest.raises(ValueError, match="--batch-size 4 is not divisible by --microbatches 3"):
         spec("--pp", "2", "--microbatches", "3")
-    with pytest.raises(ValueError, match="needs 8 stages but the workload's model has 4 layers"):
+    with pytest.raises(ValueError, match="= 8 stages but model 'debug' has 4 layers"):
         spec("--pp", "4", "--pp-schedule", "interleaved_1f1b")
     with pytest.raises(ValueError, match="valid pipeline-parallel sizes for 4 ranks: 1, 2, 4"):
         spec("--pp", "3", "--microbatches", "1")

@@ -92,11 +92,20 @@ def test_profile_round_trips_through_json(tmp_path) -> None:
 @pytest.mark.parametrize(
     "layout, message",
     [
-        (Layout(gpus=8, batch=2, seq=64, tp=3), r"--gpus 8 is not divisible by tp\*pp = 3\*1"),
-        (Layout(gpus=6, batch=2, seq=64, tp=3), r"--tp 3 does not divide n_heads=8"),
-        (Layout(gpus=8, batch=2, seq=64, pp=8, microbatches=8), r"--pp 8 exceeds n_layers=4"),
+        (
+            Layout(gpus=8, batch=2, seq=64, tp=3),
+            r"--tp 3 does not divide --gpus 8; valid tensor-parallel sizes for 8 ranks: 1, 2, 4, 8",
+        ),
+        (
+            Layout(gpus=6, batch=2, seq=64, tp=3),
+            r"--tp 3 does not divide the n_heads 8, n_kv_heads 4 of the model",
+        ),
+        (
+            Layout(gpus=8, batch=2, seq=64, pp=8, microbatches=8),
+            r"--pp 8 x 1 stages per rank = 8 stages but the model has 4 layers",
+        ),
         (Layout(gpus=4, batch=3, seq=64, pp=2, microbatches=2), r"--batch 3 is not divisible"),
-        (Layout(gpus=2, batch=2, seq=4096), r"--seq 4096 exceeds the model's max_seq_len 512"),
+        (Layout(gpus=2, batch=2, seq=4096), r"--seq 4096 exceeds max_seq_len 512 of the model"),
         (Layout(gpus=2, batch=2, seq=64, ac="most"), r"unknown --ac 'most'; valid: none"),
         (Layout(gpus=8, batch=2, seq=64, pp=0), r"--pp must be >= 1, got 0"),
         (Layout(gpus=8, batch=2, seq=64, tp=-2), r"--tp must be >= 1, got -2"),
@@ -437,7 +446,10 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path, capsys) -> None:
     not_an_object.write_text("[1, 2]")
     cases = [
         (["--hardware", "tpu"], "unknown hardware 'tpu'"),
-        (["--gpus", "8", "--tp", "3", "--model", "llama3_debug"], "not divisible by tp*pp"),
+        (
+            ["--gpus", "8", "--tp", "3", "--model", "llama3_debug"],
+            "--tp 3 does not divide --gpus 8",
+        ),
         (["--model", "llama3_9b"], "unknown --model 'llama3_9b'"),
         (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
         (["--config", str(not_an_object)], "must hold a JSON object of ModelArgs fields"),

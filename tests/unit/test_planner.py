@@ -257,7 +257,7 @@ def test_comm_overlap_from_timings_and_old_cost_model_files() -> None:
 
 
 def test_keep_choice_spends_the_slack_on_the_last_buckets() -> None:
-    from simplefsdp.compiler.keep_plan import choose_kept
+    from simplefsdp.compiler.keep_gathered import choose_kept
 
     sizes = [5, 1, 2, 3, 4]  # forward order; the last 2 are free
     assert choose_kept(sizes, free=2, slack_bytes=0) == (2, 0)
@@ -363,7 +363,7 @@ def calibration_cache(tmp_path, monkeypatch):
     from simplefsdp.compiler import cost_model as cm
 
     fit = {f"{kind}/1": LinearFit(1e-4, 1e-9) for kind in ("all_gather", "reduce_scatter")}
-    monkeypatch.setattr(cm, "_calibrate_comm", lambda group, device, prefix="": fit)
+    monkeypatch.setattr(cm, "calibrate_comm", lambda group, device, prefix="": fit)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SIMPLEFSDP_RECALIBRATE", raising=False)
     dist.init_process_group(

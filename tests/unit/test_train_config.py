@@ -46,7 +46,7 @@ def test_defaults():
     assert cfg.model.vocab_size is None and cfg.model.max_seq_len is None
     assert cfg.data.path is None
     assert (cfg.data.seq_len, cfg.data.batch_size, cfg.data.val_fraction) == (128, 8, 0.05)
-    assert cfg.data.tokenizer == "byte" and cfg.data.num_workers == 0
+    assert cfg.data.tokenizer == "byte"
     assert cfg.training.steps == 200 and cfg.training.max_norm == 1.0
     assert cfg.training.grad_accum_steps == 1 and cfg.training.seed == 0
     assert cfg.training.betas == (0.9, 0.95)
@@ -367,6 +367,14 @@ def test_unknown_key_in_toml(tmp_path):
 def test_names_of_other_trainers_are_suggested(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):
         load_config(_write(tmp_path, text))
+
+
+def test_num_workers_is_not_a_key(tmp_path):
+    """The token loader is in-memory: a worker count would be accepted and ignored."""
+    with pytest.raises(ValueError, match=r"unknown config key 'num_workers' in section \[data\]"):
+        load_config(None, ["--data.num_workers", "2"])
+    with pytest.raises(ValueError, match=r"unknown config key 'num_workers'"):
+        load_config(_write(tmp_path, "[data]\nnum_workers = 2\n"))
 
 
 def test_key_of_other_section_is_suggested():

@@ -52,6 +52,7 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
+from simplefsdp.parallel_dims import ParallelDims
 
 EXIT_CONFIG_ERROR = 2
 # Variables of an enclosing torchrun that must not leak into the nested one.
@@ -179,19 +180,10 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         from simplefsdp.engines import default_nproc
 
         nproc = default_nproc()
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if args.tp > 1:
-        _check_tp(args.tp, nproc, workload)
-    elif args.tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {args.tp}")
-    if args.pp < 1:
-        raise ValueError(f"--pp must be >= 1, got {args.pp}")
     if args.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     microbatches = args.microbatches if args.microbatches is not None else args.pp
-    if args.pp > 1:
-        _check_pp(args.pp, args.pp_schedule, microbatches, nproc, args.tp, workload)
+    _check_layout(nproc, args.tp, args.pp, args.pp_schedule, microbatches, workload)
     return BenchSpec(
         workload=workload,
         nproc=nproc,
@@ -205,37 +197,46 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     )
 
 
-def _check_pp(pp: int, schedule: str, microbatches: int, nproc: int, tp: int, workload) -> None:
-    """``--pp`` must divide the ranks, the stages the layers, micro-batches the batch."""
-    from simplefsdp.engines import PipelineSpec, mesh_shape_for
+#: How ``simplefsdp bench`` spells each degree of :class:`ParallelDims`.
+_LAYOUT_NAMES = {
+    "world_size": "--nproc",
+    "tp": "--tp",
+    "pp": "--pp",
+    "microbatches": "--microbatches",
+    "batch": "--batch-size",
+    "seq_len": "--seq-len",
+}
+
+
+def _check_layout(
+    nproc: int, tp: int, pp: int, schedule: str, microbatches: int, workload: Any
+) -> None:
+    """The degrees against the ranks and the workload's model (:meth:`ParallelDims.validate`).
+
+    The bench runs the Llama 3 TP plan with sequence parallelism, and raises
+    the model's ``max_seq_len`` to the workload's sequence where it is shorter.
+    """
     from simplefsdp.models.llama3 import get_config
 
-    mesh_shape_for("simplefsdp", "fully_shard", nproc, tp=tp, pp=pp)
-    stages = PipelineSpec(pp, schedule, microbatches=microbatches).num_stages
-    n_layers = get_config(workload.model, **workload.model_overrides).n_layers
-    if stages > n_layers:
-        raise ValueError(
-            f"--pp {pp} with {schedule} needs {stages} stages but the workload's model has "
-            f"{n_layers} layers"
-        )
-    if workload.batch_size % microbatches:
-        raise ValueError(
-            f"--microbatches {microbatches} does not divide the per-rank batch "
-            f"{workload.batch_size}"
-        )
-
-
-def _check_tp(tp: int, nproc: int, workload: Any) -> None:
-    """``--tp`` must divide the ranks, the model's heads and feed-forward, and the sequence."""
-    from simplefsdp.engines import mesh_shape_for
-    from simplefsdp.models.llama3 import get_config, tp_split_sizes
-
-    mesh_shape_for("simplefsdp", "fully_shard", nproc, tp=tp)
-    sizes = tp_split_sizes(get_config(workload.model, **workload.model_overrides))
-    sizes["seq_len (sequence parallel)"] = workload.seq_len
-    bad = [f"{name} {size}" for name, size in sizes.items() if size % tp]
-    if bad:
-        raise ValueError(f"--tp {tp} does not divide the workload's {', '.join(bad)}")
+    args = get_config(workload.model, **workload.model_overrides)
+    if workload.seq_len > args.max_seq_len:  # as the workers' build_model does
+        args = args.replace(max_seq_len=workload.seq_len)
+    pipelined = pp > 1
+    dims = ParallelDims(
+        nproc,
+        tp=tp,
+        pp=pp,
+        microbatches=microbatches if pipelined else 1,
+        pp_schedule=schedule,
+    )
+    dims.validate(
+        args,
+        batch=workload.batch_size,
+        seq_len=workload.seq_len,
+        sequence_parallel=True,
+        model_name=workload.model,
+        names=_LAYOUT_NAMES,
+    )
 
 
 def _worker_env(nproc: int) -> dict[str, str]:

@@ -14,6 +14,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from simplefsdp.parallel_dims import ENGINES as ENGINE_NAMES
+from simplefsdp.parallel_dims import TP_ENGINES
+
 __all__ = [
     "COMM_ONLY",
     "CONFIGS",
@@ -28,12 +31,9 @@ __all__ = [
     "resolve_configs",
 ]
 
-#: The engine layer's engines (``simplefsdp.engines.ENGINES``) and ``"comm"``
-#: (collectives only). Spelled out here so that reading the configurations
-#: does not import torch.
-ENGINES = ("replica", "ddp", "fsdp2", "simplefsdp", "simplefsdp_eager", "comm")
-#: Engines that compose with tensor parallelism (``simplefsdp.engines.TP_ENGINES``).
-TP_ENGINES = ("fsdp2", "simplefsdp")
+#: The engine layer's engines (:data:`simplefsdp.parallel_dims.ENGINES`) and
+#: ``"comm"`` (collectives only).
+ENGINES: tuple[str, ...] = (*ENGINE_NAMES, "comm")
 
 
 #: Suffix of the file (``<config><suffix>`` in the raw folder) where a

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.bench.configs import (
@@ -58,8 +57,6 @@ from simplefsdp.engines import (
     data_parallel_rank,
     init_distributed,
     lower_mmap_threshold,
-    parallelize,
-    parallelize_pipeline,
     pick_device,
     teardown_process_group,
 )
@@ -128,28 +125,16 @@ def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> li
     return [next(loader) for _ in range(count)]
 
 
-def _forward_backward(parallel: ParallelModel, batch: list[Batch], device: torch.device) -> float:
-    """Forward and backward of ``batch``'s accumulation batches (the mean loss);
-    gradients are reduced on the last one only."""
-    total = 0.0
-    for i, (inputs, targets) in enumerate(batch):
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
-        with parallel.grad_sync(i == len(batch) - 1):
-            logits = parallel.forward(inputs)  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(batch)
-            loss.backward()
-        total += float(loss.detach().item())
-    return total
-
-
-def _pipeline_forward_backward(
-    pipe: PipelinedModel, batch: list[Batch], device: torch.device
+def _forward_backward(
+    parallel: ParallelModel | PipelinedModel, batch: list[Batch], device: torch.device
 ) -> float | None:
+    """Forward and backward of ``batch``'s accumulation batches (the mean loss;
+    ``None`` on a pipeline rank without the last stage); gradients are
+    reduced on the last one only."""
     total = None
     for i, (inputs, targets) in enumerate(batch):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
-        # forward and backward of every micro-batch; reduced after the last batch
-        loss = pipe.step(inputs, targets, scale=1 / len(batch), sync=i == len(batch) - 1)
+        loss = parallel.step(inputs, targets, scale=1 / len(batch), sync=i == len(batch) - 1)
         if loss is not None:
             total = (total or 0.0) + float(loss.item())
     return total
@@ -171,33 +156,19 @@ def _train_step(
     return loss
 
 
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def _parallelize(
     config: BenchConfig, spec: BenchSpec, model: nn.Module, mesh: DeviceMesh, device
 ) -> ParallelModel | PipelinedModel:
-    tp_fn = None
-    if spec.tp > 1:
-        from simplefsdp.models.llama3 import apply_tensor_parallel
+    """The Llama 3 recipe of ``simplefsdp train`` (sequence parallel on, loss parallel off)."""
+    from simplefsdp.models.llama3.parallelize import parallelize_llama
 
-        tp_fn = apply_tensor_parallel  # sequence parallel on, loss parallel off
-    if spec.pp == 1:
-        return parallelize(model, config.engine_spec(spec.tp), mesh, device, tp_fn=tp_fn)
-    from simplefsdp.models.llama3 import pipeline_split
-
-    pipeline = PipelineSpec(spec.pp, spec.pp_schedule, microbatches=spec.microbatches or spec.pp)
-    return parallelize_pipeline(
-        model,
-        config.engine_spec(spec.tp),
-        pipeline,
-        mesh,
-        device,
-        split_fn=pipeline_split,
-        loss_fn=_cross_entropy,
-        tp_fn=tp_fn,
-        measure_times=True,
+    pipeline = None
+    if spec.pp > 1:
+        pipeline = PipelineSpec(
+            spec.pp, spec.pp_schedule, microbatches=spec.microbatches or spec.pp
+        )
+    return parallelize_llama(
+        model, config.engine_spec(spec.tp), mesh, device, pipeline=pipeline, measure_times=True
     )
 
 
@@ -226,12 +197,8 @@ def _run_training(
         weight_decay=0.0,
         foreach=True,
     )
-    if isinstance(parallel, PipelinedModel):
-        pipe = parallel
-        forward_backward = functools.partial(_pipeline_forward_backward, pipe, device=device)
-    else:
-        pipe = None
-        forward_backward = functools.partial(_forward_backward, parallel, device=device)
+    pipe = parallel if isinstance(parallel, PipelinedModel) else None  # for its bubble times
+    forward_backward = functools.partial(_forward_backward, parallel, device=device)
     step_fn = functools.partial(_train_step, forward_backward, optimizer)
     warmup_s, step_s, losses, bubbles = [], [], [], []
     state: int | None = None

@@ -14,7 +14,7 @@ saves and loads them, keeps the last ``keep_last``; :func:`latest_checkpoint`,
 (see :mod:`simplefsdp.checkpoint.steps`). ``simplefsdp export`` writes a
 checkpoint's full weights to a safetensors file
 (:mod:`simplefsdp.checkpoint.export`). Test-only fault hooks are in
-:mod:`simplefsdp.testing.faults`.
+:mod:`simplefsdp._faults`.
 
 Note: [Checkpoint folder]
     A checkpoint is a folder holding torch.distributed.checkpoint (DCP) files

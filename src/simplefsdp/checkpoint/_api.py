@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from simplefsdp.checkpoint._compat import check_state_fits, check_storage_files
+from simplefsdp._faults import save_fault_point
 from simplefsdp.checkpoint._files import (
     MANIFEST_NAME,
     TMP_SUFFIX,
@@ -48,6 +48,7 @@ from simplefsdp.checkpoint._files import (
     read_manifest,
     write_json_atomic,
 )
+from simplefsdp.checkpoint._metadata_check import check_state_fits, check_storage_files
 from simplefsdp.checkpoint._safe_reader import (
     SafeFileSystemReader,
     TensorOnlyLoadPlanner,
@@ -61,7 +62,6 @@ from simplefsdp.checkpoint._state import (
     set_rng_state,
     tensor_state,
 )
-from simplefsdp.testing.faults import save_fault_point
 
 logger = logging.getLogger(__name__)
 

@@ -34,23 +34,23 @@ import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from simplefsdp.bucket_plan import BucketPlan, resolve_plan
-from simplefsdp.compiler import keep_plan, plan_check
+from simplefsdp.compiler import estimate_check, keep_gathered
 from simplefsdp.compiler.cost_model import CostModel, calibrated_cost_model, simulate
 from simplefsdp.compiler.inductor_cache import cache_processed_graph
-from simplefsdp.compiler.keep_plan import bucket_lookup, free_keep_count, search_keep
+from simplefsdp.compiler.keep_gathered import bucket_lookup, free_keep_count, search_keep
 from simplefsdp.compiler.memory_estimate import estimate_memory, staged_by
 from simplefsdp.compiler.options import CompileOptions
 from simplefsdp.compiler.partition import inductor_partitioner, partition
+from simplefsdp.compiler.pass_sequence import run_graph_passes
 from simplefsdp.compiler.passes.bucketing import CollectiveSite
 from simplefsdp.compiler.passes.one_rank import mark_one_rank_casts, one_rank_gathers
 from simplefsdp.compiler.passes.reshard import drop_unused_gathers, kept_buckets, mark_reshard
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
-from simplefsdp.compiler.pipeline import run_graph_passes
 from simplefsdp.compiler.report import (
     CommReport,
     GraphReport,
-    _fmt_bytes,
     build_graph_report,
+    format_bytes,
     fx_overlap,
     inductor_overlap,
 )
@@ -176,14 +176,14 @@ class _GraphCompilation:
             keep = self._search_keep(joint, joint_inputs, kwargs)
         record = self.backend.saved_activations is not None
         if record:  # read before the joint pass tags the graph
-            eager = keep_plan.eager_saved_bytes(joint.graph, self.num_fwd_outputs)
-            gathered = keep_plan.gather_chain_names(joint.graph)
+            eager = keep_gathered.eager_saved_bytes(joint.graph, self.num_fwd_outputs)
+            gathered = keep_gathered.gather_chain_names(joint.graph)
         self.joint_pass(joint.graph, keep_count=keep)
         joint.recompile()
         forward, backward = partition(joint, joint_inputs, **kwargs)
         self.backward_graph = backward if keep is not None else None
         if record:
-            saved = (eager, keep_plan.compiled_saved_bytes(backward, gathered))
+            saved = (eager, keep_gathered.compiled_saved_bytes(backward, gathered))
             self.backend.saved_activations.append(saved)
         return forward, backward
 
@@ -217,7 +217,58 @@ class _GraphCompilation:
             return found.count
 
         # Once per parameters, or without sizes: Note: [Plans from sizes, not guards].
-        return plan_check.keep_count(self, search, free)
+        return self._keep_count(search, free)
+
+    def decision_key(self, kind: str) -> tuple:
+        """Under what a decision about this graph is recorded for later
+        graphs of the same parameters (Note: [Plans from sizes, not guards])."""
+        return (kind, tuple(f for f in dict.fromkeys(self.fqns) if f))
+
+    def _keep_count(self, search: Callable[[], int], free: int) -> int:
+        """How many of the last buckets the joint graph keeps gathered:
+        ``search()``'s answer for the first joint graph over its parameters,
+        reused by later ones (Note: [Plans from sizes, not guards]); ``free``
+        (the buckets gathered at the boundary anyway) when the ranks' first
+        inputs differed (Note: [Ranks' first inputs])."""
+        backend = self.backend
+        key = self.decision_key("keep")
+        if key in backend.decisions:
+            count, self.default_budget_bytes, self.keep_search, graph_id = backend.decisions[key]
+            self.plan_notes_joint.append(
+                f"keep_gathered: {count} buckets, as decided for graph {graph_id} (same parameters)"
+            )
+            return count
+        if "forward" in backend.size_independent:
+            count = free
+            self.plan_notes_joint.append(
+                f"keep_gathered: {count} buckets (the ranks' first inputs differ in shape)"
+            )
+        else:
+            count = search()
+        backend.decisions[key] = (count, self.default_budget_bytes, self.keep_search, self.graph_id)
+        return count
+
+    def _plan_forward(self, gm: fx.GraphModule, graph_name: str) -> None:
+        """Plan the auto buckets of the forward (or inference) graph ``gm``
+        (Note: [Checking the plan with the estimator]), or reuse the plan of
+        an earlier graph of the same parameters (Note: [Plans from sizes, not
+        guards]); sets ``plan``, ``plan_notes`` and ``planned_sites``."""
+        backend = self.backend
+        key = self.decision_key(graph_name)
+        backward, self.backward_graph = self.backward_graph, None  # needed only here
+        if key in backend.decisions:
+            plan, notes, graph_id = backend.decisions[key]
+            note = f"auto plan: the plan of graph {graph_id} (same parameters), not planned again"
+            decided = estimate_check.GraphPlan(plan, None, [note, *notes])
+        else:
+            if graph_name in backend.size_independent:  # Note: [Ranks' first inputs]
+                note = "auto plan: the ranks' first inputs differ in shape; the per-block plan"
+                decided = estimate_check.GraphPlan(backend.plan(), None, [note])
+            else:
+                decided = estimate_check.plan_graph(self, gm, backward)
+            backend.decisions[key] = (decided.plan, decided.notes, self.graph_id)
+        self.planned = True
+        self.plan, self.planned_sites, self.plan_notes = decided.plan, decided.sites, decided.notes
 
     def joint_pass(
         self, graph: fx.Graph, keep_count: int | None = None, record: bool = True
@@ -259,7 +310,7 @@ class _GraphCompilation:
             size = options.reshard_after_forward
             self.plan_notes_joint.append(
                 f"resharded to groups of {size} after forward: {done.partial} parameters "
-                f"({_fmt_bytes(done.partial_bytes)} of pieces held from forward to backward)"
+                f"({format_bytes(done.partial_bytes)} of pieces held from forward to backward)"
                 + (
                     f"; {done.partial_skipped} fully (activation checkpointing or uneven rows)"
                     if done.partial_skipped
@@ -281,7 +332,7 @@ class _GraphCompilation:
         if names:
             self.plan_notes_joint.append(
                 f"kept gathered for backward (not resharded): {', '.join(names)} "
-                f"({_fmt_bytes(nbytes)} held from forward to backward)"
+                f"({format_bytes(nbytes)} held from forward to backward)"
             )
         elif not self.backend.one_rank_gathers:  # else the one-rank note says what was kept
             self.plan_notes_joint.append("kept gathered for backward: none matched keep_gathered")
@@ -316,7 +367,7 @@ class _GraphCompilation:
             gm.recompile()  # Note: [Partial resharding in the graph]
         if not self.planned and graph_name in ("forward", "inference"):
             # Note: [Checking the plan with the estimator]
-            plan_check.plan_graph(self, gm, graph_name)
+            self._plan_forward(gm, graph_name)
             notes.extend(self.plan_notes)
             # Found on this very graph, not yet changed: reuse them.
             sites, self.planned_sites = self.planned_sites, None
@@ -376,7 +427,7 @@ class SimpleFSDPBackend:
         # Note: [Checking the plan with the estimator]: only on even shards.
         self.shards_evenly = False
         if model is not None:
-            self.shards_evenly = plan_check.shards_evenly(model)
+            self.shards_evenly = estimate_check.shards_evenly(model)
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = mesh_groups(model)
             self._tp_mesh_groups = tp_mesh_groups(model)

@@ -231,10 +231,6 @@ def node_flops(node: fx.Node) -> float:
     return 0.0
 
 
-def graph_compute_time(gm: fx.GraphModule, cost_model: CostModel) -> float:
-    return sum(cost_model.node_time(n) for n in gm.graph.nodes)
-
-
 def simulate(
     gm: fx.GraphModule, cost_model: CostModel, groups: CollectiveGroups = ALL_DATA_PARALLEL
 ) -> dict[str, float]:
@@ -312,7 +308,7 @@ def _fit(points: list[tuple[int, float]]) -> LinearFit:
     return LinearFit(max(mean_y - slope * mean_x, 0.0), slope)
 
 
-def _calibrate_comm(
+def calibrate_comm(
     group,
     device: torch.device,
     prefix: str = "",
@@ -320,7 +316,18 @@ def _calibrate_comm(
     sizes: tuple[int, ...] = CALIBRATION_SIZES_BYTES,
     timer: Callable[[Callable[[], None]], float] | None = None,
 ) -> dict[str, LinearFit]:
-    """Linear fits of each collective's time over ``sizes`` (bytes) on ``group``."""
+    """Linear fits of each collective's time over ``sizes`` (bytes) on ``group``.
+
+    Args:
+        group: the process group to time (every rank of it calls this).
+        device: where the timed tensors live.
+        prefix: put before each fit's name (``"tp:"`` for the tensor-parallel role).
+        sizes: the message sizes timed, in bytes.
+        timer: times one call (default: the median of a few runs, synchronised).
+
+    Returns:
+        ``{prefix + kind: LinearFit}`` for all-gather, reduce-scatter and all-reduce.
+    """
     timer = timer or _time_it
     group_size = dist.get_world_size(group)
     fits = {}
@@ -503,9 +510,9 @@ def calibrated_cost_model(
         start = time.perf_counter()
         comm: dict[str, LinearFit] = {}
         for group in groups:
-            comm.update(_calibrate_comm(group, device))
+            comm.update(calibrate_comm(group, device))
         for group in tp_groups:
-            comm.update(_calibrate_comm(group, device, prefix=f"{TENSOR_PARALLEL}:"))
+            comm.update(calibrate_comm(group, device, prefix=f"{TENSOR_PARALLEL}:"))
         flops, bandwidth, flops_by_dtype = _calibrate_compute(device)
         overlap = median_comm_overlap(groups[0], device)
         model = CostModel(

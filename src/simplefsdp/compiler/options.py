@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from simplefsdp.parallel_dims import COMPILE_BACKENDS
+
 __all__ = ["BACKENDS", "CompileOptions"]
 
-BACKENDS = ("inductor", "aot_eager")
+#: ``torch.compile`` backends (:data:`simplefsdp.parallel_dims.COMPILE_BACKENDS`).
+BACKENDS = COMPILE_BACKENDS
 
 
 @dataclass(frozen=True)

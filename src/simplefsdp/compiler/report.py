@@ -144,7 +144,8 @@ class CommReport:
         return format_report(self)
 
 
-def _fmt_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``123.4 MiB``-style text of a byte count (the compiler's logs and reports)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -172,7 +173,7 @@ def _collective_lines(collectives: list[CollectiveInfo]) -> list[str]:
     for i, c in enumerate(collectives):
         wait = "-" if c.wait_pos is None else str(c.wait_pos)
         lines.append(
-            f"   {i:>3} {c.kind:<15} {c.dtype:<9} {_fmt_bytes(c.bytes):>10} "
+            f"   {i:>3} {c.kind:<15} {c.dtype:<9} {format_bytes(c.bytes):>10} "
             f"{c.issue_pos:>7} {wait:>6}  {_fmt_params(c.params)}"
         )
     return lines
@@ -191,14 +192,14 @@ def format_report(report: CommReport) -> str:
         counts = ", ".join(f"{g.count(k, dp)} {k}" for k in KINDS)
         lines.append(
             f"== {g.graph} graph {g.graph_id}: {'data parallel: ' if dp else ''}{counts}; "
-            f"{_fmt_bytes(g.total_bytes(role=dp))} communicated; "
+            f"{format_bytes(g.total_bytes(role=dp))} communicated; "
             f"{g.num_compute_nodes} compute nodes"
         )
         for role in others:
             counts = ", ".join(f"{g.count(k, role)} {k}" for k in KINDS if g.count(k, role))
             lines.append(
                 f"   {_ROLE_TITLES[role]} (left in place): {counts}; "
-                f"{_fmt_bytes(g.total_bytes(role=role))}"
+                f"{format_bytes(g.total_bytes(role=role))}"
             )
         if g.predicted:
             lines.append("   predicted: " + ", ".join(f"{k}={v}" for k, v in g.predicted.items()))
@@ -208,7 +209,7 @@ def format_report(report: CommReport) -> str:
             lines.append(f"   {'bucket':<28} {'kind':<15} {'dtype':<9} {'bytes':>10}  params")
             for b in g.buckets:
                 lines.append(
-                    f"   {b.name[:28]:<28} {b.kind:<15} {b.dtype:<9} {_fmt_bytes(b.bytes):>10}  "
+                    f"   {b.name[:28]:<28} {b.kind:<15} {b.dtype:<9} {format_bytes(b.bytes):>10}  "
                     f"{_fmt_params(b.params)}"
                 )
         lines.extend(_collective_lines([c for c in g.collectives if c.role == DATA_PARALLEL]))

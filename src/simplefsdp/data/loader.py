@@ -332,7 +332,6 @@ class DataSpec(Protocol):
     batch_size: int
     val_fraction: float
     tokenizer: str
-    num_workers: int
     max_bytes: int | None
     text_field: str
 
@@ -384,8 +383,6 @@ def build_data(
         text_field=getattr(cfg, "text_field", DEFAULT_TEXT_FIELD),
         report=report,
     )
-    if cfg.num_workers:
-        logger.debug("data.num_workers=%d ignored: the token loader is in-memory", cfg.num_workers)
     loader = DistributedTokenLoader(
         corpus.train,
         seq_len=cfg.seq_len,

@@ -29,13 +29,6 @@ class Work(Protocol):
     def wait(self) -> object: ...
 
 
-class CompletedWork:
-    """A work handle for communication that needed no collective."""
-
-    def wait(self) -> bool:
-        return True
-
-
 class Collectives:
     """Issues the executor's collectives asynchronously (always with ``SUM``).
 

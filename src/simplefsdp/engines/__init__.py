@@ -34,7 +34,7 @@ from simplefsdp.engines.distributed import (
     teardown_process_group,
 )
 from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
-from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, ParallelModel
+from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, LossFn, ParallelModel, plain_loss
 from simplefsdp.engines.parallelize import (
     ENGINES,
     TP_ENGINES,
@@ -48,7 +48,6 @@ from simplefsdp.engines.pipeline import (
     PipelinedModel,
     PipelineSpec,
     parallelize_pipeline,
-    plain_loss,
     stage_view,
 )
 
@@ -61,6 +60,7 @@ __all__ = [
     "TP_ENGINES",
     "EngineSpec",
     "MemoryProbe",
+    "LossFn",
     "ParallelModel",
     "PipelineSpec",
     "PipelinedModel",

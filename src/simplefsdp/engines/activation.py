@@ -10,12 +10,11 @@ import torch
 import torch.nn as nn
 
 from simplefsdp.bucket_plan import repeated_blocks
+from simplefsdp.parallel_dims import AC_MODES
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AC_MODES", "apply_activation_checkpointing"]
-
-AC_MODES: tuple[str, ...] = ("none", "full", "selective")
 
 
 def _sac_save_ops() -> set[Any]:

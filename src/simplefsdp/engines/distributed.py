@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from simplefsdp.parallel_dims import ParallelDims
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -152,15 +154,6 @@ def _per_attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
     return {"store": prefixed, "rank": rank, "world_size": world_size}
 
 
-def _check_degree(name: str, value: object, world_size: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or world_size % value:
-        valid = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-        raise ValueError(
-            f"{name} size {value!r} does not divide the world size {world_size}; "
-            f"valid {name} sizes for {world_size} ranks: {valid}"
-        )
-
-
 def mesh_shape_for(
     engine: str,
     mode: str,
@@ -187,15 +180,7 @@ def mesh_shape_for(
         ValueError: the shape cannot be built from ``world_size`` ranks; the
             message lists the valid ones.
     """
-    if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
-    _check_degree("tensor-parallel", tp, world_size)
-    _check_degree("pipeline-parallel", pp, world_size)
-    if world_size % (pp * tp):
-        raise ValueError(
-            f"pipeline-parallel size {pp} x tensor-parallel size {tp} does not divide the "
-            f"world size {world_size}; pp * tp must divide it"
-        )
+    ParallelDims(world_size, tp=tp, pp=pp).validate()
     dp = world_size // (tp * pp)
     head = (pp,) if pp > 1 else ()
     tail = (tp,) if tp > 1 else ()

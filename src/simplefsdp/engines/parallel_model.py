@@ -7,10 +7,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["COLLECTIVE_KINDS", "ParallelModel"]
+__all__ = ["COLLECTIVE_KINDS", "LossFn", "ParallelModel", "plain_loss"]
+
+#: loss_fn(output, targets) -> the mean loss of a batch
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -33,6 +37,15 @@ class ParallelModel:
             the model runs (it compiles in its first step); see
             :meth:`compile_context`.
         notes: remarks for reports (e.g. settings an engine ignored).
+        loss_fn: ``loss_fn(output, targets)``, the batch's mean loss, for
+            :meth:`step` and :meth:`eval_loss`.
+
+    :class:`ParallelModel` and :class:`~simplefsdp.engines.PipelinedModel`
+    share one interface, so that a training loop has no pipeline branch:
+    :meth:`step` (forward and backward of a batch, returning its loss),
+    :meth:`eval_loss`, :attr:`has_loss`, :attr:`can_evaluate`, ``module`` (what
+    the optimizer, the gradient clip and checkpoints see), :meth:`compile_context`
+    and ``notes``.
     """
 
     module: nn.Module
@@ -43,6 +56,60 @@ class ParallelModel:
     inductor_patches: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     tp_mesh: DeviceMesh | None = None
+    loss_fn: LossFn | None = None
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether :meth:`step` and :meth:`eval_loss` return this rank's loss (always)."""
+        return True
+
+    @property
+    def can_evaluate(self) -> bool:
+        """Whether :meth:`eval_loss` can run (always)."""
+        return True
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise ValueError("this ParallelModel has no loss_fn; pass one to parallelize")
+        return self.loss_fn(self.forward(inputs), targets)
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        scale: float = 1.0,
+        sync: bool = True,
+    ) -> torch.Tensor:
+        """Forward and backward of one batch; gradients go to ``param.grad``.
+
+        Args:
+            scale: multiplies the loss (e.g. ``1 / grad_accum_steps``).
+            sync: reduce the gradients in this backward (``False``: keep
+                them on the rank, :meth:`grad_sync`; the next synced step
+                reduces all).
+
+        Returns:
+            The scaled loss (detached, a plain tensor).
+
+        Raises:
+            ValueError: the model has no ``loss_fn``.
+        """
+        with self.grad_sync(sync):
+            loss = self._loss(inputs, targets)
+            if scale != 1.0:
+                loss = loss * scale
+            loss.backward()
+        return plain_loss(loss.detach())
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of a forward-only pass (a plain tensor).
+
+        Raises:
+            ValueError: the model has no ``loss_fn``.
+        """
+        return plain_loss(self._loss(inputs, targets))
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:
@@ -121,6 +188,13 @@ class ParallelModel:
             ),
             "predicted_peak_mem_bytes": int(max(peaks)) if peaks else None,
         }
+
+
+def plain_loss(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _number(values: dict, key: str) -> float | None:

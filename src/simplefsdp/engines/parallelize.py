@@ -50,22 +50,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines.activation import apply_activation_checkpointing
 from simplefsdp.engines.distributed import split_mesh
-from simplefsdp.engines.parallel_model import ParallelModel
+from simplefsdp.engines.parallel_model import LossFn, ParallelModel
+from simplefsdp.parallel_dims import ENGINES, TP_ENGINES
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ENGINES", "TP_ENGINES", "EngineSpec", "parallelize", "torch_passes_patches"]
 
-#: Engine names, one vocabulary for ``simplefsdp train`` and ``simplefsdp bench``.
-ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 InitFn = Callable[[nn.Module], None]
 TensorParallelFn = Callable[[nn.Module, DeviceMesh], Any]
-
-#: Engines that compose with tensor parallelism.
-TP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
 
 
 def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
@@ -389,6 +385,7 @@ def parallelize(
     *,
     init_fn: InitFn | None = None,
     tp_fn: TensorParallelFn | None = None,
+    loss_fn: LossFn | None = None,
 ) -> ParallelModel:
     """Parallelise ``model`` with ``spec``; see the module docstring.
 
@@ -403,6 +400,8 @@ def parallelize(
         tp_fn: applies tensor parallelism in place, ``tp_fn(model, tp_mesh)``
             (e.g. ``simplefsdp.models.llama3.apply_tensor_parallel``);
             required when ``spec.tp > 1``.
+        loss_fn: ``loss_fn(output, targets)``, for :meth:`ParallelModel.step`
+            and :meth:`ParallelModel.eval_loss`.
 
     Raises:
         ValueError: a meta model without ``init_fn``, a mesh that does not
@@ -428,5 +427,6 @@ def parallelize(
     apply_activation_checkpointing(model, spec.activation_checkpoint)
     parallel = _ADAPTERS[spec.engine](model, spec, dp_mesh, device, init_fn)
     parallel.tp_mesh = tp_mesh
+    parallel.loss_fn = loss_fn
     logger.info("parallelized with %s", spec.describe())
     return parallel

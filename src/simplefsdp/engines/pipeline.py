@@ -41,8 +41,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.engines.distributed import pipeline_mesh, stage_mesh
-from simplefsdp.engines.parallel_model import ParallelModel
+from simplefsdp.engines.parallel_model import ParallelModel, plain_loss
 from simplefsdp.engines.parallelize import EngineSpec, InitFn, TensorParallelFn, parallelize
+from simplefsdp.parallel_dims import INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES, PP_ENGINES
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -55,14 +56,12 @@ __all__ = [
     "stage_view",
 ]
 
-#: ``parallel.pp_schedule`` names -> (torch schedule class, stages per rank > 1)
-PIPELINE_SCHEDULES: dict[str, tuple[str, bool]] = {
-    "gpipe": ("ScheduleGPipe", False),
-    "1f1b": ("Schedule1F1B", False),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+#: :data:`PIPELINE_SCHEDULES` -> torch's schedule class.
+_TORCH_SCHEDULES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
 }
-#: Engines whose stages can be pipelined.
-PP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
 
 #: split_fn(model, stage_ids, num_stages) -> one module per stage id
 SplitFn = Callable[[nn.Module, Sequence[int], int], list[nn.Module]]
@@ -95,7 +94,7 @@ class PipelineSpec:
             )
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
-        interleaved = PIPELINE_SCHEDULES[self.schedule][1]
+        interleaved = self.schedule in INTERLEAVED_SCHEDULES
         if self.stages_per_rank is None:
             self.stages_per_rank = 2 if interleaved else 1
         if interleaved and self.stages_per_rank < 2:
@@ -240,9 +239,9 @@ class PipelinedModel:
                 if method is not None:
                     setattr(stage, name, self._timed(method))
         self.stages = stages
-        cls = getattr(schedules, PIPELINE_SCHEDULES[spec.schedule][0])
+        cls = getattr(schedules, _TORCH_SCHEDULES[spec.schedule])
         self.schedule = cls(
-            stages if PIPELINE_SCHEDULES[spec.schedule][1] else stages[0],
+            stages if spec.schedule in INTERLEAVED_SCHEDULES else stages[0],
             n_microbatches=spec.microbatches,
             loss_fn=self._scaled_loss,
             scale_grads=False,
@@ -266,6 +265,17 @@ class PipelinedModel:
                 self.times.busy_s += time.perf_counter() - start
 
         return timed
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether :meth:`step` and :meth:`eval_loss` return a loss on this
+        rank (it holds the last stage)."""
+        return self.has_last
+
+    @property
+    def can_evaluate(self) -> bool:
+        """Whether this torch's schedules can run :meth:`eval_loss`."""
+        return hasattr(self.schedule, "eval")
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target) * self._scale
@@ -360,13 +370,6 @@ class PipelinedModel:
         if not self.has_last:
             return None
         return torch.stack([plain_loss(loss).detach() for loss in losses]).sum()
-
-
-def plain_loss(value: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def parallelize_pipeline(

@@ -49,12 +49,18 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from simplefsdp.frontend.data_parallel import STATE_ATTR, get_data_parallel_state
+from simplefsdp.frontend.grad_accumulator import (
+    ACCUMULATORS_ATTR,
+    AccumulationState,
+    GradAccumulator,
+)
+from simplefsdp.frontend.parametrization import SPECS_ATTR, replicate_compute
 
 __all__ = ["AccumulationState", "GradAccumulator", "no_sync", "reduce_accumulated"]
 
-# The attribute of a swapped module holding {param_name: GradAccumulator};
-# absent until the wrapped root first enters ``no_sync``.
-ACCUMULATORS_ATTR = "_simplefsdp_grad_accumulators"
 # The attribute of the wrapped root holding its AccumulationState.
 _STATE_ATTR = "_simplefsdp_accumulation"
 # simplefsdp.eager_executor.api.EXECUTOR_ATTR (the frontend does not import
@@ -62,91 +68,8 @@ _STATE_ATTR = "_simplefsdp_accumulation"
 _EAGER_EXECUTOR_ATTR = "_simplefsdp_eager_executor"
 
 
-class AccumulationState:
-    """The gradient-sync mode of one wrapped model and its accumulators."""
-
-    def __init__(self) -> None:
-        self.no_sync = False
-        self.accumulators: dict[str, GradAccumulator] = {}  # by FQN
-        self.handles: list = []
-
-    def pending(self) -> dict[str, torch.Tensor]:
-        """The accumulated, not yet reduced gradients by parameter FQN."""
-        return {
-            fqn: acc.leaf.grad
-            for fqn, acc in self.accumulators.items()
-            if acc.leaf.grad is not None
-        }
-
-
-class GradAccumulator:
-    """One parameter's unreduced gradient sum (see Note: [Accumulating
-    unreduced gradients]); ``leaf.grad`` holds the sum."""
-
-    def __init__(self, state: AccumulationState, fqn: str, leaf: torch.Tensor) -> None:
-        self.state = state
-        self.fqn = fqn
-        self.leaf = leaf
-        # Set by the sync read that added ``leaf.grad`` to its reduction;
-        # cleared (with ``leaf.grad``) once that reduction reached param.grad.
-        self.consumed = False
-
-    def after_reduction(self, _param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of the parameter."""
-        if self.consumed:
-            self.leaf.grad = None
-            self.consumed = False
-
-
-class _RouteToAccumulator(torch.autograd.Function):
-    """Forward: ``gathered`` (no gradient path to the shard). Backward: the
-    gradient goes to the accumulator leaf, cast to its dtype."""
-
-    @staticmethod
-    def forward(ctx, gathered: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
-        ctx.leaf_dtype = leaf.dtype
-        return gathered.view_as(gathered)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad.to(ctx.leaf_dtype)
-
-
-class _AddPending(torch.autograd.Function):
-    """Forward: ``gathered``. Backward: the gradient plus ``pending`` (summed
-    in ``pending``'s dtype, then cast to the gradient's)."""
-
-    @staticmethod
-    def forward(ctx, gathered: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        # Not save_for_backward: under (uncompiled) activation checkpointing
-        # the recomputed read adds nothing (``consumed``), so it must not
-        # change the sequence of saved tensors the recomputation checks.
-        ctx.pending = pending
-        return gathered.view_as(gathered)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        pending = ctx.pending
-        return (grad.to(pending.dtype) + pending).to(grad.dtype), None
-
-
-def accumulating_read(gathered: torch.Tensor, accumulator: GradAccumulator) -> torch.Tensor:
-    """What a read of ``accumulator``'s parameter returns, given its gathered
-    local tensor (whose backward reduces): routed to the accumulator inside
-    ``no_sync``, else carrying the pending sum into the reduction (if any)."""
-    if accumulator.state.no_sync:
-        return _RouteToAccumulator.apply(gathered.detach(), accumulator.leaf)
-    pending = accumulator.leaf.grad
-    if pending is None or accumulator.consumed or not torch.is_grad_enabled():
-        return gathered
-    accumulator.consumed = True
-    return _AddPending.apply(gathered, pending)
-
-
 def _wrapped_root(model: nn.Module) -> nn.Module:
     """The module ``data_parallel`` wrapped (through ``torch.compile`` wrappers)."""
-    from simplefsdp.frontend.data_parallel import STATE_ATTR, get_data_parallel_state
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"no_sync expects an nn.Module, got {type(model).__name__}")
     module = model
@@ -168,8 +91,6 @@ def _make_leaf(param: torch.Tensor, spec) -> torch.Tensor:
 
 
 def _install(root: nn.Module, state: AccumulationState) -> None:
-    from simplefsdp.frontend.parametrization import SPECS_ATTR
-
     by_param: dict[int, GradAccumulator] = {}
     for module in root.modules():
         specs = module.__dict__.get(SPECS_ATTR)
@@ -315,10 +236,6 @@ def reduce_accumulated(model: nn.Module, *, scale: float | None = None) -> int:
         ValueError: ``model`` is not wrapped by ``data_parallel`` or runs the
             eager executor (use its own ``no_sync`` and a synced backward).
     """
-    from torch.distributed.tensor import DTensor
-
-    from simplefsdp.frontend.parametrization import SPECS_ATTR, replicate_compute
-
     root = _wrapped_root(model)
     if root.__dict__.get(_EAGER_EXECUTOR_ATTR) is not None:
         raise ValueError(

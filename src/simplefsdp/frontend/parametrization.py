@@ -42,7 +42,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from simplefsdp.frontend import rank_check
-from simplefsdp.frontend.accumulation import ACCUMULATORS_ATTR, GradAccumulator, accumulating_read
+from simplefsdp.frontend.grad_accumulator import (
+    ACCUMULATORS_ATTR,
+    GradAccumulator,
+    accumulating_read,
+)
 
 # The attribute of a swapped module holding {param_name: ParamSpec}.
 SPECS_ATTR = "_simplefsdp_param_specs"

@@ -60,9 +60,9 @@ COMM_SIZES_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)  # training-sized buff
 
 
 def _comm_fits(group, device) -> dict:
-    from simplefsdp.compiler.cost_model import _calibrate_comm
+    from simplefsdp.compiler.planning import calibrate_comm
 
-    return _calibrate_comm(
+    return calibrate_comm(
         group, device, sizes=COMM_SIZES_BYTES, timer=lambda run: _median_time(run, repeats=5)
     )
 
@@ -314,7 +314,7 @@ def _measure_once(device, sync, own_group=None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from simplefsdp.compiler.cost_model import measure_comm_overlap
+    from simplefsdp.compiler.planning import measure_comm_overlap
 
     fits = _comm_fits(dist.group.WORLD, device)
     rates = _compute_rates(device, sync)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection
 
-from simplefsdp.compiler.auto_bucketing import GatherUnit, gathers_per_step
-from simplefsdp.compiler.cost_model import CostModel, LinearFit
+from simplefsdp.compiler.planning import CostModel, GatherUnit, LinearFit, gathers_per_step
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.layout import Layout
 

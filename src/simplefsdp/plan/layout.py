@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from simplefsdp.models.llama3 import ModelArgs
+from simplefsdp.parallel_dims import AC_MODES, BUCKETINGS, ACMode, Bucketing, Engine, ParallelDims
 
-ENGINES = ("simplefsdp", "fsdp2")
-BUCKETINGS = ("auto", "per_block", "none")
-AC_MODES = ("none", "selective", "full")
+#: The engines whose step ``simplefsdp plan`` predicts.
+ENGINES: tuple[Engine, ...] = ("simplefsdp", "fsdp2")
 DTYPES = ("bf16", "fp32")
+
+__all__ = ["AC_MODES", "BUCKETINGS", "DTYPES", "ENGINES", "Layout", "validate"]
+
+#: How ``simplefsdp plan`` spells each degree of :class:`ParallelDims`.
+_LAYOUT_NAMES = {
+    "world_size": "--gpus",
+    "tp": "--tp",
+    "pp": "--pp",
+    "microbatches": "--microbatches",
+    "batch": "--batch",
+    "seq_len": "--seq",
+}
 
 
 @dataclass(frozen=True)
@@ -23,11 +34,11 @@ class Layout:
     seq: int
     tp: int = 1
     pp: int = 1
-    ac: str = "selective"
+    ac: ACMode = "selective"
     microbatches: int = 1
     reshard_after_forward: bool = True
-    bucketing: str = "auto"
-    engine: str = "simplefsdp"
+    bucketing: Bucketing = "auto"
+    engine: Engine = "simplefsdp"
     dtype: str = "bf16"  # bf16: bf16 compute and gathers, fp32 reduce; fp32: all fp32
 
     @property
@@ -52,14 +63,12 @@ class Layout:
         return " ".join(parts)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def validate(args: ModelArgs, layout: Layout) -> None:
-    """One-line ``ValueError`` naming the bad value and what would be valid."""
-    if layout.gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {layout.gpus}")
+    """One-line ``ValueError`` naming the bad value and what would be valid.
+
+    The options here, the degrees in :meth:`ParallelDims.validate` (a 1F1B
+    pipeline, the Llama 3 TP plan with sequence parallelism).
+    """
     if layout.engine not in ENGINES:
         raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
     if layout.bucketing not in BUCKETINGS:
@@ -68,51 +77,14 @@ def validate(args: ModelArgs, layout: Layout) -> None:
         raise ValueError(f"unknown --dtype {layout.dtype!r}; valid: {', '.join(DTYPES)}")
     if layout.ac not in AC_MODES:
         raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
-    for name, value in (
-        ("--batch", layout.batch),
-        ("--seq", layout.seq),
-        ("--tp", layout.tp),
-        ("--pp", layout.pp),
-        ("--microbatches", layout.microbatches),
-    ):
+    for name, value in (("--batch", layout.batch), ("--seq", layout.seq)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if layout.gpus % (layout.tp * layout.pp):
-        raise ValueError(
-            f"--gpus {layout.gpus} is not divisible by tp*pp = {layout.tp}*{layout.pp}; "
-            f"valid tp*pp: {', '.join(map(str, _divisors(layout.gpus)))}"
-        )
-    if layout.seq > args.max_seq_len:
-        raise ValueError(f"--seq {layout.seq} exceeds the model's max_seq_len {args.max_seq_len}")
-    if layout.tp > 1:
-        valid = [d for d in _divisors(math.gcd(args.n_heads, args.n_kv_heads)) if d > 1]
-        if args.n_kv_heads % layout.tp or args.n_heads % layout.tp:
-            raise ValueError(
-                f"--tp {layout.tp} does not divide n_heads={args.n_heads} and "
-                f"n_kv_heads={args.n_kv_heads}; valid --tp: 1, {', '.join(map(str, valid))}"
-            )
-        if layout.seq % layout.tp:
-            raise ValueError(
-                f"--seq {layout.seq} is not divisible by --tp {layout.tp} (sequence parallelism)"
-            )
-    if layout.pp > args.n_layers:
-        raise ValueError(
-            f"--pp {layout.pp} exceeds n_layers={args.n_layers}; valid: 1..{args.n_layers}"
-        )
-    if layout.pp > 1 and layout.microbatches < layout.pp:
-        raise ValueError(
-            f"--microbatches {layout.microbatches} is below --pp {layout.pp} "
-            f"(1F1B needs at least one microbatch per stage)"
-        )
-    if layout.batch % layout.microbatches:
-        least = layout.pp if layout.pp > 1 else 1
-        valid = [d for d in _divisors(layout.batch) if d >= least]
-        fix = (
-            f"valid --microbatches: {', '.join(map(str, valid))}"
-            if valid
-            else f"use a --batch that is a multiple of {layout.microbatches}"
-        )
-        raise ValueError(
-            f"--batch {layout.batch} is not divisible by --microbatches "
-            f"{layout.microbatches}; {fix}"
-        )
+    dims = ParallelDims(layout.gpus, tp=layout.tp, pp=layout.pp, microbatches=layout.microbatches)
+    dims.validate(
+        args,
+        batch=layout.batch,
+        seq_len=layout.seq,
+        sequence_parallel=True,
+        names=_LAYOUT_NAMES,
+    )

@@ -77,22 +77,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from simplefsdp.compiler.auto_bucketing import (
+from simplefsdp.compiler.planning import (
+    CostModel,
     GatherUnit,
     bucket_comm_s,
+    choose_kept,
+    collective_kind,
+    estimate_memory,
+    find_sites,
+    free_keep_count,
     gather_units,
     greedy_buckets,
-    pipeline_time_s,
-    step_extra_bytes,
-)
-from simplefsdp.compiler.cost_model import CostModel, node_flops
-from simplefsdp.compiler.keep_plan import choose_kept, free_keep_count
-from simplefsdp.compiler.memory_estimate import estimate_memory
-from simplefsdp.compiler.passes.bucketing import find_sites
-from simplefsdp.compiler.patterns import (
-    collective_kind,
     is_compute,
     node_bytes,
+    node_flops,
+    pipeline_time_s,
+    step_extra_bytes,
 )
 from simplefsdp.models.llama3 import ModelArgs, flops_per_token, layer_ranges
 from simplefsdp.plan.costs import (

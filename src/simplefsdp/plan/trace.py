@@ -184,7 +184,7 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 def trace_step(key: TraceKey) -> Traced:
     """Trace one training step of ``key`` (Note: [Planning traces])."""
     import simplefsdp
-    from simplefsdp.compiler.cost_model import CostModel
+    from simplefsdp.compiler.planning import CostModel
     from simplefsdp.engines.activation import apply_activation_checkpointing
     from simplefsdp.models.llama3 import apply_tensor_parallel
     from simplefsdp.policies import MixedPrecisionPolicy
@@ -246,7 +246,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 def _primal_names(gm: fx.GraphModule, report) -> dict[str, str]:
     """Placeholder name -> parameter FQN, from the forward graph's report (each
     data-parallel all-gather names its parameter)."""
-    from simplefsdp.compiler.patterns import source_placeholder
+    from simplefsdp.compiler.planning import source_placeholder
 
     nodes = {n.name: n for n in gm.graph.nodes}
     names = {}

@@ -2,7 +2,7 @@
 
 These are used by simplefsdp's own test-suite and are usable in users' tests.
 The test-only fault-injection hooks (kill a rank mid-save or after a step) are
-in :mod:`simplefsdp.testing.faults`.
+in :mod:`simplefsdp._faults`.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import signal
 import sys
 from pathlib import Path
 
+from simplefsdp.parallel_dims import ParallelDims
 from simplefsdp.train.config import (
     SECTIONS,
     JobConfig,
@@ -140,6 +141,7 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
             raise ValueError(f"data.tokenizer {tok!r}: {_one_line(exc)}") from exc
     _check_resume(job)
     p = job.parallel
+    _check_layout(job, world_size)
     mesh_shape_for(
         p.engine,
         p.mode,
@@ -149,9 +151,6 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         tp=p.tp,
         pp=p.pp,
     )
-    _check_seq_len(job)
-    _check_tensor_parallel(job)
-    _check_pipeline(job)
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -199,57 +198,46 @@ def _check_resume(job: JobConfig) -> None:
         )
 
 
-def _check_tensor_parallel(job: JobConfig) -> None:
-    """With ``parallel.tp > 1`` the model's heads and feed-forward must split evenly."""
-    tp = job.parallel.tp
-    if tp == 1:
-        return
-    from simplefsdp.models.llama3 import get_config, tp_split_sizes
-
-    m = job.model
-    args = get_config(m.name, **({} if m.vocab_size is None else {"vocab_size": m.vocab_size}))
-    # the vocabulary is only known here when given (else it is the tokenizer's)
-    loss_parallel = m.vocab_size is not None and job.parallel.loss_parallel
-    sizes = tp_split_sizes(args, loss_parallel=loss_parallel)
-    bad = {name: size for name, size in sizes.items() if size % tp}
-    if bad:
-        found = ", ".join(f"{name} {size}" for name, size in bad.items())
-        top = max(sizes.values())
-        valid = [d for d in range(1, top + 1) if all(v % d == 0 for v in sizes.values())]
-        raise ValueError(
-            f"parallel.tp {tp} does not divide the {found} of model {m.name!r}; "
-            f"valid tensor-parallel sizes for this model: {valid}"
-        )
+#: How ``simplefsdp train`` spells each degree of :class:`ParallelDims`.
+_LAYOUT_NAMES = {
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "microbatches": "parallel.microbatches",
+    "stages_per_rank": "parallel.pp_stages_per_rank",
+    "batch": "data.batch_size",
+    "seq_len": "data.seq_len",
+}
 
 
-def _check_pipeline(job: JobConfig) -> None:
-    """With ``parallel.pp > 1`` every stage needs at least one layer."""
-    p = job.parallel
-    if p.pp == 1:
-        return
+def _check_layout(job: JobConfig, world_size: int) -> None:
+    """The parallel degrees against the world size and the model (:meth:`ParallelDims.validate`)."""
     from simplefsdp.models.llama3 import get_config
 
-    n_layers = get_config(job.model.name).n_layers
-    per_rank = p.pp_stages_per_rank or (2 if p.pp_schedule == "interleaved_1f1b" else 1)
-    if p.pp * per_rank > n_layers:
-        raise ValueError(
-            f"parallel.pp {p.pp} x {per_rank} stages per rank = {p.pp * per_rank} stages but "
-            f"model {job.model.name!r} has {n_layers} layers; use at most {n_layers} stages"
-        )
-
-
-def _check_seq_len(job: JobConfig) -> None:
-    """``data.seq_len`` must fit the model's rotary table (``max_seq_len``)."""
-    from simplefsdp.models.llama3 import get_config
-
-    m = job.model
-    overrides = {} if m.max_seq_len is None else {"max_seq_len": m.max_seq_len}
-    max_seq_len = get_config(m.name, **overrides).max_seq_len
-    if job.data.seq_len > max_seq_len:
-        raise ValueError(
-            f"data.seq_len {job.data.seq_len} exceeds max_seq_len {max_seq_len} of model "
-            f"{m.name!r}; use --data.seq_len <= {max_seq_len} or raise --model.max_seq_len"
-        )
+    m, p = job.model, job.parallel
+    overrides = {
+        key: value
+        for key, value in (("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len))
+        if value is not None
+    }
+    pipelined = p.pp > 1
+    dims = ParallelDims(
+        world_size,
+        tp=p.tp,
+        pp=p.pp,
+        microbatches=p.microbatches if pipelined else 1,
+        pp_schedule=p.pp_schedule,
+        stages_per_rank=p.pp_stages_per_rank if pipelined else None,
+    )
+    dims.validate(
+        get_config(m.name, **overrides),
+        batch=job.data.batch_size,
+        seq_len=job.data.seq_len,
+        sequence_parallel=p.sequence_parallel,
+        # the vocabulary is only known here when given (else it is the tokenizer's)
+        loss_parallel=m.vocab_size is not None and p.loss_parallel,
+        model_name=m.name,
+        names=_LAYOUT_NAMES,
+    )
 
 
 def _configure_logging(rank: int) -> None:

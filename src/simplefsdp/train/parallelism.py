@@ -4,16 +4,15 @@
 become one :class:`~simplefsdp.engines.EngineSpec`; ``parallel.tp > 1`` adds
 the Llama 3 tensor-parallel plan, ``parallel.pp > 1`` splits the model into
 pipeline stages (:func:`simplefsdp.models.llama3.pipeline_split`) run by
-torch's schedules (:class:`~simplefsdp.engines.PipelinedModel`).
+torch's schedules (:class:`~simplefsdp.engines.PipelinedModel`): the one
+Llama 3 recipe, :func:`simplefsdp.models.llama3.parallelize.parallelize_llama`,
+which the benchmark runs too.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.engines import (
@@ -22,24 +21,16 @@ from simplefsdp.engines import (
     PipelinedModel,
     PipelineSpec,
     build_mesh,
-    parallelize,
-    parallelize_pipeline,
 )
 from simplefsdp.train.config import JobConfig
 
 __all__ = [
-    "cross_entropy",
     "engine_spec",
     "job_mesh",
     "keep_gathered_option",
     "parallelize_job",
     "pipeline_spec",
 ]
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The training loss: mean token cross-entropy of ``(B, T, V)`` logits, in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def engine_spec(job: JobConfig) -> EngineSpec:
@@ -107,35 +98,20 @@ def parallelize_job(
 ) -> ParallelModel | PipelinedModel:
     """Parallelise a Llama 3 model built on the meta device as ``job`` says.
 
-    Uses ``mesh`` (default: :func:`job_mesh`), applies the Llama 3 tensor-parallel
-    plan when ``parallel.tp > 1`` and :func:`engine_spec` through
-    ``simplefsdp.engines.parallelize``, and initialises the weights with the
-    model's ``init_weights`` under the current RNG state. With ``parallel.pp >
-    1`` each of this rank's pipeline stages is parallelised so (and
-    initialised on its own: the initial weights differ from an unsplit run's)
-    and a :class:`~simplefsdp.engines.PipelinedModel` is returned, whose loss
-    is :func:`cross_entropy`.
+    :func:`simplefsdp.models.llama3.parallelize.parallelize_llama` with
+    ``mesh`` (default: :func:`job_mesh`), :func:`engine_spec` and, with
+    ``parallel.pp > 1``, :func:`pipeline_spec`; the weights are initialised
+    with the model's ``init_weights`` under the current RNG state.
     """
-    from simplefsdp.models.llama3 import apply_tensor_parallel, pipeline_split
+    from simplefsdp.models.llama3.parallelize import parallelize_llama
 
     p = job.parallel
-    tp_fn = functools.partial(
-        apply_tensor_parallel, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel
+    return parallelize_llama(
+        model,
+        engine_spec(job),
+        mesh if mesh is not None else job_mesh(job, device),
+        device,
+        pipeline=pipeline_spec(job) if p.pp > 1 else None,
+        sequence_parallel=p.sequence_parallel,
+        loss_parallel=p.loss_parallel,
     )
-    mesh = mesh if mesh is not None else job_mesh(job, device)
-    kwargs = {
-        "init_fn": lambda m: m.init_weights(buffer_device=device),
-        "tp_fn": tp_fn if p.tp > 1 else None,
-    }
-    if p.pp > 1:
-        return parallelize_pipeline(
-            model,
-            engine_spec(job),
-            pipeline_spec(job),
-            mesh,
-            device,
-            split_fn=pipeline_split,
-            loss_fn=cross_entropy,
-            **kwargs,
-        )
-    return parallelize(model, engine_spec(job), mesh, device, **kwargs)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from simplefsdp._faults import maybe_kill_at_step
 from simplefsdp.checkpoint import (
     TRAINER_STATE_NAME,
     Checkpointer,
@@ -48,10 +49,8 @@ from simplefsdp.engines import (
     init_distributed,
     lower_mmap_threshold,
     pick_device,
-    plain_loss,
     teardown_process_group,
 )
-from simplefsdp.testing.faults import maybe_kill_at_step
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
 from simplefsdp.train.launch import STOPPED_MARK, launcher_error_dir, note_step
@@ -65,7 +64,7 @@ from simplefsdp.train.metrics import (
     mfu,
     peak_flops_for,
 )
-from simplefsdp.train.parallelism import cross_entropy, engine_spec, job_mesh, parallelize_job
+from simplefsdp.train.parallelism import engine_spec, job_mesh, parallelize_job
 from simplefsdp.train.runs import RUN_ID_ENV, archive_previous_run, find_previous_run, new_run_id
 from simplefsdp.train.schedule import build_lr_scheduler, json_ready
 
@@ -201,11 +200,9 @@ class Trainer:
         self.parallel: ParallelModel | PipelinedModel = parallelize_job(
             model, self.job, self.device, self.mesh
         )
-        self.pipeline = self.parallel if isinstance(self.parallel, PipelinedModel) else None
         # A pipeline's loss exists on its last stage only: see _global_mean.
-        self._loss_weight = 0.0 if self.pipeline and not self.pipeline.has_last else 1.0
+        self._loss_weight = 1.0 if self.parallel.has_loss else 0.0
         self.model = self.parallel.module
-        self.forward = None if self.pipeline else self.parallel.forward  # type: ignore[union-attr]
         self.flops_per_token = flops_per_token(self.model_args, self.job.data.seq_len)
         self.peak_flops = peak_flops_for(self.device)
         logger.info(
@@ -320,12 +317,11 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, forward: Any) -> torch.Tensor:
-        if self.pipeline is not None:  # the last stage's mean loss, else zero (see _global_mean)
-            loss = self.pipeline.eval_loss(inputs.to(self.device), targets.to(self.device))
-            return torch.zeros((), device=self.device) if loss is None else loss
-        logits = forward(inputs.to(self.device))  # (B, T, V); vocab-sharded with loss_parallel
-        return cross_entropy(logits, targets.to(self.device))
+    def _eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's loss of a forward-only pass, zero on a pipeline rank
+        without the last stage (see _global_mean)."""
+        loss = self.parallel.eval_loss(inputs.to(self.device), targets.to(self.device))
+        return torch.zeros((), device=self.device) if loss is None else loss
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: torch's ``loss_parallel`` when on."""
@@ -347,21 +343,15 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(accum):
             inputs, targets = next(self.loader)
-            if self.pipeline is not None:  # the schedule runs forward and backward
-                with self._loss_context():
-                    loss = self.pipeline.step(
-                        inputs.to(self.device),
-                        targets.to(self.device),
-                        scale=1 / accum,
-                        sync=micro == accum - 1,
-                    )
-                if loss is not None:
-                    loss_sum += loss
-                continue
-            with self.parallel.grad_sync(micro == accum - 1), self._loss_context():  # type: ignore[union-attr]
-                loss = self._loss(inputs, targets, self.forward) / accum
-                loss.backward()
-            loss_sum += plain_loss(loss.detach())
+            with self._loss_context():  # forward and backward; reduced on the last micro-batch
+                loss = self.parallel.step(
+                    inputs.to(self.device),
+                    targets.to(self.device),
+                    scale=1 / accum,
+                    sync=micro == accum - 1,
+                )
+            if loss is not None:  # None: a pipeline rank without the last stage
+                loss_sum += loss
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -393,14 +383,14 @@ class Trainer:
         then no validation, with a warning).
         """
         n = self.job.metrics.val_batches
-        if n <= 0 or (self.pipeline is not None and not hasattr(self.pipeline.schedule, "eval")):
+        if n <= 0 or not self.parallel.can_evaluate:
             if n > 0 and self.rank == 0:
                 logger.warning("this torch's pipeline schedules cannot evaluate: no val_loss")
             return None
         total, count = torch.zeros((), device=self.device), 0
         for inputs, targets in self.loader.val_batches(n):
             with self._loss_context():
-                total += plain_loss(self._loss(inputs, targets, self.forward))
+                total += self._eval_loss(inputs, targets)
             count += 1
         if count == 0:
             return None
@@ -601,7 +591,7 @@ class Trainer:
             with contextlib.suppress(Exception):
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
         # The model goes before the group (Note: [Process group teardown]).
-        for name in ("forward", "pipeline", "parallel", "model", "params", "optimizer",
+        for name in ("parallel", "model", "params", "optimizer",
                      "scheduler", "checkpointer"):  # fmt: skip
             self.__dict__.pop(name, None)
         teardown_process_group()

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from simplefsdp.compiler.passes.reshard import choose_buckets, group_by_bucket
 from simplefsdp.compiler.patterns import aten, prims, shaping_closure
-from simplefsdp.compiler.report import _fmt_bytes
+from simplefsdp.compiler.report import format_bytes
 from simplefsdp.frontend.parametrization import SPECS_ATTR
 
 
@@ -67,12 +67,12 @@ class OneRankCasts:
             return None
         text = (
             f"resharded after forward on one rank: {self.recomputed} parameter casts "
-            f"recomputed in backward ({_fmt_bytes(self.recomputed_bytes)} not held)"
+            f"recomputed in backward ({format_bytes(self.recomputed_bytes)} not held)"
         )
         if self.kept_buckets:
             text += (
                 f"; casts kept for backward: {', '.join(self.kept_buckets)} "
-                f"({_fmt_bytes(self.kept_bytes)} held)"
+                f"({format_bytes(self.kept_bytes)} held)"
             )
         return text
 

@@ -22,7 +22,7 @@ from .model import (
     repeat_kv,
     rope_frequencies,
 )
-from .pipeline import layer_ranges, pipeline_split, stage_ids_for_rank
+from .stages import layer_ranges, pipeline_split, stage_ids_for_rank
 from .tensor_parallel import (
     apply_tensor_parallel,
     llama3_tp_plan,

@@ -69,6 +69,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 
+from simplefsdp.parallel_dims import tp_split_sizes
+
 __all__ = ["apply_tensor_parallel", "llama3_tp_plan", "loss_parallel_context"]
 
 
@@ -125,21 +127,6 @@ def llama3_tp_plan(
             plan[prefix + "feed_forward." + name] = ColwiseParallel()
         plan[prefix + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
     return plan
-
-
-def tp_split_sizes(args: Any, *, loss_parallel: bool = False) -> dict[str, int]:
-    """The model sizes the plan splits over the TP ranks (each must divide by ``tp``).
-
-    The one list the checks here and the command lines' pre-flight checks use.
-    """
-    sizes = {
-        "n_heads": args.n_heads,
-        "n_kv_heads": args.n_kv_heads,
-        "feed-forward hidden dim": args.ffn_hidden_dim,
-    }
-    if loss_parallel:
-        sizes["vocab_size"] = args.vocab_size
-    return sizes
 
 
 def _check_divisible(name: str, value: int, tp: int, why: str = "") -> None:

@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 _BUILTIN_PACKAGE = "simplefsdp.train"
-_BUILTIN_DIR = "configs"
+_BUILTIN_DIR = "presets"
 #: The top-level TOML key naming what a file builds on (see [What a TOML file builds on]).
 EXTENDS_KEY = "extends"
 _DEFAULTS_NAME = "defaults"
@@ -193,7 +193,9 @@ def _is_optional(tp: Any) -> tuple[bool, Any]:
 
 
 def _type_name(tp: Any) -> str:
-    """Readable name of a field type."""
+    """Readable name of a field type (a ``Literal`` of choices is a ``str``)."""
+    if typing.get_origin(tp) is typing.Literal:
+        return "str"
     return tp.__name__ if isinstance(tp, type) else str(tp)
 
 
@@ -229,6 +231,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ValueError(f"{where}: None is not allowed (expected {_type_name(tp)})")
 
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:  # a choice: a string here, its value checked by validate_config
+        tp = origin = str
     if (origin is Union or origin is types.UnionType) and set(typing.get_args(tp)) == {bool, int}:
         # bool | int (parallel.reshard_after_forward): true/false, else a number
         if isinstance(value, (bool, int)):

@@ -1,7 +1,8 @@
 """The sections of a ``simplefsdp train`` job config, their choices and :func:`validate_config`.
 
 Pure data and checks: this module imports neither torch nor the rest of
-simplefsdp, so a config can be validated before anything heavy is loaded.
+simplefsdp but the torch-free vocabulary of :mod:`simplefsdp.parallel_dims`,
+so a config can be validated before anything heavy is loaded.
 """
 
 from __future__ import annotations
@@ -11,6 +12,24 @@ import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from simplefsdp.parallel_dims import (
+    AC_MODES,
+    BUCKETINGS,
+    COMPILE_BACKENDS,
+    DATA_PARALLEL_MODES,
+    ENGINES,
+    PIPELINE_SCHEDULES,
+    PP_ENGINES,
+    REPLICATE_ONLY_ENGINES,
+    TP_ENGINES,
+    ACMode,
+    Bucketing,
+    CompileBackend,
+    DataParallelMode,
+    Engine,
+    PipelineSchedule,
+)
 
 __all__ = [
     "VALID_MODELS",
@@ -40,26 +59,14 @@ __all__ = [
 
 #: Names of the Llama 3 model configurations ``model.name`` may refer to.
 VALID_MODELS: tuple[str, ...] = ("debug", "small", "8B", "70B", "405B")
-#: Values of ``parallel.engine`` (each is described on :class:`ParallelConfig`).
-ENGINES: tuple[str, ...] = ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
-#: Engines that do not shard: they accept ``parallel.mode = "replicate"`` only.
-REPLICATE_ONLY_ENGINES: tuple[str, ...] = ("ddp", "replica")
-#: Engines that compose with tensor parallelism (``parallel.tp > 1``).
-TP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
-#: Engines that compose with pipeline parallelism (``parallel.pp > 1``).
-PP_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
+#: Data-parallel sharding modes (``parallel.mode``).
+PARALLEL_MODES = DATA_PARALLEL_MODES
 #: Pipeline schedules (``parallel.pp_schedule``), torch's GPipe, 1F1B and interleaved 1F1B.
-PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
-#: Data-parallel sharding modes.
-PARALLEL_MODES: tuple[str, ...] = ("replicate", "fully_shard", "hybrid_shard")
+PP_SCHEDULES = PIPELINE_SCHEDULES
 #: Mixed-precision dtypes (``None`` means "keep the parameter dtype").
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-#: ``torch.compile`` backends.
-COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager")
 #: Communication bucketing strategies of the compiler passes.
-BUCKETING_MODES: tuple[str, ...] = ("auto", "none", "per_block")
-#: Activation checkpointing modes.
-AC_MODES: tuple[str, ...] = ("none", "full", "selective")
+BUCKETING_MODES = BUCKETINGS
 
 
 def _choices(values: tuple[str, ...], *, optional: bool = False) -> dict[str, Any]:
@@ -104,8 +111,6 @@ class DataConfig:
         val_fraction: Fraction of documents held out for validation, in [0, 1).
         tokenizer: ``"byte"`` or a path to a local ``tokenizer.json`` / Hugging
             Face tokenizer directory.
-        num_workers: Loader worker processes. The token loader is in-memory and
-            synchronous, so this is accepted for compatibility and unused.
         max_bytes: Cap on the bytes read from the corpus (``None``: 8 MB for
             the embedded stdlib corpus, unlimited for a user ``path``).
         text_field: The field of each JSON Lines record (``.jsonl``,
@@ -118,7 +123,6 @@ class DataConfig:
     batch_size: int = 8
     val_fraction: float = 0.05
     tokenizer: str = "byte"
-    num_workers: int = 0
     max_bytes: int | None = None
     text_field: str = "text"
 
@@ -201,8 +205,8 @@ class ParallelConfig:
             forward.
     """
 
-    engine: str = field(default="simplefsdp", metadata=_choices(ENGINES))
-    mode: str = field(default="fully_shard", metadata=_choices(PARALLEL_MODES))
+    engine: Engine = field(default="simplefsdp", metadata=_choices(ENGINES))
+    mode: DataParallelMode = field(default="fully_shard", metadata=_choices(PARALLEL_MODES))
     mesh_shape: list[int] | None = None
     reshard_after_forward: bool | int = True
     param_dtype: str | None = field(default=None, metadata=_choices(DTYPES, optional=True))
@@ -211,7 +215,7 @@ class ParallelConfig:
     sequence_parallel: bool = True
     loss_parallel: bool = False
     pp: int = 1
-    pp_schedule: str = field(default="1f1b", metadata=_choices(PP_SCHEDULES))
+    pp_schedule: PipelineSchedule = field(default="1f1b", metadata=_choices(PP_SCHEDULES))
     microbatches: int | None = None
     pp_stages_per_rank: int | None = None
     check_ranks: bool = True
@@ -234,8 +238,8 @@ class CompileConfig:
     """
 
     enable: bool = True
-    backend: str = field(default="inductor", metadata=_choices(COMPILE_BACKENDS))
-    bucketing: str = field(default="auto", metadata=_choices(BUCKETING_MODES))
+    backend: CompileBackend = field(default="inductor", metadata=_choices(COMPILE_BACKENDS))
+    bucketing: Bucketing = field(default="auto", metadata=_choices(BUCKETING_MODES))
     keep_gathered: str | None = None
 
 
@@ -247,7 +251,7 @@ class ActivationCheckpointConfig:
         mode: One of :data:`AC_MODES`.
     """
 
-    mode: str = field(default="none", metadata=_choices(AC_MODES))
+    mode: ACMode = field(default="none", metadata=_choices(AC_MODES))
 
 
 @dataclass
@@ -370,7 +374,6 @@ def validate_config(cfg: JobConfig) -> None:
         "in [0, 1)",
     )
     check(bool(d.tokenizer.strip()), "data.tokenizer", d.tokenizer, "'byte' or a tokenizer path")
-    check(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
     check(d.max_bytes is None or d.max_bytes > 0, "data.max_bytes", d.max_bytes, "> 0 or none")
     check(bool(d.text_field.strip()), "data.text_field", d.text_field, "a field name")
     if m.max_seq_len is not None and d.seq_len > m.max_seq_len:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from simplefsdp.bucket_plan import Bucket, BucketPlan
 from simplefsdp.compiler.auto_bucketing import AutoPlan
-from simplefsdp.compiler.plan_check import ROUNDS, fit_to_reference
+from simplefsdp.compiler.estimate_check import ROUNDS, fit_to_reference
 
 REFERENCE = BucketPlan((Bucket("block", ("w",), "per_block"),))
 
@@ -84,7 +84,7 @@ def test_graphs_with_symbolic_shapes_are_not_checked() -> None:
         StatelessSymbolicContext,
     )
 
-    from simplefsdp.compiler.plan_check import _symbolic
+    from simplefsdp.compiler.estimate_check import _symbolic
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])

@@ -58,7 +58,7 @@ from simplefsdp.bucket_plan import BucketPlan
 from simplefsdp.compiler.memory_estimate import output_leaves, storage_root
 from simplefsdp.compiler.passes.reshard import find_gather_chains, gathered_bucket_bytes
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, node_bytes
-from simplefsdp.compiler.report import _fmt_bytes
+from simplefsdp.compiler.report import format_bytes
 
 _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -189,10 +189,10 @@ class KeepSearch:
     def note(self) -> str:
         return (
             f"keep search: kept the last {self.count} of {self.candidate_buckets} buckets "
-            f"({self.free} gathered at the boundary anyway, {_fmt_bytes(self.spent_bytes)} "
-            f"spent of {_fmt_bytes(max(self.slack_bytes, 0))} slack; eager would save "
-            f"{_fmt_bytes(self.eager_saved_bytes)} of activations, this graph saves "
-            f"{_fmt_bytes(self.compiled_saved_bytes)})"
+            f"({self.free} gathered at the boundary anyway, {format_bytes(self.spent_bytes)} "
+            f"spent of {format_bytes(max(self.slack_bytes, 0))} slack; eager would save "
+            f"{format_bytes(self.eager_saved_bytes)} of activations, this graph saves "
+            f"{format_bytes(self.compiled_saved_bytes)})"
         )
 
 

@@ -65,23 +65,51 @@ Note: [Plans from sizes, not guards]
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from simplefsdp.bucket_plan import BucketPlan
-from simplefsdp.compiler.keep_plan import copy_joint
+from simplefsdp.compiler.auto_bucketing import AutoPlan, plan_forward_graph
+from simplefsdp.compiler.keep_gathered import copy_joint
 from simplefsdp.compiler.memory_estimate import estimate_memory
-from simplefsdp.compiler.pipeline import run_graph_passes
-from simplefsdp.compiler.report import _fmt_bytes
-
-if TYPE_CHECKING:
-    from simplefsdp.compiler.auto_bucketing import AutoPlan
-    from simplefsdp.compiler.backend import _GraphCompilation
+from simplefsdp.compiler.pass_sequence import run_graph_passes
+from simplefsdp.compiler.report import format_bytes
 
 ROUNDS = 3
+
+
+class GraphInPlanning(Protocol):
+    """What the planner reads of a graph being compiled (the backend's
+    per-graph state); it changes none of it."""
+
+    backend: Any
+    graph_id: int
+    fqns: list[str | None]
+    primal_names: dict[str, str]
+    default_budget_bytes: int | None
+    kept_fqns: set[str]
+    num_fwd_outputs: int | None
+    keep_search: dict
+
+
+@dataclass
+class GraphPlan:
+    """The planner's decision for one forward (or inference) graph.
+
+    Attributes:
+        plan: the buckets (``None``: no bucketing).
+        sites: the collective sites the planner found on the graph, for the
+            bucketing pass (``None``: it finds them itself).
+        notes: what the report says about the decision.
+    """
+
+    plan: BucketPlan | None
+    sites: list | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 def shards_evenly(model: nn.Module) -> bool:
@@ -104,7 +132,7 @@ def shards_evenly(model: nn.Module) -> bool:
 def estimated_peak(
     graphs: Sequence[tuple[str, fx.GraphModule]],
     plan: BucketPlan | None,
-    compilation: _GraphCompilation,
+    compilation: GraphInPlanning,
 ) -> int:
     """The larger live peak (``estimate_memory``) of copies of ``graphs``
     (``(name, module)``, left unchanged) after the passes with ``plan``."""
@@ -150,16 +178,16 @@ def fit_to_reference(
         if peak <= allowed:
             auto, peak, refined = _refine(auto, peak, over, plan_with, estimate, allowed)
             notes.append(
-                f"estimate check: {auto.data['num_buckets']} buckets hold {_fmt_bytes(peak)} "
-                f"at their peak, within the per-block plan's {_fmt_bytes(reference_peak)} + "
-                f"{_fmt_bytes(slack)} slack"
+                f"estimate check: {auto.data['num_buckets']} buckets hold {format_bytes(peak)} "
+                f"at their peak, within the per-block plan's {format_bytes(reference_peak)} + "
+                f"{format_bytes(slack)} slack"
                 + (f" (after {round_} replans, {refined} bisections)" if round_ else "")
             )
             return auto, notes
         budget = auto.data["memory_budget_bytes"] - (peak - allowed)
         notes.append(
-            f"estimate check: {auto.data['num_buckets']} buckets hold {_fmt_bytes(peak)}, "
-            f"{_fmt_bytes(peak - allowed)} over the per-block plan's + slack; "
+            f"estimate check: {auto.data['num_buckets']} buckets hold {format_bytes(peak)}, "
+            f"{format_bytes(peak - allowed)} over the per-block plan's + slack; "
             + (f"budget lowered to {budget} bytes" if round_ < ROUNDS else "giving up")
         )
         if round_ == ROUNDS:
@@ -218,75 +246,13 @@ def _symbolic(*graphs: fx.GraphModule) -> bool:
     return False
 
 
-def decision_key(kind: str, compilation: _GraphCompilation) -> tuple:
-    """Under what a decision about ``compilation``'s graph is recorded for
-    later graphs of the same parameters (Note: [Plans from sizes, not
-    guards])."""
-    return (kind, tuple(f for f in dict.fromkeys(compilation.fqns) if f))
-
-
-def plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule, graph_name: str) -> None:
-    """Plan the auto buckets of ``compilation``'s forward (or inference)
-    graph ``gm`` (and, under the default budget with a backward graph, check
-    the plan: Note: [Checking the plan with the estimator]), or reuse the
-    plan of an earlier graph of the same parameters (Note: [Plans from
-    sizes, not guards]); sets its ``plan``, notes and sites."""
-    backend = compilation.backend
-    key = decision_key(graph_name, compilation)
-    if key in backend.decisions:
-        plan, notes, graph_id = backend.decisions[key]
-        note = f"auto plan: the plan of graph {graph_id} (same parameters), not planned again"
-        _use_plan(compilation, plan, [note, *notes])
-        return
-    if graph_name in backend.size_independent:  # Note: [Ranks' first inputs]
-        note = "auto plan: the ranks' first inputs differ in shape; the per-block plan"
-        _use_plan(compilation, backend.plan(), [note])
-    else:
-        _plan_graph(compilation, gm)
-    backend.decisions[key] = (compilation.plan, compilation.plan_notes, compilation.graph_id)
-
-
-def _use_plan(compilation: _GraphCompilation, plan: BucketPlan | None, notes: list[str]) -> None:
-    """Give ``compilation`` a plan decided without planning its graph."""
-    compilation.planned, compilation.backward_graph = True, None
-    compilation.plan, compilation.planned_sites, compilation.plan_notes = plan, None, notes
-
-
-def keep_count(compilation: _GraphCompilation, search: Callable[[], int], free: int) -> int:
-    """How many of the last buckets ``compilation``'s joint graph keeps
-    gathered: ``search()``'s answer for the first joint graph over its
-    parameters, reused by later ones (Note: [Plans from sizes, not guards]);
-    ``free`` (the buckets gathered at the boundary anyway) when the ranks'
-    first inputs differed (Note: [Ranks' first inputs])."""
-    backend = compilation.backend
-    key = decision_key("keep", compilation)
-    if key in backend.decisions:
-        count, compilation.default_budget_bytes, compilation.keep_search, graph_id = (
-            backend.decisions[key]
-        )
-        compilation.plan_notes_joint.append(
-            f"keep_gathered: {count} buckets, as decided for graph {graph_id} (same parameters)"
-        )
-        return count
-    if "forward" in backend.size_independent:
-        count = free
-        compilation.plan_notes_joint.append(
-            f"keep_gathered: {count} buckets (the ranks' first inputs differ in shape)"
-        )
-    else:
-        count = search()
-    backend.decisions[key] = (
-        count,
-        compilation.default_budget_bytes,
-        compilation.keep_search,
-        compilation.graph_id,
-    )
-    return count
-
-
-def _plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
-    from simplefsdp.compiler.auto_bucketing import plan_forward_graph
-
+def plan_graph(
+    compilation: GraphInPlanning, gm: fx.GraphModule, backward: fx.GraphModule | None
+) -> GraphPlan:
+    """The auto buckets of ``compilation``'s forward (or inference) graph
+    ``gm``, checked under the default budget against its partitioned
+    ``backward`` graph when there is one (Note: [Checking the plan with the
+    estimator])."""
     backend = compilation.backend
     options = backend.options
     fqns = [f for f in dict.fromkeys(compilation.fqns) if f]
@@ -307,7 +273,6 @@ def _plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
         )
 
     first = plan_with(compilation.default_budget_bytes)
-    backward, compilation.backward_graph = compilation.backward_graph, None  # needed only here
     auto: AutoPlan | None = first
     check_notes: list[str] = []
     if (
@@ -330,14 +295,13 @@ def _plan_graph(compilation: _GraphCompilation, gm: fx.GraphModule) -> None:
                 backend.plan(),
                 search.get("slack_bytes", 0) - search.get("spent_bytes", 0),
             )
-    compilation.planned = True
     if auto is None:  # no auto plan fits the check
-        compilation.plan, compilation.planned_sites = backend.plan(), None
-        compilation.plan_notes = first.notes + check_notes
-        return
-    compilation.plan, compilation.planned_sites = auto.plan, auto.sites
-    compilation.plan_notes = first.notes + check_notes + (auto.notes if auto is not first else [])
-    if not any(b.origin == "auto" for b in compilation.plan.buckets):
+        return GraphPlan(backend.plan(), None, first.notes + check_notes)
+    decided = GraphPlan(
+        auto.plan, auto.sites, first.notes + check_notes + (auto.notes if auto is not first else [])
+    )
+    if not any(b.origin == "auto" for b in decided.plan.buckets):
         # No all-gathers (replicate mode): keep the per-block plan.
-        compilation.plan = backend.plan()
-        compilation.plan_notes.append("auto: no all-gathers to plan; using the per-block plan")
+        decided.plan = backend.plan()
+        decided.notes.append("auto: no all-gathers to plan; using the per-block plan")
+    return decided
