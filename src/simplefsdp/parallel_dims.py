@@ -14,11 +14,14 @@ Pure data: this module imports neither torch nor the rest of simplefsdp.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 __all__ = [
+    "cpu_cores",
+    "oversubscription_warning",
     "ACMode",
     "AC_MODES",
     "Bucketing",
@@ -331,3 +334,30 @@ class ParallelDims:
                 f"{n['pp']} {self.pp} x {per_rank} stages per rank = {stages} stages but "
                 f"{model} has {args.n_layers} layers; use at most {args.n_layers} stages"
             )
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def oversubscription_warning(nproc: int, *, cuda: bool, cores: int | None = None) -> str | None:
+    """One line when ``nproc`` CPU (gloo) processes exceed the machine's cores,
+    else ``None``.
+
+    Args:
+        nproc: processes (ranks) on this machine.
+        cuda: whether they run on GPUs (then cores do not bound them).
+        cores: CPU cores available (default: :func:`cpu_cores`).
+    """
+    cores = cores or cpu_cores()
+    if cuda or nproc <= cores:
+        return None
+    plural = "s" if cores != 1 else ""
+    return (
+        f"--nproc {nproc} is more than the {cores} CPU core{plural} of this machine: the processes "
+        "will share cores (oversubscription), so every step runs slower than on "
+        f"{cores} or fewer processes and timings mean little; the results are unaffected"
+    )

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from simplefsdp.train import cli, interrupts, launch
+from simplefsdp import parallel_dims
+from simplefsdp.train import cli, interrupts
 from simplefsdp.train.launch import (
     ERROR_DIR_ENV,
     _AgentNoiseFilter,
@@ -145,7 +146,7 @@ def test_nproc_above_the_cpu_cores_is_one_warning(monkeypatch, capsys):
     text = oversubscription_warning(12, cuda=False, cores=2)
     assert "--nproc 12" in text and "2 CPU cores" in text and "oversubscription" in text
     # Through the command line: one warning line, then the run starts.
-    monkeypatch.setattr(launch, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(parallel_dims, "cpu_cores", lambda: 2)
     monkeypatch.setattr(cli, "launch", lambda *args, **kwargs: 0)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):

@@ -52,7 +52,7 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
-from simplefsdp.parallel_dims import ParallelDims
+from simplefsdp.parallel_dims import ParallelDims, oversubscription_warning
 
 EXIT_CONFIG_ERROR = 2
 # Variables of an enclosing torchrun that must not leak into the nested one.
@@ -536,8 +536,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simplefsdp bench: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     import torch
-
-    from simplefsdp.train.launch import oversubscription_warning
 
     warning = oversubscription_warning(spec.nproc, cuda=torch.cuda.is_available())
     if warning:

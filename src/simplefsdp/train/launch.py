@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from simplefsdp.parallel_dims import oversubscription_warning
 from simplefsdp.train.interrupts import launcher_gone
 
 logger = logging.getLogger(__name__)
@@ -67,33 +68,6 @@ def under_torchrun() -> bool:
     (set by torchrun and by most other launchers).
     """
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
-def cpu_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
-
-
-def oversubscription_warning(nproc: int, *, cuda: bool, cores: int | None = None) -> str | None:
-    """One line when ``nproc`` CPU (gloo) processes exceed the machine's cores,
-    else ``None``.
-
-    Args:
-        nproc: processes (ranks) on this machine.
-        cuda: whether they run on GPUs (then cores do not bound them).
-        cores: CPU cores available (default: :func:`cpu_cores`).
-    """
-    cores = cores or cpu_cores()
-    if cuda or nproc <= cores:
-        return None
-    plural = "s" if cores != 1 else ""
-    return (
-        f"--nproc {nproc} is more than the {cores} CPU core{plural} of this machine: the processes "
-        "will share cores (oversubscription), so every step runs slower than on "
-        f"{cores} or fewer processes and timings mean little; the results are unaffected"
-    )
 
 
 def _set_worker_threads(nproc: int) -> None:
