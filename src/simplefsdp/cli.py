@@ -22,6 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "simplefsdp.checkpoint.export",
         "write a checkpoint's full weights to one safetensors file",
     ),
+    "runs": (
+        "simplefsdp.train.runs_cli",
+        "list the runs of simplefsdp train; remove or prune them on request",
+    ),
     "bench": ("simplefsdp.bench.cli", "compare simplefsdp with torch FSDP2/DDP on this machine"),
     "plan": (
         "simplefsdp.plan.cli",

@@ -2,7 +2,7 @@
 
 Example::
 
-    simplefsdp export --checkpoint outputs/debug/checkpoints --out model.safetensors
+    simplefsdp export --checkpoint outputs/debug --out model.safetensors
 
 writes ``model.safetensors`` (every model tensor under its plain state-dict
 name, e.g. ``layers.0.attention.wq.weight``, full shape) and
@@ -76,29 +76,59 @@ def model_args_from_config(config: dict[str, Any]) -> Any:
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A complete checkpoint folder: ``path`` itself, or the latest one inside it.
+    """A complete checkpoint folder from what ``path`` names.
+
+    ``path`` may be a ``step-N`` checkpoint folder, a folder of them (a run's
+    checkpoint folder: the newest complete one), a run folder (its newest
+    complete checkpoint) or a folder of runs (``metrics.output_dir``: the
+    newest run with a complete checkpoint).
 
     Raises:
-        ValueError: ``path`` is neither a complete checkpoint nor a folder holding one.
+        ValueError: ``path`` holds no complete checkpoint; the message lists
+            the runs nearby.
     """
+    from simplefsdp.train.runs import newest_resumable_run, read_run
+
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist or is not a folder")
-    if read_manifest(folder) is not None:
-        problem = verify_checkpoint(folder, check_hashes=True)
-        if problem is not None:
-            raise ValueError(f"checkpoint is damaged: {problem}")
-        return folder
-    info = latest_checkpoint(folder)
-    if info is None:
         raise ValueError(
-            f"{str(path)!r} holds no complete checkpoint (a step-N folder with a valid "
-            "manifest.json); give a checkpoint folder or the checkpoint.folder of a run"
+            f"checkpoint {str(path)!r} does not exist or is not a folder{_runs_near(folder)}"
         )
-    problem = verify_checkpoint(info.path, check_hashes=True)
+    if read_manifest(folder) is not None:
+        return _verified(folder)
+    run = read_run(folder)
+    candidates = [folder] if run is None else [run.checkpoint_folder]
+    for candidate in candidates:
+        info = latest_checkpoint(candidate)
+        if info is not None:
+            return _verified(info.path)
+    found = newest_resumable_run(folder) if run is None else None
+    if found is not None:
+        return _verified(latest_checkpoint(found[0].checkpoint_folder).path)  # type: ignore[union-attr]
+    raise ValueError(
+        f"{str(path)!r} holds no complete checkpoint (a step-N folder with a valid "
+        "manifest.json); give a run folder, a folder of runs (metrics.output_dir), a run's "
+        f"checkpoint folder or a step-N folder{_runs_near(folder)}"
+    )
+
+
+def _verified(folder: Path) -> Path:
+    problem = verify_checkpoint(folder, check_hashes=True)
     if problem is not None:
         raise ValueError(f"checkpoint is damaged: {problem}")
-    return info.path
+    return folder
+
+
+def _runs_near(folder: Path) -> str:
+    """``; runs in DIR: ...`` for the nearest folder above ``folder`` that holds runs."""
+    from simplefsdp.train.runs import describe_runs, list_runs, read_run
+
+    for parent in [folder, *folder.parents][:4]:
+        if read_run(parent) is not None:
+            parent = parent.parent
+        if list_runs(parent):
+            return f"; {describe_runs(parent)}"
+    return ""
 
 
 def load_full_model_state(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -134,7 +164,7 @@ def export_checkpoint(
     """Write the full weights of ``checkpoint`` to ``out`` and its config next to it.
 
     Args:
-        checkpoint: a checkpoint folder or a run's checkpoint folder (latest).
+        checkpoint: what :func:`resolve_checkpoint` accepts.
         out: the ``.safetensors`` file to write (atomically).
         dtype: cast floating-point tensors to ``float32``/``bfloat16``/``float16``
             (``None``: keep the training dtype).
@@ -202,7 +232,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint",
         required=True,
-        help="a step-N checkpoint folder, or a run's checkpoint folder (the latest is used)",
+        help="a run folder, a folder of runs (metrics.output_dir: the newest run), a run's "
+        "checkpoint folder (its newest complete checkpoint) or a step-N checkpoint folder",
     )
     parser.add_argument("--out", required=True, help="output .safetensors file")
     parser.add_argument(

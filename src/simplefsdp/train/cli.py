@@ -5,7 +5,8 @@ Examples::
     simplefsdp train                                  # debug model, 2 CPU procs or all GPUs
     simplefsdp train --config small --training.steps 500 --parallel.mode hybrid_shard
     simplefsdp train --print-config --compile.enable false
-    simplefsdp train --resume                         # continue from the latest checkpoint
+    simplefsdp train --resume                         # continue the newest run (its config)
+    simplefsdp train --resume outputs/debug/RUN_ID    # continue that run
     torchrun --nnodes 2 --nproc-per-node 8 ... -m simplefsdp.train --config llama3_8b
 
 Run directly, the command validates the configuration and the data path, then
@@ -24,6 +25,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from simplefsdp.train.config import (
     SECTIONS,
@@ -33,6 +35,14 @@ from simplefsdp.train.config import (
     load_config,
 )
 from simplefsdp.train.launch import ERROR_DIR_ENV, launch, launcher_error_dir, under_torchrun
+from simplefsdp.train.resume import (
+    Resume,
+    output_folders,
+    resolve_resume,
+    start_run_files,
+    this_run,
+)
+from simplefsdp.train.runs import RUN_ID_ENV, check_output_folders, set_run_status
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +82,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--resume",
-        action="store_true",
-        help="continue the latest run from its latest checkpoint (an error if there is none); "
-        "shorthand for --checkpoint.resume true",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RUN",
+        help="continue run RUN (a run folder, or a run id under metrics.output_dir; default: "
+        "the newest run with a complete checkpoint) with its saved config; flags given "
+        "on top override it (an error if there is no checkpoint)",
     )
     parser.add_argument(
         "--resume-if-possible",
@@ -129,7 +143,6 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
             load_tokenizer(tok)
         except ValueError as exc:
             raise ValueError(f"data.tokenizer {tok!r}: {_one_line(exc)}") from exc
-    _check_resume(job)
     p = job.parallel
     mesh_shape_for(
         p.engine,
@@ -166,20 +179,6 @@ def _check_data_files(path: str) -> None:
         raise ValueError(
             f"data.path {path!r} {what}; give a text file or a folder of text files with "
             "some text, or leave data.path unset for the embedded stdlib corpus"
-        )
-
-
-def _check_resume(job: JobConfig) -> None:
-    """``--resume`` needs a checkpoint to resume from (``--resume-if-possible`` does not)."""
-    ck = job.checkpoint
-    if not ck.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return
-    from simplefsdp.checkpoint import latest_checkpoint
-
-    if latest_checkpoint(ck.folder) is None:
-        raise ValueError(
-            f"--resume: no complete checkpoint in {ck.folder}; leave out --resume to start a "
-            "new run, or pass --resume-if-possible"
         )
 
 
@@ -297,38 +296,58 @@ def _run_worker(job: JobConfig) -> int:
         return 0 if os.environ.get(ERROR_DIR_ENV) else trainer.exit_code
     finally:
         trainer.close(clean=clean)
+        _record_status(trainer, clean)
         error_dir = os.environ.get(ERROR_DIR_ENV)
         if error_dir and os.environ.get("RANK", "0") == "0" and launcher_gone():
             shutil.rmtree(error_dir, ignore_errors=True)  # Note: [Orphaned workers]
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
-    """Split known flags from dotted overrides and load the config (may raise)."""
+def _record_status(trainer: Any, clean: bool) -> None:
+    """Under torchrun rank 0 records how the run ended in its ``run.json``
+    (under ``simplefsdp train`` the launcher does)."""
+    if os.environ.get(ERROR_DIR_ENV) or os.environ.get("RANK", "0") != "0":
+        return
+    if trainer.run_dir is not None:
+        stopped = trainer.summary.interrupted_by
+        set_run_status(
+            trainer.run_dir, "failed" if not clean else "stopped" if stopped else "finished"
+        )
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, Resume | None]:
+    """Split known flags from dotted overrides, load the config and pick the run
+    to resume, if any (may raise)."""
     args, overrides = _build_parser().parse_known_args(argv)
-    if args.resume:
+    if args.resume is not None:
         overrides = [*overrides, "--checkpoint.resume", "true"]
     if args.resume_if_possible:
         overrides = [*overrides, "--checkpoint.resume_if_possible", "true"]
     try:
         job = load_config(args.config, overrides)
+        job, resume = resolve_resume(job, args.resume or None, args.config, overrides)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
-    return args, job
+    return args, job, resume
 
 
-def _worker_argv(argv: list[str]) -> list[str]:
-    """``argv`` without the launcher-only flags (``--nproc``, ``--max-restarts``)."""
-    out, skip = [], False
+def _worker_argv(argv: list[str], resume: Resume | None = None) -> list[str]:
+    """``argv`` without the launcher-only flags (``--nproc``, ``--max-restarts``);
+    the run the launcher resumes is named (``--resume RUN_FOLDER``)."""
+    out, skip, after_resume = [], False, False
     for token in argv:
-        if skip:
-            skip = False
+        if skip or (after_resume and not token.startswith("--")):
+            skip = after_resume = False
             continue
+        after_resume = False
         name = token.split("=", 1)[0]
         if name in ("--nproc", "--max-restarts"):
             skip = "=" not in token
             continue
+        if resume is not None and name in ("--resume", "--resume-if-possible"):
+            after_resume = token == "--resume"
+            continue
         out.append(token)
-    return out
+    return out if resume is None else [*out, "--resume", str(resume.run.path)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args, job = _parse(argv)
+        args, job, resume = _parse(argv)
     except ValueError as exc:
         return _error(_one_line(exc))
     if args.print_config:
@@ -347,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     worker = under_torchrun()
     rank = int(os.environ.get("RANK", "0"))
+    run_id, run_dir = this_run(job, resume)
+    try:  # every output folder, before torch is imported (Note: [One run per folder])
+        if not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV)):
+            check_output_folders(output_folders(job, run_dir))
+    except ValueError as exc:
+        return _error(_one_line(exc))
     if not worker or rank == 0:
         for warning in config_warnings(job):
             print(f"simplefsdp train: warning: {warning}", file=sys.stderr)
@@ -369,14 +394,38 @@ def main(argv: list[str] | None = None) -> int:
         if not worker or rank == 0:
             return _error(_one_line(exc))
         return EXIT_CONFIG_ERROR
+    if resume is not None and (not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV))):
+        print(f"simplefsdp train: {resume.line()}", flush=True)
     if worker:
+        if resume is not None:  # every rank resolved the same run
+            os.environ[RUN_ID_ENV] = resume.run.run_id
         _configure_logging(rank)
         from simplefsdp.train.interrupts import watch_launcher
 
         watch_launcher()  # Note: [Orphaned workers]
         return _run_worker(job)
+    return _launch(job, args, argv, resume, run_id, run_dir, world)
+
+
+def _launch(
+    job: JobConfig,
+    args: argparse.Namespace,
+    argv: list[str],
+    resume: Resume | None,
+    run_id: str,
+    run_dir: Path,
+    world: int,
+) -> int:
+    """Write the run's files, start the workers, record how the run ended."""
     import torch
 
+    start_run_files(job, run_id, run_dir, resumed=resume is not None)
+    os.environ[RUN_ID_ENV] = run_id
     device = "cuda (nccl)" if torch.cuda.is_available() else "cpu (gloo)"
     print(f"simplefsdp train: starting {world} processes on {device}", flush=True)
-    return launch(_worker_argv(argv), nproc=world, max_restarts=args.max_restarts)
+    code = EXIT_CONFIG_ERROR
+    try:
+        code = launch(_worker_argv(argv, resume), nproc=world, max_restarts=args.max_restarts)
+    finally:
+        set_run_status(run_dir, "finished" if code == 0 else "stopped" if code > 128 else "failed")
+    return code
