@@ -324,9 +324,14 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, Resume | Non
         overrides = [*overrides, "--checkpoint.resume_if_possible", "true"]
     try:
         job = load_config(args.config, overrides)
-        job, resume = resolve_resume(job, args.resume or None, args.config, overrides)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
+    try:
+        job, resume = resolve_resume(job, args.resume or None, args.config, overrides)
+    except ValueError:
+        if not args.print_config:  # which shows the configuration without a run
+            raise
+        resume = None
     return args, job, resume
 
 
