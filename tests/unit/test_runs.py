@@ -47,26 +47,24 @@ def test_resume_picks_the_newest_run_with_a_checkpoint_and_lists_runs(tmp_path):
     _run(tmp_path, "20260101-000000-aaaa", step=4)
     _run(tmp_path, "20260102-000000-bbbb", step=2)
     _run(tmp_path, "20260103-000000-cccc")  # no checkpoint
-    job, choice = resume.resolve_resume(_job(tmp_path, "--checkpoint.resume"), None, "debug", [])
+    job, choice = resume.resolve_resume(_job(tmp_path, "--checkpoint.resume"), None, [])
     assert choice.run.run_id == "20260102-000000-bbbb" and choice.step == 2
     with pytest.raises(ValueError, match="20260103-000000-cccc has no complete checkpoint"):
-        resume.resolve_resume(_job(tmp_path, "--checkpoint.resume"), "20260103-000000-cccc", "", [])
+        resume.resolve_resume(_job(tmp_path, "--checkpoint.resume"), "20260103-000000-cccc", [])
     empty = tmp_path / "empty"
     with pytest.raises(ValueError, match="no run in .* has a complete checkpoint .*no runs in"):
-        resume.resolve_resume(_job(empty, "--checkpoint.resume"), None, "debug", [])
-    job, choice = resume.resolve_resume(
-        _job(empty, "--checkpoint.resume_if_possible"), None, "debug", []
-    )
+        resume.resolve_resume(_job(empty, "--checkpoint.resume"), None, [])
+    job, choice = resume.resolve_resume(_job(empty, "--checkpoint.resume_if_possible"), None, [])
     assert choice is None  # a new run
     with pytest.raises(ValueError, match="20260101-000000-aaaa .step 4., 20260102-000000-bbbb"):
-        resume.resolve_resume(_job(tmp_path, "--checkpoint.resume"), "nope", "debug", [])
+        resume.resolve_resume(_job(tmp_path, "--checkpoint.resume"), "nope", [])
 
 
 def test_resume_restores_the_saved_config_and_names_the_changes(tmp_path):
     config = _saved_config(tmp_path, "--training.steps", "10", "--data.seq_len", "64")
     run = _run(tmp_path, "20260101-000000-aaaa", step=4, config=config)
     overrides = ["--training.steps", "20", "--checkpoint.resume", "true"]
-    job, choice = resume.resolve_resume(_job(tmp_path, *overrides), str(run), "debug", overrides)
+    job, choice = resume.resolve_resume(_job(tmp_path, *overrides), str(run), overrides)
     assert job.data.path == "corpus.txt" and job.data.seq_len == 64
     assert job.training.steps == 20 and job.checkpoint.resume
     assert choice.changes == ("training.steps 10 -> 20",)
@@ -74,14 +72,14 @@ def test_resume_restores_the_saved_config_and_names_the_changes(tmp_path):
     for flags in (["--model.vocab_size", "300"], ["--data.tokenizer", "tok.json"]):
         with pytest.raises(ValueError, match=f"{flags[0][2:]} .* cannot apply to run"):
             args = [*flags, *overrides]
-            resume.resolve_resume(_job(tmp_path, *args), str(run), "debug", args)
+            resume.resolve_resume(_job(tmp_path, *args), str(run), args)
 
 
 def test_resume_of_a_moved_run_uses_its_folders(tmp_path):
     config = _saved_config(tmp_path / "elsewhere")
     run = _run(tmp_path / "moved", "20260101-000000-aaaa", step=4, config=config)
     overrides = ["--checkpoint.resume", "true"]
-    job, choice = resume.resolve_resume(_job(tmp_path, *overrides), str(run), "debug", overrides)
+    job, choice = resume.resolve_resume(_job(tmp_path, *overrides), str(run), overrides)
     assert job.metrics.output_dir == str(tmp_path / "moved") and job.checkpoint.folder == ""
     assert choice.changes == ()
 

@@ -327,7 +327,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, Resume | Non
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
     try:
-        job, resume = resolve_resume(job, args.resume or None, args.config, overrides)
+        job, resume = resolve_resume(job, args.resume or None, overrides)
     except ValueError:
         if not args.print_config:  # which shows the configuration without a run
             raise

@@ -68,16 +68,15 @@ def _restarted() -> bool:
 
 
 def resolve_resume(
-    job: JobConfig, spec: str | None, config_path: str, overrides: list[str]
+    job: JobConfig, spec: str | None, overrides: list[str]
 ) -> tuple[JobConfig, Resume | None]:
     """The configuration to train with and the run it continues (``None``: a new run).
 
     Args:
-        job: the configuration from ``config_path`` and ``overrides``.
+        job: the configuration from ``--config`` and ``overrides``.
         spec: the run given to ``--resume`` (an id under ``metrics.output_dir``
             or a run folder), or ``None`` for the newest run with a complete
             checkpoint.
-        config_path: the ``--config`` argument (used when the run has no ``config.toml``).
         overrides: the command line's dotted overrides.
 
     Raises:
@@ -92,31 +91,43 @@ def resolve_resume(
             run = find_run(spec, root)
         except ValueError as exc:
             raise ValueError(f"--resume: {exc}") from exc
+        job, changes = _restored(job, run, overrides)  # refused changes first: no torch yet
         step = run.latest_step()
         if step is None:
             raise ValueError(
                 f"--resume {spec}: run {run.run_id} has no complete checkpoint in "
                 f"{run.checkpoint_folder} ({describe_runs(run.path.parent)})"
             )
-    else:
-        found = newest_resumable_run(root)
-        if found is None:
-            if ck.resume and not _restarted():
-                raise ValueError(
-                    f"--resume: no run in {root} has a complete checkpoint "
-                    f"({describe_runs(root)}); leave out --resume to start a new run, "
-                    "or pass --resume-if-possible"
-                )
-            return job, None
-        run, step = found
+        return job, Resume(run, step, changes)
+    found = newest_resumable_run(root)
+    if found is None:
+        if ck.resume and not _restarted():
+            raise ValueError(
+                f"--resume: no run in {root} has a complete checkpoint "
+                f"({describe_runs(root)}); leave out --resume to start a new run, "
+                "or pass --resume-if-possible"
+            )
+        return job, None
+    run, step = found
+    job, changes = _restored(job, run, overrides)
+    return job, Resume(run, step, changes)
+
+
+def _restored(
+    job: JobConfig, run: RunInfo, overrides: list[str]
+) -> tuple[JobConfig, tuple[str, ...]]:
+    """The run's saved configuration with ``overrides`` on top, and the changes.
+
+    A run folder without ``config.toml`` (made by hand) trains with ``job``.
+    """
     saved = run.path / CONFIG_FILE
-    if not saved.is_file():  # a run folder made by hand: the command's configuration
-        return _placed(job, run), Resume(run, step)
+    if not saved.is_file():
+        return _placed(job, run), ()
     base = _placed(load_config(str(saved)), run)
     final = _placed(load_config(str(saved), overrides), run)
     changes = _changes(config_to_dict(base), config_to_dict(final))
     _check_fixed(changes, run)
-    return final, Resume(run, step, tuple(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in changes))
+    return final, tuple(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in changes)
 
 
 def _placed(job: JobConfig, run: RunInfo) -> JobConfig:
