@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "train a Llama 3 model (starts processes or runs under torchrun)",
     ),
     "export": (
-        "simplefsdp.checkpoint.export",
+        "simplefsdp.train.export_cli",
         "write a checkpoint's full weights to one safetensors file",
     ),
     "runs": (

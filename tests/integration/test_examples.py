@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_runs import only_run
+from cli_runs import checkpoints, only_run
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +115,7 @@ def test_exported_files_follow_the_umask(exported, tmp_path):
     out.chmod(0o600)  # a file it replaces does not lend its mode
     old = os.umask(0o027)
     try:
-        weights, config = export_checkpoint(cwd / "outputs" / "debug", out)
+        weights, config = export_checkpoint(checkpoints(only_run(cwd / "outputs" / "debug")), out)
     finally:
         os.umask(old)
     assert _mode(weights) == 0o640 and _mode(config) == 0o640

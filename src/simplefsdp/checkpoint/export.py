@@ -4,7 +4,8 @@ Example::
 
     simplefsdp export --checkpoint outputs/debug --out model.safetensors
 
-writes ``model.safetensors`` (every model tensor under its plain state-dict
+(the newest run's newest complete checkpoint; see :mod:`simplefsdp.train.export_cli`
+for what ``--checkpoint`` takes) writes ``model.safetensors`` (every model tensor under its plain state-dict
 name, e.g. ``layers.0.attention.wq.weight``, full shape) and
 ``model.config.json`` (the model's ``ModelArgs``, the training job config and
 the step), both with the mode a new file gets (``0o666 & ~umask``). The
@@ -76,59 +77,29 @@ def model_args_from_config(config: dict[str, Any]) -> Any:
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A complete checkpoint folder from what ``path`` names.
-
-    ``path`` may be a ``step-N`` checkpoint folder, a folder of them (a run's
-    checkpoint folder: the newest complete one), a run folder (its newest
-    complete checkpoint) or a folder of runs (``metrics.output_dir``: the
-    newest run with a complete checkpoint).
+    """A complete checkpoint folder: ``path`` itself, or the latest one inside it.
 
     Raises:
-        ValueError: ``path`` holds no complete checkpoint; the message lists
-            the runs nearby.
+        ValueError: ``path`` is neither a complete checkpoint nor a folder holding one.
     """
-    from simplefsdp.train.runs import newest_resumable_run, read_run
-
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(
-            f"checkpoint {str(path)!r} does not exist or is not a folder{_runs_near(folder)}"
-        )
+        raise ValueError(f"checkpoint {str(path)!r} does not exist or is not a folder")
     if read_manifest(folder) is not None:
-        return _verified(folder)
-    run = read_run(folder)
-    candidates = [folder] if run is None else [run.checkpoint_folder]
-    for candidate in candidates:
-        info = latest_checkpoint(candidate)
-        if info is not None:
-            return _verified(info.path)
-    found = newest_resumable_run(folder) if run is None else None
-    if found is not None:
-        return _verified(latest_checkpoint(found[0].checkpoint_folder).path)  # type: ignore[union-attr]
-    raise ValueError(
-        f"{str(path)!r} holds no complete checkpoint (a step-N folder with a valid "
-        "manifest.json); give a run folder, a folder of runs (metrics.output_dir), a run's "
-        f"checkpoint folder or a step-N folder{_runs_near(folder)}"
-    )
-
-
-def _verified(folder: Path) -> Path:
-    problem = verify_checkpoint(folder, check_hashes=True)
+        problem = verify_checkpoint(folder, check_hashes=True)
+        if problem is not None:
+            raise ValueError(f"checkpoint is damaged: {problem}")
+        return folder
+    info = latest_checkpoint(folder)
+    if info is None:
+        raise ValueError(
+            f"{str(path)!r} holds no complete checkpoint (a step-N folder with a valid "
+            "manifest.json); give a checkpoint folder or the checkpoint.folder of a run"
+        )
+    problem = verify_checkpoint(info.path, check_hashes=True)
     if problem is not None:
         raise ValueError(f"checkpoint is damaged: {problem}")
-    return folder
-
-
-def _runs_near(folder: Path) -> str:
-    """``; runs in DIR: ...`` for the nearest folder above ``folder`` that holds runs."""
-    from simplefsdp.train.runs import describe_runs, list_runs, read_run
-
-    for parent in [folder, *folder.parents][:4]:
-        if read_run(parent) is not None:
-            parent = parent.parent
-        if list_runs(parent):
-            return f"; {describe_runs(parent)}"
-    return ""
+    return info.path
 
 
 def load_full_model_state(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -164,7 +135,7 @@ def export_checkpoint(
     """Write the full weights of ``checkpoint`` to ``out`` and its config next to it.
 
     Args:
-        checkpoint: what :func:`resolve_checkpoint` accepts.
+        checkpoint: a checkpoint folder or a run's checkpoint folder (latest).
         out: the ``.safetensors`` file to write (atomically).
         dtype: cast floating-point tensors to ``float32``/``bfloat16``/``float16``
             (``None``: keep the training dtype).
@@ -232,8 +203,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint",
         required=True,
-        help="a run folder, a folder of runs (metrics.output_dir: the newest run), a run's "
-        "checkpoint folder (its newest complete checkpoint) or a step-N checkpoint folder",
+        help="a folder of runs (metrics.output_dir: the newest run), a run folder, a run's "
+        "checkpoint folder (its newest complete checkpoint) or a step-N folder",
     )
     parser.add_argument("--out", required=True, help="output .safetensors file")
     parser.add_argument(
