@@ -1,7 +1,7 @@
 """Load a model written by ``simplefsdp export`` in plain PyTorch and generate text.
 
     simplefsdp train
-    simplefsdp export --checkpoint outputs/debug/checkpoints --out model.safetensors
+    simplefsdp export --checkpoint outputs/debug --out model.safetensors
     python examples/load_exported_model.py --model model.safetensors --prompt "def "
 
 The export is one safetensors file of full (unsharded) tensors under the plain

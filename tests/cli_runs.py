@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -59,3 +60,31 @@ def descendants(pid: int) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier}
         found |= frontier
     return found
+
+
+def run_dirs(root: Path) -> list[Path]:
+    """The run folders (those with a ``run.json``) in ``root``, oldest first."""
+    runs = [p for p in Path(root).iterdir() if (p / "run.json").is_file()]
+    return sorted(runs, key=lambda p: json.loads((p / "run.json").read_text())["started"])
+
+
+def only_run(root: Path) -> Path:
+    """The one run folder in ``root``."""
+    (run,) = run_dirs(root)
+    return run
+
+
+def checkpoints(run: Path) -> Path:
+    """The checkpoint folder of the run in folder ``run`` (as its ``run.json`` says)."""
+    return Path(json.loads((Path(run) / "run.json").read_text())["checkpoint_folder"])
+
+
+def checkpoint_as_run(step_dir: Path, root: Path, run_id: str = "20000101-000000-copy") -> Path:
+    """A new run folder in ``root`` whose only checkpoint is a copy of ``step_dir``
+    (no ``config.toml``: ``--resume`` then trains with the command's configuration)."""
+    run = Path(root) / run_id
+    shutil.copytree(step_dir, run / "checkpoints" / Path(step_dir).name)
+    record = {"id": run_id, "started": "2000-01-01T00:00:00", "status": "stopped",
+              "checkpoint_folder": str((run / "checkpoints").resolve())}  # fmt: skip
+    (run / "run.json").write_text(json.dumps(record))
+    return run

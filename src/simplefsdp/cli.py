@@ -19,8 +19,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "train a Llama 3 model (starts processes or runs under torchrun)",
     ),
     "export": (
-        "simplefsdp.checkpoint.export",
+        "simplefsdp.train.export_cli",
         "write a checkpoint's full weights to one safetensors file",
+    ),
+    "runs": (
+        "simplefsdp.train.runs_cli",
+        "list the runs of simplefsdp train; remove or prune them on request",
     ),
     "bench": ("simplefsdp.bench.cli", "compare simplefsdp with torch FSDP2/DDP on this machine"),
     "plan": (

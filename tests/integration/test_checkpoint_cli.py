@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_runs import losses, small_args, train_env
+from cli_runs import checkpoint_as_run, checkpoints, losses, only_run, small_args, train_env
 from simplefsdp._faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV
 
 pytestmark = pytest.mark.slow
@@ -82,9 +82,10 @@ def test_sigkill_of_a_rank_restarts_and_matches_the_uninterrupted_run(reference,
         # One line for the death (Note: [Worker failures]), none of the
         # survivor's collective errors.
         deaths = [line for line in proc.stderr.splitlines() if "died of" in line]
+        run_id = only_run(cwd / name).name
         assert deaths == [
             f"simplefsdp train: rank 1 died of SIGKILL in step {KILL_AT}; restart 1 of 1, "
-            f"resuming from {name}/ck/step-2"
+            f"resuming from {name}/ck/{run_id}/step-2"
         ], proc.stderr
         output = proc.stdout + proc.stderr
         assert "Traceback" not in output and "Connection closed by peer" not in output, output
@@ -92,17 +93,18 @@ def test_sigkill_of_a_rank_restarts_and_matches_the_uninterrupted_run(reference,
     else:
         assert "exitcode: -9" in proc.stderr  # the agent saw the SIGKILL and restarted
     assert f"steps          2 -> {STEPS}" in proc.stdout  # ... and the restart resumed at 2
-    want = _tensors(cwd / "ref" / "ck" / f"step-{STEPS}")
-    got = _tensors(cwd / name / "ck" / f"step-{STEPS}")
+    ref, run = only_run(cwd / "ref"), only_run(cwd / name)  # the restart continued the run
+    want = _tensors(checkpoints(ref) / f"step-{STEPS}")
+    got = _tensors(checkpoints(run) / f"step-{STEPS}")
     assert got.keys() == want.keys() and any(k.endswith("exp_avg_sq") for k in got)
     for key, tensor in want.items():
         assert torch.equal(got[key], tensor), key  # bitwise
-    assert losses(cwd / name / "metrics.jsonl") == losses(cwd / "ref" / "metrics.jsonl")
+    assert losses(run / "metrics.jsonl") == losses(ref / "metrics.jsonl")
 
 
 def test_export_of_a_truncated_checkpoint_is_a_one_line_error(reference, tmp_path):
     damaged = tmp_path / "step-6"
-    shutil.copytree(reference / "ref" / "ck" / f"step-{STEPS}", damaged)
+    shutil.copytree(checkpoints(only_run(reference / "ref")) / f"step-{STEPS}", damaged)
     shard = damaged / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-10])
     cmd = [sys.executable, "-m", "simplefsdp.cli", "export", "--checkpoint", str(damaged),
@@ -115,7 +117,10 @@ def test_export_of_a_truncated_checkpoint_is_a_one_line_error(reference, tmp_pat
 
 def test_resume_with_another_model_config_is_a_one_line_error(reference):
     cwd = reference
-    shutil.copytree(cwd / "ref" / "ck", cwd / "wrong" / "ck")
+    # a checkpoint copied into a run of another model (a run folder without a
+    # config.toml trains with the command's configuration; with one, resume
+    # refuses the change before any process starts: test_runs.py)
+    checkpoint_as_run(checkpoints(only_run(cwd / "ref")) / f"step-{STEPS}", cwd / "wrong")
     proc = _train(cwd, "wrong", extra=["--resume", "--model.vocab_size", "300"])
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "simplefsdp train: error:" in line]

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_runs import checkpoints, only_run
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +64,9 @@ def exported(tmp_path_factory):
     """A 2-step run in a fresh folder, exported as the README says."""
     cwd = tmp_path_factory.mktemp("run")
     _run([sys.executable, "-m", "simplefsdp.cli", *TRAIN], cwd)
-    assert (cwd / "outputs" / "debug" / "checkpoints" / "step-2").is_dir()
-    cmd = ["export", "--checkpoint", "outputs/debug/checkpoints", "--out", "model.safetensors"]
+    run = only_run(cwd / "outputs" / "debug")
+    assert (run / "checkpoints" / "step-2").is_dir()
+    cmd = ["export", "--checkpoint", "outputs/debug", "--out", "model.safetensors"]
     proc = _run([sys.executable, "-m", "simplefsdp.cli", *cmd], cwd)
     assert "wrote model.safetensors" in proc.stdout
     return cwd
@@ -112,7 +115,7 @@ def test_exported_files_follow_the_umask(exported, tmp_path):
     out.chmod(0o600)  # a file it replaces does not lend its mode
     old = os.umask(0o027)
     try:
-        weights, config = export_checkpoint(cwd / "outputs" / "debug" / "checkpoints", out)
+        weights, config = export_checkpoint(checkpoints(only_run(cwd / "outputs" / "debug")), out)
     finally:
         os.umask(old)
     assert _mode(weights) == 0o640 and _mode(config) == 0o640

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runs import children
+from cli_runs import checkpoints, children, only_run, run_dirs
 
 SMALL = [
     "--data.max_bytes", "300000", "--data.seq_len", "64", "--data.batch_size", "2",
@@ -88,7 +88,8 @@ def test_empty_data_and_missing_resume_are_one_line_errors(tmp_path):
     assert "data.path 'e.txt' is empty" in _only_line(proc.stderr)
     proc = _cli(["train", *SMALL, "--resume"], tmp_path)
     assert proc.returncode == 2
-    assert "--resume: no complete checkpoint in out/ck" in _only_line(proc.stderr)
+    line = _only_line(proc.stderr)
+    assert "--resume: no run in out has a complete checkpoint (there are no runs in out)" in line
     assert not (tmp_path / "out").exists()  # nothing written
 
 
@@ -96,33 +97,34 @@ def test_empty_data_and_missing_resume_are_one_line_errors(tmp_path):
 def test_a_rerun_is_a_new_run_and_never_mixes_files(tmp_path):
     first = _cli(["train", *SMALL, "--training.steps", "4", "--checkpoint.interval", "2"], tmp_path)
     assert first.returncode == 0, first.stderr
-    run1 = {r["run_id"] for r in _records(tmp_path / "out" / "metrics.jsonl")}
-    assert len(run1) == 1
+    run1 = only_run(tmp_path / "out")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     second = _cli(["train", *SMALL, "--training.steps", "3", "--checkpoint.interval", "1",
                    "--checkpoint.keep_last", "2"], tmp_path)  # fmt: skip
     assert second.returncode == 0, second.stderr
-    (run1_id,) = run1
-    assert f"moved the files of run {run1_id} (checkpoints up to step 4)" in second.stdout
-    records = _records(tmp_path / "out" / "metrics.jsonl")
-    run2 = {r["run_id"] for r in records}
-    assert len(run2) == 1 and run2 != run1
+    assert "moved" not in second.stdout
+    old, run2 = run_dirs(tmp_path / "out")
+    assert old == run1
+    # nothing of the first run moved or changed (its run.json and files are where they were)
+    assert all((tmp_path / p).exists() for p in before)
+    assert {r["run_id"] for r in _records(run1 / "metrics.jsonl")} == {run1.name}
+    records = _records(run2 / "metrics.jsonl")
+    assert {r["run_id"] for r in records} == {run2.name}
     assert records[0]["event"] == "run_started"
     assert [r["step"] for r in records[1:]] == [1, 2, 3]
-    # This run's checkpoints only (keep_last 2), the first run's set aside unchanged.
-    assert sorted(p.name for p in (tmp_path / "out" / "ck").glob("step-*")) == ["step-2", "step-3"]
-    old = tmp_path / "out" / "ck" / "previous_runs" / run1_id
-    assert sorted(p.name for p in old.iterdir()) == ["step-2", "step-4"]
-    old_metrics = tmp_path / "out" / "previous_runs" / run1_id / "metrics.jsonl"
-    assert {r["run_id"] for r in _records(old_metrics)} == run1
-    # "latest" is this run's: export picks step-3, resume continues run 2.
-    export = _cli(["export", "--checkpoint", "out/ck", "--out", "m.safetensors"], tmp_path)
+    # Each run's checkpoints in its own folder (keep_last 2 counts this run's).
+    assert sorted(p.name for p in checkpoints(run2).iterdir()) == ["step-2", "step-3"]
+    assert sorted(p.name for p in checkpoints(run1).iterdir()) == ["step-2", "step-4"]
+    # "latest" is the newest run with a checkpoint: export picks step-3, resume continues run 2.
+    export = _cli(["export", "--checkpoint", "out", "--out", "m.safetensors"], tmp_path)
     assert export.returncode == 0, export.stderr
     assert json.loads((tmp_path / "m.config.json").read_text())["step"] == 3
     resumed = _cli(["train", *SMALL, "--training.steps", "4", "--resume"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    records = _records(tmp_path / "out" / "metrics.jsonl")
-    assert {r["run_id"] for r in records} == run2
+    records = _records(run2 / "metrics.jsonl")
+    assert {r["run_id"] for r in records} == {run2.name}
     assert records[-2]["event"] == "run_resumed" and records[-1]["step"] == 4
+    assert run_dirs(tmp_path / "out") == [run1, run2]
     # (A checkpoint that does not fit the model: test_checkpoint_cli.py.)
 
 
@@ -156,9 +158,15 @@ def test_sigint_finishes_the_step_saves_and_exits_with_one_line(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
     line, step = _stop_line(out, "stopped by SIGINT")
-    assert f"saved out/ck/step-{step}; continue with: simplefsdp train --resume" in line
-    assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
-    resumed = _cli(["train", *SMALL, "--training.steps", str(step + 1), "--resume"], tmp_path)
+    run = only_run(tmp_path / "out")
+    assert line.endswith(
+        f"saved out/ck/{run.name}/step-{step}; continue with: simplefsdp train --resume out/{run.name}"
+    )
+    assert (checkpoints(run) / f"step-{step}" / "manifest.json").is_file()
+    assert json.loads((run / "run.json").read_text())["status"] == "stopped"
+    resumed = _cli(
+        ["train", "--resume", f"out/{run.name}", "--training.steps", str(step + 1)], tmp_path
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert f"steps          {step} -> {step + 1}" in resumed.stdout
 
@@ -180,9 +188,10 @@ def test_a_signal_to_one_worker_stops_both_and_rank_0_names_it(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     line, step = _stop_line(out, "stopped by SIGTERM (received by another rank)")
-    assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
+    run = only_run(tmp_path / "out")
+    assert (checkpoints(run) / f"step-{step}" / "manifest.json").is_file()
     assert out.splitlines()[-1] == line, out  # no step after the stop
-    steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").open()]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").open()]
     assert max(steps) == step, steps
 
 
@@ -215,7 +224,8 @@ def test_workers_of_a_killed_launcher_stop_and_save(tmp_path):
     out = proc.stdout.read()  # the workers exited: the pipe is closed
     line, step = _stop_line(out, "stopped by SIGTERM")
     assert step < 500, line
-    assert (tmp_path / "out" / "ck" / f"step-{step}" / "manifest.json").is_file()
+    run = only_run(tmp_path / "out")
+    assert (checkpoints(run) / f"step-{step}" / "manifest.json").is_file()
     assert not error_dir.exists(), sorted(error_dir.iterdir())
     for pid in workers:
         assert (

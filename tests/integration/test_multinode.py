@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runs import losses, small_args, train_env
+from cli_runs import checkpoints, losses, only_run, small_args, train_env
 from simplefsdp._faults import DEFAULT_KILL_MARKER, KILL_AT_STEP_ENV, KILL_RANK_ENV
 
 pytestmark = pytest.mark.slow
@@ -143,13 +143,15 @@ def fully_shard(workdir):
 
 
 def _check_trained(cwd: Path, name: str) -> dict[int, float]:
-    records = _records(cwd / name / "metrics.jsonl")
+    run = only_run(cwd / name)
+    assert run.name.startswith(f"{name}-")  # a new run's id is the job's --rdzv-id
+    records = _records(run / "metrics.jsonl")
     assert records[0]["event"] == "run_started" and records[0]["world_size"] == 2
-    trained = losses(cwd / name / "metrics.jsonl")
+    trained = losses(run / "metrics.jsonl")
     assert sorted(trained) == list(range(1, STEPS + 1))
     assert trained[1] > 5.5
     assert max(trained[STEPS - 1], trained[STEPS]) < trained[1] - 1.0, trained
-    manifest = json.loads((cwd / name / "ck" / f"step-{STEPS}" / "manifest.json").read_text())
+    manifest = json.loads((checkpoints(run) / f"step-{STEPS}" / "manifest.json").read_text())
     assert manifest["step"] == STEPS and manifest["world_size"] == 2
     return trained
 
@@ -187,11 +189,10 @@ def test_sigkill_on_one_node_restarts_both_and_resumes(workdir, fully_shard):
     for i, (_, out) in enumerate(results):  # ... and both nodes started a second attempt
         assert "will restart worker group" in out, f"node {i}:\n{out}"
     assert f"steps          2 -> {STEPS}" in output  # the restart resumed at step 2
-    records = _records(workdir / "killed" / "metrics.jsonl")
+    run = only_run(workdir / "killed")  # the restart continued the run
+    records = _records(run / "metrics.jsonl")
     events = [(r["event"], r["step"], r["world_size"]) for r in records if "event" in r]
     assert events == [("run_started", 0, 2), ("run_resumed", 2, 2)], events
     steps = [r["step"] for r in records if "event" not in r]
     assert steps == list(range(1, STEPS + 1)), steps  # step 3 died before its log
-    assert losses(workdir / "killed" / "metrics.jsonl") == losses(
-        workdir / "fsdp" / "metrics.jsonl"
-    )
+    assert losses(run / "metrics.jsonl") == losses(only_run(workdir / "fsdp") / "metrics.jsonl")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 import simplefsdp
+from cli_runs import checkpoint_as_run, checkpoints, only_run
 from simplefsdp.testing import record_collectives, run_distributed
 
 pytestmark = pytest.mark.slow
@@ -75,34 +75,37 @@ def test_train_runs_loss_falls_and_checkpoints(run_a):
     cwd, proc = run_a
     assert "starting 2 processes on cpu" in proc.stdout
     assert "training finished" in proc.stdout and "tokens/s/rank" in proc.stdout
-    losses = _losses(cwd / "A" / "metrics.jsonl")
+    run = only_run(cwd / "A")
+    losses = _losses(run / "metrics.jsonl")
     assert sorted(losses) == list(range(1, 9))
     assert losses[1] > 5.5
     assert max(losses[7], losses[8]) < losses[1] - 1.5, losses
-    steps = sorted(p.name for p in (cwd / "A" / "ck").iterdir())
+    ck = checkpoints(run)
+    assert ck == (cwd / "A" / "ck" / run.name).resolve()  # checkpoint.folder/<run id>
+    steps = sorted(p.name for p in ck.iterdir())
     assert steps == ["step-4", "step-8"]
-    manifest = json.loads((cwd / "A" / "ck" / "step-8" / "manifest.json").read_text())
+    manifest = json.loads((ck / "step-8" / "manifest.json").read_text())
     assert manifest["step"] == 8 and manifest["world_size"] == 2
     assert any(f["path"] == ".metadata" for f in manifest["files"])
-    state = json.loads((cwd / "A" / "ck" / "step-8" / "trainer_state.json").read_text())
+    state = json.loads((ck / "step-8" / "trainer_state.json").read_text())
     assert state["data_loader"]["position"] == 8 * 2 * 2  # steps * world * batch windows
-    assert (cwd / "A" / "config.toml").is_file()
+    assert (run / "config.toml").is_file()
 
 
 def test_resume_under_torchrun_matches_uninterrupted_run(run_a):
     cwd, _ = run_a
-    (cwd / "B" / "ck").mkdir(parents=True)
-    shutil.copytree(cwd / "A" / "ck" / "step-4", cwd / "B" / "ck" / "step-4")
+    run = checkpoint_as_run(checkpoints(only_run(cwd / "A")) / "step-4", cwd / "B")
     # A crashed, half-written save must not be picked up.
-    (cwd / "B" / "ck" / "step-6.tmp").mkdir()
+    (run / "checkpoints" / "step-6.tmp").mkdir()
     extra = [*EAGER, "--training.steps", "8", "--checkpoint.interval", "4", "--resume"]
     proc = _train(cwd, "B", extra, torchrun=True)
     assert "steps          4 -> 8" in proc.stdout
-    resumed = _losses(cwd / "B" / "metrics.jsonl")
-    full = _losses(cwd / "A" / "metrics.jsonl")
+    resumed = _losses(run / "metrics.jsonl")
+    full = _losses(only_run(cwd / "A") / "metrics.jsonl")
     assert sorted(resumed) == [5, 6, 7, 8]
     assert all(resumed[s] == full[s] for s in resumed), (resumed, full)  # bitwise
-    assert not (cwd / "B" / "ck" / "step-6.tmp").exists()  # cleaned up by the next save
+    assert not (run / "checkpoints" / "step-6.tmp").exists()  # cleaned up by the next save
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
 
 
 def _sharded_weights_and_logits(ckpt: str, tokens: torch.Tensor) -> dict:
@@ -142,7 +145,7 @@ def test_export_matches_the_sharded_model(run_a):
     from simplefsdp.models.llama3 import Transformer
 
     cwd, _ = run_a
-    proc = _run(["export", "--checkpoint", "A/ck", "--out", "exp/model.safetensors"], cwd)
+    proc = _run(["export", "--checkpoint", "A", "--out", "exp/model.safetensors"], cwd)
     assert proc.returncode == 0, proc.stderr
     weights = load_file(str(cwd / "exp" / "model.safetensors"))
     config = json.loads((cwd / "exp" / "model.config.json").read_text())
@@ -152,7 +155,9 @@ def test_export_matches_the_sharded_model(run_a):
 
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     ranks = run_distributed(
-        _sharded_weights_and_logits, 2, args=(str(cwd / "A" / "ck" / "step-8"), tokens)
+        _sharded_weights_and_logits,
+        2,
+        args=(str(checkpoints(only_run(cwd / "A")) / "step-8"), tokens),
     )
     assert ranks[0]["weights"].keys() == weights.keys()
     for name, tensor in weights.items():
@@ -214,7 +219,7 @@ def test_export_bad_checkpoint_is_exit_2(tmp_path):
 )  # fmt: skip
 def test_engines_and_options_train(extra, tmp_path):
     _train(tmp_path, "run", ["--training.steps", "3", "--checkpoint.enable", "false", *extra])
-    losses = _losses(tmp_path / "run" / "metrics.jsonl")
+    losses = _losses(only_run(tmp_path / "run") / "metrics.jsonl")
     assert sorted(losses) == [1, 2, 3]
     assert losses[3] < losses[1]
 

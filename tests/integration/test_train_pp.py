@@ -8,14 +8,13 @@ dp4 run 1 row per rank: the same global batch, so the same data and losses.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cli_runs import losses, small_args, train_env
+from cli_runs import checkpoint_as_run, checkpoints, losses, only_run, small_args, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -33,22 +32,22 @@ def _train(cwd: Path, name: str, extra: list[str]) -> subprocess.CompletedProces
 
 def test_pipeline_run_resumes_at_dp4_and_exports(tmp_path):
     _train(tmp_path, "pp", ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe"])
-    pp = losses(tmp_path / "pp" / "metrics.jsonl")
-    pp_val = losses(tmp_path / "pp" / "metrics.jsonl", "val_loss")
+    pp = losses(only_run(tmp_path / "pp") / "metrics.jsonl")
+    pp_val = losses(only_run(tmp_path / "pp") / "metrics.jsonl", "val_loss")
     assert sorted(pp) == [1, 2, 3, 4] and pp[4] < pp[1] and sorted(pp_val) == [2, 4]
-    state = json.loads((tmp_path / "pp" / "ck" / "step-2" / "trainer_state.json").read_text())
+    ck = checkpoints(only_run(tmp_path / "pp"))
+    state = json.loads((ck / "step-2" / "trainer_state.json").read_text())
     # both stages of a replica read the same batch: the loader advanced by dp ranks only
     assert state["data_loader"]["position"] == 2 * 2 * 2  # steps * dp ranks * batch
-    manifest = json.loads((tmp_path / "pp" / "ck" / "step-2" / "manifest.json").read_text())
+    manifest = json.loads((ck / "step-2" / "manifest.json").read_text())
     assert manifest["world_size"] == 4
 
     # resume step 2 of the pp2 x dp2 run at dp4 (1 row per rank, same global batch)
-    (tmp_path / "dp" / "ck").mkdir(parents=True)
-    shutil.copytree(tmp_path / "pp" / "ck" / "step-2", tmp_path / "dp" / "ck" / "step-2")
+    dp_run = checkpoint_as_run(ck / "step-2", tmp_path / "dp")
     proc = _train(tmp_path, "dp", ["--data.batch_size", "1", "--resume"])
     assert "steps          2 -> 4" in proc.stdout
-    dp = losses(tmp_path / "dp" / "metrics.jsonl")
-    dp_val = losses(tmp_path / "dp" / "metrics.jsonl", "val_loss")
+    dp = losses(dp_run / "metrics.jsonl")
+    dp_val = losses(dp_run / "metrics.jsonl", "val_loss")
     assert sorted(dp) == [3, 4]
     for step in (3, 4):  # same math, another reduction order: fp32 tolerance
         assert dp[step] == pytest.approx(pp[step], rel=1e-5), (dp, pp)
@@ -57,7 +56,7 @@ def test_pipeline_run_resumes_at_dp4_and_exports(tmp_path):
     # the pipeline checkpoint exports to one file holding the whole model
     out = tmp_path / "model.safetensors"
     export = [sys.executable, "-m", "simplefsdp.cli", "export",
-              "--checkpoint", str(tmp_path / "pp" / "ck"), "--out", str(out)]  # fmt: skip
+              "--checkpoint", str(tmp_path / "pp"), "--out", str(out)]  # fmt: skip
     subprocess.run(export, check=True, capture_output=True, env=train_env(), timeout=120)
     from safetensors.torch import load_file
 

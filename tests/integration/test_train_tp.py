@@ -4,14 +4,13 @@ then the run resumed from its checkpoint on another layout (dp2, no TP)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cli_runs import losses, small_args, train_env
+from cli_runs import checkpoint_as_run, checkpoints, losses, only_run, small_args, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -29,17 +28,17 @@ def _train(cwd: Path, name: str, extra: list[str]) -> subprocess.CompletedProces
 def test_tp_run_resumes_on_another_layout(tmp_path):
     proc = _train(tmp_path, "tp", ["--nproc", "4", "--parallel.tp", "2"])
     assert "starting 4 processes on cpu" in proc.stdout
-    two_d = losses(tmp_path / "tp" / "metrics.jsonl")
+    two_d = losses(only_run(tmp_path / "tp") / "metrics.jsonl")
     assert sorted(two_d) == [1, 2, 3, 4] and two_d[4] < two_d[1]
-    state = json.loads((tmp_path / "tp" / "ck" / "step-2" / "trainer_state.json").read_text())
+    ck = checkpoints(only_run(tmp_path / "tp"))
+    state = json.loads((ck / "step-2" / "trainer_state.json").read_text())
     # a TP group reads one batch: the loader advanced by the 2 data-parallel ranks only
     assert state["data_loader"]["position"] == 2 * 2 * 2  # steps * dp ranks * batch
     # resume step 2 of the (dp2, tp2) run on (dp2): weights, AdamW state and data order
-    (tmp_path / "dp" / "ck").mkdir(parents=True)
-    shutil.copytree(tmp_path / "tp" / "ck" / "step-2", tmp_path / "dp" / "ck" / "step-2")
+    dp_run = checkpoint_as_run(ck / "step-2", tmp_path / "dp")
     proc = _train(tmp_path, "dp", ["--nproc", "2", "--resume"])
     assert "steps          2 -> 4" in proc.stdout
-    resumed = losses(tmp_path / "dp" / "metrics.jsonl")
+    resumed = losses(dp_run / "metrics.jsonl")
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):  # same math, TP's reduction order: fp32 tolerance
         assert resumed[step] == pytest.approx(two_d[step], rel=1e-4), (resumed, two_d)

@@ -55,7 +55,7 @@ def test_defaults():
     assert cfg.compile.enable is True and cfg.compile.backend == "inductor"
     assert cfg.compile.bucketing == "auto"
     assert cfg.activation_checkpoint.mode == "none"
-    assert cfg.checkpoint.enable and cfg.checkpoint.folder == "outputs/checkpoints"
+    assert cfg.checkpoint.enable and cfg.checkpoint.folder == ""  # the run folder's
     assert cfg.checkpoint.resume is False
     assert cfg.metrics.output_dir == "outputs"
     assert C.VALID_MODELS == ("debug", "small", "8B", "70B", "405B")

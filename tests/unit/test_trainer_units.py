@@ -421,7 +421,8 @@ def test_worker_argv_strips_launcher_flags():
     assert cli._worker_argv(argv) == ["--training.steps", "5", "--resume"]
 
 
-def test_print_config_shows_overrides(capsys):
+def test_print_config_shows_overrides(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no run to resume: the configuration as given
     assert cli.main(["--print-config", "--training.steps", "7", "--resume"]) == 0
     out = capsys.readouterr().out
     assert "steps = 7" in out and "resume = true" in out and 'name = "debug"' in out

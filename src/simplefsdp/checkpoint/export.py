@@ -2,9 +2,10 @@
 
 Example::
 
-    simplefsdp export --checkpoint outputs/debug/checkpoints --out model.safetensors
+    simplefsdp export --checkpoint outputs/debug --out model.safetensors
 
-writes ``model.safetensors`` (every model tensor under its plain state-dict
+(the newest run's newest complete checkpoint; see :mod:`simplefsdp.train.export_cli`
+for what ``--checkpoint`` takes) writes ``model.safetensors`` (every model tensor under its plain state-dict
 name, e.g. ``layers.0.attention.wq.weight``, full shape) and
 ``model.config.json`` (the model's ``ModelArgs``, the training job config and
 the step), both with the mode a new file gets (``0o666 & ~umask``). The
@@ -233,7 +234,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint",
         required=True,
-        help="a step-N checkpoint folder, or a run's checkpoint folder (the latest is used)",
+        help="a folder of runs (metrics.output_dir: the newest run), a run folder, a run's "
+        "checkpoint folder (its newest complete checkpoint) or a step-N folder",
     )
     parser.add_argument("--out", required=True, help="output .safetensors file")
     parser.add_argument(

@@ -5,7 +5,8 @@ Examples::
     simplefsdp train                                  # debug model, 2 CPU procs or all GPUs
     simplefsdp train --config small --training.steps 500 --parallel.mode hybrid_shard
     simplefsdp train --print-config --compile.enable false
-    simplefsdp train --resume                         # continue from the latest checkpoint
+    simplefsdp train --resume                         # continue the newest run (its config)
+    simplefsdp train --resume outputs/debug/RUN_ID    # continue that run
     torchrun --nnodes 2 --nproc-per-node 8 ... -m simplefsdp.train --config llama3_8b
 
 Run directly, the command validates the configuration and the data path, then
@@ -25,6 +26,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from simplefsdp.parallel_dims import ParallelDims
 from simplefsdp.train.config import (
@@ -43,6 +45,14 @@ from simplefsdp.train.launch import (
     peer_lost,
     under_torchrun,
 )
+from simplefsdp.train.resume import (
+    Resume,
+    output_folders,
+    resolve_resume,
+    start_run_files,
+    this_run,
+)
+from simplefsdp.train.runs import RUN_ID_ENV, check_output_folders, set_run_status
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +92,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--resume",
-        action="store_true",
-        help="continue the latest run from its latest checkpoint (an error if there is none); "
-        "shorthand for --checkpoint.resume true",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RUN",
+        help="continue run RUN (a run folder, or a run id under metrics.output_dir; default: "
+        "the newest run with a complete checkpoint) with its saved config; flags given "
+        "on top override it (an error if there is no checkpoint)",
     )
     parser.add_argument(
         "--resume-if-possible",
@@ -139,7 +153,6 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
             load_tokenizer(tok)
         except ValueError as exc:
             raise ValueError(f"data.tokenizer {tok!r}: {_one_line(exc)}") from exc
-    _check_resume(job)
     p = job.parallel
     _check_layout(job, world_size)
     mesh_shape_for(
@@ -179,22 +192,6 @@ def _check_data_files(path: str) -> None:
         raise ValueError(
             f"data.path {path!r} {what}; give a text file or a folder of text files with "
             "some text, or leave data.path unset for the embedded stdlib corpus"
-        )
-
-
-def _check_resume(job: JobConfig) -> None:
-    """``--resume`` needs a checkpoint to resume from (``--resume-if-possible`` does not);
-    neither resumes from a damaged one (see [Damaged checkpoints] in simplefsdp.checkpoint.steps)."""
-    ck = job.checkpoint
-    resumes = ck.resume or ck.resume_if_possible
-    if not resumes or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return
-    from simplefsdp.checkpoint import resume_checkpoint
-
-    if resume_checkpoint(ck.folder, ck.load_step) is None and ck.resume:
-        raise ValueError(
-            f"--resume: no complete checkpoint in {ck.folder}; leave out --resume to start a "
-            "new run, or pass --resume-if-possible"
         )
 
 
@@ -307,9 +304,22 @@ def _run_worker(job: JobConfig) -> int:
         return 1
     finally:
         trainer.close(clean=clean)
+        _record_status(trainer, clean)
         error_dir = os.environ.get(ERROR_DIR_ENV)
         if error_dir and os.environ.get("RANK", "0") == "0" and launcher_gone():
             shutil.rmtree(error_dir, ignore_errors=True)  # Note: [Orphaned workers]
+
+
+def _record_status(trainer: Any, clean: bool) -> None:
+    """Under torchrun rank 0 records how the run ended in its ``run.json``
+    (under ``simplefsdp train`` the launcher does)."""
+    if os.environ.get(ERROR_DIR_ENV) or os.environ.get("RANK", "0") != "0":
+        return
+    if trainer.run_dir is not None:
+        stopped = trainer.summary.interrupted_by
+        set_run_status(
+            trainer.run_dir, "failed" if not clean else "stopped" if stopped else "finished"
+        )
 
 
 def _check_unknown_flags(parser: argparse.ArgumentParser, overrides: list[str]) -> None:
@@ -338,15 +348,18 @@ def _check_unknown_flags(parser: argparse.ArgumentParser, overrides: list[str]) 
             raise ValueError(f"unknown option {name}. Did you mean {best}?")
 
 
-def _parse(argv: list[str], notes: list[str] | None = None) -> tuple[argparse.Namespace, JobConfig]:
-    """Split known flags from dotted overrides and load the config (may raise).
+def _parse(
+    argv: list[str], notes: list[str] | None = None
+) -> tuple[argparse.Namespace, JobConfig, Resume | None]:
+    """Split known flags from dotted overrides, load the config and pick the run
+    to resume, if any (may raise).
 
     ``notes`` collects one-line notes about the config file (see ``load_config``).
     """
     parser = _build_parser()
     args, overrides = parser.parse_known_args(argv)
     _check_unknown_flags(parser, overrides)
-    if args.resume:
+    if args.resume is not None:
         overrides = [*overrides, "--checkpoint.resume", "true"]
     if args.resume_if_possible:
         overrides = [*overrides, "--checkpoint.resume_if_possible", "true"]
@@ -354,22 +367,33 @@ def _parse(argv: list[str], notes: list[str] | None = None) -> tuple[argparse.Na
         job = load_config(args.config, overrides, notes=notes)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
-    return args, job
+    try:
+        job, resume = resolve_resume(job, args.resume or None, overrides)
+    except ValueError:
+        if not args.print_config:  # which shows the configuration without a run
+            raise
+        resume = None
+    return args, job, resume
 
 
-def _worker_argv(argv: list[str]) -> list[str]:
-    """``argv`` without the launcher-only flags (``--nproc``, ``--max-restarts``)."""
-    out, skip = [], False
+def _worker_argv(argv: list[str], resume: Resume | None = None) -> list[str]:
+    """``argv`` without the launcher-only flags (``--nproc``, ``--max-restarts``);
+    the run the launcher resumes is named (``--resume RUN_FOLDER``)."""
+    out, skip, after_resume = [], False, False
     for token in argv:
-        if skip:
-            skip = False
+        if skip or (after_resume and not token.startswith("--")):
+            skip = after_resume = False
             continue
+        after_resume = False
         name = token.split("=", 1)[0]
         if name in ("--nproc", "--max-restarts"):
             skip = "=" not in token
             continue
+        if resume is not None and name in ("--resume", "--resume-if-possible"):
+            after_resume = token == "--resume"
+            continue
         out.append(token)
-    return out
+    return out if resume is None else [*out, "--resume", str(resume.run.path)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     notes: list[str] = []
     try:
-        args, job = _parse(argv, notes)
+        args, job, resume = _parse(argv, notes)
     except ValueError as exc:
         return _error(_one_line(exc))
     worker = under_torchrun()
@@ -393,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(format_config(job), end="")
         return 0
+    run_id, run_dir = this_run(job, resume)
+    try:  # every output folder, before torch is imported (Note: [One run per folder])
+        if not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV)):
+            check_output_folders(output_folders(job, run_dir))
+    except ValueError as exc:
+        return _error(_one_line(exc))
     if worker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -412,33 +442,59 @@ def main(argv: list[str] | None = None) -> int:
         if not worker or rank == 0:
             return _error(_one_line(exc))
         return EXIT_CONFIG_ERROR
+    if resume is not None and (not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV))):
+        print(f"simplefsdp train: {resume.line()}", flush=True)
     if worker:
+        if resume is not None:  # every rank resolved the same run
+            os.environ[RUN_ID_ENV] = resume.run.run_id
         _configure_logging(rank)
         from simplefsdp.train.interrupts import watch_launcher
 
         watch_launcher()  # Note: [Orphaned workers]
         return _run_worker(job)
+    return _launch(job, args, argv, resume, run_id, run_dir, world)
+
+
+def _launch(
+    job: JobConfig,
+    args: argparse.Namespace,
+    argv: list[str],
+    resume: Resume | None,
+    run_id: str,
+    run_dir: Path,
+    world: int,
+) -> int:
+    """Write the run's files, start the workers, record how the run ended."""
     import torch
 
+    start_run_files(job, run_id, run_dir, resumed=resume is not None)
+    os.environ[RUN_ID_ENV] = run_id
     device = "cuda (nccl)" if torch.cuda.is_available() else "cpu (gloo)"
     warning = oversubscription_warning(world, cuda=torch.cuda.is_available())
     if warning:
         print(f"simplefsdp train: warning: {warning}", file=sys.stderr, flush=True)
     print(f"simplefsdp train: starting {world} processes on {device}", flush=True)
-    return launch(
-        _worker_argv(argv),
-        nproc=world,
-        max_restarts=args.max_restarts,
-        resume_point=lambda: _resume_point(job),
-    )
+    code = EXIT_CONFIG_ERROR
+    try:
+        code = launch(
+            _worker_argv(argv, resume),
+            nproc=world,
+            max_restarts=args.max_restarts,
+            resume_point=lambda: _resume_point(job, run_dir),
+            resume_command=f"simplefsdp train --resume {run_dir}",
+        )
+    finally:
+        set_run_status(run_dir, "finished" if code == 0 else "stopped" if code > 128 else "failed")
+    return code
 
 
-def _resume_point(job: JobConfig) -> str | None:
+def _resume_point(job: JobConfig, run_dir: Path) -> str | None:
     """The checkpoint a restarted run resumes from (the latest complete one in
-    ``checkpoint.folder``), or ``None`` with checkpoints off or none saved."""
+    the run's checkpoint folder), or ``None`` with checkpoints off or none saved."""
     if not job.checkpoint.enable:
         return None
     from simplefsdp.checkpoint.steps import latest_checkpoint
+    from simplefsdp.train.runs import run_checkpoint_folder
 
-    info = latest_checkpoint(job.checkpoint.folder)
+    info = latest_checkpoint(run_checkpoint_folder(job.checkpoint.folder, run_dir))
     return None if info is None else str(info.path)

@@ -82,6 +82,7 @@ def launch(
     nproc: int,
     max_restarts: int = 0,
     resume_point: Callable[[], str | None] | None = None,
+    resume_command: str = "simplefsdp train --resume",
 ) -> int:
     """Run ``python -m simplefsdp.train *worker_argv`` on ``nproc`` local ranks.
 
@@ -100,6 +101,8 @@ def launch(
         max_restarts: restarts of the whole worker group after a failure.
         resume_point: returns the checkpoint a restarted group resumes from
             (``None``: none, it starts over); named in the failure lines.
+        resume_command: the command that continues this run, named in the
+            final failure line.
 
     Returns:
         0 when every worker succeeded; otherwise the workers' exit code (2
@@ -141,7 +144,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="simplefsdp-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         try:
-            reporter = _FailureReporter(Path(error_dir), max_restarts, resume_point)
+            reporter = _FailureReporter(Path(error_dir), max_restarts, resume_point, resume_command)
             with _quiet_agent(reporter):
                 torchrun.run(args)
             stopped = Path(error_dir) / STOPPED_MARK
@@ -230,6 +233,7 @@ class _FailureReporter:
         error_dir: the launcher's error folder (step files and error reports).
         max_restarts: restarts the agent will make.
         resume_point: the checkpoint a restart resumes from, or ``None``.
+        resume_command: the command that continues the run.
     """
 
     _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
@@ -239,8 +243,10 @@ class _FailureReporter:
         error_dir: Path,
         max_restarts: int,
         resume_point: Callable[[], str | None] | None,
+        resume_command: str = "simplefsdp train --resume",
     ) -> None:
         self.error_dir = error_dir
+        self.resume_command = resume_command
         self.max_restarts = max_restarts
         self.resume_point = resume_point or (lambda: None)
         self.restarts = 0
@@ -308,7 +314,7 @@ def _report_failure(exc: Any, error_dir: Path, reporter: _FailureReporter | None
             restarts = f"; no restarts left ({reporter.restarts} of {reporter.max_restarts} used)"
         checkpoint = reporter.resume_point()
         resume = (
-            f"; latest checkpoint {checkpoint} (simplefsdp train --resume continues from it)"
+            f"; latest checkpoint {checkpoint} ({reporter.resume_command} continues from it)"
             if checkpoint
             else ""
         )

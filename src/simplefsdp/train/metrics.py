@@ -328,7 +328,6 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)
     run_id: str = ""
     compile_s: float | None = None
-    archived: list[str] = field(default_factory=list)
     interrupted_by: str = ""
 
     def format(self) -> str:

@@ -1,20 +1,27 @@
-"""Run identity: every run of ``simplefsdp train`` has an id, and runs never share files.
+"""Runs of ``simplefsdp train``: one folder per run, found again by id or path.
 
 Note: [One run per folder]
-    A run writes ``metrics.jsonl``, ``config.toml`` and ``tensorboard/`` in
-    ``metrics.output_dir`` and ``step-N`` folders in ``checkpoint.folder``;
-    every metrics record, and the trainer state of every checkpoint, carries
-    the run's id. A run that resumes (``--resume``, or a restart after a
-    failure) continues the id of the checkpoint it loads. A *new* run that
-    finds another run's files there first moves them, unchanged, into
-    ``<folder>/previous_runs/<that run's id>/`` (metrics and config under the
-    output folder, checkpoints under the checkpoint folder) and says so in one
-    line. So the ``step-N`` folders in ``checkpoint.folder`` are always this
-    run's: "latest" (``--resume``, ``simplefsdp export --checkpoint FOLDER``)
-    is this run's latest, ``keep_last`` counts this run's checkpoints, and a
-    new run's ``step-100`` never replaces an older run's. Nothing is deleted.
+    Every run of ``simplefsdp train`` has an id (``YYYYmmdd-HHMMSS-xxxx``) and
+    a folder ``<metrics.output_dir>/<run id>/`` holding::
 
-This module only moves files and reads JSON; it does not import torch.
+        run.json        id, start time, command line, status (running,
+                        finished, stopped, failed) and checkpoint folder
+        config.toml     the resolved configuration the run trains with
+        metrics.jsonl   every record carries the run id
+        tensorboard/    with metrics.tensorboard
+        checkpoints/    step-N folders (checkpoint.folder empty, the default)
+
+    With ``checkpoint.folder DIR`` the checkpoints go to ``DIR/<run id>/``
+    instead (``run.json`` records where). A new run never moves, replaces or
+    deletes another run's files; ``keep_last`` counts this run's checkpoints.
+    ``--resume RUN`` (an id under ``metrics.output_dir``, or a run folder)
+    continues that run under its id with its saved ``config.toml`` (flags on
+    top override it); ``--resume`` alone picks the newest run that has a
+    complete checkpoint. ``simplefsdp runs`` lists runs and removes them on
+    request.
+
+This module reads and writes small JSON/TOML files; it imports torch only to
+find a run's complete checkpoints (:func:`RunInfo.latest_step`).
 """
 
 from __future__ import annotations
@@ -23,25 +30,38 @@ import json
 import os
 import re
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
-    "ARCHIVE_DIR",
+    "CHECKPOINTS_DIR",
+    "CONFIG_FILE",
+    "RUN_FILE",
     "RUN_ID_ENV",
-    "PreviousRun",
-    "archive_previous_run",
-    "find_previous_run",
+    "RunInfo",
+    "check_output_folders",
+    "describe_runs",
+    "find_run",
+    "list_runs",
     "new_run_id",
+    "newest_resumable_run",
+    "read_run",
+    "remove_run",
+    "run_checkpoint_folder",
+    "run_folder",
+    "set_run_status",
+    "write_run_files",
 ]
 
 #: Environment variable through which the launcher hands its run id to the workers.
 RUN_ID_ENV = "SIMPLEFSDP_RUN_ID"
-#: Sub-folder (of the output and checkpoint folders) that holds earlier runs.
-ARCHIVE_DIR = "previous_runs"
-_OUTPUT_FILES = ("metrics.jsonl", "config.toml", "tensorboard")
-_STEP_DIR = re.compile(r"^step-\d+(\.[\w.]+)?$")  # step-N and step-N.*.tmp
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.toml"
+CHECKPOINTS_DIR = "checkpoints"
+_SAFE = re.compile(r"[^\w.-]")
 
 
 def new_run_id() -> str:
@@ -49,103 +69,246 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
+def run_folder(output_dir: str | os.PathLike[str], run_id: str) -> Path:
+    """``<output_dir>/<run id>`` (an id with unsafe characters has them replaced by ``_``)."""
+    return Path(output_dir) / (_SAFE.sub("_", run_id) or "run")
+
+
+def run_checkpoint_folder(checkpoint_folder: str, run_dir: Path) -> Path:
+    """The checkpoint folder of the run in ``run_dir``.
+
+    Args:
+        checkpoint_folder: ``checkpoint.folder``; empty means ``<run_dir>/checkpoints``,
+            else ``<checkpoint_folder>/<run id>``.
+        run_dir: the run's folder (its name is the run id).
+    """
+    if not checkpoint_folder:
+        return run_dir / CHECKPOINTS_DIR
+    return Path(checkpoint_folder) / run_dir.name
+
+
 @dataclass(frozen=True)
-class PreviousRun:
-    """Another run's files in this run's folders."""
+class RunInfo:
+    """A run folder and what its ``run.json`` says."""
 
     run_id: str
-    output_files: tuple[Path, ...]
-    checkpoint_dirs: tuple[Path, ...]
+    path: Path
+    status: str
+    checkpoint_folder: Path
+    started: str = ""
+    command: str = ""
 
-    def describe(self) -> str:
-        steps = sorted(
-            int(m.group(1))
-            for p in self.checkpoint_dirs
-            if (m := re.match(r"^step-(\d+)$", p.name))
-        )
-        what = f"checkpoints up to step {steps[-1]}" if steps else "logs"
-        return f"run {self.run_id} ({what})"
+    def latest_step(self) -> int | None:
+        """The step of the run's newest complete checkpoint, or ``None``."""
+        from simplefsdp.checkpoint import latest_checkpoint
+
+        info = latest_checkpoint(self.checkpoint_folder)
+        return None if info is None else info.step
+
+    def last_logged_step(self) -> int | None:
+        """The step of the last record in ``metrics.jsonl``, or ``None``."""
+        path = self.path / "metrics.jsonl"
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, path.stat().st_size - 4096))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            try:
+                step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(step, int):
+                return step
+        return None
+
+    def size_bytes(self) -> int:
+        """Bytes on disk of the run folder and (when elsewhere) its checkpoint folder."""
+        roots = [self.path]
+        if not _is_inside(self.checkpoint_folder, self.path):
+            roots.append(self.checkpoint_folder)
+        total = 0
+        for root in roots:
+            for dirpath, _, files in os.walk(root):
+                for name in files:
+                    try:
+                        total += os.lstat(os.path.join(dirpath, name)).st_size
+                    except OSError:
+                        pass
+        return total
 
 
-def _run_id_in_metrics(path: Path) -> str | None:
-    """The ``run_id`` of the last record of ``metrics.jsonl`` that has one."""
+def _is_inside(path: Path, folder: Path) -> bool:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
+        path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
-    for line in reversed(lines):
-        try:
-            run_id = json.loads(line).get("run_id")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(run_id, str) and run_id:
-            return run_id
+    return data if isinstance(data, dict) else None
+
+
+def read_run(path: str | os.PathLike[str]) -> RunInfo | None:
+    """The run in folder ``path``, or ``None`` when it is not a run folder (no ``run.json``)."""
+    folder = Path(path)
+    record = _read_json(folder / RUN_FILE)
+    if record is None:
+        return None
+    ckpt = record.get("checkpoint_folder")
+    ckpt_path = Path(ckpt) if isinstance(ckpt, str) and ckpt else folder / CHECKPOINTS_DIR
+    if not ckpt_path.is_dir() and (folder / CHECKPOINTS_DIR).is_dir():
+        ckpt_path = folder / CHECKPOINTS_DIR  # the tree was moved: the run's own folder
+    return RunInfo(
+        run_id=str(record.get("id") or folder.name),
+        path=folder,
+        status=str(record.get("status", "unknown")),
+        checkpoint_folder=ckpt_path,
+        started=str(record.get("started", "")),
+        command=str(record.get("command", "")),
+    )
+
+
+def list_runs(root: str | os.PathLike[str]) -> list[RunInfo]:
+    """The runs in ``root`` (a ``metrics.output_dir``), oldest first (ids sort by start time)."""
+    folder = Path(root)
+    if not folder.is_dir():
+        return []
+    runs = [read_run(child) for child in folder.iterdir() if child.is_dir()]
+    return sorted((r for r in runs if r is not None), key=lambda r: (r.started, r.path.name))
+
+
+def newest_resumable_run(root: str | os.PathLike[str]) -> tuple[RunInfo, int] | None:
+    """``(run, step)``: the newest run in ``root`` with a complete checkpoint, or ``None``."""
+    for run in reversed(list_runs(root)):
+        step = run.latest_step()
+        if step is not None:
+            return run, step
     return None
 
 
-def _run_id_in_checkpoints(dirs: list[Path]) -> str | None:
-    for folder in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            run_id = json.loads((folder / "trainer_state.json").read_text()).get("run_id")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(run_id, str) and run_id:
-            return run_id
-    return None
+def describe_runs(root: str | os.PathLike[str]) -> str:
+    """One phrase naming the runs in ``root`` and their last complete checkpoints."""
+    runs = list_runs(root)
+    if not runs:
+        return f"there are no runs in {root}"
+    parts = []
+    for run in runs:
+        step = run.latest_step()
+        parts.append(f"{run.run_id} ({'no checkpoint' if step is None else f'step {step}'})")
+    return f"runs in {root}: " + ", ".join(parts)
 
 
-def _safe_name(run_id: str) -> str:
-    return re.sub(r"[^\w.-]", "_", run_id) or "run"
+def find_run(spec: str, root: str | os.PathLike[str]) -> RunInfo:
+    """The run ``spec`` names: a run folder, or a run id under ``root``.
 
-
-def find_previous_run(
-    output_dir: str | os.PathLike[str], checkpoint_folder: str | os.PathLike[str] | None
-) -> PreviousRun | None:
-    """Files of an earlier run in ``output_dir`` / ``checkpoint_folder``, or ``None``."""
-    out = Path(output_dir)
-    outputs = [out / name for name in _OUTPUT_FILES if (out / name).exists()]
-    ckpts: list[Path] = []
-    if checkpoint_folder is not None and Path(checkpoint_folder).is_dir():
-        ckpts = [
-            p for p in Path(checkpoint_folder).iterdir() if p.is_dir() and _STEP_DIR.match(p.name)
-        ]
-    if not outputs and not ckpts:
-        return None
-    run_id = _run_id_in_checkpoints(ckpts) or _run_id_in_metrics(out / "metrics.jsonl")
-    if run_id is None:  # written before runs had ids: name it by its last change
-        newest = max(p.stat().st_mtime for p in [*outputs, *ckpts])
-        run_id = "run-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(newest))
-    return PreviousRun(_safe_name(run_id), tuple(outputs), tuple(ckpts))
-
-
-def _unique(path: Path) -> Path:
-    candidate, n = path, 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    return candidate
-
-
-def archive_previous_run(
-    previous: PreviousRun,
-    output_dir: str | os.PathLike[str],
-    checkpoint_folder: str | os.PathLike[str] | None,
-) -> list[Path]:
-    """Move ``previous``'s files into ``previous_runs/<id>/`` folders; return those folders.
-
-    Each file or folder is moved with one ``os.replace`` (same file system),
-    so a crash leaves every file either where it was or archived.
+    Raises:
+        ValueError: no such run; the message lists the runs in ``root``.
     """
-    targets: list[Path] = []
-    groups = [(Path(output_dir), previous.output_files)]
-    if checkpoint_folder is not None:
-        groups.append((Path(checkpoint_folder), previous.checkpoint_dirs))
-    for root, paths in groups:
-        if not paths:
-            continue
-        target = _unique(root / ARCHIVE_DIR / previous.run_id)
-        target.mkdir(parents=True)
-        for path in paths:
-            os.replace(path, target / path.name)
-        targets.append(target)
-    return targets
+    for candidate in (Path(spec), Path(root) / spec):
+        run = read_run(candidate)
+        if run is not None:
+            return run
+    raise ValueError(
+        f"no run folder {spec!r} and no run with that id in {root} ({describe_runs(root)})"
+    )
+
+
+def write_run_files(
+    run_dir: Path,
+    *,
+    run_id: str,
+    checkpoint_folder: Path,
+    config_text: str,
+    status: str,
+    resumed: bool = False,
+) -> None:
+    """Create ``run_dir`` and write its ``config.toml`` and ``run.json``.
+
+    A run keeps its start time and first command line; with ``resumed`` the
+    command that continues it is recorded as ``resumed_with``.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+    old = _read_json(run_dir / RUN_FILE) or {}
+    command = " ".join(["simplefsdp train", *_argv()])
+    record = {
+        "id": run_id,
+        "started": old.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": old.get("command") or command,
+        "status": status,
+        "checkpoint_folder": os.path.abspath(checkpoint_folder),
+    }
+    if resumed:
+        record["resumed_with"] = command
+    _write_json(run_dir / RUN_FILE, record)
+
+
+def _argv() -> list[str]:
+    import sys
+
+    return sys.argv[2:] if sys.argv[1:2] == ["train"] else sys.argv[1:]
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def set_run_status(run_dir: Path, status: str) -> None:
+    """Set ``status`` in ``run_dir/run.json`` (nothing when the file is missing)."""
+    record = _read_json(run_dir / RUN_FILE)
+    if record is not None:
+        record["status"] = status
+        try:
+            _write_json(run_dir / RUN_FILE, record)
+        except OSError:
+            pass
+
+
+def check_output_folders(folders: dict[str, Path]) -> None:
+    """Create each folder, write and remove a probe file; then remove what was created.
+
+    Args:
+        folders: ``{what: folder}``, e.g. ``{"metrics.output_dir": run_dir}``.
+
+    Raises:
+        ValueError: naming the setting and the folder that cannot be written;
+            everything created so far is removed first.
+    """
+    created: list[Path] = []
+    try:
+        for what, folder in folders.items():
+            try:
+                missing = [p for p in (folder, *folder.parents) if not p.exists()]
+                folder.mkdir(parents=True, exist_ok=True)
+                created.extend(reversed(missing))
+                probe = folder / f".simplefsdp-probe-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as exc:
+                reason = exc.strerror or type(exc).__name__
+                raise ValueError(
+                    f"{what}: cannot write to {exc.filename or folder} ({reason}); "
+                    "give a folder that can be created and written"
+                ) from exc
+    finally:
+        for path in reversed(created):
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+
+
+def remove_run(run: RunInfo) -> None:
+    """Delete the run's folder and (when elsewhere) its checkpoint folder."""
+    if not _is_inside(run.checkpoint_folder, run.path):
+        shutil.rmtree(run.checkpoint_folder, ignore_errors=True)
+    shutil.rmtree(run.path)

@@ -32,9 +32,7 @@ import torch.distributed as dist
 
 from simplefsdp._faults import maybe_kill_at_step
 from simplefsdp.checkpoint import (
-    TRAINER_STATE_NAME,
     Checkpointer,
-    read_json,
     resume_checkpoint,
     step_dir_name,
 )
@@ -51,9 +49,9 @@ from simplefsdp.engines import (
     pick_device,
     teardown_process_group,
 )
-from simplefsdp.train.config import JobConfig, config_hash, config_to_dict, format_config
+from simplefsdp.train.config import JobConfig, config_hash, config_to_dict
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
-from simplefsdp.train.launch import STOPPED_MARK, launcher_error_dir, note_step
+from simplefsdp.train.launch import ERROR_DIR_ENV, STOPPED_MARK, launcher_error_dir, note_step
 from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
     Heartbeat,
@@ -65,7 +63,14 @@ from simplefsdp.train.metrics import (
     peak_flops_for,
 )
 from simplefsdp.train.parallelism import engine_spec, job_mesh, parallelize_job
-from simplefsdp.train.runs import RUN_ID_ENV, archive_previous_run, find_previous_run, new_run_id
+from simplefsdp.train.resume import start_run_files
+from simplefsdp.train.runs import (
+    RUN_ID_ENV,
+    describe_runs,
+    new_run_id,
+    run_checkpoint_folder,
+    run_folder,
+)
 from simplefsdp.train.schedule import build_lr_scheduler, json_ready
 
 logger = logging.getLogger(__name__)
@@ -115,6 +120,7 @@ class Trainer:
         self.step = 0
         self.summary = TrainSummary(output_dir=job.metrics.output_dir)
         self.run_id = ""
+        self.run_dir: Path | None = None  # Note: [One run per folder] in train/runs.py
         self.exit_code = 0
         self._writer: MetricsWriter | None = None
         self._progress: ProgressDisplay | None = None
@@ -135,8 +141,8 @@ class Trainer:
         self.memory.reset()
         self._build_model()
         self._build_optimizer()
-        self._build_checkpointer()
         resume_step = self._start_run()
+        self._build_checkpointer()
         self._build_metrics()
         self._maybe_resume(resume_step)
 
@@ -222,7 +228,7 @@ class Trainer:
 
     def _build_checkpointer(self) -> None:
         self.checkpointer = Checkpointer(
-            self.job.checkpoint.folder,
+            self.checkpoint_dir,
             model=self.model,
             optimizer=self.optimizer,
             device=self.device,
@@ -232,20 +238,21 @@ class Trainer:
         )
 
     def _build_metrics(self) -> None:
-        out = Path(self.job.metrics.output_dir)
         if self.rank == 0:
+            assert self.run_dir is not None
             self._writer = MetricsWriter(
-                out, tensorboard=self.job.metrics.tensorboard, run_id=self.run_id
+                self.run_dir, tensorboard=self.job.metrics.tensorboard, run_id=self.run_id
             )
-            (out / "config.toml").write_text(format_config(self.job), encoding="utf-8")
             self.summary.metrics_path = str(self._writer.path)
             tb = self._writer.tensorboard_dir
             self.summary.tensorboard_dir = None if tb is None else str(tb)
 
     def _start_run(self) -> int:
-        """Decide (on rank 0) whether this run resumes, and its id; move another run's files.
+        """Decide (on rank 0) whether this run resumes, and its id and folders.
 
-        See Note: [One run per folder] in :mod:`simplefsdp.train.runs`.
+        See Note: [One run per folder] in :mod:`simplefsdp.train.runs`. Under
+        ``simplefsdp train`` the launcher has written the run's files; under
+        torchrun rank 0 writes them here.
 
         Returns:
             The step of the checkpoint to resume from, or -1 for a new run.
@@ -257,54 +264,46 @@ class Trainer:
         if self.rank == 0:
             decision = [self._decide_run()]
         dist.broadcast_object_list(decision, src=0, device=comm_device(self.device))
-        step, run_id, archived, error = decision[0]
+        step, run_id, error = decision[0]
         if error:
             raise ValueError(error)
         self.run_id = self.summary.run_id = run_id
-        self.summary.archived = archived
+        self.run_dir = run_folder(self.job.metrics.output_dir, run_id)
+        self.checkpoint_dir = run_checkpoint_folder(self.job.checkpoint.folder, self.run_dir)
+        self.summary.output_dir = str(self.run_dir)
+        if self.rank == 0 and not os.environ.get(ERROR_DIR_ENV):
+            start_run_files(self.job, run_id, self.run_dir, resumed=step >= 0)
         return step
 
-    def _decide_run(self) -> tuple[int, str, list[str], str | None]:
-        """``(resume step, run id, archived folders, error)``; rank 0 only."""
+    def _decide_run(self) -> tuple[int, str, str | None]:
+        """``(resume step, run id, error)``; rank 0 only."""
         ck, mt = self.job.checkpoint, self.job.metrics
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         elastic_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         run_id = os.environ.get(RUN_ID_ENV) or (elastic_id if elastic_id != "none" else "")
+        run_id = run_id or new_run_id()
+        folder = run_checkpoint_folder(ck.folder, run_folder(mt.output_dir, run_id))
         if ck.resume or ck.resume_if_possible or (restarted and ck.enable):
             try:  # a restart continues from the latest, not from load_step again
-                info = resume_checkpoint(ck.folder, -1 if restarted else ck.load_step, report=True)
+                info = resume_checkpoint(folder, -1 if restarted else ck.load_step, report=True)
             except ValueError as exc:  # a damaged checkpoint: see [Damaged checkpoints]
-                return -1, "", [], str(exc)
+                return -1, run_id, str(exc)
             if info is not None:
-                state = read_json(info.path / TRAINER_STATE_NAME)  # verified: it exists
-                run_id = (state.get("run_id") if isinstance(state, dict) else None) or run_id
-                return info.step, str(run_id or new_run_id()), [], None
+                return info.step, run_id, None
             if ck.resume and not restarted:
                 return (
                     -1,
-                    "",
-                    [],
+                    run_id,
                     (
-                        f"--resume: no complete checkpoint in {ck.folder}; leave out --resume to "
-                        "start a new run, or pass --resume-if-possible"
+                        f"--resume: run {run_id} has no complete checkpoint in {folder} "
+                        f"({describe_runs(mt.output_dir)})"
                     ),
                 )
-        run_id = run_id or new_run_id()
-        previous = find_previous_run(mt.output_dir, ck.folder if ck.enable else None)
-        if previous is None or previous.run_id == run_id:
-            return -1, run_id, [], None
-        moved = archive_previous_run(previous, mt.output_dir, ck.folder if ck.enable else None)
-        print(
-            f"simplefsdp train: new run {run_id}; moved the files of {previous.describe()} to "
-            + ", ".join(str(p) for p in moved)
-            + " (--resume continues the latest run instead)",
-            flush=True,
-        )
-        return -1, run_id, [str(p) for p in moved], None
+        return -1, run_id, None
 
     def _maybe_resume(self, step: int) -> None:
         if step >= 0:
-            folder = Path(self.job.checkpoint.folder) / step_dir_name(step)
+            folder = self.checkpoint_dir / step_dir_name(step)
             state = self.checkpointer.load(folder)
             self.loader.load_state_dict(state["data_loader"])
             self.step = int(state["step"])
@@ -543,7 +542,8 @@ class Trainer:
         self.exit_code = stop.exit_code
         if self.rank == 0:
             where = (
-                f"saved {self.summary.checkpoint}; continue with: simplefsdp train --resume"
+                f"saved {self.summary.checkpoint}; continue with: "
+                f"simplefsdp train --resume {self.run_dir}"
                 if ck.enable
                 else "checkpoints are off (checkpoint.enable false), nothing saved"
             )

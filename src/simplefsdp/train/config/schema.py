@@ -260,13 +260,15 @@ class CheckpointConfig:
 
     Attributes:
         enable: Save checkpoints.
-        folder: Checkpoint folder.
+        folder: Where checkpoints go: empty (the default) for the run's own
+            ``<metrics.output_dir>/<run id>/checkpoints``, else ``<folder>/<run id>``.
         interval: Save every ``interval`` steps.
         keep_last: Number of most recent checkpoints kept.
-        resume: Resume from the latest checkpoint in ``folder``; an error
-            when there is none.
-        resume_if_possible: Resume from the latest checkpoint in ``folder``
-            when there is one, else start a new run.
+        resume: Continue the newest run in ``metrics.output_dir`` that has a
+            complete checkpoint, with its saved configuration; an error when
+            there is none (``simplefsdp train --resume RUN`` names the run).
+        resume_if_possible: The same when there is such a run, else start a
+            new run.
         load_step: The step of the checkpoint to resume from (``-1``: the
             latest). Resuming never passes over a damaged checkpoint on its
             own: its one-line error names this flag and the previous good
@@ -275,7 +277,7 @@ class CheckpointConfig:
     """
 
     enable: bool = True
-    folder: str = "outputs/checkpoints"
+    folder: str = ""
     interval: int = 100
     keep_last: int = 3
     resume: bool = False
@@ -289,7 +291,9 @@ class MetricsConfig:
 
     Attributes:
         log_interval: Log training metrics every ``log_interval`` steps.
-        output_dir: Folder for logs, metrics and TensorBoard events.
+        output_dir: Folder of the runs: each run writes its configuration,
+            metrics, TensorBoard events and (by default) checkpoints into
+            ``<output_dir>/<run id>/``.
         tensorboard: Write TensorBoard events.
         val_interval: Validate every ``val_interval`` steps (``0`` disables).
         val_batches: Validation batches per evaluation.
@@ -467,7 +471,12 @@ def validate_config(cfg: JobConfig) -> None:
     check(ck.interval >= 1, "checkpoint.interval", ck.interval, ">= 1")
     check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, ">= 1")
     check(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, ">= 0, or -1 for the latest")
-    check(bool(ck.folder.strip()), "checkpoint.folder", ck.folder, "a non-empty path")
+    check(
+        ck.folder == "" or bool(ck.folder.strip()),
+        "checkpoint.folder",
+        ck.folder,
+        "a path, or empty for the run folder's checkpoints/",
+    )
 
     check(mt.log_interval >= 1, "metrics.log_interval", mt.log_interval, ">= 1")
     check(mt.val_interval >= 0, "metrics.val_interval", mt.val_interval, ">= 0 (0 disables)")
