@@ -134,14 +134,16 @@ def test_damaged_latest_checkpoint_stops_resume_and_load_step_falls_back(referen
     it, the previous good step and the flag; that flag resumes from it, and the
     first resumed step follows the new schedule (here 8 steps instead of 6)."""
     cwd = reference
-    shutil.copytree(cwd / "ref" / "ck", cwd / "damaged" / "ck")
-    shard = cwd / "damaged" / "ck" / f"step-{STEPS}" / "__0_0.distcp"
+    source = checkpoints(only_run(cwd / "ref"))
+    run = checkpoint_as_run(source / "step-4", cwd / "damaged")
+    shutil.copytree(source / f"step-{STEPS}", checkpoints(run) / f"step-{STEPS}")
+    shard = checkpoints(run) / f"step-{STEPS}" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-10])
     proc = _train(cwd, "damaged", extra=["--resume"])
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "ignoring" not in proc.stderr, proc.stderr
-    assert str(shard.relative_to(cwd)) in errors[0] and "truncated" in errors[0]
+    assert str(shard.resolve()) in errors[0] and "truncated" in errors[0]
     assert "previous good checkpoint is step 4: pass --checkpoint.load_step 4" in errors[0]
 
     extra = ["--resume", "--checkpoint.load_step", "4", "--training.steps", "8"]
@@ -150,6 +152,6 @@ def test_damaged_latest_checkpoint_stops_resume_and_load_step_falls_back(referen
     assert "steps          4 -> 8" in proc.stdout
     from simplefsdp.train.schedule import lr_factor
 
-    lr = losses(cwd / "damaged" / "metrics.jsonl", key="lr")
+    lr = losses(run / "metrics.jsonl", key="lr")
     want = 3e-3 * lr_factor(4, warmup_steps=2, total_steps=8, min_lr_ratio=0.1)
     assert lr[5] == pytest.approx(want, rel=1e-6)
