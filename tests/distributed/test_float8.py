@@ -133,6 +133,14 @@ def test_float8_all_gather_compiled_gathers_float8_bytes():
     assert sorted(c["bytes"] for c in float8) == [2048, 2048], gathers
     # The unconverted last layer and the biases still gather in fp32.
     assert all(c["dtype"] == "float32" for c in gathers if c not in float8), gathers
+    # Resharded after forward: backward gathers the first weight's float8
+    # bytes again (the last bucket is kept gathered, keep_gathered="auto")
+    # and reuses the forward's scale (no amax all-reduce in backward).
+    backward = next(g for g in report["graphs"] if g["graph"] == "backward")
+    regathers = [c for c in backward["collectives"] if c["kind"] == "all_gather"]
+    assert [c["bytes"] for c in regathers if c["dtype"] == "float8_e4m3fn"] == [2048], regathers
+    assert all(c["bytes"] < 2048 for c in regathers if c["dtype"] == "float32"), regathers
+    assert not any(c["kind"] == "all_reduce" for c in backward["collectives"]), backward
 
 
 def _eager_refusal_body() -> str:
