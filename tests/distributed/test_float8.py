@@ -155,3 +155,27 @@ def _eager_refusal_body() -> str:
 def test_eager_executor_refuses_float8_weights():
     message = run_distributed(_eager_refusal_body, world_size=WORLD)[0]
     assert "float8 all-gather weight" in message and "\n" not in message, message
+
+
+def _fsdp2_body() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fsdp2 = _build(True)
+    for layer in fsdp2:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp2, mesh=mesh)
+    fsdp2_losses = _global(_train(fsdp2, 1, rank))
+    ours = _wrap(_build(True), None)
+    our_losses = _global(_train(ours, 1, rank))
+    # FSDP2 runs torchao's own pre/post all-gather hooks: the same amax
+    # all-reduce, scale and casts, hence bitwise the same training.
+    assert our_losses == fsdp2_losses, (our_losses, fsdp2_losses)
+    for (name, p), (_, q) in zip(fsdp2.named_parameters(), ours.named_parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+
+
+def test_float8_all_gather_matches_fsdp2():
+    run_distributed(_fsdp2_body, world_size=WORLD)
