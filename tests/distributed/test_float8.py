@@ -179,3 +179,31 @@ def _fsdp2_body() -> None:
 
 def test_float8_all_gather_matches_fsdp2():
     run_distributed(_fsdp2_body, world_size=WORLD)
+
+
+def _checkpoint_body(folder: str) -> None:
+    import pathlib
+
+    import simplefsdp.checkpoint as ckpt
+
+    rank = dist.get_rank()
+    float8 = _wrap(_build(True), None)
+    _train(float8, 1, rank)
+    opt = torch.optim.AdamW(float8.parameters(), lr=1e-2)
+    float8(torch.randn(LOCAL_BATCH, 32)).sum().backward()
+    opt.step()
+    path = ckpt.save(float8, opt, pathlib.Path(folder) / "step-1")
+    dist.barrier()
+    # Plain tensors only: no torchao class pickled into the files (a process
+    # without torchao, or a high-precision model, can read them).
+    for file in pathlib.Path(path).rglob("*"):
+        if file.is_file():
+            assert b"WeightWithDynamicFloat8CastTensor" not in file.read_bytes(), file
+    for target in (_wrap(_build(False), None), _wrap(_build(True), None)):
+        ckpt.load(target, torch.optim.AdamW(target.parameters(), lr=1e-2), path, rng=False)
+        for (name, p), (_, q) in zip(float8.named_parameters(), target.named_parameters()):
+            assert torch.equal(p.full_tensor(), q.full_tensor()), name
+
+
+def test_float8_checkpoint_loads_into_high_precision_and_float8_models(tmp_path):
+    run_distributed(_checkpoint_body, world_size=WORLD, args=(str(tmp_path),))

@@ -40,6 +40,8 @@ Note: [Float8 all-gather]
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
@@ -141,3 +143,29 @@ def float8_gather(param: DTensor, spec) -> torch.Tensor:
     reduce = (spec.reduce_dtype, spec.grad_placements[0].reduce_op)
     anchor, data = _Float8AllGather.apply(local, scale, mesh, float8_dtype, orig_dtype, reduce)
     return _AsFloat8Weight.apply(anchor, data, scale, wrapper._linear_mm_config)
+
+
+def plain_float8_weights(tree: Any) -> Any:
+    """``tree`` (a state dict, nested dicts/lists) with every torchao
+    float8-all-gather weight (and optimizer state shaped like one) replaced by
+    its plain high-precision tensor, sharing storage.
+
+    Checkpoints then hold plain tensors that load into float8 and
+    high-precision models alike (and need no torchao to read).
+    """
+    if isinstance(tree, dict):
+        return {key: plain_float8_weights(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(plain_float8_weights(value) for value in tree)
+    if isinstance(tree, DTensor) and is_float8_weight(tree):
+        return DTensor.from_local(
+            tree._local_tensor._tensor,
+            tree.device_mesh,
+            tree.placements,
+            run_check=False,
+            shape=tree.shape,
+            stride=tree.stride(),
+        )
+    if isinstance(tree, torch.Tensor) and is_float8_weight(tree):
+        return tree._tensor
+    return tree
