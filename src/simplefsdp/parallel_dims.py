@@ -71,8 +71,9 @@ PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = get_args(PipelineSchedule)
 #: Schedules that run several stages per rank (2 unless told otherwise).
 INTERLEAVED_SCHEDULES: tuple[PipelineSchedule, ...] = ("interleaved_1f1b",)
 
-ACMode = Literal["none", "full", "selective"]
-"""Activation checkpointing: none, every block, or every other block."""
+ACMode = Literal["none", "selective", "full"]
+"""Activation checkpointing, from the most memory to the least: none, every
+other block, or every block (``simplefsdp plan`` suggests leaner modes in this order)."""
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
 
 Bucketing = Literal["auto", "none", "per_block"]

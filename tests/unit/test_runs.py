@@ -33,6 +33,7 @@ def _fake_checkpoints(monkeypatch):
         return int(marker.read_text()) if marker.is_file() else None
 
     monkeypatch.setattr(runs.RunInfo, "latest_step", latest_step)
+    monkeypatch.setattr(runs.RunInfo, "resume_step", lambda self, load_step=-1: latest_step(self))
 
 
 def _job(root: Path, *extra: str):

@@ -575,3 +575,26 @@ def test_manual_edit_then_validate():
     cfg.training.steps = 1
     apply_overrides(cfg, ["--training.steps", "9"])
     assert cfg.training.steps == 9
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        (["--float8.recipe", "blockwise"], "float8.recipe"),
+        (["--float8.enable", "true", "--parallel.engine", "simplefsdp_eager"],
+         "valid choices with float8"),
+        (["--float8.enable", "true", "--parallel.tp", "2"], "data parallelism only"),
+    ],
+)  # fmt: skip
+def test_float8_errors(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, override)
+
+
+def test_float8_section_defaults():
+    cfg = load_config(None, ["--float8.enable", "true", "--float8.recipe", "rowwise"])
+    assert (cfg.float8.enable, cfg.float8.recipe, cfg.float8.filter_fqns) == (
+        True,
+        "rowwise",
+        "output",
+    )

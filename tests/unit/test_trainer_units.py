@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -200,8 +201,11 @@ def _real_checkpoints(folder: Path, steps: tuple[int, ...]) -> Checkpointer:
     optimizer.step()
     ck = Checkpointer(folder, model=model, optimizer=optimizer, device=torch.device("cpu"),
                       keep_last=5, config_hash="h", config_json={})  # fmt: skip
-    for step in steps:
-        ck.save(step, {"step": step})
+    # CPU tensors only: DCP's writer would open a CUDA stream where CUDA merely
+    # looks visible (the pretend-CUDA run of the unit tests)
+    with mock.patch.object(torch.cuda, "is_available", lambda: False):
+        for step in steps:
+            ck.save(step, {"step": step})
     return ck
 
 
@@ -447,7 +451,7 @@ def test_print_config_shows_overrides(capsys, tmp_path, monkeypatch):
         (["--learning-rate", "1"], "Did you mean --training.lr?"),
         (["--reume"], "unknown option --reume. Did you mean --resume?"),
         (["--training.learning_rate", "1"], "'learning_rate' in section [training]. Did you mean 'lr'?"),
-        (["--resume", "--checkpoint.load_step", "4"], "no checkpoint step-4"),
+        (["--resume", "--checkpoint.load_step", "4"], "no run in outputs/debug has a complete"),
         (["--nproc", "3", "--parallel.tp", "3", "--parallel.sequence_parallel", "false"],
          "parallel.tp 3 does not divide the n_heads 8, n_kv_heads 4 of model 'debug'; valid"),
     ],

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from simplefsdp.frontend import disable_parametrization
+from simplefsdp.frontend.float8 import plain_float8_weights
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -88,9 +89,11 @@ def tensor_state(
             model_sd, optim_sd = get_model_state_dict(model), None
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_sd}
+    # torchao float8 weights are saved as their plain tensors (Note: [Float8 all-gather]).
+    state: dict[str, Any] = {"model": plain_float8_weights(model_sd)}
     if optim_sd is not None:
-        state["optim"] = {"state": optim_sd["state"]}  # see [Tensor-only optimizer state]
+        # see [Tensor-only optimizer state]
+        state["optim"] = {"state": plain_float8_weights(optim_sd["state"])}
     if rng_device is not None:
         state["rng"] = {rng_key(rank_and_world()[0]): rng_state(rng_device)}
     return state, optim_sd

@@ -49,6 +49,7 @@ from simplefsdp.checkpoint import (
 )
 
 __all__ = [
+    "build_parser",
     "export_checkpoint",
     "load_full_model_state",
     "main",
@@ -225,7 +226,8 @@ def _new_file_mode(path: Path) -> int:
         os.close(fd)
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``simplefsdp export``."""
     parser = argparse.ArgumentParser(
         prog="simplefsdp export",
         description="Write a checkpoint's full (unsharded) model weights to one safetensors file.",
@@ -246,7 +248,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``simplefsdp export``; returns the exit code (2 for bad input)."""
-    args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         weights, config = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
     except (ValueError, RuntimeError) as exc:

@@ -14,6 +14,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+import torch
 import torch.fx as fx
 
 from simplefsdp.compiler.patterns import (
@@ -144,6 +145,25 @@ class CommReport:
         return format_report(self)
 
 
+def _wire_dtype(node: fx.Node):
+    """The dtype a collective carries: a float8 tensor's bytes travel as
+    ``uint8`` (gloo has no float8 type), reported as the float8 dtype
+    (Note: [Float8 all-gather]): the input seen back through detaches and
+    views."""
+    source = node.args[0] if node.args else None
+    for _ in range(4):
+        if not isinstance(source, fx.Node) or source.target not in _BYTE_VIEWS:
+            break
+        source = source.args[0]
+        dtype = node_dtype(source) if isinstance(source, fx.Node) else None
+        if dtype is not None and dtype.itemsize == 1 and dtype.is_floating_point:
+            return dtype
+    return node_dtype(node)
+
+
+_BYTE_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.view.dtype)
+
+
 def format_bytes(n: int) -> str:
     """``123.4 MiB``-style text of a byte count (the compiler's logs and reports)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -269,7 +289,7 @@ def build_graph_report(
             info = CollectiveInfo(
                 kind=kind,
                 node=node.name,
-                dtype=str(node_dtype(node)).replace("torch.", ""),
+                dtype=str(_wire_dtype(node)).replace("torch.", ""),
                 bytes=size,
                 group_size=group_size,
                 params=_collective_params(node, kind, primal_fqns, output_fqns, role),

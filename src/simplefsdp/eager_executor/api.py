@@ -19,6 +19,7 @@ from simplefsdp.eager_executor.hooks import (
 )
 from simplefsdp.eager_executor.runtime import EagerExecutor, EagerOptions
 from simplefsdp.frontend.data_parallel import DataParallelState, get_data_parallel_state
+from simplefsdp.frontend.float8 import is_float8_weight
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ def eager(
 
     Raises:
         ValueError: ``model`` is not wrapped by ``data_parallel``, has
-            tensor-parallel parameters, already runs eagerly, has meta
+            tensor-parallel parameters or torchao float8 all-gather weights,
+            already runs eagerly, has meta
             parameters, ``limit_all_gathers < 1``, the plan is invalid
             (``resolve_plan``'s errors).
         TypeError: wrong argument types.
@@ -108,6 +110,12 @@ def eager(
             f"{type(model).__name__} has tensor-parallel parameters (mesh "
             f"{state.tp_mesh.mesh_dim_names}); the eager executor gathers flat buffers of "
             "data-parallel shards only. Run it uncompiled or with simplefsdp.compile"
+        )
+    float8 = next((n for n, p in model.named_parameters() if is_float8_weight(p)), None)
+    if float8 is not None:
+        raise ValueError(
+            f"{float8} is a torchao float8 all-gather weight; the eager executor gathers "
+            "in high precision only: run the model uncompiled or with simplefsdp.compile"
         )
     if EXECUTOR_ATTR in model.__dict__:
         raise ValueError(

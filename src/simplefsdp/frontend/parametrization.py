@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from simplefsdp.frontend import rank_check
+from simplefsdp.frontend.float8 import float8_gather, float8_gather_applies
 from simplefsdp.frontend.grad_accumulator import (
     ACCUMULATORS_ATTR,
     GradAccumulator,
@@ -186,6 +187,8 @@ def _dp_gather(
     """All-gather ``param`` over its data-parallel mesh; the local result."""
     if accumulator is not None and param.requires_grad:
         return accumulating_read(_dp_gather(param, spec), accumulator)
+    if float8_gather_applies(param, spec):  # Note: [Float8 all-gather]
+        return float8_gather(param, spec)
     if spec.shard_mesh is not None:
         return _hybrid_replicate_compute(param, spec)
     gathered = param.redistribute(

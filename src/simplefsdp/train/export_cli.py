@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from simplefsdp.checkpoint import latest_checkpoint, read_manifest
-from simplefsdp.checkpoint.export import _build_parser, export_checkpoint
+from simplefsdp.checkpoint.export import build_parser, export_checkpoint
 from simplefsdp.train.runs import describe_runs, list_runs, newest_resumable_run, read_run
 
 __all__ = ["locate_checkpoint", "main"]
@@ -50,7 +50,7 @@ def _runs_near(folder: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``simplefsdp export``; returns the exit code (2 for bad input)."""
-    parser = _build_parser()
+    parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     target = locate_checkpoint(args.checkpoint)
     try:

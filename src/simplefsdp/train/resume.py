@@ -116,14 +116,9 @@ def resolve_resume(
 
 
 def _resume_step(job: JobConfig, run: RunInfo) -> int | None:
-    """The step the run resumes from: ``checkpoint.load_step`` or its newest
-    committed checkpoint, never a damaged one (see [Damaged checkpoints] in
-    :mod:`simplefsdp.checkpoint.steps`); a restart resumes from the newest."""
-    from simplefsdp.checkpoint import resume_checkpoint
-
-    load_step = -1 if _restarted() else job.checkpoint.load_step
-    info = resume_checkpoint(run.checkpoint_folder, load_step)
-    return None if info is None else info.step
+    """The step the run resumes from (:meth:`RunInfo.resume_step`): a restart
+    resumes from the newest checkpoint, not from ``checkpoint.load_step`` again."""
+    return run.resume_step(-1 if _restarted() else job.checkpoint.load_step)
 
 
 def _restored(

@@ -105,6 +105,19 @@ class RunInfo:
         info = latest_checkpoint(self.checkpoint_folder)
         return None if info is None else info.step
 
+    def resume_step(self, load_step: int = -1) -> int | None:
+        """The step this run resumes from: ``load_step`` or its newest committed
+        checkpoint; ``None`` when none committed.
+
+        Raises:
+            ValueError: the chosen checkpoint is damaged or ``load_step`` has no
+                checkpoint (see [Damaged checkpoints] in :mod:`simplefsdp.checkpoint.steps`).
+        """
+        from simplefsdp.checkpoint import resume_checkpoint
+
+        info = resume_checkpoint(self.checkpoint_folder, load_step)
+        return None if info is None else info.step
+
     def last_logged_step(self) -> int | None:
         """The step of the last record in ``metrics.jsonl``, or ``None``."""
         path = self.path / "metrics.jsonl"

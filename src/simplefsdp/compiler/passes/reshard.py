@@ -41,11 +41,13 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from simplefsdp.compiler.patterns import (
     ALL_GATHER,
+    VIEW_OPS,
     WAIT,
     aten,
     collective_group,
@@ -137,6 +139,7 @@ def mark_reshard(
         else:
             for node in (chain.all_gather, chain.wait, *chain.post):
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    _mark_float8_reshard(graph, {c.all_gather for c in chains}, reshard_after_forward, keep)
     logger.debug(
         "reshard pass: %d all-gather chains tagged %s (%d kept, %d partially resharded)",
         len(chains),
@@ -145,6 +148,94 @@ def mark_reshard(
         result.partial,
     )
     return result
+
+
+# Note: [Resharding float8 all-gathers]
+# A float8 all-gather (Note: [Float8 all-gather]) is not a shaping chain: its
+# input is the shard scaled by a scale that an all-reduce of the shard's amax
+# computed. Every node between the shard and the all-gather derives from that
+# one graph input, so with resharding the whole read (amax, all-reduce, cast,
+# all-gather) is tagged ``MUST_RECOMPUTE`` with the byte views after it, and
+# backward gathers the float8 bytes again (the scale, one number computed by
+# the amax all-reduce, is saved rather than reduced again); without, the
+# gathered bytes are saved. Such gathers stay out of buckets and partial resharding.
+_FLOAT8_VIEWS = VIEW_OPS | {WAIT, aten.view.dtype, aten.view.default, aten.alias.default}
+
+
+def _mark_float8_reshard(
+    graph: fx.Graph, plain: set[fx.Node], reshard_after_forward: bool, keep: Collection[str]
+) -> int:
+    """Tag the float8 all-gather reads of a joint graph: Note: [Resharding
+    float8 all-gathers]. Returns how many it tagged."""
+    tagged = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not ALL_GATHER or node in plain:
+            continue
+        wait = wait_of(node)
+        source = node.args[0]
+        if wait is None or not isinstance(source, fx.Node) or not _carries_float8(source):
+            continue
+        pre, placeholders = _ancestors(source)
+        if len(placeholders) != 1 or any(n.target is ALL_GATHER for n in pre):
+            continue
+        post: list[fx.Node] = []
+        frontier = [wait]
+        while frontier:
+            current = frontier.pop()
+            for user in current.users:
+                if user.op == "call_function" and user.target in _FLOAT8_VIEWS and user not in post:
+                    post.append(user)
+                    frontier.append(user)
+        if reshard_after_forward and next(iter(placeholders)).name not in keep:
+            for n in (*pre, node, wait, *post):
+                scalar = n in pre and _is_scalar_value(n)
+                n.meta["recompute"] = (
+                    CheckpointPolicy.MUST_SAVE if scalar else CheckpointPolicy.MUST_RECOMPUTE
+                )
+                n.meta.pop("ac_graph_id", None)
+        else:
+            for n in (node, wait, *post):
+                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        tagged += 1
+    return tagged
+
+
+def _is_scalar_value(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.numel() == 1
+
+
+def _carries_float8(node: fx.Node) -> bool:
+    """Whether ``node`` is a byte view of a float8 tensor."""
+    for _ in range(4):
+        if node.op != "call_function" or node.target not in (aten.detach.default, aten.view.dtype):
+            return False
+        node = node.args[0]
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if val is not None and val.dtype.itemsize == 1 and val.dtype.is_floating_point:
+            return True
+        if not isinstance(node, fx.Node):
+            return False
+    return False
+
+
+def _ancestors(node: fx.Node) -> tuple[list[fx.Node], set[fx.Node]]:
+    """The non-placeholder ancestors of ``node`` (itself included), in graph
+    order, and the placeholders they read."""
+    seen: set[fx.Node] = set()
+    placeholders: set[fx.Node] = set()
+    frontier = [node]
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        if current.op == "placeholder":
+            placeholders.add(current)
+            continue
+        seen.add(current)
+        frontier.extend(current.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__), placeholders
 
 
 # Note: [Partial resharding in the graph]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,8 @@ __all__ = [
     "ActivationCheckpointConfig",
     "CheckpointConfig",
     "MetricsConfig",
+    "Float8Config",
+    "FLOAT8_RECIPES",
     "JobConfig",
     "SECTIONS",
     "config_warnings",
@@ -67,6 +70,8 @@ PP_SCHEDULES = PIPELINE_SCHEDULES
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 #: Communication bucketing strategies of the compiler passes.
 BUCKETING_MODES = BUCKETINGS
+#: torchao float8 recipes (``float8.recipe``).
+FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 
 
 def _choices(values: tuple[str, ...], *, optional: bool = False) -> dict[str, Any]:
@@ -307,6 +312,28 @@ class MetricsConfig:
 
 
 @dataclass
+class Float8Config:
+    """torchao float8 training of the linear layers.
+
+    Attributes:
+        enable: Convert the linear layers with torchao's
+            ``convert_to_float8_training`` before data parallelism (needs the
+            ``float8`` extra: ``pip install -e ".[float8]"``).
+        recipe: ``"tensorwise"`` (dynamic tensorwise scaling; the weights are
+            all-gathered in float8) or ``"rowwise"`` (rowwise scaling for the
+            matmuls; the weights are gathered in ``param_dtype``).
+        filter_fqns: Comma-separated module names left in high precision (a
+            module whose name contains one is skipped), as torchtitan's
+            default ``"output"``; layers whose dims are not multiples of 16
+            are always skipped.
+    """
+
+    enable: bool = False
+    recipe: str = field(default="tensorwise", metadata=_choices(FLOAT8_RECIPES))
+    filter_fqns: str = "output"
+
+
+@dataclass
 class JobConfig:
     """The complete configuration of a training job (one attribute per section)."""
 
@@ -320,6 +347,7 @@ class JobConfig:
     )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
 
 
 #: Section name -> section dataclass, in display order.
@@ -466,6 +494,22 @@ def validate_config(cfg: JobConfig) -> None:
         errors.append(
             f"parallel.mode: invalid value {p.mode!r} for engine {p.engine!r}; "
             "valid choices: ['replicate']"
+        )
+
+    f8 = cfg.float8
+    if f8.enable and p.engine not in ("simplefsdp", "fsdp2"):
+        errors.append(
+            f"parallel.engine: invalid value {p.engine!r} with float8.enable=true; "
+            "valid choices with float8: ['simplefsdp', 'fsdp2']"
+        )
+    if f8.enable and importlib.util.find_spec("torchao") is None:
+        errors.append(
+            'float8.enable: invalid value True without torchao; install it with pip install -e ".[float8]"'
+        )
+    if f8.enable and (p.tp > 1 or p.pp > 1):
+        errors.append(
+            f"float8.enable: invalid value True with parallel.tp={p.tp}, parallel.pp={p.pp}; "
+            "float8 training runs with data parallelism only (tp = pp = 1)"
         )
 
     check(ck.interval >= 1, "checkpoint.interval", ck.interval, ">= 1")
