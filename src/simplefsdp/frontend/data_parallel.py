@@ -179,11 +179,16 @@ def _is_fully_sharded(module: nn.Module) -> bool:
     return any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
 
 
-def _tensor_parallel_mesh(module: nn.Module, mesh: DeviceMesh) -> DeviceMesh | None:
-    """The one mesh of ``module``'s DTensor parameters, checked against the
-    data-parallel ``mesh`` (Note: [2-D parameters]); ``None`` if all are plain."""
+def _tensor_parallel_mesh(
+    module: nn.Module, mesh: DeviceMesh, skip: frozenset[int] = frozenset()
+) -> DeviceMesh | None:
+    """The one mesh of ``module``'s DTensor parameters (those whose ``id`` is
+    not in ``skip``), checked against the data-parallel ``mesh`` (Note: [2-D
+    parameters]); ``None`` if all are plain."""
     found: dict[str, DTensor] = {
-        name: p for name, p in module.named_parameters() if isinstance(p, DTensor)
+        name: p
+        for name, p in module.named_parameters()
+        if isinstance(p, DTensor) and id(p) not in skip
     }
     if not found:
         return None
@@ -224,6 +229,54 @@ def _tensor_parallel_mesh(module: nn.Module, mesh: DeviceMesh) -> DeviceMesh | N
             "init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and slice both from it"
         )
     return tp_mesh
+
+
+def _expert_parallel_params(
+    module: nn.Module, expert_mesh: DeviceMesh | None, mode: str
+) -> tuple[dict[int, DeviceMesh], DeviceMesh | None]:
+    """The parameters ``ExpertParallel`` sharded (``id`` -> their ep mesh) and
+    the mesh spanning ``expert_mesh`` and the ep mesh (Note: [Expert
+    parallelism] in expert_parallel.py; Note: [2-D parameters])."""
+    from simplefsdp.frontend.expert_parallel import EP_MESH_ATTR
+
+    found: dict[int, DeviceMesh] = {}
+    for sub in module.modules():
+        ep_mesh = sub.__dict__.get(EP_MESH_ATTR)
+        if ep_mesh is not None:
+            found.update({id(p): ep_mesh for p in sub.parameters(recurse=False)})
+    if not found:
+        if expert_mesh is not None:
+            raise ValueError(
+                f"expert_mesh was given but {type(module).__name__} has no experts sharded by "
+                "ExpertParallel; apply parallelize_module(experts, mesh['ep'], "
+                "ExpertParallel()) first, or leave expert_mesh out"
+            )
+        return found, None
+    meshes = set(found.values())
+    if len(meshes) > 1:
+        raise ValueError("ExpertParallel was applied on different meshes; use one ep mesh")
+    (ep_mesh,) = meshes
+    if expert_mesh is None:
+        raise ValueError(
+            f"{type(module).__name__} holds experts sharded by ExpertParallel; pass "
+            "expert_mesh=mesh['dp_shard_mod_ep'] (the data-parallel ranks that hold the same "
+            "experts) to data_parallel"
+        )
+    if mode == "hybrid_shard" or expert_mesh.ndim != 1:
+        raise ValueError(
+            f"expert_mesh must be a 1-D mesh with mode 'fully_shard' or 'replicate', got a "
+            f"{expert_mesh.ndim}-D mesh with mode {mode!r}"
+        )
+    if root_mesh(expert_mesh) != root_mesh(ep_mesh) or set(expert_mesh.mesh_dim_names or ()) & set(
+        ep_mesh.mesh_dim_names or ()
+    ):
+        raise ValueError(
+            f"expert_mesh {expert_mesh.mesh_dim_names} and the ep mesh "
+            f"{ep_mesh.mesh_dim_names} must be differently named slices of one mesh, e.g. "
+            "init_device_mesh(..., (dp_shard_mod_ep, ep), mesh_dim_names=('dp_shard_mod_ep', "
+            "'ep'))"
+        )
+    return found, _spanning_mesh(expert_mesh, ep_mesh)
 
 
 def _spanning_mesh(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
@@ -389,6 +442,7 @@ def data_parallel(
     shard_dim: int = 0,
     reduce_op: str = "avg",
     check_ranks: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` as DTensors, in place.
 
@@ -420,6 +474,14 @@ def data_parallel(
     compute the TP-local tensor as a DTensor on ``mesh["tp"]``; the other
     parameters are sharded on the data-parallel mesh only. See Note:
     [2-D parameters].
+
+    Expert parallelism composes the same way: apply
+    ``parallelize_module(experts, mesh["ep"], ExpertParallel())`` to each
+    experts module first, then pass the mesh of all data-parallel ranks as
+    ``mesh`` and the data-parallel ranks holding the same experts as
+    ``expert_mesh`` (torchtitan's ``dp_shard_mod_ep``): dense parameters are
+    sharded over ``mesh``, expert parameters over ``expert_mesh``, so one
+    model's parameters live on two meshes.
 
     Modules built under ``torch.device("meta")`` can be wrapped directly; then
     call ``module.to_empty(device=...)`` and initialise the parameters inside
@@ -454,6 +516,9 @@ def data_parallel(
             experts) would otherwise pair different parameters' collectives
             silently. One collective of two int64s per forward (Note: [Same
             gathers on every rank]).
+        expert_mesh: 1-D data-parallel mesh of the parameters that
+            ``ExpertParallel`` sharded (required when there are some);
+            ``mesh`` and the ep mesh must be slices of one named mesh.
 
     Returns:
         ``module`` itself, wrapped.
@@ -471,14 +536,15 @@ def data_parallel(
     """
     _validate_args(module, mode, mp_policy, reshard_after_forward, shard_dim, reduce_op)
     install_gloo_all_gather_workaround()  # Note: [Gloo all-gather workaround]
-    has_tp = any(isinstance(p, DTensor) for p in module.parameters())
-    if has_tp and mesh is None:
+    expert_params, expert_spanning = _expert_parallel_params(module, expert_mesh, mode)
+    has_tp = any(isinstance(p, DTensor) and id(p) not in expert_params for p in module.parameters())
+    if (has_tp or expert_params) and mesh is None:
         raise ValueError(
             f"{type(module).__name__} holds tensor-parallel (DTensor) parameters; pass the "
             "data-parallel mesh explicitly: mesh=mesh['dp'] of the mesh the TP plan used"
         )
     mesh = resolve_mesh(mesh, mode, {p.device.type for p in module.parameters()})
-    tp_mesh = _tensor_parallel_mesh(module, mesh)
+    tp_mesh = _tensor_parallel_mesh(module, mesh, frozenset(expert_params))
     spanning = _spanning_mesh(mesh, tp_mesh) if tp_mesh is not None else None
     _check_shard_dim(module, shard_dim, mode)
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -496,17 +562,25 @@ def data_parallel(
             key = id(param)
             if key not in new_params:
                 tp_layout = None
+                # Expert parameters: the ep mesh plays the TP mesh's part.
+                param_dp_mesh, param_tp_mesh, param_spanning = (
+                    (expert_mesh, expert_params[key], expert_spanning)
+                    if key in expert_params
+                    else (mesh, tp_mesh, spanning)
+                )
                 if isinstance(param, DTensor):
                     tp_local = param.to_local()
                     dp_placements = _placements_for(tp_local, mode, shard_dim)
-                    placements = _stored_tp_placements(dp_placements, param.placements, tp_mesh)
+                    placements = _stored_tp_placements(
+                        dp_placements, param.placements, param_tp_mesh
+                    )
                     new_params[key] = _to_2d_dtensor_param(
-                        param, mesh, dp_placements, spanning, placements
+                        param, param_dp_mesh, dp_placements, param_spanning, placements
                     )
                     tp_layout = TensorParallelLayout(
-                        mesh=tp_mesh,
+                        mesh=param_tp_mesh,
                         placements=tuple(param.placements),
-                        dp_mesh=mesh,
+                        dp_mesh=param_dp_mesh,
                         dp_placements=dp_placements,
                         local_shape=tp_local.shape,
                         local_stride=tp_local.stride(),
@@ -518,7 +592,7 @@ def data_parallel(
                 spec_of[key] = ParamSpec(
                     fqn=fqn_of[key],
                     placements=placements,
-                    grad_placements=make_grad_placements(mesh.ndim, reduce_op),
+                    grad_placements=make_grad_placements(param_dp_mesh.ndim, reduce_op),
                     param_dtype=mp_policy.param_dtype,
                     # Like FSDP2: without a reduce_dtype, reduce in param_dtype.
                     reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype,

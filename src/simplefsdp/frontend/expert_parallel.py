@@ -48,7 +48,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExpertParallel", "check_expert_parallel_layout"]
+__all__ = ["EP_MESH_ATTR", "ExpertParallel", "check_expert_parallel_layout"]
+
+#: Set on an experts module by ``ExpertParallel``: its ep mesh. ``data_parallel``
+#: shards that module's parameters over its ``expert_mesh`` instead of ``mesh``.
+EP_MESH_ATTR = "_simplefsdp_ep_mesh"
 
 GRAD_REDUCES = ("avg", "sum")
 
@@ -173,6 +177,7 @@ class ExpertParallel(ParallelStyle):
             )
 
         module.forward = forward
+        module.__dict__[EP_MESH_ATTR] = device_mesh
         logger.debug("ExpertParallel: %s over ep=%d", type(module).__name__, ep)
         return module
 
