@@ -8,6 +8,7 @@ parameters over the 2 ranks that hold the same experts.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -84,13 +85,14 @@ def _moe_2d(mesh, dp_mesh, backend):
     return model, forward
 
 
-def _parity_body(backends):
+def _parity_body(backends, ep):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
     dp_mesh = mesh[("dp_shard_mod_ep", "ep")]._flatten("dp")
     rank = dist.get_rank()
-    rows = slice(rank * BATCH // 4, (rank + 1) * BATCH // 4)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     ref = _model()
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 37, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
@@ -104,16 +106,16 @@ def _parity_body(backends):
         model, forward = _moe_2d(mesh, dp_mesh, backend)
         stored = dict(model.named_parameters())
         w1 = stored["layers.1.moe.experts.w1"]
-        assert w1.to_local().shape[0] == 1  # 4 experts / ep 2 / dp_shard_mod_ep 2
+        assert w1.to_local().shape[0] == 4 // world  # 4 experts / ep / dp_shard_mod_ep
         assert w1.device_mesh.mesh_dim_names == ("dp_shard_mod_ep", "ep")
-        assert stored["layers.0.attention.wq.weight"].to_local().shape[0] == 32 // 4
+        assert stored["layers.0.attention.wq.weight"].to_local().shape[0] == 32 // world
         losses, loads = _train(model, forward, batches, rows)
         mean = torch.tensor(losses)
         dist.all_reduce(mean)
-        torch.testing.assert_close(mean / 4, torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mean / world, torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
         # Global token counts per expert, each step (every rank's reference
-        # counted the whole batch and update_expert_bias summed the 4 copies).
-        assert loads == [tuple(c / 4 for c in load) for load in ref_loads]
+        # counted the whole batch and update_expert_bias summed the copies).
+        assert loads == [tuple(c / world for c in load) for load in ref_loads]
         torch.testing.assert_close(model.layers["1"].moe.expert_bias, ref_bias)
         diffs = []
         for fqn, param in model.named_parameters():
@@ -127,5 +129,13 @@ def _parity_body(backends):
 
 
 def test_moe_ep2_dp2_matches_one_process():
-    results = run_distributed(_parity_body, world_size=4, args=((),), timeout_s=600)
-    print("max |param - reference| after 6 steps:", results[0])
+    results = run_distributed(_parity_body, world_size=4, args=((), 2), timeout_s=600)
+    print("ep2 x dp2, max |param - reference| after 6 steps:", results[0])
+
+
+@pytest.mark.slow
+def test_moe_ep_world_compiled_matches_one_process():
+    # ep = world size (dp_shard_mod_ep = 1), compiled with aot_eager: 2
+    # processes keep the compile time down.
+    results = run_distributed(_parity_body, world_size=2, args=(("aot_eager",), 2), timeout_s=600)
+    print("ep2 x dp1, max |param - reference| after 6 steps:", results[0])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from simplefsdp.models.llama3.model import (
     Attention,
@@ -43,12 +44,14 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs ``x`` against these expert weights.
 
     It needs the op (torch >= 2.8), row strides that are multiples of 16
-    bytes, and on CUDA bfloat16; otherwise :class:`GroupedExperts` loops over
-    the experts.
+    bytes, and bfloat16 on CUDA or under ``torch.compile`` (whose shape
+    function of the op accepts bfloat16 only, although the CPU kernel runs
+    float32); otherwise :class:`GroupedExperts` loops over the experts.
     """
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+    bf16_only = x.device.type == "cuda" or torch.compiler.is_compiling()
+    if bf16_only and x.dtype != torch.bfloat16:
         return False
     if x.device.type not in ("cpu", "cuda"):
         return False
@@ -72,8 +75,7 @@ class _ContiguousGrad(torch.autograd.Function):
 def _as_local(weight: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor weight (expert parallelism shards the
     experts dim; token counts are data-dependent, so the math is local)."""
-    to_local = getattr(weight, "to_local", None)
-    return to_local() if callable(to_local) else weight
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class GroupedExperts(nn.Module):
