@@ -49,11 +49,11 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train(model, forward, batches, rows):
+def _train(model, forward, batches, rows, opt=None):
     from simplefsdp.engines import clip_grad_norm_
     from simplefsdp.models.moe import update_expert_bias
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.2)
     losses, loads = [], []
     for tokens in batches:
         tokens = tokens[rows]
@@ -139,3 +139,42 @@ def test_moe_ep_world_compiled_matches_one_process():
     # processes keep the compile time down.
     results = run_distributed(_parity_body, world_size=2, args=(("aot_eager",), 2), timeout_s=600)
     print("ep2 x dp1, max |param - reference| after 6 steps:", results[0])
+
+
+def _checkpoint_body(folder):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from simplefsdp.checkpoint import load, save
+
+    def build(ep):
+        mesh = init_device_mesh("cpu", (2 // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+        dp_mesh = mesh[("dp_shard_mod_ep", "ep")]._flatten("dp")
+        model, _ = _moe_2d(mesh, dp_mesh, None)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def moments(model, opt):
+        return {k: _full(opt.state[p]["exp_avg"]).clone() for k, p in model.named_parameters()}
+
+    model, opt = build(2)
+    tokens = torch.randint(0, 37, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    rows = slice(dist.get_rank(), dist.get_rank() + 1)
+    _train(model, model, [tokens], rows, opt)
+    saved = {k: _full(v.detach()).clone() for k, v in model.state_dict().items()}
+    saved_moments = moments(model, opt)
+    assert saved["layers.1.moe.expert_bias"].abs().sum() > 0
+    save(model, opt, f"{folder}/ep2")
+    for ep, src, dst in ((1, "ep2", "ep1"), (2, "ep1", None)):
+        model, opt = build(ep)
+        load(model, opt, f"{folder}/{src}")
+        for key, value in model.state_dict().items():
+            assert torch.equal(_full(value.detach()), saved[key]), (ep, key)
+        for key, value in moments(model, opt).items():
+            assert torch.equal(value, saved_moments[key]), (ep, key)
+        if dst is not None:
+            save(model, opt, f"{folder}/{dst}")
+    return True
+
+
+def test_checkpoint_moves_between_ep_degrees(tmp_path):
+    # ep 2 -> ep 1 -> ep 2 on 2 processes, model and optimizer state, bitwise.
+    assert run_distributed(_checkpoint_body, world_size=2, args=(str(tmp_path),), timeout_s=300)
