@@ -156,6 +156,10 @@ def _checkpoint_body(folder):
         return {k: _full(opt.state[p]["exp_avg"]).clone() for k, p in model.named_parameters()}
 
     model, opt = build(2)
+    import simplefsdp
+
+    with pytest.raises(ValueError, match="has expert-parallel parameters; the eager executor"):
+        simplefsdp.eager(model)
     tokens = torch.randint(0, 37, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
     rows = slice(dist.get_rank(), dist.get_rank() + 1)
     _train(model, model, [tokens], rows, opt)

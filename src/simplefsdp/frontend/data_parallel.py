@@ -51,6 +51,9 @@ class DataParallelState:
     reshard_groups: dict[str, PartialReshardGroup] = field(default_factory=dict)
     # Note: [Same gathers on every rank]: checked after each forward.
     check_ranks: bool = True
+    # The data-parallel mesh of the parameters ``ExpertParallel`` sharded
+    # (their ``ParamSpec.tp`` holds the ep mesh); ``None`` without experts.
+    expert_mesh: DeviceMesh | None = None
 
 
 @dataclass(frozen=True)
@@ -628,6 +631,7 @@ def data_parallel(
             else {}
         ),
         check_ranks=check_ranks,
+        expert_mesh=expert_mesh if expert_params else None,
     )
     logger.debug("data_parallel: mode=%s mesh=%s params=%d", mode, tuple(mesh.shape), len(spec_of))
     return module
