@@ -182,3 +182,39 @@ def _checkpoint_body(folder):
 def test_checkpoint_moves_between_ep_degrees(tmp_path):
     # ep 2 -> ep 1 -> ep 2 on 2 processes, model and optimizer state, bitwise.
     assert run_distributed(_checkpoint_body, world_size=2, args=(str(tmp_path),), timeout_s=300)
+
+
+def _meta_bf16_body():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import simplefsdp
+    from simplefsdp.frontend.expert_parallel import ExpertParallel
+    from simplefsdp.models.moe import Transformer
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    dp_mesh = mesh[("dp_shard_mod_ep", "ep")]._flatten("dp")
+    with torch.device("meta"):
+        model = Transformer(_args().replace(dim=64, moe_hidden_dim=32))
+    parallelize_module(model.layers["1"].moe.experts, mesh["ep"], ExpertParallel())
+    policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    simplefsdp.data_parallel(model, dp_mesh, expert_mesh=mesh["dp_shard_mod_ep"], mp_policy=policy)
+    model.to_empty(device="cpu")
+    with simplefsdp.disable_parametrization():
+        torch.manual_seed(0)
+        model.init_weights()
+    w1 = dict(model.named_parameters())["layers.1.moe.experts.w1"]
+    assert w1.dtype == torch.float32 and w1.to_local().abs().sum() > 0
+    tokens = torch.randint(
+        0, 37, (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
+    logits = model(tokens)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+    logits.float().mean().backward()
+    grad = w1.grad
+    assert grad.dtype == torch.float32 and grad.to_local().abs().sum() > 0
+    return True
+
+
+def test_meta_init_and_bf16_with_experts():
+    assert run_distributed(_meta_bf16_body, world_size=2, timeout_s=300)
