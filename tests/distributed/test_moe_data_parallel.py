@@ -69,16 +69,10 @@ def _train(model, forward, batches, rows, opt=None):
 
 
 def _moe_2d(mesh, dp_mesh, backend):
-    from torch.distributed.tensor.parallel import parallelize_module
-
     import simplefsdp
-    from simplefsdp.frontend.expert_parallel import ExpertParallel
+    from simplefsdp.models.moe import parallelize_moe
 
-    model = _model()
-    for block in model.layers.values():
-        if block.moe_enabled:
-            parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel())
-    simplefsdp.data_parallel(model, dp_mesh, expert_mesh=mesh["dp_shard_mod_ep"])
+    model = parallelize_moe(_model(), mesh, dp_mesh)
     forward = model
     if backend is not None:
         forward = simplefsdp.compile(model, backend=backend, fullgraph=False)
@@ -86,11 +80,11 @@ def _moe_2d(mesh, dp_mesh, backend):
 
 
 def _parity_body(backends, ep):
-    from torch.distributed.device_mesh import init_device_mesh
+
+    from simplefsdp.models.moe import build_expert_parallel_mesh
 
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
-    dp_mesh = mesh[("dp_shard_mod_ep", "ep")]._flatten("dp")
+    mesh, dp_mesh = build_expert_parallel_mesh("cpu", world, ep, _args().num_experts)
     rank = dist.get_rank()
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     ref = _model()
