@@ -184,13 +184,22 @@ def _meta_bf16_body():
 
     import simplefsdp
     from simplefsdp.frontend.expert_parallel import ExpertParallel
-    from simplefsdp.models.moe import Transformer
+    from simplefsdp.models.moe import Transformer, build_expert_parallel_mesh
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
     dp_mesh = mesh[("dp_shard_mod_ep", "ep")]._flatten("dp")
     with torch.device("meta"):
         model = Transformer(_args().replace(dim=64, moe_hidden_dim=32))
+        dense = Transformer(_args())
+    with pytest.raises(ValueError, match="has no experts sharded by ExpertParallel"):
+        simplefsdp.data_parallel(dense, dp_mesh, expert_mesh=mesh["dp_shard_mod_ep"])
     parallelize_module(model.layers["1"].moe.experts, mesh["ep"], ExpertParallel())
+    with pytest.raises(ValueError, match=r"pass expert_mesh=mesh\['dp_shard_mod_ep'\]"):
+        simplefsdp.data_parallel(model, dp_mesh)
+    with pytest.raises(ValueError, match="num_experts=4 is not divisible by ep=3"):
+        build_expert_parallel_mesh("cpu", 2, 3, 4)
+    with pytest.raises(ValueError, match="ep=2 does not divide the 3 data-parallel ranks"):
+        build_expert_parallel_mesh("cpu", 3, 2, 4)
     policy = simplefsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     simplefsdp.data_parallel(model, dp_mesh, expert_mesh=mesh["dp_shard_mod_ep"], mp_policy=policy)
     model.to_empty(device="cpu")
