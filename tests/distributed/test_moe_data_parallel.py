@@ -70,9 +70,9 @@ def _train(model, forward, batches, rows, opt=None):
 
 def _moe_2d(mesh, dp_mesh, backend):
     import simplefsdp
-    from simplefsdp.models.moe import parallelize_moe
+    from simplefsdp.frontend.expert_parallel import parallelize_experts_and_data
 
-    model = parallelize_moe(_model(), mesh, dp_mesh)
+    model = parallelize_experts_and_data(_model(), mesh, dp_mesh)
     forward = model
     if backend is not None:
         forward = simplefsdp.compile(model, backend=backend, fullgraph=False)
@@ -81,7 +81,7 @@ def _moe_2d(mesh, dp_mesh, backend):
 
 def _parity_body(backends, ep):
 
-    from simplefsdp.models.moe import build_expert_parallel_mesh
+    from simplefsdp.frontend.expert_parallel import build_expert_parallel_mesh
 
     world = dist.get_world_size()
     mesh, dp_mesh = build_expert_parallel_mesh("cpu", world, ep, _args().num_experts)
@@ -183,8 +183,8 @@ def _meta_bf16_body():
     from torch.distributed.tensor.parallel import parallelize_module
 
     import simplefsdp
-    from simplefsdp.frontend.expert_parallel import ExpertParallel
-    from simplefsdp.models.moe import Transformer, build_expert_parallel_mesh
+    from simplefsdp.frontend.expert_parallel import ExpertParallel, build_expert_parallel_mesh
+    from simplefsdp.models.moe import Transformer
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
     dp_mesh = mesh[("dp_shard_mod_ep", "ep")]._flatten("dp")
@@ -232,7 +232,7 @@ def _tp_body():
     )
 
     import simplefsdp
-    from simplefsdp.models.moe import apply_expert_parallel
+    from simplefsdp.frontend.expert_parallel import apply_expert_parallel
 
     # dp 2 x tp 2; the 2 data-parallel ranks form one EP group (ep 2).
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep", "tp"))
@@ -251,7 +251,7 @@ def _tp_body():
     }
     for block in model.layers.values():
         parallelize_module(block, mesh["tp"], plan)
-    apply_expert_parallel(model, mesh["ep"])
+    assert apply_expert_parallel(model, mesh["ep"]) == ["layers.1.moe.experts"]
     simplefsdp.data_parallel(model, dp_mesh, expert_mesh=mesh["dp_shard_mod_ep"])
     rows = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
     losses, _ = _train(model, model, batches, rows)

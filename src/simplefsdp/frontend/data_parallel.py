@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 from simplefsdp._compat import install_gloo_all_gather_workaround, root_mesh
 from simplefsdp.frontend import rank_check
+from simplefsdp.frontend.expert_parallel import expert_parallel_params
 from simplefsdp.frontend.mesh import resolve_mesh
 from simplefsdp.frontend.parametrization import (
     ParamSpec,
@@ -232,54 +233,6 @@ def _tensor_parallel_mesh(
             "init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and slice both from it"
         )
     return tp_mesh
-
-
-def _expert_parallel_params(
-    module: nn.Module, expert_mesh: DeviceMesh | None, mode: str
-) -> tuple[dict[int, DeviceMesh], DeviceMesh | None]:
-    """The parameters ``ExpertParallel`` sharded (``id`` -> their ep mesh) and
-    the mesh spanning ``expert_mesh`` and the ep mesh (Note: [Expert
-    parallelism] in expert_parallel.py; Note: [2-D parameters])."""
-    from simplefsdp.frontend.expert_parallel import EP_MESH_ATTR
-
-    found: dict[int, DeviceMesh] = {}
-    for sub in module.modules():
-        ep_mesh = sub.__dict__.get(EP_MESH_ATTR)
-        if ep_mesh is not None:
-            found.update({id(p): ep_mesh for p in sub.parameters(recurse=False)})
-    if not found:
-        if expert_mesh is not None:
-            raise ValueError(
-                f"expert_mesh was given but {type(module).__name__} has no experts sharded by "
-                "ExpertParallel; apply parallelize_module(experts, mesh['ep'], "
-                "ExpertParallel()) first, or leave expert_mesh out"
-            )
-        return found, None
-    meshes = set(found.values())
-    if len(meshes) > 1:
-        raise ValueError("ExpertParallel was applied on different meshes; use one ep mesh")
-    (ep_mesh,) = meshes
-    if expert_mesh is None:
-        raise ValueError(
-            f"{type(module).__name__} holds experts sharded by ExpertParallel; pass "
-            "expert_mesh=mesh['dp_shard_mod_ep'] (the data-parallel ranks that hold the same "
-            "experts) to data_parallel"
-        )
-    if mode == "hybrid_shard" or expert_mesh.ndim != 1:
-        raise ValueError(
-            f"expert_mesh must be a 1-D mesh with mode 'fully_shard' or 'replicate', got a "
-            f"{expert_mesh.ndim}-D mesh with mode {mode!r}"
-        )
-    if root_mesh(expert_mesh) != root_mesh(ep_mesh) or set(expert_mesh.mesh_dim_names or ()) & set(
-        ep_mesh.mesh_dim_names or ()
-    ):
-        raise ValueError(
-            f"expert_mesh {expert_mesh.mesh_dim_names} and the ep mesh "
-            f"{ep_mesh.mesh_dim_names} must be differently named slices of one mesh, e.g. "
-            "init_device_mesh(..., (dp_shard_mod_ep, ep), mesh_dim_names=('dp_shard_mod_ep', "
-            "'ep'))"
-        )
-    return found, _spanning_mesh(expert_mesh, ep_mesh)
 
 
 def _spanning_mesh(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
@@ -539,7 +492,8 @@ def data_parallel(
     """
     _validate_args(module, mode, mp_policy, reshard_after_forward, shard_dim, reduce_op)
     install_gloo_all_gather_workaround()  # Note: [Gloo all-gather workaround]
-    expert_params, expert_spanning = _expert_parallel_params(module, expert_mesh, mode)
+    expert_params, ep_mesh = expert_parallel_params(module, expert_mesh, mode)
+    expert_spanning = _spanning_mesh(expert_mesh, ep_mesh) if ep_mesh is not None else None
     has_tp = any(isinstance(p, DTensor) and id(p) not in expert_params for p in module.parameters())
     if (has_tp or expert_params) and mesh is None:
         raise ValueError(

@@ -39,16 +39,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EP_MESH_ATTR", "ExpertParallel", "check_expert_parallel_layout"]
+__all__ = [
+    "EP_MESH_ATTR",
+    "ExpertParallel",
+    "apply_expert_parallel",
+    "build_expert_parallel_mesh",
+    "check_expert_parallel_layout",
+    "expert_parallel_params",
+    "parallelize_experts_and_data",
+]
 
 #: Set on an experts module by ``ExpertParallel``: its ep mesh. ``data_parallel``
 #: shards that module's parameters over its ``expert_mesh`` instead of ``mesh``.
@@ -216,3 +225,140 @@ def _dispatch_compute_combine(
         out = _ScaleGrad.apply(out, grad_scale)
     restored = torch.empty_like(out).index_copy(0, index, out)  # (source rank, expert) order
     return funcol.all_to_all_single_autograd(restored, input_splits, output_splits, group)
+
+
+def build_expert_parallel_mesh(
+    device_type: str, dp: int, ep: int, num_experts: int
+) -> tuple[DeviceMesh, DeviceMesh]:
+    """The ``(dp_shard_mod_ep, ep)`` mesh over ``dp`` ranks and its flattening.
+
+    Consecutive ranks form an EP group (they exchange tokens by all-to-all);
+    rank ``r`` holds experts ``(r % ep) * E / ep`` onwards.
+
+    Args:
+        device_type: ``"cpu"`` (gloo) or ``"cuda"``.
+        dp: data-parallel ranks (the world size without other parallelism).
+        ep: expert-parallel degree; must divide ``dp`` and ``num_experts``.
+        num_experts: routed experts per MoE layer.
+
+    Returns:
+        ``(mesh, dp_mesh)``: the 2-D mesh (``mesh["ep"]``,
+        ``mesh["dp_shard_mod_ep"]``) and the 1-D mesh ``"dp"`` over all its ranks.
+
+    Raises:
+        ValueError: a bad layout (see :func:`check_expert_parallel_layout`),
+            checked before any process group is made.
+    """
+    check_expert_parallel_layout(num_experts, ep, dp)
+    mesh = init_device_mesh(device_type, (dp // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    dp_mesh = mesh[("dp_shard_mod_ep", "ep")]._flatten("dp")
+    return mesh, dp_mesh
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    ep_mesh: DeviceMesh,
+    is_experts: Callable[[str, nn.Module], bool] | None = None,
+) -> list[str]:
+    """Apply :class:`ExpertParallel` to every experts module of ``model``.
+
+    Args:
+        model: the model, before ``data_parallel``.
+        ep_mesh: the 1-D expert-parallel mesh.
+        is_experts: ``(name, module) -> bool`` choosing the experts modules;
+            default: submodules registered under the name ``experts`` (as in
+            ``layers.1.moe.experts``).
+
+    Returns:
+        The names of the modules it applied to.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def default(name: str, _module: nn.Module) -> bool:
+        return name.rsplit(".", 1)[-1] == "experts"
+
+    chosen = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name and (is_experts or default)(name, module)
+    ]
+    for _, module in chosen:
+        parallelize_module(module, ep_mesh, ExpertParallel())
+    return [name for name, _ in chosen]
+
+
+def parallelize_experts_and_data(
+    model: nn.Module, mesh: DeviceMesh, dp_mesh: DeviceMesh, **data_parallel_kwargs: Any
+) -> nn.Module:
+    """:func:`apply_expert_parallel` over ``mesh["ep"]``, then ``data_parallel``
+    with the dense parameters over ``dp_mesh`` and the experts over
+    ``mesh["dp_shard_mod_ep"]``.
+
+    Args:
+        model: the model (may be on the meta device).
+        mesh, dp_mesh: from :func:`build_expert_parallel_mesh`.
+        **data_parallel_kwargs: passed to ``data_parallel`` (``mode``,
+            ``mp_policy``, ``reshard_after_forward``, ...).
+
+    Returns:
+        ``model``, wrapped in place.
+    """
+    from simplefsdp.frontend.data_parallel import data_parallel  # data_parallel imports us
+
+    apply_expert_parallel(model, mesh["ep"])
+    return data_parallel(
+        model, dp_mesh, expert_mesh=mesh["dp_shard_mod_ep"], **data_parallel_kwargs
+    )
+
+
+def expert_parallel_params(
+    module: nn.Module, expert_mesh: DeviceMesh | None, mode: str
+) -> tuple[dict[int, DeviceMesh], DeviceMesh | None]:
+    """The parameters ``ExpertParallel`` sharded in ``module`` (``id`` -> ep
+    mesh) and their ep mesh, checked against ``data_parallel``'s
+    ``expert_mesh`` and ``mode`` (Note: [Expert parallelism]).
+
+    Raises:
+        ValueError: experts without ``expert_mesh`` or the reverse, more than
+            one ep mesh, ``hybrid_shard`` or a 2-D ``expert_mesh``, or meshes
+            that are not differently named slices of one mesh.
+    """
+    from simplefsdp._compat import root_mesh
+
+    found: dict[int, DeviceMesh] = {}
+    for sub in module.modules():
+        ep_mesh = sub.__dict__.get(EP_MESH_ATTR)
+        if ep_mesh is not None:
+            found.update({id(p): ep_mesh for p in sub.parameters(recurse=False)})
+    if not found:
+        if expert_mesh is not None:
+            raise ValueError(
+                f"expert_mesh was given but {type(module).__name__} has no experts sharded by "
+                "ExpertParallel; apply parallelize_module(experts, mesh['ep'], "
+                "ExpertParallel()) first, or leave expert_mesh out"
+            )
+        return found, None
+    meshes = set(found.values())
+    if len(meshes) > 1:
+        raise ValueError("ExpertParallel was applied on different meshes; use one ep mesh")
+    (ep_mesh,) = meshes
+    if expert_mesh is None:
+        raise ValueError(
+            f"{type(module).__name__} holds experts sharded by ExpertParallel; pass "
+            "expert_mesh=mesh['dp_shard_mod_ep'] (the data-parallel ranks that hold the same "
+            "experts) to data_parallel"
+        )
+    if mode == "hybrid_shard" or expert_mesh.ndim != 1:
+        raise ValueError(
+            f"expert_mesh must be a 1-D mesh with mode 'fully_shard' or 'replicate', got a "
+            f"{expert_mesh.ndim}-D mesh with mode {mode!r}"
+        )
+    shared = set(expert_mesh.mesh_dim_names or ()) & set(ep_mesh.mesh_dim_names or ())
+    if root_mesh(expert_mesh) != root_mesh(ep_mesh) or shared:
+        raise ValueError(
+            f"expert_mesh {expert_mesh.mesh_dim_names} and the ep mesh "
+            f"{ep_mesh.mesh_dim_names} must be differently named slices of one mesh, e.g. "
+            "init_device_mesh(..., (dp_shard_mod_ep, ep), mesh_dim_names=('dp_shard_mod_ep', "
+            "'ep'))"
+        )
+    return found, ep_mesh

@@ -21,7 +21,6 @@ from .model import (
     TransformerBlock,
     grouped_mm_supported,
 )
-from .parallelize import apply_expert_parallel, build_expert_parallel_mesh, parallelize_moe
 
 __all__ = [
     "MOE_CONFIGS",
@@ -32,13 +31,10 @@ __all__ = [
     "TokenChoiceRouter",
     "Transformer",
     "TransformerBlock",
-    "apply_expert_parallel",
-    "build_expert_parallel_mesh",
     "expert_load",
     "get_config",
     "grouped_mm_supported",
     "num_active_params",
     "num_params",
-    "parallelize_moe",
     "update_expert_bias",
 ]
