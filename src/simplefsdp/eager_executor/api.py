@@ -97,8 +97,8 @@ def eager(
 
     Raises:
         ValueError: ``model`` is not wrapped by ``data_parallel``, has
-            tensor-parallel parameters or torchao float8 all-gather weights,
-            already runs eagerly, has meta
+            tensor-parallel or expert-parallel parameters or torchao float8
+            all-gather weights, already runs eagerly, has meta
             parameters, ``limit_all_gathers < 1``, the plan is invalid
             (``resolve_plan``'s errors).
         TypeError: wrong argument types.
@@ -110,6 +110,12 @@ def eager(
             f"{type(model).__name__} has tensor-parallel parameters (mesh "
             f"{state.tp_mesh.mesh_dim_names}); the eager executor gathers flat buffers of "
             "data-parallel shards only. Run it uncompiled or with simplefsdp.compile"
+        )
+    if state.expert_mesh is not None:
+        raise ValueError(
+            f"{type(model).__name__} has expert-parallel parameters; the eager executor gathers "
+            "flat buffers of data-parallel shards only. Run it uncompiled or with "
+            "simplefsdp.compile"
         )
     float8 = next((n for n, p in model.named_parameters() if is_float8_weight(p)), None)
     if float8 is not None:

@@ -68,14 +68,40 @@ def _max_norm(max_norm: float) -> float:
     return value
 
 
+def _root_dims_of(mesh) -> set[str]:
+    """The names of the root-mesh dims that ``mesh`` spans.
+
+    A slice spans the dims it is named by; a flattened dim (``"dp"`` made
+    from ``("dp_shard_mod_ep", "ep")``) spans each root dim along which this
+    rank's neighbours are in it too.
+    """
+    root = root_mesh(mesh)
+    names = set(mesh.mesh_dim_names or ())
+    root_names = root.mesh_dim_names
+    if root_names is None or names <= set(root_names):
+        return names
+    coordinate = root.get_coordinate()
+    if coordinate is None:
+        return names & set(root_names)
+    members = set(mesh.mesh.flatten().tolist())
+    spanned = names & set(root_names)
+    for dim, name in enumerate(root_names):
+        if root.size(dim) > 1:
+            neighbour = list(coordinate)
+            neighbour[dim] = (neighbour[dim] + 1) % root.size(dim)
+            if int(root.mesh[tuple(neighbour)]) in members:
+                spanned.add(name)
+    return spanned
+
+
 def _spanned_dims(params: list[torch.Tensor]) -> dict[int, set[str]]:
-    """Per root mesh (by id), the dim names that some parameter's mesh spans."""
+    """Per root mesh (by id), the root dim names that some parameter's mesh spans."""
     spanned: dict[int, set[str]] = {}
     for param in params:
         if isinstance(param, DTensor):
             mesh = param.device_mesh
             names = spanned.setdefault(id(root_mesh(mesh)), set())
-            names.update(mesh.mesh_dim_names or ())
+            names.update(_root_dims_of(mesh))
     return spanned
 
 
@@ -85,7 +111,7 @@ def _counts_here(mesh, spanned: dict[int, set[str]], cache: dict[int, bool]) -> 
     if key not in cache:
         root = root_mesh(mesh)
         root_names = root.mesh_dim_names
-        own = set(mesh.mesh_dim_names or ())
+        own = _root_dims_of(mesh)
         ok = True
         if root_names is not None and root is not mesh:
             coordinate = root.get_coordinate() or ()

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 from simplefsdp._compat import install_gloo_all_gather_workaround, root_mesh
 from simplefsdp.frontend import rank_check
+from simplefsdp.frontend.expert_parallel import expert_parallel_params
 from simplefsdp.frontend.mesh import resolve_mesh
 from simplefsdp.frontend.parametrization import (
     ParamSpec,
@@ -51,6 +52,9 @@ class DataParallelState:
     reshard_groups: dict[str, PartialReshardGroup] = field(default_factory=dict)
     # Note: [Same gathers on every rank]: checked after each forward.
     check_ranks: bool = True
+    # The data-parallel mesh of the parameters ``ExpertParallel`` sharded
+    # (their ``ParamSpec.tp`` holds the ep mesh); ``None`` without experts.
+    expert_mesh: DeviceMesh | None = None
 
 
 @dataclass(frozen=True)
@@ -179,11 +183,16 @@ def _is_fully_sharded(module: nn.Module) -> bool:
     return any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
 
 
-def _tensor_parallel_mesh(module: nn.Module, mesh: DeviceMesh) -> DeviceMesh | None:
-    """The one mesh of ``module``'s DTensor parameters, checked against the
-    data-parallel ``mesh`` (Note: [2-D parameters]); ``None`` if all are plain."""
+def _tensor_parallel_mesh(
+    module: nn.Module, mesh: DeviceMesh, skip: frozenset[int] = frozenset()
+) -> DeviceMesh | None:
+    """The one mesh of ``module``'s DTensor parameters (those whose ``id`` is
+    not in ``skip``), checked against the data-parallel ``mesh`` (Note: [2-D
+    parameters]); ``None`` if all are plain."""
     found: dict[str, DTensor] = {
-        name: p for name, p in module.named_parameters() if isinstance(p, DTensor)
+        name: p
+        for name, p in module.named_parameters()
+        if isinstance(p, DTensor) and id(p) not in skip
     }
     if not found:
         return None
@@ -389,6 +398,7 @@ def data_parallel(
     shard_dim: int = 0,
     reduce_op: str = "avg",
     check_ranks: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` as DTensors, in place.
 
@@ -420,6 +430,14 @@ def data_parallel(
     compute the TP-local tensor as a DTensor on ``mesh["tp"]``; the other
     parameters are sharded on the data-parallel mesh only. See Note:
     [2-D parameters].
+
+    Expert parallelism composes the same way: apply
+    ``parallelize_module(experts, mesh["ep"], ExpertParallel())`` to each
+    experts module first, then pass the mesh of all data-parallel ranks as
+    ``mesh`` and the data-parallel ranks holding the same experts as
+    ``expert_mesh`` (torchtitan's ``dp_shard_mod_ep``): dense parameters are
+    sharded over ``mesh``, expert parameters over ``expert_mesh``, so one
+    model's parameters live on two meshes.
 
     Modules built under ``torch.device("meta")`` can be wrapped directly; then
     call ``module.to_empty(device=...)`` and initialise the parameters inside
@@ -454,6 +472,9 @@ def data_parallel(
             experts) would otherwise pair different parameters' collectives
             silently. One collective of two int64s per forward (Note: [Same
             gathers on every rank]).
+        expert_mesh: 1-D data-parallel mesh of the parameters that
+            ``ExpertParallel`` sharded (required when there are some);
+            ``mesh`` and the ep mesh must be slices of one named mesh.
 
     Returns:
         ``module`` itself, wrapped.
@@ -471,14 +492,16 @@ def data_parallel(
     """
     _validate_args(module, mode, mp_policy, reshard_after_forward, shard_dim, reduce_op)
     install_gloo_all_gather_workaround()  # Note: [Gloo all-gather workaround]
-    has_tp = any(isinstance(p, DTensor) for p in module.parameters())
-    if has_tp and mesh is None:
+    expert_params, ep_mesh = expert_parallel_params(module, expert_mesh, mode)
+    expert_spanning = _spanning_mesh(expert_mesh, ep_mesh) if ep_mesh is not None else None
+    has_tp = any(isinstance(p, DTensor) and id(p) not in expert_params for p in module.parameters())
+    if (has_tp or expert_params) and mesh is None:
         raise ValueError(
             f"{type(module).__name__} holds tensor-parallel (DTensor) parameters; pass the "
             "data-parallel mesh explicitly: mesh=mesh['dp'] of the mesh the TP plan used"
         )
     mesh = resolve_mesh(mesh, mode, {p.device.type for p in module.parameters()})
-    tp_mesh = _tensor_parallel_mesh(module, mesh)
+    tp_mesh = _tensor_parallel_mesh(module, mesh, frozenset(expert_params))
     spanning = _spanning_mesh(mesh, tp_mesh) if tp_mesh is not None else None
     _check_shard_dim(module, shard_dim, mode)
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -496,17 +519,25 @@ def data_parallel(
             key = id(param)
             if key not in new_params:
                 tp_layout = None
+                # Expert parameters: the ep mesh plays the TP mesh's part.
+                param_dp_mesh, param_tp_mesh, param_spanning = (
+                    (expert_mesh, expert_params[key], expert_spanning)
+                    if key in expert_params
+                    else (mesh, tp_mesh, spanning)
+                )
                 if isinstance(param, DTensor):
                     tp_local = param.to_local()
                     dp_placements = _placements_for(tp_local, mode, shard_dim)
-                    placements = _stored_tp_placements(dp_placements, param.placements, tp_mesh)
+                    placements = _stored_tp_placements(
+                        dp_placements, param.placements, param_tp_mesh
+                    )
                     new_params[key] = _to_2d_dtensor_param(
-                        param, mesh, dp_placements, spanning, placements
+                        param, param_dp_mesh, dp_placements, param_spanning, placements
                     )
                     tp_layout = TensorParallelLayout(
-                        mesh=tp_mesh,
+                        mesh=param_tp_mesh,
                         placements=tuple(param.placements),
-                        dp_mesh=mesh,
+                        dp_mesh=param_dp_mesh,
                         dp_placements=dp_placements,
                         local_shape=tp_local.shape,
                         local_stride=tp_local.stride(),
@@ -518,7 +549,7 @@ def data_parallel(
                 spec_of[key] = ParamSpec(
                     fqn=fqn_of[key],
                     placements=placements,
-                    grad_placements=make_grad_placements(mesh.ndim, reduce_op),
+                    grad_placements=make_grad_placements(param_dp_mesh.ndim, reduce_op),
                     param_dtype=mp_policy.param_dtype,
                     # Like FSDP2: without a reduce_dtype, reduce in param_dtype.
                     reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype,
@@ -554,6 +585,7 @@ def data_parallel(
             else {}
         ),
         check_ranks=check_ranks,
+        expert_mesh=expert_mesh if expert_params else None,
     )
     logger.debug("data_parallel: mode=%s mesh=%s params=%d", mode, tuple(mesh.shape), len(spec_of))
     return module

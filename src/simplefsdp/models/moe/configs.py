@@ -1,0 +1,150 @@
+"""Named mixture-of-experts configurations.
+
+* ``moe_debug``: about 6M parameters (8 experts, top 2, one shared expert)
+  with the 260-token byte vocabulary; trains on a CPU in minutes.
+* ``moe_small``: about 0.4B parameters (16 experts, top 2) with the byte
+  vocabulary.
+* ``deepseek_v3_16b``: torchtitan's ``deepseek_v3`` 16B shape (DeepSeek-V2-Lite
+  / Moonlight: 64 experts, top 6, two shared experts, multi-head latent
+  attention), 15.7B parameters.
+* ``deepseek_v3_671b``: DeepSeek-V3 (256 experts, top 8, one shared expert),
+  671B parameters without the multi-token-prediction module.
+* ``llama4_scout``: Llama 4 Scout's text model (16 experts, top 1, one shared
+  expert, every block MoE), 108B parameters (109B published with the vision
+  encoder), 17B activated.
+
+The DeepSeek shapes use multi-head latent attention, which
+:func:`~.args.num_params` counts for planning and :class:`~.model.Transformer`
+does not build; DeepSeek-V3's node-limited (group) routing is not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from simplefsdp.models.llama3 import BYTE_VOCAB_SIZE
+
+from .args import MoEArgs
+
+__all__ = ["MOE_CONFIGS", "get_config"]
+
+MOE_CONFIGS: dict[str, MoEArgs] = {
+    "moe_debug": MoEArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=BYTE_VOCAB_SIZE,
+        rope_theta=500000.0,
+        max_seq_len=512,
+        n_dense_layers=1,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=256,
+        num_shared_experts=1,
+    ),
+    "moe_small": MoEArgs(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        vocab_size=BYTE_VOCAB_SIZE,
+        rope_theta=500000.0,
+        max_seq_len=2048,
+        n_dense_layers=1,
+        num_experts=16,
+        top_k=2,
+        moe_hidden_dim=1024,
+        num_shared_experts=1,
+    ),
+    "deepseek_v3_16b": MoEArgs(
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        vocab_size=102400,
+        rope_theta=10000.0,
+        max_seq_len=4096,
+        n_dense_layers=1,
+        dense_hidden_dim=10944,
+        num_experts=64,
+        top_k=6,
+        moe_hidden_dim=1408,
+        num_shared_experts=2,
+        score_func="softmax",
+        route_norm=False,
+        attention="mla",
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
+    "deepseek_v3_671b": MoEArgs(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        vocab_size=129280,
+        rope_theta=10000.0,
+        max_seq_len=4096,
+        n_dense_layers=3,
+        dense_hidden_dim=18432,
+        num_experts=256,
+        top_k=8,
+        moe_hidden_dim=2048,
+        num_shared_experts=1,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.5,
+        attention="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
+    "llama4_scout": MoEArgs(
+        dim=5120,
+        n_layers=48,
+        n_heads=40,
+        n_kv_heads=8,
+        vocab_size=202048,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+        n_dense_layers=0,
+        num_experts=16,
+        top_k=1,
+        moe_hidden_dim=8192,
+        num_shared_experts=1,
+        score_func="sigmoid",
+        route_norm=False,
+    ),
+}
+
+
+def get_config(name: str, **overrides: Any) -> MoEArgs:
+    """Return the named MoE configuration, optionally with fields overridden.
+
+    Args:
+        name: one of the keys of :data:`MOE_CONFIGS`.
+        **overrides: :class:`MoEArgs` fields to replace.
+
+    Returns:
+        A validated :class:`MoEArgs`.
+
+    Raises:
+        ValueError: unknown ``name`` or field (the message lists the valid
+            ones), or an invalid resulting configuration.
+    """
+    try:
+        base = MOE_CONFIGS[name]
+    except KeyError:
+        valid = ", ".join(repr(k) for k in MOE_CONFIGS)
+        raise ValueError(f"unknown MoE config {name!r}; valid names: {valid}") from None
+    fields = {f.name for f in dataclasses.fields(MoEArgs)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"unknown MoEArgs field(s) {unknown}; valid fields: {', '.join(sorted(fields))}"
+        )
+    return dataclasses.replace(base, **overrides)
