@@ -70,7 +70,7 @@ def _train(model, forward, batches, rows, opt=None):
 
 def _moe_2d(mesh, dp_mesh, backend):
     import simplefsdp
-    from simplefsdp.frontend.expert_parallel import parallelize_experts_and_data
+    from simplefsdp.frontend.data_parallel import parallelize_experts_and_data
 
     model = parallelize_experts_and_data(_model(), mesh, dp_mesh)
     forward = model

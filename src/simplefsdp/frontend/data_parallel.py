@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -13,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from simplefsdp._compat import install_gloo_all_gather_workaround, root_mesh
 from simplefsdp.frontend import rank_check
-from simplefsdp.frontend.expert_parallel import expert_parallel_params
+from simplefsdp.frontend.expert_parallel import apply_expert_parallel, expert_parallel_params
 from simplefsdp.frontend.mesh import resolve_mesh
 from simplefsdp.frontend.parametrization import (
     ParamSpec,
@@ -589,3 +590,25 @@ def data_parallel(
     )
     logger.debug("data_parallel: mode=%s mesh=%s params=%d", mode, tuple(mesh.shape), len(spec_of))
     return module
+
+
+def parallelize_experts_and_data(
+    model: nn.Module, mesh: DeviceMesh, dp_mesh: DeviceMesh, **data_parallel_kwargs: Any
+) -> nn.Module:
+    """``apply_expert_parallel`` over ``mesh["ep"]``, then ``data_parallel``
+    with the dense parameters over ``dp_mesh`` and the experts over
+    ``mesh["dp_shard_mod_ep"]``.
+
+    Args:
+        model: the model (may be on the meta device).
+        mesh, dp_mesh: from :func:`~simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh`.
+        **data_parallel_kwargs: passed to ``data_parallel`` (``mode``,
+            ``mp_policy``, ``reshard_after_forward``, ...).
+
+    Returns:
+        ``model``, wrapped in place.
+    """
+    apply_expert_parallel(model, mesh["ep"])
+    return data_parallel(
+        model, dp_mesh, expert_mesh=mesh["dp_shard_mod_ep"], **data_parallel_kwargs
+    )

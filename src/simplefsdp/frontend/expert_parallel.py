@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -56,7 +55,6 @@ __all__ = [
     "build_expert_parallel_mesh",
     "check_expert_parallel_layout",
     "expert_parallel_params",
-    "parallelize_experts_and_data",
 ]
 
 #: Set on an experts module by ``ExpertParallel``: its ep mesh. ``data_parallel``
@@ -285,30 +283,6 @@ def apply_expert_parallel(
     for _, module in chosen:
         parallelize_module(module, ep_mesh, ExpertParallel())
     return [name for name, _ in chosen]
-
-
-def parallelize_experts_and_data(
-    model: nn.Module, mesh: DeviceMesh, dp_mesh: DeviceMesh, **data_parallel_kwargs: Any
-) -> nn.Module:
-    """:func:`apply_expert_parallel` over ``mesh["ep"]``, then ``data_parallel``
-    with the dense parameters over ``dp_mesh`` and the experts over
-    ``mesh["dp_shard_mod_ep"]``.
-
-    Args:
-        model: the model (may be on the meta device).
-        mesh, dp_mesh: from :func:`build_expert_parallel_mesh`.
-        **data_parallel_kwargs: passed to ``data_parallel`` (``mode``,
-            ``mp_policy``, ``reshard_after_forward``, ...).
-
-    Returns:
-        ``model``, wrapped in place.
-    """
-    from simplefsdp.frontend.data_parallel import data_parallel  # data_parallel imports us
-
-    apply_expert_parallel(model, mesh["ep"])
-    return data_parallel(
-        model, dp_mesh, expert_mesh=mesh["dp_shard_mod_ep"], **data_parallel_kwargs
-    )
 
 
 def expert_parallel_params(
