@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,6 +269,13 @@ class CheckpointConfig:
             own: its one-line error names this flag and the previous good
             step. Restarts after a failure (``--max-restarts``) resume from
             the latest checkpoint.
+        init_from_hf: A Hugging Face Llama checkpoint folder (``config.json``
+            and safetensors, e.g. a downloaded Llama 3) to start a new run
+            from. The model is the one ``config.json`` describes (with
+            ``model.name`` left at ``debug``; another name must describe the
+            same architecture, else one line names the fields that differ);
+            each rank reads only the slices of the tensors its shards hold.
+            Resuming a run loads its own checkpoint instead.
     """
 
     enable: bool = True
@@ -277,6 +285,7 @@ class CheckpointConfig:
     resume: bool = False
     resume_if_possible: bool = False
     load_step: int = -1
+    init_from_hf: str | None = None
 
 
 @dataclass
@@ -465,6 +474,13 @@ def validate_config(cfg: JobConfig) -> None:
     check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, ">= 1")
     check(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, ">= 0, or -1 for the latest")
     check(bool(ck.folder.strip()), "checkpoint.folder", ck.folder, "a non-empty path")
+    if ck.init_from_hf is not None:
+        check(
+            os.path.isfile(os.path.join(ck.init_from_hf, "config.json")),
+            "checkpoint.init_from_hf",
+            ck.init_from_hf,
+            "a Hugging Face checkpoint folder holding config.json",
+        )
 
     check(mt.log_interval >= 1, "metrics.log_interval", mt.log_interval, ">= 1")
     check(mt.val_interval >= 0, "metrics.val_interval", mt.val_interval, ">= 0 (0 disables)")
