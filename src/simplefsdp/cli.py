@@ -22,6 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "simplefsdp.checkpoint.export",
         "write a checkpoint's full weights to one safetensors file",
     ),
+    "data": (
+        "simplefsdp.data.prepare",
+        "data prepare: tokenise a corpus into memory-mapped token shards",
+    ),
     "bench": ("simplefsdp.bench.cli", "compare simplefsdp with torch FSDP2/DDP on this machine"),
     "plan": (
         "simplefsdp.plan.cli",

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from .corpus import DEFAULT_TEXT_FIELD, TokenCorpus, build_corpus, data_fingerprint
+from .prepare import TokenShards, is_prepared, load_prepared
 from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ def _gather_windows(tokens: torch.Tensor, window_ids: torch.Tensor, seq_len: int
     """``(inputs, targets)`` int64 tensors for the windows ``window_ids``."""
     starts = window_ids.to(torch.int64) * seq_len
     index = starts[:, None] + torch.arange(seq_len + 1, dtype=torch.int64)[None, :]
-    windows = tokens[index].to(torch.int64)
+    windows = (tokens.gather(index) if isinstance(tokens, TokenShards) else tokens[index]).to(
+        torch.int64
+    )
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
@@ -58,7 +61,9 @@ def _check_loader_args(seq_len: int, batch_size: int, rank: int, world_size: int
 
 
 def _check_tokens(tokens: torch.Tensor, what: str) -> torch.Tensor:
-    """Validate a 1-D integer token tensor and return it contiguous."""
+    """Validate a 1-D integer token tensor and return it contiguous (shards as they are)."""
+    if isinstance(tokens, TokenShards):
+        return tokens
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
         raise ValueError(f"{what} must be a 1-D tensor of token ids")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -184,7 +189,11 @@ class DistributedTokenLoader:
                 "smaller seq_len / batch_size"
             )
         self.steps_per_epoch = self.num_windows // self.global_batch_size
-        self.fingerprint = data_fingerprint(self.tokens)
+        self.fingerprint = (
+            self.tokens.fingerprint
+            if isinstance(self.tokens, TokenShards)
+            else data_fingerprint(self.tokens)
+        )
         self.epoch = 0
         self.position = 0
         self._perm_epoch = -1
@@ -376,6 +385,19 @@ def build_data(
             records); one rank of a job is enough.
     """
     tok = load_tokenizer(cfg.tokenizer)
+    if is_prepared(cfg.path):  # token shards of simplefsdp data prepare, memory-mapped
+        prepared = load_prepared(cfg.path, tok, cfg.tokenizer)
+        loader = DistributedTokenLoader(
+            prepared.train,
+            seq_len=cfg.seq_len,
+            batch_size=cfg.batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            global_batch=global_batch,
+            val_tokens=prepared.val,
+        )
+        return DataBundle(tok, prepared.corpus, loader)
     corpus = build_corpus(
         cfg.path,
         tok,
