@@ -133,6 +133,7 @@ def _prepare_file(job: tuple[int, str, str, str, str, float, str]) -> dict[str, 
     record = _record_ok(shards, i)
     if record is not None:
         return {**record, "skipped": True}
+    logging.getLogger("simplefsdp.data.corpus").setLevel(logging.WARNING)  # per-file notes
     tok = load_tokenizer(spec)
     if Path(file).suffix.lower() in (".jsonl", ".ndjson"):
         _check_jsonl(Path(file))
@@ -359,12 +360,14 @@ class TokenShards:
         return torch.from_numpy(out).reshape(index.shape)
 
     def compute_fingerprint(self, chunk: int = 1 << 24) -> dict[str, int]:
-        """``data_fingerprint`` of the stream (reads it all: for :func:`prepare`)."""
+        """``data_fingerprint`` of the stream (reads it all, shard by shard: for :func:`prepare`)."""
         digest = hashlib.sha256()
-        for pos in range(self.lo, self.hi, chunk):
-            end = min(pos + chunk, self.hi)
-            ids = self.gather(torch.arange(pos - self.lo, end - self.lo, dtype=torch.int64))
-            digest.update(ids.to(torch.int32).numpy().tobytes())
+        for array, first in zip(self.arrays, self.starts[:-1], strict=True):
+            lo = max(self.lo - int(first), 0)
+            hi = min(self.hi - int(first), array.size)
+            for pos in range(lo, hi, chunk):
+                part = array[pos : min(pos + chunk, hi)]
+                digest.update(part.astype(np.int32).tobytes())
         return {
             "num_tokens": self.numel(),
             "data_hash": int.from_bytes(digest.digest()[:8], "big") >> 1,
