@@ -303,8 +303,9 @@ def _write_index(
 class TokenShards:
     """The concatenation of token shards, read by memory map.
 
-    Only the pages a batch touches are read; opening costs a few
-    milliseconds per shard whatever its size. Supports what the loader needs:
+    Only the pages a batch touches are read; opening costs one ``stat`` per
+    shard (its size is checked against the index) whatever its size, and a
+    shard's memory map is opened when a batch first needs it. Supports what the loader needs:
     :meth:`numel`, :meth:`gather` (an index tensor -> int64 tokens) and
     :meth:`view` (a sub-range).
 
@@ -321,21 +322,38 @@ class TokenShards:
         self, folder: str | os.PathLike[str], shards: list[dict[str, Any]], dtype: np.dtype
     ) -> None:
         self.folder = Path(folder)
-        self.arrays = []
+        self.dtype = dtype
+        self.paths = []
         for shard in shards:
             path = self.folder / "shards" / shard["file"]
             want = int(shard["tokens"]) * dtype.itemsize
-            size = path.stat().st_size if path.is_file() else -1
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                size = -1
             if size != want:
                 raise ValueError(
                     f"shard {path} has {size} bytes, the index says {want}: the folder is "
                     "damaged; run simplefsdp data prepare again"
                 )
-            self.arrays.append(np.memmap(path, dtype=dtype, mode="r"))
-        lengths = np.array([a.size for a in self.arrays], dtype=np.int64)
+            self.paths.append(path)
+        # Memory maps are opened on first use: start-up costs one stat per shard.
+        self._arrays: dict[int, np.memmap] = {}
+        lengths = np.array([int(s["tokens"]) for s in shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.lo, self.hi = 0, int(self.starts[-1])
         self.fingerprint: dict[str, int] = {}
+
+    def array(self, i: int) -> np.memmap:
+        """The memory map of shard ``i`` (opened on first use)."""
+        if i not in self._arrays:
+            self._arrays[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r")
+        return self._arrays[i]
+
+    @property
+    def arrays(self) -> list[np.memmap]:
+        """Every shard's memory map (opens them all)."""
+        return [self.array(i) for i in range(len(self.paths))]
 
     def numel(self) -> int:
         """Tokens in this (view of the) stream."""
@@ -356,15 +374,18 @@ class TokenShards:
         out = np.empty(flat.size, dtype=np.int64)
         for s in np.unique(which):
             mask = which == s
-            out[mask] = self.arrays[s][flat[mask] - self.starts[s]]
+            out[mask] = self.array(int(s))[flat[mask] - self.starts[s]]
         return torch.from_numpy(out).reshape(index.shape)
 
     def compute_fingerprint(self, chunk: int = 1 << 24) -> dict[str, int]:
         """``data_fingerprint`` of the stream (reads it all, shard by shard: for :func:`prepare`)."""
         digest = hashlib.sha256()
-        for array, first in zip(self.arrays, self.starts[:-1], strict=True):
+        for i, first in enumerate(self.starts[:-1]):
             lo = max(self.lo - int(first), 0)
-            hi = min(self.hi - int(first), array.size)
+            hi = min(self.hi - int(first), int(self.starts[i + 1] - first))
+            if hi <= lo:
+                continue
+            array = self.array(i)
             for pos in range(lo, hi, chunk):
                 part = array[pos : min(pos + chunk, hi)]
                 digest.update(part.astype(np.int32).tobytes())
@@ -430,7 +451,7 @@ def load_prepared(folder: str | os.PathLike[str], tok: Tokenizer, spec: str) -> 
         "prepared tokens %s: %d train tokens (%d shards), %d val tokens, memory-mapped",
         folder,
         train.numel(),
-        len(train.arrays),
+        len(train.paths),
         0 if val is None else val.numel(),
     )
     return PreparedData(corpus, train, val)
