@@ -7,7 +7,8 @@ Usage::
 Opens ``TOKENS_DIR`` (written by ``simplefsdp data prepare``) as
 ``simplefsdp train`` does, draws 100 batches, and prints the start-up time
 (to the first batch), the time per batch and the process's resident memory
-before and after (``VmRSS``). Run it in a fresh process per folder.
+before and after (``VmRSS``, and its anonymous part ``RssAnon``: the
+rest is shard pages mapped from the page cache, which the kernel reclaims). Run it in a fresh process per folder.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import time
 from types import SimpleNamespace
 
 
-def _rss_mib() -> float:
+def _rss_mib() -> str:
+    """``VmRSS`` and its anonymous part (``RssAnon``; the rest is mapped file pages)."""
+    fields = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                fields[key] = int(value.split()[0]) / 1024
+    return (
+        f"{fields.get('VmRSS', float('nan')):.0f} (anon {fields.get('RssAnon', float('nan')):.0f})"
+    )
 
 
 def main() -> None:
@@ -47,7 +53,7 @@ def main() -> None:
     per_batch = (time.perf_counter() - t0) / 100
     print(
         f"{args.folder}: {loader.tokens.numel():,} train tokens, start-up {startup:.2f} s, "
-        f"{per_batch * 1e3:.2f} ms/batch, RSS {before:.0f} -> {_rss_mib():.0f} MiB"
+        f"{per_batch * 1e3:.2f} ms/batch, RSS MiB {before} -> {_rss_mib()}"
     )
 
 

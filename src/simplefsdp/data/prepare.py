@@ -36,6 +36,7 @@ import argparse
 import hashlib
 import json
 import logging
+import mmap
 import os
 import sys
 import time
@@ -347,7 +348,12 @@ class TokenShards:
     def array(self, i: int) -> np.memmap:
         """The memory map of shard ``i`` (opened on first use)."""
         if i not in self._arrays:
-            self._arrays[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r")
+            array = np.memmap(self.paths[i], dtype=self.dtype, mode="r")
+            raw = getattr(array, "_mmap", None)
+            if raw is not None and hasattr(mmap, "MADV_RANDOM"):
+                # Sequences are read at random places: no read-ahead around each one.
+                raw.madvise(mmap.MADV_RANDOM)
+            self._arrays[i] = array
         return self._arrays[i]
 
     @property
@@ -385,9 +391,9 @@ class TokenShards:
             hi = min(self.hi - int(first), int(self.starts[i + 1] - first))
             if hi <= lo:
                 continue
-            array = self.array(i)
-            for pos in range(lo, hi, chunk):
-                part = array[pos : min(pos + chunk, hi)]
+            for pos in range(lo, hi, chunk):  # plain reads: no pages left mapped
+                n = min(chunk, hi - pos)
+                part = np.fromfile(self.paths[i], self.dtype, n, offset=pos * self.dtype.itemsize)
                 digest.update(part.astype(np.int32).tobytes())
         return {
             "num_tokens": self.numel(),
