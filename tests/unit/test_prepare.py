@@ -53,6 +53,7 @@ def test_shards_give_the_in_memory_stream_and_batches(corpus, tmp_path):
             for _ in range(mem.steps_per_epoch + 2):  # across an epoch boundary
                 a, b = next(mem), next(mapped.loader)
                 assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                assert mapped.loader._ahead is not None  # the next batch is read ahead
             val_a, val_b = list(mem.val_batches()), list(mapped.loader.val_batches())
             assert len(val_a) == len(val_b) > 0
             assert all(torch.equal(x[0], y[0]) for x, y in zip(val_a, val_b, strict=True))

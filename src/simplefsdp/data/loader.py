@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -199,6 +200,11 @@ class DistributedTokenLoader:
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
         self._val_warned = False
+        # Read-ahead (token shards): the next batch is gathered in a background
+        # thread while the caller uses this one; see __next__.
+        self.read_ahead = isinstance(self.tokens, TokenShards)
+        self._ahead: tuple[tuple[int, int], Future[Batch]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- order ---------------------------------------------------------------
 
@@ -213,7 +219,11 @@ class DistributedTokenLoader:
 
     def _batch(self, epoch: int, position: int, global_batch: bool) -> Batch:
         """The batch of the ``G`` windows starting at ``position`` in ``epoch``'s order."""
-        ids = self._permutation(epoch)[position : position + self.global_batch_size]
+        return self._windows(self._permutation(epoch), position, global_batch)
+
+    def _windows(self, perm: torch.Tensor, position: int, global_batch: bool) -> Batch:
+        """The batch of the ``G`` windows starting at ``position`` in the order ``perm``."""
+        ids = perm[position : position + self.global_batch_size]
         if not global_batch:
             ids = ids[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         return _gather_windows(self.tokens, ids, self.seq_len)
@@ -230,9 +240,27 @@ class DistributedTokenLoader:
             self.epoch += 1
             self.position = 0
             logger.debug("data loader starts epoch %d", self.epoch)
-        batch = self._batch(self.epoch, self.position, self.global_batch)
+        key = (self.epoch, self.position)
+        if self._ahead is not None and self._ahead[0] == key:
+            batch = self._ahead[1].result()
+        else:
+            batch = self._batch(self.epoch, self.position, self.global_batch)
+        self._ahead = None
         self.position += self.global_batch_size
+        if self.read_ahead:
+            self._start_read_ahead()
         return batch
+
+    def _start_read_ahead(self) -> None:
+        """Gather the batch after the current position in a background thread."""
+        epoch, position = self.epoch, self.position
+        if position + self.global_batch_size > self.num_windows:
+            epoch, position = epoch + 1, 0
+        perm = self._permutation(epoch)  # here, not in the thread: it is cached state
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="simplefsdp-data")
+        future = self._pool.submit(self._windows, perm, position, self.global_batch)
+        self._ahead = ((epoch, position), future)
 
     def batch_at(self, step: int, *, global_batch: bool | None = None) -> Batch:
         """The batch of global step ``step`` of a fresh loader, without changing the state.
@@ -325,6 +353,7 @@ class DistributedTokenLoader:
             logger.info("data loader: using the saved seed %d (was %d)", values["seed"], self.seed)
         self.seed = values["seed"]
         self._perm_epoch = -1
+        self._ahead = None  # read ahead for the old position
         self.epoch = values["epoch"]
         self.position = values["position"]
 
