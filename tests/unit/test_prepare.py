@@ -118,3 +118,32 @@ def test_loader_reads_shards_by_memory_map(corpus, tmp_path):
     loader = build_data(_cfg(tmp_path / "tok")).loader
     assert isinstance(loader, DistributedTokenLoader)
     assert all(isinstance(a, np.memmap) for a in loader.tokens.arrays)
+
+
+def _save_to_disk(folder, rows, column="text"):
+    """A folder laid out as ``datasets.Dataset.save_to_disk`` writes it (two Arrow files)."""
+    pa = pytest.importorskip("pyarrow")
+    folder.mkdir()
+    names = []
+    for i, part in enumerate((rows[: len(rows) // 2], rows[len(rows) // 2 :])):
+        name = f"data-{i:05d}-of-00002.arrow"
+        table = pa.table({column: part, "id": list(range(len(part)))})
+        with pa.OSFile(str(folder / name), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+        names.append({"filename": name})
+    (folder / "state.json").write_text(json.dumps({"_data_files": names, "_split": "train"}))
+    (folder / "dataset_info.json").write_text("{}")
+
+
+def test_datasets_folder_is_read_row_by_row(tmp_path):
+    rows = [f"row {i} " * (i + 3) for i in range(40)] + [""]
+    _save_to_disk(tmp_path / "ds", rows)
+    index = prepare(tmp_path / "ds", tmp_path / "tok", val_fraction=0.0, progress=False)
+    assert index["train"]["documents"] == 40  # the empty row is skipped
+    loader = build_data(_cfg(tmp_path / "tok", val_fraction=0.0)).loader
+    text = "".join(r + "\n" for r in rows if r)  # each document and EOS (byte ids)
+    assert loader.tokens.numel() == len(text.encode())
+    with pytest.raises(ValueError, match="has no column 'body'"):
+        _save_to_disk(tmp_path / "ds3", rows)
+        prepare(tmp_path / "ds3", tmp_path / "tok3", text_field="body", progress=False)

@@ -5,7 +5,8 @@ Example::
     simplefsdp data prepare --input corpus/ --out tokens/ --tokenizer byte --workers 8
 
 reads the input like ``data.path`` does (text files, JSON Lines and Parquet
-by ``--text-field``, folders recursively), tokenises every file in a pool of
+by ``--text-field``, folders recursively) or a Hugging Face ``datasets``
+``Dataset.save_to_disk`` folder (its Arrow files, with ``pyarrow``), tokenises every file in a pool of
 worker processes and writes, per input file ``i``, ``shards/{i:06d}.train.bin``
 and ``shards/{i:06d}.val.bin`` (raw little-endian ``uint16`` ids, or ``uint32``
 for vocabularies above 65536; every document followed by EOS; documents go to
@@ -111,6 +112,65 @@ def _record_ok(shards: Path, i: int) -> dict[str, Any] | None:
         return None
 
 
+def _datasets_files(folder: Path) -> list[Path] | None:
+    """The Arrow files of a Hugging Face ``datasets`` ``Dataset.save_to_disk`` folder.
+
+    ``None`` when ``folder`` is not one (no ``state.json`` naming ``_data_files``).
+    They are read with ``pyarrow`` (``datasets`` itself is not needed).
+
+    Raises:
+        ValueError: a ``DatasetDict`` folder (name one of its splits), a
+            listed file is missing, or ``pyarrow`` is not installed.
+    """
+    if (folder / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
+        raise ValueError(
+            f"{folder} is a datasets DatasetDict; give one of its splits: "
+            + ", ".join(str(folder / s) for s in splits)
+        )
+    state = folder / "state.json"
+    if not state.is_file():
+        return None
+    try:
+        names = [d["filename"] for d in json.loads(state.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"{folder} is a datasets folder; reading it needs pyarrow: pip install pyarrow"
+        ) from None
+    files = [folder / n for n in names]
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"{f} (named by {state}) does not exist")
+    return files
+
+
+def _arrow_documents(path: Path, rel: str, field: str) -> list[Document]:
+    """The documents of a ``datasets`` Arrow file's column ``field`` (one per row)."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise ValueError(f"{path}: not a readable Arrow stream file ({exc})") from None
+    if field not in table.column_names:
+        raise ValueError(
+            f"{path} has no column {field!r} (columns: {', '.join(table.column_names[:10])}); "
+            "pass --text-field"
+        )
+    docs = []
+    for row, value in enumerate(table.column(field).to_pylist()):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{path}: row {row} of column {field!r} is not text ({value!r:.40})")
+        if value:
+            docs.append(Document(f"{rel}:{row}", value))
+    return docs
+
+
 def _check_jsonl(path: Path) -> None:
     """A JSON Lines line that is not JSON is an error naming the file and line.
 
@@ -138,15 +198,18 @@ def _prepare_file(job: tuple[int, str, str, str, str, float, str]) -> dict[str, 
     tok = load_tokenizer(spec)
     if Path(file).suffix.lower() in (".jsonl", ".ndjson"):
         _check_jsonl(Path(file))
-    try:
-        docs = read_documents(file, text_field=field, report=False)
-    except ValueError as exc:
-        if "contains no readable, non-empty text" in str(exc):
-            docs = []
-        else:
-            raise
-    base = Path(file).name
-    docs = [Document(rel + d.name[len(base) :], d.text) for d in docs]
+    if Path(file).suffix == ".arrow":
+        docs = _arrow_documents(Path(file), rel, field)
+    else:
+        try:
+            docs = read_documents(file, text_field=field, report=False)
+        except ValueError as exc:
+            if "contains no readable, non-empty text" in str(exc):
+                docs = []
+            else:
+                raise
+        base = Path(file).name
+        docs = [Document(rel + d.name[len(base) :], d.text) for d in docs]
     dtype = torch.int32 if tok.vocab_size > 2**15 else torch.int16
     np_dtype = _np_dtype(tok.vocab_size)
     record = {"input": rel}
@@ -200,7 +263,8 @@ def prepare(
     if workers < 1:
         raise ValueError(f"invalid workers {workers!r}; must be >= 1")
     tok = load_tokenizer(tokenizer)
-    root, files = list_corpus_files(inputs)
+    arrow = _datasets_files(Path(inputs))
+    root, files = (Path(inputs), arrow) if arrow is not None else list_corpus_files(inputs)
     if not files:
         raise ValueError(f"{str(inputs)!r} holds no text, JSON Lines or Parquet files")
     folder = Path(out)
