@@ -147,3 +147,18 @@ def test_datasets_folder_is_read_row_by_row(tmp_path):
     with pytest.raises(ValueError, match="has no column 'body'"):
         _save_to_disk(tmp_path / "ds3", rows)
         prepare(tmp_path / "ds3", tmp_path / "tok3", text_field="body", progress=False)
+
+
+def test_document_boundaries_can_be_left_out_of_the_loss(corpus, tmp_path):
+    prepare(corpus, tmp_path / "tok", progress=False)
+    for path in (corpus, tmp_path / "tok"):  # in memory and on shards alike
+        plain = build_data(_cfg(path, batch_size=8)).loader
+        masked = build_data(_cfg(path, batch_size=8, mask_document_boundaries=True)).loader
+        seen = 0
+        for _ in range(plain.steps_per_epoch):
+            (inputs, targets), (m_inputs, m_targets) = next(plain), next(masked)
+            eos = inputs == 257  # the byte tokenizer's EOS
+            seen += int(eos.sum())
+            assert torch.equal(inputs, m_inputs)
+            assert (m_targets[eos] == -100).all() and torch.equal(m_targets[~eos], targets[~eos])
+        assert seen > 0

@@ -27,6 +27,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "IGNORE_INDEX",
     "Batch",
     "DistributedTokenLoader",
     "iter_val_batches",
@@ -39,14 +40,24 @@ __all__ = [
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _gather_windows(tokens: torch.Tensor, window_ids: torch.Tensor, seq_len: int) -> Batch:
-    """``(inputs, targets)`` int64 tensors for the windows ``window_ids``."""
+#: Target id that the loss leaves out (``F.cross_entropy``'s default ``ignore_index``).
+IGNORE_INDEX = -100
+
+
+def _gather_windows(
+    tokens: torch.Tensor, window_ids: torch.Tensor, seq_len: int, mask_after: int | None = None
+) -> Batch:
+    """``(inputs, targets)`` int64 tensors for the windows ``window_ids``; targets whose
+    input is ``mask_after`` (the EOS id) are :data:`IGNORE_INDEX`."""
     starts = window_ids.to(torch.int64) * seq_len
     index = starts[:, None] + torch.arange(seq_len + 1, dtype=torch.int64)[None, :]
     windows = (tokens.gather(index) if isinstance(tokens, TokenShards) else tokens[index]).to(
         torch.int64
     )
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    if mask_after is not None:
+        targets[inputs == mask_after] = IGNORE_INDEX
+    return inputs, targets
 
 
 def _check_loader_args(seq_len: int, batch_size: int, rank: int, world_size: int) -> None:
@@ -82,6 +93,7 @@ def iter_val_batches(
     world_size: int = 1,
     global_batch: bool = False,
     warn: bool = True,
+    mask_after: int | None = None,
 ) -> Iterator[Batch]:
     """Deterministic, unshuffled batches over a validation stream.
 
@@ -101,6 +113,7 @@ def iter_val_batches(
         global_batch: Yield the whole global batch instead of the rank slice.
         warn: Log a warning (with the fix) when the stream is shorter than
             one global batch.
+        mask_after: See :class:`DistributedTokenLoader`.
 
     Yields:
         ``(inputs, targets)`` int64 tensors of shape ``(batch_size, seq_len)``.
@@ -124,7 +137,7 @@ def iter_val_batches(
     lo, hi = (0, g) if global_batch else (rank * batch_size, (rank + 1) * batch_size)
     for k in range(total):
         ids = torch.arange(k * g + lo, k * g + hi, dtype=torch.int64)
-        yield _gather_windows(tokens, ids, seq_len)
+        yield _gather_windows(tokens, ids, seq_len, mask_after)
 
 
 class DistributedTokenLoader:
@@ -152,6 +165,8 @@ class DistributedTokenLoader:
         global_batch: Yield the whole global batch (``G`` rows) instead of this
             rank's slice, e.g. for single-process reference runs.
         val_tokens: Optional validation stream for :meth:`val_batches`.
+        mask_after: Targets whose input token is this id (the EOS id) are
+            :data:`IGNORE_INDEX`, left out of the loss (document boundaries).
 
     Raises:
         ValueError: bad sizes or rank, or fewer windows than one global batch.
@@ -170,6 +185,7 @@ class DistributedTokenLoader:
         seed: int = 0,
         global_batch: bool = False,
         val_tokens: torch.Tensor | None = None,
+        mask_after: int | None = None,
     ) -> None:
         _check_loader_args(seq_len, batch_size, rank, world_size)
         self.tokens = _check_tokens(tokens, "tokens")
@@ -180,6 +196,7 @@ class DistributedTokenLoader:
         self.world_size = world_size
         self.seed = int(seed)
         self.global_batch = global_batch
+        self.mask_after = mask_after
         self.global_batch_size = world_size * batch_size
         self.num_windows = max(0, (self.tokens.numel() - 1) // seq_len)
         if self.num_windows < self.global_batch_size:
@@ -226,7 +243,7 @@ class DistributedTokenLoader:
         ids = perm[position : position + self.global_batch_size]
         if not global_batch:
             ids = ids[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        return _gather_windows(self.tokens, ids, self.seq_len)
+        return _gather_windows(self.tokens, ids, self.seq_len, self.mask_after)
 
     # -- iteration -----------------------------------------------------------
 
@@ -300,6 +317,7 @@ class DistributedTokenLoader:
             world_size=self.world_size,
             global_batch=self.global_batch,
             warn=warn,
+            mask_after=self.mask_after,
         )
 
     # -- state ---------------------------------------------------------------
@@ -414,6 +432,7 @@ def build_data(
             records); one rank of a job is enough.
     """
     tok = load_tokenizer(cfg.tokenizer)
+    mask_after = tok.eos_id if getattr(cfg, "mask_document_boundaries", False) else None
     if is_prepared(cfg.path):  # token shards of simplefsdp data prepare, memory-mapped
         prepared = load_prepared(cfg.path, tok, cfg.tokenizer)
         loader = DistributedTokenLoader(
@@ -425,6 +444,7 @@ def build_data(
             seed=seed,
             global_batch=global_batch,
             val_tokens=prepared.val,
+            mask_after=mask_after,
         )
         return DataBundle(tok, prepared.corpus, loader)
     corpus = build_corpus(
@@ -446,5 +466,6 @@ def build_data(
         seed=seed,
         global_batch=global_batch,
         val_tokens=corpus.val,
+        mask_after=mask_after,
     )
     return DataBundle(tok, corpus, loader)

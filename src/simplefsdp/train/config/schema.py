@@ -98,8 +98,10 @@ class DataConfig:
     """Training data.
 
     Attributes:
-        path: A text file or a folder of text files (read recursively);
-            ``None`` uses the embedded corpus (this Python's stdlib sources).
+        path: A text file or a folder of text files (read recursively), or
+            a folder of token shards written by ``simplefsdp data prepare``
+            (memory-mapped); ``None`` uses the embedded corpus (this Python's
+            stdlib sources).
         seq_len: Tokens per training sequence.
         batch_size: Per-rank micro-batch size (sequences).
         val_fraction: Fraction of documents held out for validation, in [0, 1).
@@ -112,6 +114,9 @@ class DataConfig:
         text_field: The field of each JSON Lines record (``.jsonl``,
             ``.ndjson``) and the column of a Parquet file (``.parquet``, needs
             ``pyarrow``) that holds the text; other files are read as text.
+        mask_document_boundaries: Leave out of the loss the targets that
+            follow an end-of-document token inside a sequence (the first
+            token of the next document, predicted from another document).
     """
 
     path: str | None = None
@@ -122,6 +127,7 @@ class DataConfig:
     num_workers: int = 0
     max_bytes: int | None = None
     text_field: str = "text"
+    mask_document_boundaries: bool = False
 
 
 @dataclass
