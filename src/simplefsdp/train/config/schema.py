@@ -107,8 +107,9 @@ class DataConfig:
         val_fraction: Fraction of documents held out for validation, in [0, 1).
         tokenizer: ``"byte"`` or a path to a local ``tokenizer.json`` / Hugging
             Face tokenizer directory.
-        num_workers: Loader worker processes. The token loader is in-memory and
-            synchronous, so this is accepted for compatibility and unused.
+        num_workers: Loader worker processes: accepted for compatibility and
+            unused (batches are gathered from memory, or from token shards
+            by a background thread that reads the next batch ahead).
         max_bytes: Cap on the bytes read from the corpus (``None``: 8 MB for
             the embedded stdlib corpus, unlimited for a user ``path``).
         text_field: The field of each JSON Lines record (``.jsonl``,
