@@ -26,6 +26,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "simplefsdp.train.runs_cli",
         "list the runs of simplefsdp train; remove or prune them on request",
     ),
+    "data": (
+        "simplefsdp.data.prepare",
+        "data prepare: tokenise a corpus into memory-mapped token shards",
+    ),
     "bench": ("simplefsdp.bench.cli", "compare simplefsdp with torch FSDP2/DDP on this machine"),
     "plan": (
         "simplefsdp.plan.cli",

@@ -1,5 +1,9 @@
 """``simplefsdp export``: a checkpoint's full (unsharded) weights in one safetensors file.
 
+``--format hf`` writes a Hugging Face Llama folder instead (``config.json``,
+sharded safetensors and ``model.safetensors.index.json``, loadable with
+``LlamaForCausalLM.from_pretrained``): see :mod:`simplefsdp.checkpoint.hf`.
+
 Example::
 
     simplefsdp export --checkpoint outputs/debug --out model.safetensors
@@ -53,6 +57,7 @@ __all__ = [
     "export_checkpoint",
     "load_full_model_state",
     "main",
+    "main_hf",
     "model_args_from_config",
     "resolve_checkpoint",
 ]
@@ -239,7 +244,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="a folder of runs (metrics.output_dir: the newest run), a run folder, a run's "
         "checkpoint folder (its newest complete checkpoint) or a step-N folder",
     )
-    parser.add_argument("--out", required=True, help="output .safetensors file")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output .safetensors file (--format hf: the folder to write)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("simplefsdp", "hf"),
+        default="simplefsdp",
+        help="simplefsdp: our names in one file (default); hf: a Hugging Face Llama "
+        "folder (config.json, sharded safetensors and the index) for "
+        "LlamaForCausalLM.from_pretrained",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="--format hf: the largest safetensors shard, e.g. 5GB or 500MB (default 5GB)",
+    )
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES), default=None, help="cast floating-point weights"
     )
@@ -249,10 +271,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``simplefsdp export``; returns the exit code (2 for bad input)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.format == "hf":
+        return main_hf(args)
     try:
         weights, config = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
     except (ValueError, RuntimeError) as exc:
         print(f"simplefsdp export: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {weights} ({weights.stat().st_size:,} bytes) and {config}")
+    return 0
+
+
+def main_hf(args: argparse.Namespace) -> int:
+    """``--format hf``: see :func:`simplefsdp.checkpoint.hf.export_hf_checkpoint`."""
+    from simplefsdp.checkpoint.hf import export_hf_checkpoint
+
+    try:
+        files = export_hf_checkpoint(
+            args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size
+        )
+    except (ValueError, RuntimeError) as exc:
+        print(f"simplefsdp export: error: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in files)
+    print(f"wrote {len(files)} files ({size:,} bytes) to {args.out} (Hugging Face Llama format)")
     return 0

@@ -1,6 +1,6 @@
 """Token data pipeline, used by ``simplefsdp train`` and ``simplefsdp bench``.
 
-The pipeline has three small modules:
+The pipeline has four small modules:
 
 * :mod:`~simplefsdp.data.tokenizer` - :class:`ByteTokenizer` (UTF-8 bytes plus
   4 special tokens, no dependencies) and :func:`load_tokenizer`, which also
@@ -14,6 +14,9 @@ The pipeline has three small modules:
   resumable, deterministic loader that hands each rank its slice of every
   global batch, and :func:`build_data`, which builds all three from the
   ``[data]`` section of a job config.
+* :mod:`~simplefsdp.data.prepare` - ``simplefsdp data prepare``: a corpus
+  tokenised once into memory-mapped token shards plus an index, which
+  :func:`build_data` opens when ``data.path`` is such a folder.
 
 This package imports nothing else of simplefsdp.
 """

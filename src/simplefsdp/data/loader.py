@@ -14,17 +14,20 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from .corpus import DEFAULT_TEXT_FIELD, TokenCorpus, build_corpus, data_fingerprint
+from .prepare import TokenShards, is_prepared, load_prepared
 from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "IGNORE_INDEX",
     "Batch",
     "DistributedTokenLoader",
     "iter_val_batches",
@@ -37,12 +40,24 @@ __all__ = [
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _gather_windows(tokens: torch.Tensor, window_ids: torch.Tensor, seq_len: int) -> Batch:
-    """``(inputs, targets)`` int64 tensors for the windows ``window_ids``."""
+#: Target id that the loss leaves out (``F.cross_entropy``'s default ``ignore_index``).
+IGNORE_INDEX = -100
+
+
+def _gather_windows(
+    tokens: torch.Tensor, window_ids: torch.Tensor, seq_len: int, mask_after: int | None = None
+) -> Batch:
+    """``(inputs, targets)`` int64 tensors for the windows ``window_ids``; targets whose
+    input is ``mask_after`` (the EOS id) are :data:`IGNORE_INDEX`."""
     starts = window_ids.to(torch.int64) * seq_len
     index = starts[:, None] + torch.arange(seq_len + 1, dtype=torch.int64)[None, :]
-    windows = tokens[index].to(torch.int64)
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    windows = (tokens.gather(index) if isinstance(tokens, TokenShards) else tokens[index]).to(
+        torch.int64
+    )
+    inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    if mask_after is not None:
+        targets[inputs == mask_after] = IGNORE_INDEX
+    return inputs, targets
 
 
 def _check_loader_args(seq_len: int, batch_size: int, rank: int, world_size: int) -> None:
@@ -58,7 +73,9 @@ def _check_loader_args(seq_len: int, batch_size: int, rank: int, world_size: int
 
 
 def _check_tokens(tokens: torch.Tensor, what: str) -> torch.Tensor:
-    """Validate a 1-D integer token tensor and return it contiguous."""
+    """Validate a 1-D integer token tensor and return it contiguous (shards as they are)."""
+    if isinstance(tokens, TokenShards):
+        return tokens
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
         raise ValueError(f"{what} must be a 1-D tensor of token ids")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -76,6 +93,7 @@ def iter_val_batches(
     world_size: int = 1,
     global_batch: bool = False,
     warn: bool = True,
+    mask_after: int | None = None,
 ) -> Iterator[Batch]:
     """Deterministic, unshuffled batches over a validation stream.
 
@@ -95,6 +113,7 @@ def iter_val_batches(
         global_batch: Yield the whole global batch instead of the rank slice.
         warn: Log a warning (with the fix) when the stream is shorter than
             one global batch.
+        mask_after: See :class:`DistributedTokenLoader`.
 
     Yields:
         ``(inputs, targets)`` int64 tensors of shape ``(batch_size, seq_len)``.
@@ -118,7 +137,7 @@ def iter_val_batches(
     lo, hi = (0, g) if global_batch else (rank * batch_size, (rank + 1) * batch_size)
     for k in range(total):
         ids = torch.arange(k * g + lo, k * g + hi, dtype=torch.int64)
-        yield _gather_windows(tokens, ids, seq_len)
+        yield _gather_windows(tokens, ids, seq_len, mask_after)
 
 
 class DistributedTokenLoader:
@@ -146,6 +165,8 @@ class DistributedTokenLoader:
         global_batch: Yield the whole global batch (``G`` rows) instead of this
             rank's slice, e.g. for single-process reference runs.
         val_tokens: Optional validation stream for :meth:`val_batches`.
+        mask_after: Targets whose input token is this id (the EOS id) are
+            :data:`IGNORE_INDEX`, left out of the loss (document boundaries).
 
     Raises:
         ValueError: bad sizes or rank, or fewer windows than one global batch.
@@ -164,6 +185,7 @@ class DistributedTokenLoader:
         seed: int = 0,
         global_batch: bool = False,
         val_tokens: torch.Tensor | None = None,
+        mask_after: int | None = None,
     ) -> None:
         _check_loader_args(seq_len, batch_size, rank, world_size)
         self.tokens = _check_tokens(tokens, "tokens")
@@ -174,6 +196,7 @@ class DistributedTokenLoader:
         self.world_size = world_size
         self.seed = int(seed)
         self.global_batch = global_batch
+        self.mask_after = mask_after
         self.global_batch_size = world_size * batch_size
         self.num_windows = max(0, (self.tokens.numel() - 1) // seq_len)
         if self.num_windows < self.global_batch_size:
@@ -184,12 +207,21 @@ class DistributedTokenLoader:
                 "smaller seq_len / batch_size"
             )
         self.steps_per_epoch = self.num_windows // self.global_batch_size
-        self.fingerprint = data_fingerprint(self.tokens)
+        self.fingerprint = (
+            self.tokens.fingerprint
+            if isinstance(self.tokens, TokenShards)
+            else data_fingerprint(self.tokens)
+        )
         self.epoch = 0
         self.position = 0
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
         self._val_warned = False
+        # Read-ahead (token shards): the next batch is gathered in a background
+        # thread while the caller uses this one; see __next__.
+        self.read_ahead = isinstance(self.tokens, TokenShards)
+        self._ahead: tuple[tuple[int, int], Future[Batch]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- order ---------------------------------------------------------------
 
@@ -204,10 +236,14 @@ class DistributedTokenLoader:
 
     def _batch(self, epoch: int, position: int, global_batch: bool) -> Batch:
         """The batch of the ``G`` windows starting at ``position`` in ``epoch``'s order."""
-        ids = self._permutation(epoch)[position : position + self.global_batch_size]
+        return self._windows(self._permutation(epoch), position, global_batch)
+
+    def _windows(self, perm: torch.Tensor, position: int, global_batch: bool) -> Batch:
+        """The batch of the ``G`` windows starting at ``position`` in the order ``perm``."""
+        ids = perm[position : position + self.global_batch_size]
         if not global_batch:
             ids = ids[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        return _gather_windows(self.tokens, ids, self.seq_len)
+        return _gather_windows(self.tokens, ids, self.seq_len, self.mask_after)
 
     # -- iteration -----------------------------------------------------------
 
@@ -221,9 +257,27 @@ class DistributedTokenLoader:
             self.epoch += 1
             self.position = 0
             logger.debug("data loader starts epoch %d", self.epoch)
-        batch = self._batch(self.epoch, self.position, self.global_batch)
+        key = (self.epoch, self.position)
+        if self._ahead is not None and self._ahead[0] == key:
+            batch = self._ahead[1].result()
+        else:
+            batch = self._batch(self.epoch, self.position, self.global_batch)
+        self._ahead = None
         self.position += self.global_batch_size
+        if self.read_ahead:
+            self._start_read_ahead()
         return batch
+
+    def _start_read_ahead(self) -> None:
+        """Gather the batch after the current position in a background thread."""
+        epoch, position = self.epoch, self.position
+        if position + self.global_batch_size > self.num_windows:
+            epoch, position = epoch + 1, 0
+        perm = self._permutation(epoch)  # here, not in the thread: it is cached state
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="simplefsdp-data")
+        future = self._pool.submit(self._windows, perm, position, self.global_batch)
+        self._ahead = ((epoch, position), future)
 
     def batch_at(self, step: int, *, global_batch: bool | None = None) -> Batch:
         """The batch of global step ``step`` of a fresh loader, without changing the state.
@@ -263,6 +317,7 @@ class DistributedTokenLoader:
             world_size=self.world_size,
             global_batch=self.global_batch,
             warn=warn,
+            mask_after=self.mask_after,
         )
 
     # -- state ---------------------------------------------------------------
@@ -316,6 +371,7 @@ class DistributedTokenLoader:
             logger.info("data loader: using the saved seed %d (was %d)", values["seed"], self.seed)
         self.seed = values["seed"]
         self._perm_epoch = -1
+        self._ahead = None  # read ahead for the old position
         self.epoch = values["epoch"]
         self.position = values["position"]
 
@@ -375,6 +431,21 @@ def build_data(
             records); one rank of a job is enough.
     """
     tok = load_tokenizer(cfg.tokenizer)
+    mask_after = tok.eos_id if getattr(cfg, "mask_document_boundaries", False) else None
+    if is_prepared(cfg.path):  # token shards of simplefsdp data prepare, memory-mapped
+        prepared = load_prepared(cfg.path, tok, cfg.tokenizer)
+        loader = DistributedTokenLoader(
+            prepared.train,
+            seq_len=cfg.seq_len,
+            batch_size=cfg.batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            global_batch=global_batch,
+            val_tokens=prepared.val,
+            mask_after=mask_after,
+        )
+        return DataBundle(tok, prepared.corpus, loader)
     corpus = build_corpus(
         cfg.path,
         tok,
@@ -392,5 +463,6 @@ def build_data(
         seed=seed,
         global_batch=global_batch,
         val_tokens=corpus.val,
+        mask_after=mask_after,
     )
     return DataBundle(tok, corpus, loader)

@@ -178,7 +178,10 @@ def _check_data_files(path: str) -> None:
     """``data.path`` must hold at least one non-empty text file, and none that is
     mostly binary (judged by its head) or Parquet without pyarrow."""
     from simplefsdp.data import list_corpus_files, sniff_data_file
+    from simplefsdp.data.prepare import is_prepared
 
+    if is_prepared(path):  # token shards of simplefsdp data prepare: checked when opened
+        return
     try:
         _, files = list_corpus_files(path)
     except (FileNotFoundError, ValueError) as exc:

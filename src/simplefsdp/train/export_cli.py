@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from simplefsdp.checkpoint import latest_checkpoint, read_manifest
-from simplefsdp.checkpoint.export import build_parser, export_checkpoint
+from simplefsdp.checkpoint.export import build_parser, export_checkpoint, main_hf
 from simplefsdp.train.runs import describe_runs, list_runs, newest_resumable_run, read_run
 
 __all__ = ["locate_checkpoint", "main"]
@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     target = locate_checkpoint(args.checkpoint)
+    if args.format == "hf":
+        args.checkpoint = str(target)
+        return main_hf(args)
     try:
         weights, config = export_checkpoint(target, args.out, dtype=args.dtype)
     except (ValueError, RuntimeError) as exc:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import os
 import time
@@ -50,6 +51,7 @@ from simplefsdp.engines import (
     teardown_process_group,
 )
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict
+from simplefsdp.train.config.schema import ModelConfig
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
 from simplefsdp.train.launch import ERROR_DIR_ENV, STOPPED_MARK, launcher_error_dir, note_step
 from simplefsdp.train.metrics import (
@@ -143,6 +145,8 @@ class Trainer:
         self._build_optimizer()
         resume_step = self._start_run()
         self._build_checkpointer()
+        if resume_step < 0 and self.job.checkpoint.init_from_hf is not None:
+            self._init_from_hf()
         self._build_metrics()
         self._maybe_resume(resume_step)
 
@@ -185,6 +189,8 @@ class Trainer:
     def _model_args(self) -> Any:
         from simplefsdp.models.llama3 import get_config
 
+        if self.job.checkpoint.init_from_hf is not None:
+            return self._hf_model_args()
         m, overrides = self.job.model, {}
         overrides["vocab_size"] = m.vocab_size or self.tokenizer.vocab_size
         if m.max_seq_len is not None:
@@ -196,6 +202,64 @@ class Trainer:
                 f"{args.max_seq_len} of model {m.name!r}; lower data.seq_len or raise model.max_seq_len"
             )
         return args
+
+    def _hf_model_args(self) -> Any:
+        """The model of ``checkpoint.init_from_hf``'s config.json, checked against the job."""
+        from simplefsdp.checkpoint.hf import (
+            CONFIG_FILE,
+            model_args_differences,
+            model_args_from_hf_config,
+        )
+        from simplefsdp.models.llama3 import get_config
+
+        m, folder = self.job.model, Path(self.job.checkpoint.init_from_hf or "")
+        source = str(folder / CONFIG_FILE)
+        try:
+            config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read {source}: {exc}") from None
+        args = model_args_from_hf_config(config, source)
+        if m.max_seq_len is not None:
+            args = args.replace(max_seq_len=m.max_seq_len)
+        if m.name != ModelConfig.name:  # a named model must be the checkpoint's
+            named = get_config(m.name, vocab_size=m.vocab_size or args.vocab_size)
+            differ = model_args_differences(named, args)
+            if differ:
+                raise ValueError(
+                    f"model.name {m.name!r} differs from {source}: {'; '.join(differ)} "
+                    f"(model vs checkpoint); leave out model.name to take the model from it"
+                )
+        if m.vocab_size is not None and m.vocab_size != args.vocab_size:
+            raise ValueError(
+                f"model.vocab_size {m.vocab_size} differs from vocab_size {args.vocab_size} "
+                f"of {source}; leave out model.vocab_size"
+            )
+        if self.tokenizer.vocab_size > args.vocab_size:
+            raise ValueError(
+                f"the tokenizer's {self.tokenizer.vocab_size} tokens do not fit the "
+                f"vocab_size {args.vocab_size} of {source}; use the checkpoint's tokenizer "
+                "(data.tokenizer)"
+            )
+        if self.job.data.seq_len > args.max_seq_len:
+            raise ValueError(
+                f"data.seq_len {self.job.data.seq_len} exceeds max_position_embeddings "
+                f"{args.max_seq_len} of {source}; lower data.seq_len or raise model.max_seq_len"
+            )
+        return args
+
+    def _init_from_hf(self) -> None:
+        """Overwrite the initial weights with ``checkpoint.init_from_hf``'s (this rank's slices)."""
+        from simplefsdp.checkpoint.hf import load_hf_weights
+
+        folder = self.job.checkpoint.init_from_hf
+        start = time.perf_counter()
+        elements = load_hf_weights(self.model, folder)
+        logger.info(
+            "initialised from Hugging Face checkpoint %s: %.2fM elements on this rank in %.1f s",
+            folder,
+            elements / 1e6,
+            time.perf_counter() - start,
+        )
 
     def _build_model(self) -> None:
         from simplefsdp.models.llama3 import Transformer, flops_per_token, num_params
@@ -213,7 +277,7 @@ class Trainer:
         self.peak_flops = peak_flops_for(self.device)
         logger.info(
             "model %s: %.2fM parameters, %.3g FLOPs/token",
-            self.job.model.name,
+            self.job.checkpoint.init_from_hf or self.job.model.name,
             num_params(self.model_args) / 1e6,
             self.flops_per_token,
         )

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,8 +110,10 @@ class DataConfig:
     """Training data.
 
     Attributes:
-        path: A text file or a folder of text files (read recursively);
-            ``None`` uses the embedded corpus (this Python's stdlib sources).
+        path: A text file or a folder of text files (read recursively), or
+            a folder of token shards written by ``simplefsdp data prepare``
+            (memory-mapped); ``None`` uses the embedded corpus (this Python's
+            stdlib sources).
         seq_len: Tokens per training sequence.
         batch_size: Per-rank micro-batch size (sequences).
         val_fraction: Fraction of documents held out for validation, in [0, 1).
@@ -121,6 +124,9 @@ class DataConfig:
         text_field: The field of each JSON Lines record (``.jsonl``,
             ``.ndjson``) and the column of a Parquet file (``.parquet``, needs
             ``pyarrow``) that holds the text; other files are read as text.
+        mask_document_boundaries: Leave out of the loss the targets that
+            follow an end-of-document token inside a sequence (the first
+            token of the next document, predicted from another document).
     """
 
     path: str | None = None
@@ -130,6 +136,7 @@ class DataConfig:
     tokenizer: str = "byte"
     max_bytes: int | None = None
     text_field: str = "text"
+    mask_document_boundaries: bool = False
 
 
 @dataclass
@@ -279,6 +286,13 @@ class CheckpointConfig:
             own: its one-line error names this flag and the previous good
             step. Restarts after a failure (``--max-restarts``) resume from
             the latest checkpoint.
+        init_from_hf: A Hugging Face Llama checkpoint folder (``config.json``
+            and safetensors, e.g. a downloaded Llama 3) to start a new run
+            from. The model is the one ``config.json`` describes (with
+            ``model.name`` left at ``debug``; another name must describe the
+            same architecture, else one line names the fields that differ);
+            each rank reads only the slices of the tensors its shards hold.
+            Resuming a run loads its own checkpoint instead.
     """
 
     enable: bool = True
@@ -288,6 +302,7 @@ class CheckpointConfig:
     resume: bool = False
     resume_if_possible: bool = False
     load_step: int = -1
+    init_from_hf: str | None = None
 
 
 @dataclass
@@ -521,6 +536,13 @@ def validate_config(cfg: JobConfig) -> None:
         ck.folder,
         "a path, or empty for the run folder's checkpoints/",
     )
+    if ck.init_from_hf is not None:
+        check(
+            os.path.isfile(os.path.join(ck.init_from_hf, "config.json")),
+            "checkpoint.init_from_hf",
+            ck.init_from_hf,
+            "a Hugging Face checkpoint folder holding config.json",
+        )
 
     check(mt.log_interval >= 1, "metrics.log_interval", mt.log_interval, ">= 1")
     check(mt.val_interval >= 0, "metrics.val_interval", mt.val_interval, ">= 0 (0 disables)")

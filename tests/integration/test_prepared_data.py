@@ -1,0 +1,59 @@
+"""``simplefsdp train`` on token shards of ``simplefsdp data prepare``.
+
+A 2-rank run of 4 steps (checkpoint every 2) on prepared shards, and a run
+resumed from its step-2 checkpoint on 1 rank with the same global batch: the
+resumed run's losses at steps 3 and 4 are the uninterrupted run's (the loader
+position in the checkpoint gives exactly the next batch).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_runs import losses, train_env
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 300
+
+
+def _run(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "simplefsdp.cli", *argv],
+        cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _train(cwd: Path, name: str, nproc: int, *extra: str) -> dict[int, float]:
+    _run(
+        cwd, "train", "--nproc", str(nproc), "--data.path", "tokens", "--data.seq_len", "64",
+        "--data.batch_size", str(4 // nproc), "--training.warmup_steps", "1",
+        "--training.steps", "4", "--metrics.log_interval", "1", "--metrics.val_interval", "0",
+        "--compile.enable", "false", "--checkpoint.interval", "2",
+        "--metrics.output_dir", name, "--checkpoint.folder", f"{name}/ck", *extra,
+    )  # fmt: skip
+    return losses(cwd / name / "metrics.jsonl")
+
+
+def test_resume_on_shards_at_another_world_size_continues_exactly(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in sorted(Path(shutil.__file__).parent.glob("[a-c]*.py"))[:12]:
+        shutil.copy(f, corpus / f.name)
+    out = _run(tmp_path, "data", "prepare", "--input", "corpus", "--out", "tokens",
+               "--workers", "2", "--no-progress")  # fmt: skip
+    assert "train shards" in out.stdout
+    full = _train(tmp_path, "full", 2)
+    (tmp_path / "resumed" / "ck").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "ck" / "step-2", tmp_path / "resumed" / "ck" / "step-2")
+    resumed = _train(tmp_path, "resumed", 1, "--resume")
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-5), (full, resumed)
