@@ -30,7 +30,6 @@ import argparse
 import os
 import re
 import stat
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -56,8 +55,6 @@ __all__ = [
     "build_parser",
     "export_checkpoint",
     "load_full_model_state",
-    "main",
-    "main_hf",
     "model_args_from_config",
     "resolve_checkpoint",
 ]
@@ -266,33 +263,3 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=sorted(_DTYPES), default=None, help="cast floating-point weights"
     )
     return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``simplefsdp export``; returns the exit code (2 for bad input)."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.format == "hf":
-        return main_hf(args)
-    try:
-        weights, config = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
-    except (ValueError, RuntimeError) as exc:
-        print(f"simplefsdp export: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {weights} ({weights.stat().st_size:,} bytes) and {config}")
-    return 0
-
-
-def main_hf(args: argparse.Namespace) -> int:
-    """``--format hf``: see :func:`simplefsdp.checkpoint.hf.export_hf_checkpoint`."""
-    from simplefsdp.checkpoint.hf import export_hf_checkpoint
-
-    try:
-        files = export_hf_checkpoint(
-            args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size
-        )
-    except (ValueError, RuntimeError) as exc:
-        print(f"simplefsdp export: error: {exc}", file=sys.stderr)
-        return 2
-    size = sum(f.stat().st_size for f in files)
-    print(f"wrote {len(files)} files ({size:,} bytes) to {args.out} (Hugging Face Llama format)")
-    return 0

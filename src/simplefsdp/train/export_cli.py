@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from simplefsdp.checkpoint import latest_checkpoint, read_manifest
-from simplefsdp.checkpoint.export import build_parser, export_checkpoint, main_hf
+from simplefsdp.checkpoint.export import build_parser, export_checkpoint
 from simplefsdp.train.runs import describe_runs, list_runs, newest_resumable_run, read_run
 
 __all__ = ["locate_checkpoint", "main"]
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     target = locate_checkpoint(args.checkpoint)
     if args.format == "hf":
-        args.checkpoint = str(target)
-        return main_hf(args)
+        return _export_hf(target, args)
     try:
         weights, config = export_checkpoint(target, args.out, dtype=args.dtype)
     except (ValueError, RuntimeError) as exc:
@@ -64,4 +63,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simplefsdp export: error: {exc}{near}", file=sys.stderr)
         return 2
     print(f"wrote {weights} ({weights.stat().st_size:,} bytes) and {config}")
+    return 0
+
+
+def _export_hf(checkpoint: Path, args) -> int:
+    """``--format hf``: see :func:`simplefsdp.checkpoint.hf.export_hf_checkpoint`."""
+    from simplefsdp.checkpoint.hf import export_hf_checkpoint
+
+    try:
+        files = export_hf_checkpoint(
+            checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size
+        )
+    except (ValueError, RuntimeError) as exc:
+        print(f"simplefsdp export: error: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in files)
+    print(f"wrote {len(files)} files ({size:,} bytes) to {args.out} (Hugging Face Llama format)")
     return 0
