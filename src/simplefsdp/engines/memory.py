@@ -14,7 +14,7 @@ Note: [Measuring peak memory on CPU]
     their pages back, and tensors placed in them later make those pages
     resident again, where they stay once the tensors are freed. A region's
     peak can therefore include a few MiB of heap that an earlier phase
-    (compiling) had used (``benchmarks/heap_pages.py`` counts them).
+    (compiling) had used (docs/benchmarks.md, "Peak memory on CPU").
     ``reset_peak_rss`` writes ``5`` to ``/proc/self/clear_refs``, which resets
     the kernel's high-water mark ``VmHWM``; the peak of a region is then
     ``VmHWM`` read afterwards minus ``VmRSS`` read at the reset (the baseline).
