@@ -119,7 +119,7 @@ def test_resume_with_another_model_config_is_a_one_line_error(reference):
     cwd = reference
     # a checkpoint copied into a run of another model (a run folder without a
     # config.toml trains with the command's configuration; with one, resume
-    # refuses the change before any process starts: test_runs.py)
+    # refuses the change before any process starts: test_run_folders_cli.py)
     checkpoint_as_run(checkpoints(only_run(cwd / "ref")) / f"step-{STEPS}", cwd / "wrong")
     proc = _train(cwd, "wrong", extra=["--resume", "--model.vocab_size", "300"])
     assert proc.returncode == 2
