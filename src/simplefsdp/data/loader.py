@@ -434,35 +434,26 @@ def build_data(
     mask_after = tok.eos_id if getattr(cfg, "mask_document_boundaries", False) else None
     if is_prepared(cfg.path):  # token shards of simplefsdp data prepare, memory-mapped
         prepared = load_prepared(cfg.path, tok, cfg.tokenizer)
-        loader = DistributedTokenLoader(
-            prepared.train,
-            seq_len=cfg.seq_len,
-            batch_size=cfg.batch_size,
-            rank=rank,
-            world_size=world_size,
-            seed=seed,
-            global_batch=global_batch,
-            val_tokens=prepared.val,
-            mask_after=mask_after,
+        corpus, train, val = prepared.corpus, prepared.train, prepared.val
+    else:
+        corpus = build_corpus(
+            cfg.path,
+            tok,
+            val_fraction=cfg.val_fraction,
+            max_bytes=cfg.max_bytes,
+            text_field=getattr(cfg, "text_field", DEFAULT_TEXT_FIELD),
+            report=report,
         )
-        return DataBundle(tok, prepared.corpus, loader)
-    corpus = build_corpus(
-        cfg.path,
-        tok,
-        val_fraction=cfg.val_fraction,
-        max_bytes=cfg.max_bytes,
-        text_field=getattr(cfg, "text_field", DEFAULT_TEXT_FIELD),
-        report=report,
-    )
+        train, val = corpus.train, corpus.val
     loader = DistributedTokenLoader(
-        corpus.train,
+        train,
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
         rank=rank,
         world_size=world_size,
         seed=seed,
         global_batch=global_batch,
-        val_tokens=corpus.val,
+        val_tokens=val,
         mask_after=mask_after,
     )
     return DataBundle(tok, corpus, loader)
