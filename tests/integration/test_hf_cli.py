@@ -75,11 +75,11 @@ def tuned(tmp_path_factory):
     save_hf_checkpoint(_source(), _args(), cwd / "hf_in", max_shard_size="100KB")
     proc = _train(cwd, "dp")
     assert proc.returncode == 0, proc.stderr
-    out = _run(cwd, "export", "--checkpoint", "dp/ck", "--format", "hf", "--out", "hf_out",
+    out = _run(cwd, "export", "--checkpoint", "dp", "--format", "hf", "--out", "hf_out",
                "--max-shard-size", "200KB")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "Hugging Face Llama format" in out.stdout
-    ours = _run(cwd, "export", "--checkpoint", "dp/ck", "--out", "ours.safetensors")
+    ours = _run(cwd, "export", "--checkpoint", "dp", "--out", "ours.safetensors")
     assert ours.returncode == 0, ours.stderr
     return cwd
 
@@ -120,7 +120,7 @@ def test_pipeline_run_starts_from_the_checkpoint(tuned):
         "--training.lr", "1e-12", "--data.batch_size", "2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    out = _run(tuned, "export", "--checkpoint", "pp/ck", "--out", "pp.safetensors")
+    out = _run(tuned, "export", "--checkpoint", "pp", "--out", "pp.safetensors")
     assert out.returncode == 0, out.stderr
     from safetensors.torch import load_file
 

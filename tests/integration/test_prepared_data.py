@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runs import losses, train_env
+from cli_runs import checkpoint_as_run, checkpoints, losses, only_run, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def _train(cwd: Path, name: str, nproc: int, *extra: str) -> dict[int, float]:
         "--compile.enable", "false", "--checkpoint.interval", "2",
         "--metrics.output_dir", name, "--checkpoint.folder", f"{name}/ck", *extra,
     )  # fmt: skip
-    return losses(cwd / name / "metrics.jsonl")
+    return losses(only_run(cwd / name) / "metrics.jsonl")
 
 
 def test_resume_on_shards_at_another_world_size_continues_exactly(tmp_path):
@@ -51,8 +51,7 @@ def test_resume_on_shards_at_another_world_size_continues_exactly(tmp_path):
                "--workers", "2", "--no-progress")  # fmt: skip
     assert "train shards" in out.stdout
     full = _train(tmp_path, "full", 2)
-    (tmp_path / "resumed" / "ck").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "ck" / "step-2", tmp_path / "resumed" / "ck" / "step-2")
+    checkpoint_as_run(checkpoints(only_run(tmp_path / "full")) / "step-2", tmp_path / "resumed")
     resumed = _train(tmp_path, "resumed", 1, "--resume")
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
