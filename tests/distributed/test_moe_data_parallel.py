@@ -127,7 +127,7 @@ def test_moe_ep2_dp2_matches_one_process():
     print("ep2 x dp2, max |param - reference| after 6 steps:", results[0])
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_moe_ep_world_compiled_matches_one_process():
     # ep = world size (dp_shard_mod_ep = 1), compiled with aot_eager: 2
     # processes keep the compile time down.
@@ -267,7 +267,7 @@ def _tp_body():
     return worst
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_moe_with_tensor_parallel_attention():
     results = run_distributed(_tp_body, world_size=4, timeout_s=600)
     print("dp2 x tp2 (attention) x ep2, max |param - reference|:", results[0])

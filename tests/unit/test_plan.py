@@ -538,8 +538,10 @@ def test_defaults_are_torchtitans_layouts_and_given_values_win() -> None:
     "argv",
     [
         ["--model", "llama3_8b", "--gpus", "8"],
-        ["--model", "llama3_70b", "--gpus", "64", "--tp", "8"],
-        ["--model", "llama3_405b"],
+        pytest.param(
+            ["--model", "llama3_70b", "--gpus", "64", "--tp", "8"], marks=pytest.mark.heavy
+        ),
+        pytest.param(["--model", "llama3_405b"], marks=pytest.mark.heavy),
     ],
 )
 def test_defaults_fit_for_the_shipped_models_on_their_gpu_counts(argv, capsys) -> None:
