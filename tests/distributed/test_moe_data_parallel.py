@@ -219,6 +219,7 @@ def _meta_bf16_body():
     return True
 
 
+@pytest.mark.heavy
 def test_meta_init_and_bf16_with_experts():
     assert run_distributed(_meta_bf16_body, world_size=2, timeout_s=300)
 

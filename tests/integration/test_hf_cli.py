@@ -114,6 +114,7 @@ def test_transformers_loads_the_export_with_our_logits(tuned):
         torch.testing.assert_close(hf(tokens).logits, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.heavy
 def test_pipeline_run_starts_from_the_checkpoint(tuned):
     proc = _train(
         tuned, "pp", "--parallel.pp", "2", "--parallel.pp_schedule", "gpipe",
