@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,44 @@ def test_runs_command_lists_removes_and_prunes_only_with_yes(tmp_path, capsys):
     assert [r.run_id for r in runs.list_runs(tmp_path)] == ["20260103-000000-aaaa"]
     assert runs_cli.main(["--root", str(tmp_path), "remove", "nope"]) == 2
     assert "no run folder 'nope'" in capsys.readouterr().err
+
+
+def test_runs_never_removes_a_live_run_and_shows_a_dead_one_as_killed(tmp_path, capsys):
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for run_id, pid in (("20260101-000000-aaaa", os.getpid()), ("20260102-000000-aaaa", dead.pid)):
+        folder = _run(tmp_path, run_id)
+        record = json.loads((folder / "run.json").read_text())
+        record.update(status="running", pid=pid, host=socket.gethostname())
+        (folder / "run.json").write_text(json.dumps(record))
+    _run(tmp_path, "20260103-000000-aaaa")
+    live, killed, _ = runs.list_runs(tmp_path)
+    assert live.is_running() and not killed.is_running()
+    assert runs_cli.main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "aaaa     running" in out.replace("20260101-000000-", "") and "killed" in out
+    assert runs_cli.main(["--root", str(tmp_path), "remove", live.run_id, "--yes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"simplefsdp runs: error: run {live.run_id} is still running "
+                   f"(pid {os.getpid()} on {socket.gethostname()}); stop it first"]  # fmt: skip
+    assert runs_cli.main(["--root", str(tmp_path), "prune", "--keep", "0", "--yes"]) == 0
+    assert f"keeping run {live.run_id}: still running" in capsys.readouterr().out
+    assert [r.run_id for r in runs.list_runs(tmp_path)] == [live.run_id]
+
+
+def test_resume_of_a_live_run_is_refused_before_anything_starts(tmp_path, capsys):
+    import socket
+
+    folder = _run(tmp_path, "20260101-000000-aaaa", step=2, config=_saved_config(tmp_path))
+    record = json.loads((folder / "run.json").read_text())
+    record.update(status="running", pid=os.getpid(), host=socket.gethostname())
+    (folder / "run.json").write_text(json.dumps(record))
+    before = sorted(p.name for p in folder.iterdir())
+    assert cli.main(["--resume", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run 20260101-000000-aaaa is still running" in err[0]
+    assert sorted(p.name for p in folder.iterdir()) == before

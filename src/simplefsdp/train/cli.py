@@ -421,6 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_config(job), end="")
         return 0
     run_id, run_dir = this_run(job, resume)
+    if resume is not None and not worker and resume.run.is_running():
+        return _error(
+            f"--resume: run {resume.run.run_id} is still running (pid {resume.run.pid} on "
+            f"{resume.run.host or 'another host'}); stop it first: two processes would "
+            "write the same checkpoints"
+        )
     try:  # every output folder, before torch is imported (Note: [One run per folder])
         if not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV)):
             check_output_folders(output_folders(job, run_dir))

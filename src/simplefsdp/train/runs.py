@@ -5,7 +5,8 @@ Note: [One run per folder]
     a folder ``<metrics.output_dir>/<run id>/`` holding::
 
         run.json        id, start time, command line, status (running,
-                        finished, stopped, failed) and checkpoint folder
+                        finished, stopped, failed), checkpoint folder and
+                        the pid and host of its launcher
         config.toml     the resolved configuration the run trains with
         metrics.jsonl   every record carries the run id
         tensorboard/    with metrics.tensorboard
@@ -31,6 +32,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +99,27 @@ class RunInfo:
     checkpoint_folder: Path
     started: str = ""
     command: str = ""
+    pid: int | None = None
+    host: str = ""
+
+    def is_running(self) -> bool:
+        """Whether the run's process is still going: Note: [Live runs]."""
+        if self.status != "running":
+            return False
+        if self.pid is not None and self.host == socket.gethostname():
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except OSError:
+                return True  # alive, owned by another user
+            return True
+        newest = max((_mtime(self.path / name) for name in (RUN_FILE, "metrics.jsonl")), default=0)
+        return time.time() - newest < LIVE_WITHOUT_PID_S
+
+    def shown_status(self) -> str:
+        """``status``, or ``killed`` for a ``running`` run whose process is gone."""
+        return "killed" if self.status == "running" and not self.is_running() else self.status
 
     def latest_step(self) -> int | None:
         """The step of the run's newest complete checkpoint, or ``None``."""
@@ -160,6 +183,26 @@ def _is_inside(path: Path, folder: Path) -> bool:
     return True
 
 
+# Note: [Live runs]
+#     A run's ``run.json`` says ``running`` from its start until the launcher
+#     (or rank 0 under torchrun) records how it ended; a process killed by
+#     SIGKILL, the OOM killer or a lost node never does. ``run.json`` therefore
+#     also holds the pid and host of the process that records the end: on that
+#     host a ``running`` run is live while the pid is; elsewhere (a shared
+#     file system) it counts as live while its ``run.json`` or
+#     ``metrics.jsonl`` changed in the last ``LIVE_WITHOUT_PID_S`` seconds.
+#     ``simplefsdp runs`` never removes a live run and shows a dead one as
+#     ``killed``.
+LIVE_WITHOUT_PID_S = 900.0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -185,6 +228,8 @@ def read_run(path: str | os.PathLike[str]) -> RunInfo | None:
         checkpoint_folder=ckpt_path,
         started=str(record.get("started", "")),
         command=str(record.get("command", "")),
+        pid=record["pid"] if isinstance(record.get("pid"), int) else None,
+        host=str(record.get("host", "")),
     )
 
 
@@ -257,6 +302,8 @@ def write_run_files(
         "command": old.get("command") or command,
         "status": status,
         "checkpoint_folder": os.path.abspath(checkpoint_folder),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
     }
     if resumed:
         record["resumed_with"] = command

@@ -8,7 +8,8 @@ Examples::
     simplefsdp runs remove 20261205-101010-ab12 --yes   # ... and removes it
     simplefsdp runs prune --keep 3 --yes         # all but the 3 newest runs
 
-Nothing is removed without ``--yes``; see Note: [One run per folder] in
+Nothing is removed without ``--yes``, and never a run that is still
+running (Note: [Live runs]); see Note: [One run per folder] in
 :mod:`simplefsdp.train.runs` for what a run folder holds.
 """
 
@@ -52,6 +53,12 @@ def _size(num_bytes: int) -> str:
     return format_bytes(num_bytes)
 
 
+def _process(run: RunInfo) -> str:
+    if run.pid is None:
+        return "its files changed in the last minutes"
+    return f"pid {run.pid} on {run.host}"
+
+
 def _list(root: str, runs: list[RunInfo]) -> None:
     if not runs:
         print(f"no runs in {root}")
@@ -60,7 +67,7 @@ def _list(root: str, runs: list[RunInfo]) -> None:
     for run in runs:
         logged, step = run.last_logged_step(), run.latest_step()
         print(
-            f"{run.run_id:<24} {run.status:<9} {'-' if logged is None else logged:>6} "
+            f"{run.run_id:<24} {run.shown_status():<9} {'-' if logged is None else logged:>6} "
             f"{'-' if step is None else f'step-{step}':>10} {_size(run.size_bytes()):>10}  "
             f"{run.path}"
         )
@@ -70,6 +77,9 @@ def _remove(runs: list[RunInfo], yes: bool) -> int:
     if not runs:
         print("nothing to remove")
         return 0
+    for run in runs:
+        if run.is_running():
+            raise ValueError(f"run {run.run_id} is still running ({_process(run)}); stop it first")
     for run in runs:
         where = str(run.path)
         if not run.checkpoint_folder.resolve().is_relative_to(run.path.resolve()):
@@ -99,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             return _remove([find_run(spec, root) for spec in args.runs], args.yes)
         if args.keep < 0:
             raise ValueError(f"--keep must be >= 0, got {args.keep}")
-        return _remove(runs[: max(0, len(runs) - args.keep)], args.yes)
+        done = [run for run in runs if not run.is_running()]
+        for run in runs:
+            if run.is_running():
+                print(f"keeping run {run.run_id}: still running ({_process(run)})")
+        return _remove(done[: max(0, len(done) - args.keep)], args.yes)
     except (ValueError, FileNotFoundError) as exc:
         print(f"simplefsdp runs: error: {exc}", file=sys.stderr)
         return 2
