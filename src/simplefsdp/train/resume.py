@@ -128,6 +128,7 @@ def _restored(
 
     A run folder without ``config.toml`` (made by hand) trains with ``job``.
     """
+    _check_folders(job, run, overrides)
     saved = run.path / CONFIG_FILE
     if not saved.is_file():
         return _placed(job, run), ()
@@ -136,6 +137,28 @@ def _restored(
     changes = _changes(config_to_dict(base), config_to_dict(final))
     _check_fixed(changes, run)
     return final, tuple(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in changes)
+
+
+def _check_folders(job: JobConfig, run: RunInfo, overrides: list[str]) -> None:
+    """A resumed run keeps its folders: an output or checkpoint folder given on
+    the command line that is not the run's is one line, not silently replaced."""
+    given = {o.split("=", 1)[0].lstrip("-") for o in overrides}
+    where = {
+        "metrics.output_dir": (Path(job.metrics.output_dir), run.path.parent),
+        "checkpoint.folder": (
+            run_checkpoint_folder(job.checkpoint.folder, run.path),
+            run.checkpoint_folder,
+        ),
+    }
+    for key, (asked, actual) in where.items():
+        if key in given and asked.resolve() != actual.resolve():
+            value = job.metrics.output_dir if key == "metrics.output_dir" else job.checkpoint.folder
+            raise ValueError(
+                f"--resume: {key} {value!r} cannot apply to run {run.run_id}, whose "
+                f"{'folder is in' if key == 'metrics.output_dir' else 'checkpoints are in'} "
+                f"{actual}: a resumed run keeps its folders; leave out {key} to resume, "
+                "or leave out --resume to start a new run"
+            )
 
 
 def _placed(job: JobConfig, run: RunInfo) -> JobConfig:
