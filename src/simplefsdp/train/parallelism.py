@@ -167,8 +167,7 @@ def model_config(job: JobConfig, **overrides: Any) -> Any:
         return get_config(job.model.name, **overrides)
     from simplefsdp.models.moe import get_config as moe_config
 
-    if job.model.load_balance is not None:
-        overrides["load_balance"] = job.model.load_balance
+    overrides.setdefault("load_balance", job.model.load_balance)
     return moe_config(job.model.name, **overrides)
 
 

@@ -287,7 +287,13 @@ class Trainer:
 
             Transformer, num_params = moe.Transformer, moe.num_params  # noqa: N806
             flops_per_token = _moe_flops_per_token  # noqa: N806
-        with torch.device("meta"):
+        # Note: [MoE weights on CPU]: a CPU mesh initialises each shard of a
+        # meta model from this rank's generator, the same on every rank, so the
+        # experts of one rank would be copies of another's (and stay so: tied
+        # router scores); there a MoE model starts from one full initialisation,
+        # which ExpertParallel and data_parallel scatter from rank 0.
+        build_on = "cpu" if self.moe and self.device.type == "cpu" else "meta"
+        with torch.device(build_on):
             model = Transformer(self.model_args)
         self.parallel: ParallelModel | PipelinedModel = parallelize_job(
             model, self.job, self.device, self.mesh

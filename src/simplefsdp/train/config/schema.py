@@ -118,19 +118,18 @@ class ModelConfig:
         vocab_size: Overrides the model's vocabulary size (``None``: use the
             tokenizer's / model's own).
         max_seq_len: Overrides the model's maximum sequence length.
-        load_balance: Mixture-of-experts models only: ``"bias"``
-            (DeepSeek-V3's auxiliary-loss-free routing bias, updated after
-            every optimizer step from the tokens each expert received on all
-            ranks), ``"aux_loss"`` (a switch-style auxiliary loss) or
-            ``"none"``; ``None``: the configuration's own (``"bias"``).
+        load_balance: Mixture-of-experts models only, one of
+            :data:`LOAD_BALANCE_MODES`: ``"bias"`` (DeepSeek-V3's
+            auxiliary-loss-free routing bias, updated after every optimizer
+            step from the tokens each expert received on all ranks),
+            ``"aux_loss"`` (a switch-style auxiliary loss whose gradient
+            trains the router) or ``"none"``.
     """
 
     name: str = field(default="debug", metadata=_choices(VALID_MODELS))
     vocab_size: int | None = None
     max_seq_len: int | None = None
-    load_balance: str | None = field(
-        default=None, metadata=_choices(LOAD_BALANCE_MODES, optional=True)
-    )
+    load_balance: str = field(default="bias", metadata=_choices(LOAD_BALANCE_MODES))
 
 
 @dataclass
@@ -607,7 +606,7 @@ def _expert_parallel_errors(cfg: JobConfig) -> list[str]:
         )
     if p.ep > 1 and moe and p.engine not in EP_ENGINES:
         why = {
-            "simplefsdp_eager": "the eager executor's flat buffers hold one mesh's shards",
+            "simplefsdp_eager": "the eager executor gathers flat buffers of data-parallel shards only",
             "ddp": "DDP replicates every parameter",
             "replica": "each rank trains a full copy",
         }[p.engine]
@@ -708,7 +707,7 @@ def config_warnings(job: JobConfig) -> list[str]:
             f"parallel.reshard_after_forward={p.reshard_after_forward} needs compile.enable "
             "true; uncompiled, simplefsdp regathers over the whole shard group"
         )
-    if job.model.load_balance is not None and job.model.name not in MOE_MODELS:
+    if job.model.load_balance != "bias" and job.model.name not in MOE_MODELS:
         warnings.append(
             f"model.load_balance is only used by the mixture-of-experts models "
             f"(model.name is {job.model.name!r})"
