@@ -18,18 +18,14 @@ pytestmark = pytest.mark.slow
 MOE_LAYERS = ["layers.1.moe", "layers.2.moe", "layers.3.moe"]  # moe_debug: 1 dense + 3 MoE
 
 
-def _simplefsdp(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "simplefsdp.cli", *argv]
+def _train(cwd: Path, name: str, extra: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "simplefsdp.cli", "train", "--model", "moe_debug",
+           *small_args(4), "--metrics.output_dir", name, "--nproc", "2", *extra]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
-
-
-def _train(cwd: Path, name: str, extra: list[str]) -> subprocess.CompletedProcess:
-    return _simplefsdp(cwd, "train", "--model", "moe_debug", *small_args(4),
-                       "--metrics.output_dir", name, "--nproc", "2", *extra)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +35,7 @@ def ep2_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return root, proc
 
 
-def test_moe_ep_run_logs_expert_load_and_exports(ep2_run):
+def test_moe_ep_run_logs_expert_load_and_exports(ep2_run, capsys):
     root, proc = ep2_run
     assert "simplefsdp (fully_shard x ep 2; not compiled)" in proc.stderr
     step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
@@ -60,14 +56,23 @@ def test_moe_ep_run_logs_expert_load_and_exports(ep2_run):
     loss = losses(run / "metrics.jsonl")
     assert loss[4] < loss[1]
 
-    out = root / "moe.safetensors"
-    proc = _simplefsdp(root, "export", "--checkpoint", str(run), "--out", str(out))
-    assert f"wrote {out}" in proc.stdout
     import torch
     from safetensors.torch import load_file
 
     from simplefsdp.checkpoint.export import model_args_from_config
     from simplefsdp.models.moe import Transformer
+    from simplefsdp.train import export_cli
+
+    out = root / "moe.safetensors"
+    assert export_cli.main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert (
+        export_cli.main(["--checkpoint", str(run), "--format", "hf", "--out", str(root / "hf")])
+        == 2
+    )
+    assert "holds a mixture-of-experts model; --format hf writes Llama models only" in (
+        capsys.readouterr().err
+    )
 
     tensors = load_file(str(out))
     w1 = tensors["layers.1.moe.experts.w1"]
