@@ -20,7 +20,8 @@ from simplefsdp.parallel_dims import ParallelDims
          "parallel.ep 16 does not divide the 8 experts of model 'moe_debug' (each rank holds "
          "num_experts / parallel.ep); valid: 1, 2, 4, 8"),
         (["--nproc", "2", "--parallel.ep", "2", "--model.name", "debug"],
-         "parallel.ep: invalid value 2 with model.name='debug', which has no experts"),
+         "parallel.ep 2: expert parallelism needs a model with experts and model 'debug' "
+         "has none"),
         (["--nproc", "2", "--parallel.ep", "2", "--parallel.engine", "simplefsdp_eager"],
          "parallel.engine: invalid value 'simplefsdp_eager' with parallel.ep=2 (the eager "
          "executor gathers flat buffers of data-parallel shards only)"),
@@ -103,3 +104,25 @@ def test_export_config_builds_a_moe_model():
     args = get_config("moe_debug")
     assert model_args_from_config({"model_args": asdict(args)}) == args
     assert isinstance(model_args_from_config({"model_args": asdict(args)}), MoEArgs)
+
+
+def test_resume_of_a_moe_run_takes_another_ep(tmp_path, monkeypatch):
+    # The command line's --parallel.ep is checked against the run's model, not
+    # the default (dense) one the command line alone would name.
+    import json
+
+    from simplefsdp.train import cli, resume, runs
+    from simplefsdp.train.config import load_config
+
+    monkeypatch.setattr(runs.RunInfo, "resume_step", lambda self, load_step=-1: 4)
+    flags = ["--metrics.output_dir", str(tmp_path), "--model.name", "moe_debug"]
+    saved = load_config("debug", [*flags, "--parallel.ep", "2"])
+    run = tmp_path / "20260101-000000-aaaa"
+    (run / "checkpoints").mkdir(parents=True)
+    record = {"id": run.name, "started": run.name, "status": "stopped",
+              "checkpoint_folder": str(run / "checkpoints")}  # fmt: skip
+    (run / "run.json").write_text(json.dumps(record))
+    (run / "config.toml").write_text(resume.run_config_text(saved))
+    _, job, choice = cli._parse(["--resume", str(run), "--parallel.ep", "4"])
+    assert (job.model.name, job.parallel.ep) == ("moe_debug", 4)
+    assert choice.line().endswith("changed: parallel.ep 2 -> 4")

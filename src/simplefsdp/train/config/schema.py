@@ -599,17 +599,14 @@ def _expert_parallel_errors(cfg: JobConfig) -> list[str]:
     errors = []
     if p.ep < 1:
         errors.append(f"parallel.ep: invalid value {p.ep!r}; must be >= 1")
-    if p.ep > 1 and not moe:
-        errors.append(
-            f"parallel.ep: invalid value {p.ep!r} with model.name={m.name!r}, which has no "
-            f"experts; valid: 1, or a mixture-of-experts model: {list(MOE_MODELS)}"
-        )
-    if p.ep > 1 and moe and p.engine not in EP_ENGINES:
+    # ep > 1 with a model without experts: ParallelDims.validate, on the
+    # configuration a resumed run ends up with (its model, not the default).
+    if p.ep > 1 and p.engine in ENGINES and p.engine not in EP_ENGINES:
         why = {
             "simplefsdp_eager": "the eager executor gathers flat buffers of data-parallel shards only",
             "ddp": "DDP replicates every parameter",
             "replica": "each rank trains a full copy",
-        }[p.engine]
+        }.get(p.engine, "")
         errors.append(
             f"parallel.engine: invalid value {p.engine!r} with parallel.ep={p.ep} ({why}); "
             f"valid choices with expert parallelism: {list(EP_ENGINES)}"
