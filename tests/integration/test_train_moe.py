@@ -31,7 +31,9 @@ def _train(cwd: Path, name: str, extra: list[str]) -> subprocess.CompletedProces
 @pytest.fixture(scope="module")
 def ep2_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     root = tmp_path_factory.mktemp("moe")
-    proc = _train(root, "ep2", ["--parallel.ep", "2"])
+    # validation (steps 2, 4) runs the model in training mode: its tokens must not count
+    proc = _train(root, "ep2", ["--parallel.ep", "2", "--metrics.val_interval", "2",
+                                "--metrics.val_batches", "1"])  # fmt: skip
     return root, proc
 
 
@@ -44,6 +46,7 @@ def test_moe_ep_run_logs_expert_load_and_exports(ep2_run, capsys):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert ["val_loss" in r for r in steps] == [False, True, False, True]
     for record in steps:
         layers = record["moe_layers"]
         assert sorted(layers) == MOE_LAYERS

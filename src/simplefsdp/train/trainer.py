@@ -458,6 +458,14 @@ class Trainer:
 
         self._expert_loads = update_expert_bias(self.model)
 
+    def _drop_expert_counts(self) -> None:
+        """Forget the tokens the MoE layers counted since the last bias update."""
+        from simplefsdp.models.moe import MoE
+
+        for module in self.model.modules():
+            if isinstance(module, MoE):
+                module.tokens_per_expert.zero_()
+
     def _global_mean(self, value: torch.Tensor) -> float:
         """The mean of ``value`` over the ranks that hold a loss (a pipeline's
         last stage; every rank otherwise)."""
@@ -493,6 +501,8 @@ class Trainer:
             with self._loss_context():
                 total += self._eval_loss(inputs, targets)
             count += 1
+        if self.moe:  # the model ran in training mode: its routing counted these tokens
+            self._drop_expert_counts()
         if count == 0:
             return None
         return self._global_mean(total / count)
