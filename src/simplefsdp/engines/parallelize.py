@@ -461,7 +461,9 @@ def parallelize(
         model: any module; on the meta device or with real tensors.
         spec: what to apply.
         mesh: the job's mesh (``simplefsdp.engines.build_mesh``): data-parallel
-            dims, then a ``"tp"`` dim when ``spec.tp > 1``.
+            dims, then a ``"tp"`` dim when ``spec.tp > 1``; with ``spec.ep > 1``
+            the flattened ``"dp"`` mesh of
+            ``simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh``.
         device: the training device.
         init_fn: initialises a meta-device model in place after sharding
             (e.g. ``lambda m: m.init_weights()``); required for meta models.
@@ -473,7 +475,8 @@ def parallelize(
 
     Raises:
         ValueError: a meta model without ``init_fn``, a mesh that does not
-            match ``spec.tp``, ``spec.tp > 1`` without ``tp_fn``, or invalid
+            match ``spec.tp`` or ``spec.ep``, ``spec.tp > 1`` without ``tp_fn``,
+            ``spec.ep > 1`` on a model without ``experts`` modules, or invalid
             settings (the engines' own errors).
     """
     dp_mesh, tp_mesh = split_mesh(mesh)
