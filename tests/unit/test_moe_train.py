@@ -126,3 +126,15 @@ def test_resume_of_a_moe_run_takes_another_ep(tmp_path, monkeypatch):
     _, job, choice = cli._parse(["--resume", str(run), "--parallel.ep", "4"])
     assert (job.model.name, job.parallel.ep) == ("moe_debug", 4)
     assert choice.line().endswith("changed: parallel.ep 2 -> 4")
+
+
+def test_engine_spec_takes_ep_with_the_engines_that_compose():
+    from simplefsdp.engines import EngineSpec
+
+    assert "fully_shard x ep 2" in EngineSpec(ep=2).describe()
+    assert EngineSpec(engine="fsdp2", ep=2).ep == 2
+    for engine in ("simplefsdp_eager", "ddp", "replica"):
+        with pytest.raises(ValueError, match=f"engine '{engine}' with tp=1 does not compose"):
+            EngineSpec(engine=engine, ep=2)
+    with pytest.raises(ValueError, match="ep must be an int >= 1, got 0"):
+        EngineSpec(ep=0)
