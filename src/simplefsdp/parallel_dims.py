@@ -32,6 +32,7 @@ __all__ = [
     "DATA_PARALLEL_MODES",
     "Engine",
     "ENGINES",
+    "EP_ENGINES",
     "INTERLEAVED_SCHEDULES",
     "PP_ENGINES",
     "PipelineSchedule",
@@ -52,6 +53,8 @@ REPLICATE_ONLY_ENGINES: tuple[Engine, ...] = ("ddp", "replica")
 TP_ENGINES: tuple[Engine, ...] = ("simplefsdp", "fsdp2")
 #: Engines that compose with pipeline parallelism (``pp > 1``).
 PP_ENGINES: tuple[Engine, ...] = ("simplefsdp", "fsdp2")
+#: Engines that compose with expert parallelism (``ep > 1``).
+EP_ENGINES: tuple[Engine, ...] = ("simplefsdp", "fsdp2")
 
 DataParallelMode = Literal["replicate", "fully_shard", "hybrid_shard"]
 """How parameters are placed on the data-parallel mesh.
@@ -143,7 +146,10 @@ class ParallelDims:
         dp_shard: data-parallel shards per replica; ``-1``: the ranks left.
         tp: tensor-parallel degree (innermost mesh dim).
         pp: pipeline-parallel degree (outermost mesh dim).
-        ep: expert-parallel degree; 1 (the Llama models have no experts).
+        ep: expert-parallel degree: groups of ``ep`` data-parallel ranks
+            each hold ``num_experts / ep`` of a mixture-of-experts model's
+            experts (torchtitan's ``dp_shard_mod_ep = dp / ep``); it must
+            divide the data-parallel ranks and ``num_experts``.
         microbatches: micro-batches per step (``pp > 1``) or batches
             accumulated per optimizer step; the batch must divide by it
             (``None``: ``pp``).
@@ -224,10 +230,6 @@ class ParallelDims:
             raise ValueError(
                 f"{n['dp_shard']} must be >= 1 or -1 (the rest), got {self.dp_shard!r}"
             )
-        if self.ep != 1:
-            raise ValueError(
-                f"{n['ep']} {self.ep}: expert parallelism needs a model with experts; valid: 1"
-            )
         ws = self.world_size
         for key, what in (("tp", "tensor-parallel"), ("pp", "pipeline-parallel")):
             value = getattr(self, key)
@@ -256,6 +258,7 @@ class ParallelDims:
                 f"ranks; valid: {_join(_divisors(dp))}"
             )
         self._validate_pipeline(n)
+        self._validate_experts(model_args, model_name, n)
         if model_args is not None:
             self._validate_model(
                 model_args, seq_len, sequence_parallel, loss_parallel, model_name, n
@@ -271,6 +274,43 @@ class ParallelDims:
             )
             raise ValueError(
                 f"{n['batch']} {batch} is not divisible by {n['microbatches']} {micro}; {fix}"
+            )
+
+    def _validate_experts(self, args: Any, model_name: str | None, n: Mapping[str, str]) -> None:
+        """``ep`` against the data-parallel ranks and the model's experts.
+
+        Expert parallelism borrows from data parallelism (torchtitan's
+        ``dp_shard_mod_ep = dp / ep``): ``ep`` must divide the data-parallel
+        ranks and the model's ``num_experts``, and needs a model with experts.
+        """
+        ep = self.ep
+        if ep == 1:
+            return
+        model = f"model {model_name!r}" if model_name else "the model"
+        num_experts = getattr(args, "num_experts", None) if args is not None else None
+        if args is not None and not num_experts:
+            raise ValueError(
+                f"{n['ep']} {ep}: expert parallelism needs a model with experts and {model} has "
+                "none; valid: 1, or a mixture-of-experts model (e.g. moe_debug)"
+            )
+        if self.tp > 1 or self.pp > 1:
+            raise ValueError(
+                f"{n['ep']} {ep} with {n['tp']} {self.tp}, {n['pp']} {self.pp}: expert "
+                f"parallelism composes with data parallelism only; use {n['tp']} 1 and "
+                f"{n['pp']} 1, or {n['ep']} 1"
+            )
+        dp = self.dp
+        if dp % ep:
+            valid = [d for d in _divisors(dp) if not num_experts or num_experts % d == 0]
+            raise ValueError(
+                f"{n['ep']} {ep} does not divide the {dp} data-parallel ranks (expert "
+                f"parallelism splits them into groups of {n['ep']}); valid: {_join(valid)}"
+            )
+        if num_experts and num_experts % ep:
+            valid = [d for d in _divisors(num_experts) if dp % d == 0]
+            raise ValueError(
+                f"{n['ep']} {ep} does not divide the {num_experts} experts of {model} (each "
+                f"rank holds num_experts / {n['ep']}); valid: {_join(valid)}"
             )
 
     def _validate_pipeline(self, n: Mapping[str, str]) -> None:

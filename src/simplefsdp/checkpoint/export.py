@@ -75,12 +75,18 @@ def _require_safetensors() -> Any:
 
 
 def model_args_from_config(config: dict[str, Any]) -> Any:
-    """The ``ModelArgs`` stored in a checkpoint's (or an export's) config JSON."""
+    """The model arguments stored in a checkpoint's (or an export's) config JSON:
+    a Llama 3 ``ModelArgs``, or a ``MoEArgs`` for a mixture-of-experts model
+    (``num_experts`` among them; build it with ``simplefsdp.models.moe.Transformer``)."""
     from simplefsdp.models.llama3 import ModelArgs, RopeScaling
 
     fields = dict(config["model_args"])
     if isinstance(fields.get("rope_scaling"), dict):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    if "num_experts" in fields:
+        from simplefsdp.models.moe import MoEArgs
+
+        return MoEArgs(**fields)
     return ModelArgs(**fields)
 
 

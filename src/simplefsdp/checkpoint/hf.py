@@ -665,6 +665,11 @@ def export_hf_checkpoint(
     _parse_size(max_shard_size)  # a bad size fails before the checkpoint is read
     folder = resolve_checkpoint(checkpoint)
     args = model_args_from_config(read_json(folder / CONFIG_NAME))
+    if hasattr(args, "num_experts"):
+        raise ValueError(
+            f"checkpoint {str(folder)!r} holds a mixture-of-experts model; --format hf writes "
+            "Llama models only: export it with --format simplefsdp (the default)"
+        )
     tensors = load_full_model_state(folder)
     if dtype is not None:
         cast = _DTYPES[dtype]

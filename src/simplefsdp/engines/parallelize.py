@@ -51,7 +51,7 @@ from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines.activation import apply_activation_checkpointing
 from simplefsdp.engines.distributed import split_mesh
 from simplefsdp.engines.parallel_model import LossFn, ParallelModel
-from simplefsdp.parallel_dims import ENGINES, TP_ENGINES
+from simplefsdp.parallel_dims import ENGINES, EP_ENGINES, TP_ENGINES
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,16 @@ class EngineSpec:
             :data:`TP_ENGINES` only.
         check_ranks: ``data_parallel``'s rank divergence check (simplefsdp
             engines; it runs where a forward is not one compiled graph).
+        ep: expert-parallel size (1: none). The data-parallel mesh given to
+            :func:`parallelize` is then the flattened ``"dp"`` of a
+            ``("dp_shard_mod_ep", "ep")`` mesh
+            (:func:`simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh`):
+            the model's ``experts`` modules get ``ExpertParallel`` on ``"ep"``
+            and their parameters are sharded over ``"dp_shard_mod_ep"``;
+            engines :data:`EP_ENGINES` only.
+        fullgraph: compile each graph whole; ``False`` lets ``torch.compile``
+            break the graph (data-dependent token counts of a
+            mixture-of-experts layer: its split sizes are read to the host).
     """
 
     engine: str = "simplefsdp"
@@ -124,6 +134,8 @@ class EngineSpec:
     broadcast_buffers: bool = True
     tp: int = 1
     check_ranks: bool = True
+    ep: int = 1
+    fullgraph: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -139,6 +151,14 @@ class EngineSpec:
             raise ValueError(
                 f"engine {self.engine!r} does not compose with tensor parallelism (tp={self.tp}; "
                 f"{why}); engines with tp > 1: {', '.join(TP_ENGINES)}"
+            )
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be an int >= 1, got {self.ep!r}")
+        if self.ep > 1 and (self.engine not in EP_ENGINES or self.tp > 1):
+            raise ValueError(
+                f"engine {self.engine!r} with tp={self.tp} does not compose with expert "
+                f"parallelism (ep={self.ep}); engines with ep > 1: {', '.join(EP_ENGINES)}, "
+                "tp 1"
             )
         _dtype(self.param_dtype)
         _dtype(self.reduce_dtype)
@@ -160,6 +180,7 @@ class EngineSpec:
         if self.engine in ("ddp", "replica"):
             return f"{self.engine} ({how})"
         tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        tp += f" x ep {self.ep}" if self.ep > 1 else ""
         return f"{self.engine} ({self.mode}{tp}; {how})"
 
 
@@ -262,7 +283,12 @@ def torch_passes_patches() -> tuple[dict[str, Any], list[str]]:
 
 
 def _apply_simplefsdp(
-    model: nn.Module, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, init_fn
+    model: nn.Module,
+    spec: EngineSpec,
+    mesh: DeviceMesh,
+    device: torch.device,
+    init_fn,
+    expert_mesh: DeviceMesh | None = None,
 ) -> ParallelModel:
     import simplefsdp
 
@@ -276,6 +302,7 @@ def _apply_simplefsdp(
         mp_policy=policy,
         reshard_after_forward=spec.reshard_after_forward,
         check_ranks=spec.check_ranks,
+        expert_mesh=expert_mesh,
     )
     _materialize(model, device, init_fn, sharded_reads=True)
     parallel = ParallelModel(model, model, spec.engine, mesh)
@@ -289,7 +316,7 @@ def _apply_simplefsdp(
     parallel.compiled = True
     if spec.torch_passes:
         patches, notes = torch_passes_patches()
-        parallel.forward = torch.compile(model, backend=spec.backend, fullgraph=True)
+        parallel.forward = torch.compile(model, backend=spec.backend, fullgraph=spec.fullgraph)
         parallel.inductor_patches = patches
         parallel.notes += [
             *notes,
@@ -303,15 +330,22 @@ def _apply_simplefsdp(
         bucketing=spec.bucketing,
         reorder=spec.reorder,
         keep_gathered=spec.keep_gathered,
-        fullgraph=True,
+        fullgraph=spec.fullgraph,
     )
     return parallel
 
 
 def _apply_fsdp2(
-    model: nn.Module, spec: EngineSpec, mesh: DeviceMesh, device: torch.device, init_fn
+    model: nn.Module,
+    spec: EngineSpec,
+    mesh: DeviceMesh,
+    device: torch.device,
+    init_fn,
+    expert_mesh: DeviceMesh | None = None,
 ) -> ParallelModel:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from simplefsdp.frontend.expert_parallel import EP_MESH_ATTR
 
     policy = MixedPrecisionPolicy(
         param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
@@ -320,7 +354,18 @@ def _apply_fsdp2(
         if spec.compile:
             # As torchtitan: per-block compile; with TP the block's DTensor ops
             # are traced too (fullgraph may not hold for every TP plan).
-            block.compile(backend=spec.backend, fullgraph=spec.tp == 1)
+            block.compile(backend=spec.backend, fullgraph=spec.tp == 1 and spec.fullgraph)
+        if expert_mesh is not None:
+            # As torchtitan: the experts (ExpertParallel's DTensors on "ep")
+            # get their own FSDP group on the ranks holding the same experts.
+            for experts in block.modules():
+                if EP_MESH_ATTR in experts.__dict__:
+                    fully_shard(
+                        experts,
+                        mesh=expert_mesh,
+                        mp_policy=policy,
+                        reshard_after_forward=spec.reshard_after_forward,
+                    )
         fully_shard(
             block, mesh=mesh, mp_policy=policy, reshard_after_forward=spec.reshard_after_forward
         )
@@ -377,6 +422,29 @@ _ADAPTERS = {
 }
 
 
+def _apply_expert_parallel(model: nn.Module, dp_mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """``ExpertParallel`` on the ``"ep"`` dim of ``dp_mesh``'s root for every
+    ``experts`` module of ``model``; returns the experts' data-parallel mesh."""
+    from simplefsdp._compat import root_mesh
+    from simplefsdp.frontend.expert_parallel import apply_expert_parallel
+
+    root = root_mesh(dp_mesh)
+    names = root.mesh_dim_names or ()
+    if "ep" not in names or "dp_shard_mod_ep" not in names or root["ep"].size() != ep:
+        raise ValueError(
+            f"spec.ep={ep} needs the 'dp' mesh of build_expert_parallel_mesh(..., ep={ep}); "
+            f"got a mesh whose root is {names} {tuple(root.shape)}"
+        )
+    applied = apply_expert_parallel(model, root["ep"])
+    if not applied:
+        raise ValueError(
+            f"spec.ep={ep} but {type(model).__name__} has no submodule named 'experts' to "
+            "shard over the expert-parallel ranks"
+        )
+    logger.info("expert parallelism (ep %d) on %d experts modules", ep, len(applied))
+    return root["dp_shard_mod_ep"]
+
+
 def parallelize(
     model: nn.Module,
     spec: EngineSpec,
@@ -393,7 +461,9 @@ def parallelize(
         model: any module; on the meta device or with real tensors.
         spec: what to apply.
         mesh: the job's mesh (``simplefsdp.engines.build_mesh``): data-parallel
-            dims, then a ``"tp"`` dim when ``spec.tp > 1``.
+            dims, then a ``"tp"`` dim when ``spec.tp > 1``; with ``spec.ep > 1``
+            the flattened ``"dp"`` mesh of
+            ``simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh``.
         device: the training device.
         init_fn: initialises a meta-device model in place after sharding
             (e.g. ``lambda m: m.init_weights()``); required for meta models.
@@ -405,7 +475,8 @@ def parallelize(
 
     Raises:
         ValueError: a meta model without ``init_fn``, a mesh that does not
-            match ``spec.tp``, ``spec.tp > 1`` without ``tp_fn``, or invalid
+            match ``spec.tp`` or ``spec.ep``, ``spec.tp > 1`` without ``tp_fn``,
+            ``spec.ep > 1`` on a model without ``experts`` modules, or invalid
             settings (the engines' own errors).
     """
     dp_mesh, tp_mesh = split_mesh(mesh)
@@ -424,8 +495,14 @@ def parallelize(
         model.to(device)
     if tp_mesh is not None and tp_fn is not None:
         tp_fn(model, tp_mesh)
+    expert_mesh = None
+    if spec.ep > 1:
+        expert_mesh = _apply_expert_parallel(model, dp_mesh, spec.ep)
     apply_activation_checkpointing(model, spec.activation_checkpoint)
-    parallel = _ADAPTERS[spec.engine](model, spec, dp_mesh, device, init_fn)
+    if expert_mesh is not None:
+        parallel = _ADAPTERS[spec.engine](model, spec, dp_mesh, device, init_fn, expert_mesh)
+    else:
+        parallel = _ADAPTERS[spec.engine](model, spec, dp_mesh, device, init_fn)
     parallel.tp_mesh = tp_mesh
     parallel.loss_fn = loss_fn
     logger.info("parallelized with %s", spec.describe())

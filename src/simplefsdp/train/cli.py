@@ -65,7 +65,8 @@ EXIT_CONFIG_ERROR = 2
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="simplefsdp train",
-        description="Train a Llama 3 model with simplefsdp (or the fsdp2/ddp baselines).",
+        description="Train a Llama 3 or mixture-of-experts model with simplefsdp (or the "
+        "fsdp2/ddp baselines).",
         epilog=(
             "Any config field can be overridden as --section.key VALUE (or --section.key=VALUE), "
             f"with sections {', '.join(SECTIONS)}; e.g. --training.steps 200 "
@@ -80,6 +81,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="the model to train: --model.name NAME (a Llama 3 or mixture-of-experts "
+        "configuration, e.g. debug, moe_debug)",
     )
     parser.add_argument(
         "--nproc",
@@ -203,6 +211,7 @@ _LAYOUT_NAMES = {
     "tp": "parallel.tp",
     "pp": "parallel.pp",
     "microbatches": "parallel.microbatches",
+    "ep": "parallel.ep",
     "stages_per_rank": "parallel.pp_stages_per_rank",
     "batch": "data.batch_size",
     "seq_len": "data.seq_len",
@@ -211,7 +220,7 @@ _LAYOUT_NAMES = {
 
 def _check_layout(job: JobConfig, world_size: int) -> None:
     """The parallel degrees against the world size and the model (:meth:`ParallelDims.validate`)."""
-    from simplefsdp.models.llama3 import get_config
+    from simplefsdp.train.parallelism import model_config
 
     m, p = job.model, job.parallel
     overrides = {
@@ -219,17 +228,28 @@ def _check_layout(job: JobConfig, world_size: int) -> None:
         for key, value in (("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len))
         if value is not None
     }
+    args = model_config(job, **overrides)
+    if getattr(args, "attention", "gqa") != "gqa":
+        from simplefsdp.models.moe import MOE_CONFIGS
+
+        built = [name for name, a in MOE_CONFIGS.items() if a.attention == "gqa"]
+        raise ValueError(
+            f"model.name {m.name!r} uses multi-head latent attention, which simplefsdp plan "
+            f"counts but train does not build; trainable mixture-of-experts models: "
+            f"{', '.join(built)}"
+        )
     pipelined = p.pp > 1
     dims = ParallelDims(
         world_size,
         tp=p.tp,
         pp=p.pp,
+        ep=p.ep,
         microbatches=p.microbatches if pipelined else 1,
         pp_schedule=p.pp_schedule,
         stages_per_rank=p.pp_stages_per_rank if pipelined else None,
     )
     dims.validate(
-        get_config(m.name, **overrides),
+        args,
         batch=job.data.batch_size,
         seq_len=job.data.seq_len,
         sequence_parallel=p.sequence_parallel,
@@ -362,6 +382,8 @@ def _parse(
     parser = _build_parser()
     args, overrides = parser.parse_known_args(argv)
     _check_unknown_flags(parser, overrides)
+    if args.model is not None:
+        overrides = ["--model.name", args.model, *overrides]
     if args.resume is not None:
         overrides = [*overrides, "--checkpoint.resume", "true"]
     if args.resume_if_possible:

@@ -6,10 +6,16 @@ the Llama 3 tensor-parallel plan, ``parallel.pp > 1`` splits the model into
 pipeline stages (:func:`simplefsdp.models.llama3.pipeline_split`) run by
 torch's schedules (:class:`~simplefsdp.engines.PipelinedModel`): the one
 Llama 3 recipe, :func:`simplefsdp.models.llama3.parallelize.parallelize_llama`,
-which the benchmark runs too.
+which the benchmark runs too. A mixture-of-experts model (``model.name`` in
+:data:`~simplefsdp.train.config.schema.MOE_MODELS`) takes
+:func:`simplefsdp.models.moe.parallelize.parallelize_moe` instead, with
+``parallel.ep > 1`` on the ``("dp_shard_mod_ep", "ep")`` mesh of
+:func:`simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,11 +29,14 @@ from simplefsdp.engines import (
     build_mesh,
 )
 from simplefsdp.train.config import JobConfig
+from simplefsdp.train.config.schema import MOE_MODELS
 
 __all__ = [
     "engine_spec",
+    "is_moe",
     "job_mesh",
     "keep_gathered_option",
+    "model_config",
     "parallelize_job",
     "pipeline_spec",
 ]
@@ -49,6 +58,7 @@ def engine_spec(job: JobConfig) -> EngineSpec:
         activation_checkpoint=job.activation_checkpoint.mode,
         tp=p.tp,
         check_ranks=p.check_ranks,
+        ep=p.ep,
     )
 
 
@@ -77,8 +87,20 @@ def pipeline_spec(job: JobConfig) -> PipelineSpec:
 
 
 def job_mesh(job: JobConfig, device: torch.device) -> DeviceMesh:
-    """The job's mesh over the default process group: ``pp``, data-parallel dims, ``tp``."""
+    """The job's mesh over the default process group: ``pp``, data-parallel dims, ``tp``.
+
+    With ``parallel.ep > 1``: the flattened ``"dp"`` mesh of the
+    ``("dp_shard_mod_ep", "ep")`` mesh over all ranks (its root holds both).
+    """
     p = job.parallel
+    if p.ep > 1:
+        from simplefsdp.frontend.expert_parallel import build_expert_parallel_mesh
+
+        num_experts = model_config(job).num_experts
+        _, dp_mesh = build_expert_parallel_mesh(
+            device.type, dist.get_world_size(), p.ep, num_experts
+        )
+        return dp_mesh
     return build_mesh(
         p.engine,
         p.mode,
@@ -121,13 +143,41 @@ def convert_to_float8(model: torch.nn.Module, job: JobConfig) -> torch.nn.Module
     return convert_to_float8_training(model, config=config, module_filter_fn=keep)
 
 
+# --------------------------------------------------------------------------- MoE models
+
+
+def is_moe(job: JobConfig) -> bool:
+    """``model.name`` is a mixture-of-experts configuration."""
+    return job.model.name in MOE_MODELS
+
+
+def model_config(job: JobConfig, **overrides: Any) -> Any:
+    """The model arguments ``model.name`` names (Llama 3 ``ModelArgs`` or ``MoEArgs``).
+
+    Args:
+        job: the job (``model.name``; ``model.load_balance`` for MoE models).
+        **overrides: fields to replace (``vocab_size``, ``max_seq_len``).
+
+    Raises:
+        ValueError: an invalid resulting configuration.
+    """
+    if not is_moe(job):
+        from simplefsdp.models.llama3 import get_config
+
+        return get_config(job.model.name, **overrides)
+    from simplefsdp.models.moe import get_config as moe_config
+
+    overrides.setdefault("load_balance", job.model.load_balance)
+    return moe_config(job.model.name, **overrides)
+
+
 def parallelize_job(
     model: torch.nn.Module,
     job: JobConfig,
     device: torch.device,
     mesh: DeviceMesh | None = None,
 ) -> ParallelModel | PipelinedModel:
-    """Parallelise a Llama 3 model built on the meta device as ``job`` says.
+    """Parallelise a Llama 3 or MoE model built on the meta device as ``job`` says.
 
     :func:`simplefsdp.models.llama3.parallelize.parallelize_llama` with
     ``mesh`` (default: :func:`job_mesh`), :func:`engine_spec` and, with
@@ -137,6 +187,12 @@ def parallelize_job(
     from simplefsdp.models.llama3.parallelize import parallelize_llama
 
     p = job.parallel
+    if is_moe(job):
+        from simplefsdp.models.moe.parallelize import parallelize_moe
+
+        return parallelize_moe(
+            model, engine_spec(job), mesh if mesh is not None else job_mesh(job, device), device
+        )
     if job.float8.enable:
         convert_to_float8(model, job)
     return parallelize_llama(

@@ -60,11 +60,18 @@ from simplefsdp.train.metrics import (
     MetricsWriter,
     ProgressDisplay,
     TrainSummary,
+    expert_load_metrics,
     format_step_line,
     mfu,
     peak_flops_for,
 )
-from simplefsdp.train.parallelism import engine_spec, job_mesh, parallelize_job
+from simplefsdp.train.parallelism import (
+    engine_spec,
+    is_moe,
+    job_mesh,
+    model_config,
+    parallelize_job,
+)
 from simplefsdp.train.resume import start_run_files
 from simplefsdp.train.runs import (
     RUN_ID_ENV,
@@ -102,6 +109,16 @@ def _compile_errors() -> Iterator[None]:
         raise TrainingError(message) from exc
 
 
+def _moe_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a MoE model: the Llama formula
+    (:func:`simplefsdp.models.llama3.flops_per_token`) on the parameters one
+    token uses (``top_k`` routed experts per layer, torchtitan's count)."""
+    from simplefsdp.models.moe import num_active_params
+
+    n = num_active_params(args, exclude_embeddings=True)
+    return 6 * n + 12 * args.n_layers * args.dim * seq_len
+
+
 class TrainingError(RuntimeError):
     """A failure the user can act on, reported as one line (exit code 1)."""
 
@@ -110,7 +127,7 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    """Trains a Llama 3 model per a validated :class:`JobConfig` on this rank.
+    """Trains a Llama 3 or mixture-of-experts model per a validated :class:`JobConfig` on this rank.
 
     Args:
         job: the job configuration (already validated by ``load_config``).
@@ -187,15 +204,13 @@ class Trainer:
             )
 
     def _model_args(self) -> Any:
-        from simplefsdp.models.llama3 import get_config
-
         if self.job.checkpoint.init_from_hf is not None:
             return self._hf_model_args()
         m, overrides = self.job.model, {}
         overrides["vocab_size"] = m.vocab_size or self.tokenizer.vocab_size
         if m.max_seq_len is not None:
             overrides["max_seq_len"] = m.max_seq_len
-        args = get_config(m.name, **overrides)
+        args = model_config(self.job, **overrides)
         if self.job.data.seq_len > args.max_seq_len:
             raise ValueError(
                 f"data.seq_len {self.job.data.seq_len} exceeds the max_seq_len "
@@ -265,7 +280,20 @@ class Trainer:
         from simplefsdp.models.llama3 import Transformer, flops_per_token, num_params
 
         self.model_args = self._model_args()
-        with torch.device("meta"):
+        self.moe = is_moe(self.job)
+        self._expert_loads: list[Any] = []
+        if self.moe:
+            from simplefsdp.models import moe
+
+            Transformer, num_params = moe.Transformer, moe.num_params  # noqa: N806
+            flops_per_token = _moe_flops_per_token  # noqa: N806
+        # Note: [MoE weights on CPU]: a CPU mesh initialises each shard of a
+        # meta model from this rank's generator, the same on every rank, so the
+        # experts of one rank would be copies of another's (and stay so: tied
+        # router scores); there a MoE model starts from one full initialisation,
+        # which ExpertParallel and data_parallel scatter from rank 0.
+        build_on = "cpu" if self.moe and self.device.type == "cpu" else "meta"
+        with torch.device(build_on):
             model = Transformer(self.model_args)
         self.parallel: ParallelModel | PipelinedModel = parallelize_job(
             model, self.job, self.device, self.mesh
@@ -418,7 +446,25 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
         self.optimizer.step()
         self.scheduler.step()
+        if self.moe:
+            self._balance_experts()
         return loss_sum, grad_norm, float(lr)
+
+    def _balance_experts(self) -> None:
+        """After the optimizer step: the routing-bias update from the tokens each
+        expert received on all ranks (one all-reduce; every MoE layer reports
+        its load whatever its ``load_balance``), kept for the metrics."""
+        from simplefsdp.models.moe import update_expert_bias
+
+        self._expert_loads = update_expert_bias(self.model)
+
+    def _drop_expert_counts(self) -> None:
+        """Forget the tokens the MoE layers counted since the last bias update."""
+        from simplefsdp.models.moe import MoE
+
+        for module in self.model.modules():
+            if isinstance(module, MoE):
+                module.tokens_per_expert.zero_()
 
     def _global_mean(self, value: torch.Tensor) -> float:
         """The mean of ``value`` over the ranks that hold a loss (a pipeline's
@@ -455,6 +501,8 @@ class Trainer:
             with self._loss_context():
                 total += self._eval_loss(inputs, targets)
             count += 1
+        if self.moe:  # the model ran in training mode: its routing counted these tokens
+            self._drop_expert_counts()
         if count == 0:
             return None
         return self._global_mean(total / count)
@@ -478,7 +526,7 @@ class Trainer:
         """The metrics record of a log step; ``window`` is ``(steps, seconds)`` since the last."""
         steps_in_window, elapsed = window
         tps = steps_in_window * self._tokens_per_step() / max(elapsed, 1e-9)
-        return {
+        record = {
             "loss": self._global_mean(loss),
             "lr": lr,
             "grad_norm": float(grad_norm),
@@ -486,6 +534,9 @@ class Trainer:
             "mfu_pct": mfu(tps, self.flops_per_token, self.peak_flops),
             "peak_memory_bytes": int(self._global_max(self.memory.peak_bytes() or 0)),
         }
+        if self._expert_loads:
+            record.update(expert_load_metrics(self._expert_loads))
+        return record
 
     def _should(self, interval: int, step: int) -> bool:
         return interval > 0 and (step % interval == 0 or step == self.job.training.steps)

@@ -21,6 +21,7 @@ from simplefsdp.parallel_dims import (
     COMPILE_BACKENDS,
     DATA_PARALLEL_MODES,
     ENGINES,
+    EP_ENGINES,
     PIPELINE_SCHEDULES,
     PP_ENGINES,
     REPLICATE_ONLY_ENGINES,
@@ -35,6 +36,9 @@ from simplefsdp.parallel_dims import (
 
 __all__ = [
     "VALID_MODELS",
+    "LLAMA_MODELS",
+    "MOE_MODELS",
+    "LOAD_BALANCE_MODES",
     "ENGINES",
     "REPLICATE_ONLY_ENGINES",
     "PP_ENGINES",
@@ -61,8 +65,21 @@ __all__ = [
     "validate_config",
 ]
 
-#: Names of the Llama 3 model configurations ``model.name`` may refer to.
-VALID_MODELS: tuple[str, ...] = ("debug", "small", "8B", "70B", "405B")
+#: Names of the Llama 3 model configurations (``simplefsdp.models.llama3``).
+LLAMA_MODELS: tuple[str, ...] = ("debug", "small", "8B", "70B", "405B")
+#: Names of the mixture-of-experts configurations (``simplefsdp.models.moe``'s
+#: ``MOE_CONFIGS``; this module imports no torch, a unit test keeps them equal).
+MOE_MODELS: tuple[str, ...] = (
+    "moe_debug",
+    "moe_small",
+    "deepseek_v3_16b",
+    "deepseek_v3_671b",
+    "llama4_scout",
+)
+#: Names of the model configurations ``model.name`` may refer to.
+VALID_MODELS: tuple[str, ...] = (*LLAMA_MODELS, *MOE_MODELS)
+#: Load balancing of a mixture-of-experts model (``model.load_balance``).
+LOAD_BALANCE_MODES: tuple[str, ...] = ("bias", "aux_loss", "none")
 #: Data-parallel sharding modes (``parallel.mode``).
 PARALLEL_MODES = DATA_PARALLEL_MODES
 #: Pipeline schedules (``parallel.pp_schedule``), torch's GPipe, 1F1B and interleaved 1F1B.
@@ -91,18 +108,28 @@ def suggest(name: str, candidates: list[str]) -> str:
 
 @dataclass
 class ModelConfig:
-    """Which Llama 3 model to train.
+    """Which model to train: a Llama 3 or a mixture-of-experts configuration.
 
     Attributes:
-        name: One of :data:`VALID_MODELS`.
+        name: One of :data:`VALID_MODELS`: the Llama 3 models
+            :data:`LLAMA_MODELS` or the mixture-of-experts models
+            :data:`MOE_MODELS` (``deepseek_v3_*`` use multi-head latent
+            attention, which ``simplefsdp plan`` counts and ``train`` does not build).
         vocab_size: Overrides the model's vocabulary size (``None``: use the
             tokenizer's / model's own).
         max_seq_len: Overrides the model's maximum sequence length.
+        load_balance: Mixture-of-experts models only, one of
+            :data:`LOAD_BALANCE_MODES`: ``"bias"`` (DeepSeek-V3's
+            auxiliary-loss-free routing bias, updated after every optimizer
+            step from the tokens each expert received on all ranks),
+            ``"aux_loss"`` (a switch-style auxiliary loss whose gradient
+            trains the router) or ``"none"``.
     """
 
     name: str = field(default="debug", metadata=_choices(VALID_MODELS))
     vocab_size: int | None = None
     max_seq_len: int | None = None
+    load_balance: str = field(default="bias", metadata=_choices(LOAD_BALANCE_MODES))
 
 
 @dataclass
@@ -215,6 +242,14 @@ class ParallelConfig:
             backward where they did not (``data_parallel``'s
             ``check_ranks``); ``false`` saves its one small all-reduce per
             forward.
+        ep: Expert-parallel size (mixture-of-experts models): groups of
+            ``ep`` data-parallel ranks each hold ``num_experts / ep`` of every
+            MoE layer's experts and exchange tokens by all-to-all; expert
+            parameters are sharded over the ``world_size / ep`` ranks that
+            hold the same experts (torchtitan's ``dp_shard_mod_ep``), the
+            others over all ranks. Must divide the data-parallel ranks and
+            ``num_experts``; engines ``simplefsdp`` and ``fsdp2``, modes
+            ``fully_shard`` and ``replicate``, without ``tp``/``pp``.
     """
 
     engine: Engine = field(default="simplefsdp", metadata=_choices(ENGINES))
@@ -231,6 +266,7 @@ class ParallelConfig:
     microbatches: int | None = None
     pp_stages_per_rank: int | None = None
     check_ranks: bool = True
+    ep: int = 1
 
 
 @dataclass
@@ -527,6 +563,8 @@ def validate_config(cfg: JobConfig) -> None:
             "float8 training runs with data parallelism only (tp = pp = 1)"
         )
 
+    errors.extend(_expert_parallel_errors(cfg))
+
     check(ck.interval >= 1, "checkpoint.interval", ck.interval, ">= 1")
     check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, ">= 1")
     check(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, ">= 0, or -1 for the latest")
@@ -551,6 +589,50 @@ def validate_config(cfg: JobConfig) -> None:
 
     if errors:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def _expert_parallel_errors(cfg: JobConfig) -> list[str]:
+    """The mixture-of-experts rules of :func:`validate_config`, one line each
+    (the degrees against the world size are :class:`~simplefsdp.parallel_dims.ParallelDims`')."""
+    m, p = cfg.model, cfg.parallel
+    moe = m.name in MOE_MODELS
+    errors = []
+    if p.ep < 1:
+        errors.append(f"parallel.ep: invalid value {p.ep!r}; must be >= 1")
+    # ep > 1 with a model without experts: ParallelDims.validate, on the
+    # configuration a resumed run ends up with (its model, not the default).
+    if p.ep > 1 and p.engine in ENGINES and p.engine not in EP_ENGINES:
+        why = {
+            "simplefsdp_eager": "the eager executor gathers flat buffers of data-parallel shards only",
+            "ddp": "DDP replicates every parameter",
+            "replica": "each rank trains a full copy",
+        }.get(p.engine, "")
+        errors.append(
+            f"parallel.engine: invalid value {p.engine!r} with parallel.ep={p.ep} ({why}); "
+            f"valid choices with expert parallelism: {list(EP_ENGINES)}"
+        )
+    ep_modes = ["fully_shard"] if p.engine == "fsdp2" else ["fully_shard", "replicate"]
+    if p.ep > 1 and p.mode not in ep_modes:
+        errors.append(
+            f"parallel.mode: invalid value {p.mode!r} with parallel.ep={p.ep} and engine "
+            f"{p.engine!r}; valid choices with expert parallelism: {ep_modes}"
+        )
+    if moe and (p.tp > 1 or p.pp > 1):
+        errors.append(
+            f"model.name: invalid value {m.name!r} with parallel.tp={p.tp}, parallel.pp={p.pp}; "
+            "mixture-of-experts models train with data and expert parallelism (tp = pp = 1)"
+        )
+    if moe and cfg.checkpoint.init_from_hf is not None:
+        errors.append(
+            f"checkpoint.init_from_hf: invalid value {cfg.checkpoint.init_from_hf!r} with "
+            f"model.name={m.name!r}; Hugging Face checkpoints load into the Llama 3 models"
+        )
+    if moe and cfg.float8.enable:
+        errors.append(
+            f"float8.enable: invalid value True with model.name={m.name!r}; float8 training "
+            f"covers the Llama 3 models {list(LLAMA_MODELS)}"
+        )
+    return errors
 
 
 #: Bytes of the embedded stdlib corpus read when ``data.max_bytes`` is unset
@@ -621,6 +703,11 @@ def config_warnings(job: JobConfig) -> list[str]:
         warnings.append(
             f"parallel.reshard_after_forward={p.reshard_after_forward} needs compile.enable "
             "true; uncompiled, simplefsdp regathers over the whole shard group"
+        )
+    if job.model.load_balance != "bias" and job.model.name not in MOE_MODELS:
+        warnings.append(
+            f"model.load_balance is only used by the mixture-of-experts models "
+            f"(model.name is {job.model.name!r})"
         )
     if p.tp == 1 and p.loss_parallel:
         warnings.append("parallel.loss_parallel is only used with parallel.tp > 1")
