@@ -217,11 +217,15 @@ def test_export_bad_checkpoint_is_exit_2(tmp_path):
                       "--activation_checkpoint.mode", "full"], id="simplefsdp-hsdp-ac"),
     ],
 )  # fmt: skip
-def test_engines_and_options_train(extra, tmp_path):
+def test_engines_and_options_train(extra, tmp_path, run_a):
     _train(tmp_path, "run", ["--training.steps", "3", "--checkpoint.enable", "false", *extra])
     losses = _losses(only_run(tmp_path / "run") / "metrics.jsonl")
     assert sorted(losses) == [1, 2, 3]
     assert losses[3] < losses[1]
+    # Every engine and layout starts from the same weights as the fully
+    # sharded run (and as one process): the first loss, before any update.
+    first = _losses(only_run(run_a[0] / "A") / "metrics.jsonl")[1]
+    assert losses[1] == pytest.approx(first, rel=1e-5)
 
 
 def test_bad_model_name_exits_2_before_starting_anything(tmp_path):

@@ -287,12 +287,14 @@ class Trainer:
 
             Transformer, num_params = moe.Transformer, moe.num_params  # noqa: N806
             flops_per_token = _moe_flops_per_token  # noqa: N806
-        # Note: [MoE weights on CPU]: a CPU mesh initialises each shard of a
-        # meta model from this rank's generator, the same on every rank, so the
-        # experts of one rank would be copies of another's (and stay so: tied
-        # router scores); there a MoE model starts from one full initialisation,
-        # which ExpertParallel and data_parallel scatter from rank 0.
-        build_on = "cpu" if self.moe and self.device.type == "cpu" else "meta"
+        # Note: [Weights on CPU]: a CPU mesh initialises each shard of a meta
+        # model from this rank's generator, the same on every rank (CUDA
+        # meshes use DTensor's offset-based RNG tracker), so one rank's rows
+        # would repeat another's: experts that are copies of each other (and
+        # stay so: tied router scores) and an initialisation that depends on
+        # the world size. On CPU a model therefore starts from one full
+        # initialisation, which the parallel layout scatters, as in one process.
+        build_on = "cpu" if self.device.type == "cpu" else "meta"
         with torch.device(build_on):
             model = Transformer(self.model_args)
         self.parallel: ParallelModel | PipelinedModel = parallelize_job(
