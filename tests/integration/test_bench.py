@@ -663,3 +663,47 @@ def test_moe_workload_configs_and_layout_errors(capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert cli.main(["--workload", "comm", "--ep", "2", "--out", "unused"]) == 2
     assert "--ep 2 applies to mixture-of-experts models" in capsys.readouterr().err
+
+
+TINY_MOE = [
+    "--workload", "moe", "--steps", "2", "--warmup", "1", "--seq-len", "32",
+    *(arg for k, v in {**TINY_MODEL, "n_layers": 2, "moe_hidden_dim": 32}.items()
+      for arg in ("--model-override", f"{k}={v}")),
+    "--timeout", "400", "--no-png",
+]  # fmt: skip
+
+
+@pytest.mark.heavy
+def test_moe_workload_end_to_end(tmp_path, capsys):
+    # Two eager configurations with experts over ep 2: about 2 minutes of process start-up.
+    rc = cli.main([*TINY_MOE, "--ep", "2", "--configs", "fsdp2,simplefsdp-uncompiled",
+                   "--out", str(tmp_path)])  # fmt: skip
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert rc == 0, capsys.readouterr().out
+    fsdp2, ours = result["configs"]
+    assert fsdp2["ok"] and ours["ok"] and result["loss_check"]["reference"] == "fsdp2"
+    assert ours["final_loss"] == pytest.approx(fsdp2["final_loss"], rel=1e-4)
+    # Dispatch and combine per MoE layer in forward, both again in backward.
+    assert fsdp2["collectives_profiled"]["all_to_all"] > 0
+    assert ours["collectives_profiled"]["all_to_all"] > 0
+    assert result["env"]["ep"] == 2 and result["comm_only"] is None
+    assert "experts ep 2 x dp_shard_mod_ep 1" in capsys.readouterr().out
+
+
+@pytest.mark.heavy
+def test_float8_configs_end_to_end(tmp_path, capsys):
+    # Two compiled float8 configurations and eager bf16 FSDP2: several minutes.
+    pytest.importorskip("torchao")
+    rc = cli.main([*TINY, "--param-dtype", "bfloat16", "--no-png", "--out", str(tmp_path),
+                   "--configs", "fsdp2,fsdp2-float8,simplefsdp-float8"])  # fmt: skip
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert rc == 0, capsys.readouterr().out
+    bf16, fsdp2_f8, ours_f8 = result["configs"]
+    assert result["loss_check"]["references"] == {
+        "bfloat16": "fsdp2",
+        "bfloat16+float8": "fsdp2-float8",
+    }
+    # The block's linear weights travel as one byte per element instead of two.
+    assert fsdp2_f8["all_gather_bytes"] < bf16["all_gather_bytes"]
+    assert ours_f8["all_gather_bytes"] < bf16["all_gather_bytes"]
+    assert ours_f8["collectives_source"] == "comm_report"

@@ -56,7 +56,8 @@ Note: [Counting collectives]
     reducer, FSDP2's hooks, functional collectives in compiled code):
     ``_allgather_base_``/``allgather_into_tensor_coalesced_``/``allgather_``,
     ``_reduce_scatter_base_``/``reduce_scatter_tensor_coalesced_``/
-    ``reduce_scatter_``, ``allreduce_``/``allreduce_coalesced_``. The
+    ``reduce_scatter_``, ``allreduce_``/``allreduce_coalesced_``, and
+    expert parallelism's ``alltoall_base_``/``alltoall_``. The
     profiler, unlike a ``TorchDispatchMode``, does not make Dynamo fall back
     to eager, so compiled code is counted as it runs.
 
@@ -104,8 +105,10 @@ _C10D_OPS: dict[str, str] = {
     "c10d::allreduce_": "all_reduce",
     "c10d::allreduce_coalesced_": "all_reduce",
     "c10d::broadcast_": "broadcast",
+    "c10d::alltoall_base_": "all_to_all",
+    "c10d::alltoall_": "all_to_all",
 }
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 
 def synchronize(device: torch.device) -> None:

@@ -19,6 +19,12 @@ Note: [Bench MoE recipes]
       data-parallel ranks (the root not resharded after forward); compiled
       configurations compile each block in place first, ``fullgraph=False``.
 
+    The tokens each expert receives change from step to step: a compiled
+    configuration compiles in its first step and recompiles in its second,
+    when Dynamo marks the token counts dynamic (measured: about as long as
+    the first compile, then steady). The workload therefore warms up for 3
+    steps; with ``--warmup`` below 3 compiled rows time a recompile.
+
     After each optimizer step the routing bias is updated from the step's
     global expert load (``update_expert_bias``), so both engines train the
     same auxiliary-loss-free balancing and their losses must agree.

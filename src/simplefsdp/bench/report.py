@@ -423,6 +423,16 @@ def format_table(result: dict) -> str:
         lines.append("comm-only: not measured with tensor or pipeline parallelism")
     elif env.get("moe"):
         lines.append("comm-only: not measured for a mixture of experts (experts on their own mesh)")
+    a2a = [
+        (row["name"], (row.get("collectives_profiled") or {}).get("all_to_all", 0))
+        for row in result["configs"]
+        if (row.get("collectives_profiled") or {}).get("all_to_all")
+    ]
+    if a2a:
+        lines.append(
+            "all-to-alls per step (expert parallelism, profiled): "
+            + ", ".join(f"{name} {n}" for name, n in a2a)
+        )
     for row in result["configs"]:
         if row.get("bubble_fraction") is not None:
             per_rank = ", ".join(f"{b:.2f}" for b in row["bubble_fraction_per_rank"])
