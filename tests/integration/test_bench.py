@@ -22,7 +22,13 @@ import pytest
 
 from cli_runs import descendants
 from simplefsdp.bench import cli
-from simplefsdp.bench.configs import CONFIGS, TEST_CONFIGS, get_workload, resolve_configs
+from simplefsdp.bench.configs import (
+    CONFIGS,
+    FLOAT8_CONFIGS,
+    TEST_CONFIGS,
+    get_workload,
+    resolve_configs,
+)
 from simplefsdp.bench.measure import phase_peaks
 from simplefsdp.bench.report import (
     add_ratios,
@@ -166,7 +172,7 @@ def test_default_configs_are_public_and_ordered():
 
 
 def _row(name: str, first: float, final: float, time_s: float, mem: int) -> dict:
-    config = {**CONFIGS, **TEST_CONFIGS}[name]
+    config = {**CONFIGS, **FLOAT8_CONFIGS, **TEST_CONFIGS}[name]
     row = failed_row(config, "")
     row.update(
         ok=True, error=None, first_loss=first, final_loss=final, step_time_s_median=time_s,
@@ -542,3 +548,162 @@ def test_a_signal_to_the_command_stops_its_workers(tmp_path, sig):
     assert "Traceback" not in out + err
     assert not any(_alive(pid) for pid in below), [p for p in below if _alive(p)]
     assert not (tmp_path / "bench.json").exists()
+
+
+# --- float8 configurations, loss groups, all-gather bytes, the MoE workload ----------
+
+
+def test_float8_configs_are_named_not_default(monkeypatch):
+    from simplefsdp.bench import configs
+
+    names = [c.name for c in resolve_configs("fsdp2-float8,simplefsdp-float8")]
+    assert names == ["fsdp2-float8", "simplefsdp-float8"]
+    assert all(c.float8 for c in resolve_configs(names))
+    assert not any(c.float8 for c in resolve_configs(None))  # "all" needs no torchao
+    with pytest.raises(
+        ValueError, match="'simplefsdp-float8' \\(float8\\) does not run with --tp 2"
+    ):
+        resolve_configs("simplefsdp-float8", tp=2)
+    monkeypatch.setattr(configs, "_torchao_missing", lambda: True)
+    with pytest.raises(ValueError, match=r"'fsdp2-float8' needs torchao: pip install -e"):
+        resolve_configs("fsdp2-float8")
+    with pytest.raises(ValueError, match="float8 runs with engines simplefsdp, fsdp2, not 'ddp'"):
+        configs.BenchConfig("x", "ddp", True, "", float8=True)
+
+
+def test_numerics_and_mixed_precision_of_the_engine_spec():
+    f8 = resolve_configs("simplefsdp-float8")[0]
+    assert f8.numerics() == "float32+float8"
+    assert f8.numerics("bfloat16") == "bfloat16+float8"
+    assert CONFIGS["ddp"].numerics("bfloat16") == "float32"  # ddp has no mixed precision
+    spec = CONFIGS["fsdp2"].engine_spec(1, "bfloat16")
+    assert (spec.param_dtype, spec.reduce_dtype) == ("bfloat16", "float32")
+    assert CONFIGS["ddp"].engine_spec(1, "bfloat16").param_dtype is None
+
+
+def test_float8_losses_are_checked_against_float8():
+    rows = [
+        _row("fsdp2", 6.0, 5.0, 2.0, 400),
+        _row("fsdp2-float8", 6.02, 5.05, 1.5, 300),  # 1% off float32: not a failure
+        _row("simplefsdp-float8", 6.02, 5.05 * (1 + 5e-4), 1.2, 300),
+        _row("simplefsdp-auto", 6.0, 5.0, 1.2, 300),
+    ]
+    check = check_losses(rows, rtol=2e-3)
+    assert check["references"] == {"float32": "fsdp2", "float32+float8": "fsdp2-float8"}
+    assert [r["ok"] for r in rows] == [True, True, True, True]
+    rows[2]["final_loss"] = 5.0  # agrees with float32, not with the float8 reference
+    check_losses(rows, rtol=2e-3)
+    assert rows[2]["ok"] is False
+    assert "disagrees with fsdp2-float8" in rows[2]["notes"][-1]
+    env = {
+        "workload": "comm", "model": "debug", "num_params": 1, "world_size": 2,
+        "device": "cpu", "batch_size": 1, "seq_len": 32, "warmup": 1, "steps": 2,
+        "memory_method": "peak RSS", "param_dtype": "bfloat16",
+    }  # fmt: skip
+    rows[0]["all_gather_bytes"], rows[1]["all_gather_bytes"] = 2 * 1024 * 1024, 1024 * 1024
+    table = format_table({"env": env, "configs": rows, "comm_only_s": None, "loss_check": check})
+    assert "AG MiB" in table and "bfloat16 mixed precision" in table
+    assert "float32 against fsdp2, float32+float8 against fsdp2-float8" in table
+    fsdp2_line = next(line for line in table.splitlines() if line.startswith("fsdp2 "))
+    f8_line = next(line for line in table.splitlines() if line.startswith("fsdp2-float8 "))
+    assert " 2.00 " in fsdp2_line and " 1.00 " in f8_line
+
+
+def test_collective_bytes_from_the_profiler_events():
+    from types import SimpleNamespace
+
+    from simplefsdp.bench.measure import _event_bytes
+
+    def event(shapes, dtypes):
+        return SimpleNamespace(input_shapes=shapes, input_dtypes=dtypes)
+
+    # all-gather (output, input): the gathered size counts
+    assert _event_bytes(event([[10], [5], [], []], ["c10::BFloat16"] * 2 + ["", ""])) == 20
+    assert _event_bytes(event([[8], [4]], ["unsigned char", "unsigned char"])) == 8
+    # reduce-scatter (output, input): the unsharded input counts
+    assert _event_bytes(event([[4], [8]], ["float", "float"])) == 32
+    assert _event_bytes(event([[], []], ["TensorList", ""])) is None  # all-reduce lists
+    assert _event_bytes(SimpleNamespace()) is None  # an older profiler without dtypes
+
+
+def test_state_bytes_reads_through_wrapper_subclasses():
+    import torch
+
+    from simplefsdp.bench.measure import state_bytes
+
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = convert_to_float8_training(
+        torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False)),
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+    )
+    assert type(model[0].weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert state_bytes(model, opt) == 16 * 32 * 4
+
+
+def test_moe_workload_configs_and_layout_errors(capsys):
+    from simplefsdp.bench.moe import MOE_BENCH_CONFIGS
+
+    assert [c.name for c in resolve_configs(None, moe=True)] == list(MOE_BENCH_CONFIGS)
+    assert [c.name for c in resolve_configs("fsdp2,simplefsdp-auto", moe=True)] == [
+        "fsdp2",
+        "simplefsdp-auto",
+    ]
+    cases = [
+        (["--configs", "simplefsdp-eager"], "'simplefsdp-eager' does not run a mixture-of-experts"),
+        (["--ep", "3"], "--ep: num_experts=8 is not divisible by ep=3; valid ep: 1, 2, 4, 8"),
+        (["--ep", "4", "--nproc", "2"], "--ep: ep=4 does not divide the 2 data-parallel ranks"),
+        (["--tp", "2", "--nproc", "4"], "runs with data and expert parallelism only"),
+    ]
+    for extra, message in cases:
+        assert cli.main(["--workload", "moe", *extra, "--out", "unused"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert cli.main(["--workload", "comm", "--ep", "2", "--out", "unused"]) == 2
+    assert "--ep 2 applies to mixture-of-experts models" in capsys.readouterr().err
+
+
+TINY_MOE = [
+    "--workload", "moe", "--steps", "2", "--warmup", "1", "--seq-len", "32",
+    *(arg for k, v in {**TINY_MODEL, "n_layers": 2, "moe_hidden_dim": 32}.items()
+      for arg in ("--model-override", f"{k}={v}")),
+    "--timeout", "400", "--no-png",
+]  # fmt: skip
+
+
+@pytest.mark.heavy
+def test_moe_workload_end_to_end(tmp_path, capsys):
+    # Two eager configurations with experts over ep 2: about 2 minutes of process start-up.
+    rc = cli.main([*TINY_MOE, "--ep", "2", "--configs", "fsdp2,simplefsdp-uncompiled",
+                   "--out", str(tmp_path)])  # fmt: skip
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert rc == 0, capsys.readouterr().out
+    fsdp2, ours = result["configs"]
+    assert fsdp2["ok"] and ours["ok"] and result["loss_check"]["reference"] == "fsdp2"
+    assert ours["final_loss"] == pytest.approx(fsdp2["final_loss"], rel=1e-4)
+    # Dispatch and combine per MoE layer in forward, both again in backward.
+    assert fsdp2["collectives_profiled"]["all_to_all"] > 0
+    assert ours["collectives_profiled"]["all_to_all"] > 0
+    assert result["env"]["ep"] == 2 and result["comm_only"] is None
+    assert "experts ep 2 x dp_shard_mod_ep 1" in capsys.readouterr().out
+
+
+@pytest.mark.heavy
+def test_float8_configs_end_to_end(tmp_path, capsys):
+    # Two compiled float8 configurations and eager bf16 FSDP2: several minutes.
+    pytest.importorskip("torchao")
+    rc = cli.main([*TINY, "--param-dtype", "bfloat16", "--no-png", "--out", str(tmp_path),
+                   "--configs", "fsdp2,fsdp2-float8,simplefsdp-float8"])  # fmt: skip
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert rc == 0, capsys.readouterr().out
+    bf16, fsdp2_f8, ours_f8 = result["configs"]
+    assert result["loss_check"]["references"] == {
+        "bfloat16": "fsdp2",
+        "bfloat16+float8": "fsdp2-float8",
+    }
+    # The block's linear weights travel as one byte per element instead of two.
+    assert fsdp2_f8["all_gather_bytes"] < bf16["all_gather_bytes"]
+    assert ours_f8["all_gather_bytes"] < bf16["all_gather_bytes"]
+    assert ours_f8["collectives_source"] == "comm_report"

@@ -33,14 +33,15 @@ from typing import Any
 
 from simplefsdp.bench.configs import (
     COMM_ONLY,
-    CONFIGS,
     PHASE_SUFFIX,
+    PUBLIC_CONFIGS,
     WORKLOADS,
     BenchConfig,
     BenchSpec,
     get_workload,
     resolve_configs,
 )
+from simplefsdp.bench.moe import is_moe_model, moe_args
 from simplefsdp.bench.report import (
     add_ratios,
     check_losses,
@@ -75,7 +76,10 @@ def _build_parser() -> argparse.ArgumentParser:
         + "; ".join(f"{w.name}: {w.description}" for w in WORKLOADS.values()),
     )
     parser.add_argument(
-        "--configs", default="all", help=f"comma-separated subset of: {', '.join(CONFIGS)}"
+        "--configs",
+        default="all",
+        help=f"comma-separated subset of: {', '.join(PUBLIC_CONFIGS)} (default all: every one "
+        "but the float8 ones, which need torchao)",
     )
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2)")
     parser.add_argument(
@@ -102,6 +106,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--microbatches", type=int, default=None, help="micro-batches per step (default: --pp)"
     )
     parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size of a mixture-of-experts workload (--workload moe): ranks per "
+        "group exchanging tokens by all-to-all, each holding num_experts/ep experts (default 1)",
+    )
+    parser.add_argument(
         "--grad-accum",
         type=int,
         default=1,
@@ -111,13 +122,26 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (>= 1)")
     parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length")
-    parser.add_argument("--model", default=None, help="llama3 config name (debug, small, ...)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="llama3 config name (debug, small, ...) or, with --workload moe, a moe one "
+        "(moe_debug, moe_small)",
+    )
     parser.add_argument(
         "--model-override",
         action="append",
         default=[],
         metavar="FIELD=VALUE",
         help="ModelArgs field override, e.g. n_layers=2 (repeatable)",
+    )
+    parser.add_argument(
+        "--param-dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="mixed precision of the fsdp2 and simplefsdp configurations: parameters gathered "
+        "and matmuls run in this dtype, gradients reduced in float32 (default float32; ddp and "
+        "limit always train in float32)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -171,9 +195,6 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     workload = dataclasses.replace(
         workload, model_overrides={**workload.model_overrides, **overrides}
     )
-    from simplefsdp.models.llama3 import get_config
-
-    get_config(workload.model, **workload.model_overrides)  # validates names and fields
     if args.nproc is not None:
         nproc = args.nproc
     else:
@@ -183,7 +204,18 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     if args.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     microbatches = args.microbatches if args.microbatches is not None else args.pp
-    _check_layout(nproc, args.tp, args.pp, args.pp_schedule, microbatches, workload)
+    if is_moe_model(workload.model):
+        _check_moe_layout(nproc, args.tp, args.pp, args.ep, workload)
+    else:
+        from simplefsdp.models.llama3 import get_config
+
+        get_config(workload.model, **workload.model_overrides)  # validates names and fields
+        if args.ep != 1:
+            raise ValueError(
+                f"--ep {args.ep} applies to mixture-of-experts models (--workload moe); "
+                f"{workload.model!r} has no experts"
+            )
+        _check_layout(nproc, args.tp, args.pp, args.pp_schedule, microbatches, workload)
     return BenchSpec(
         workload=workload,
         nproc=nproc,
@@ -194,7 +226,30 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         pp_schedule=args.pp_schedule,
         microbatches=microbatches,
         grad_accum=args.grad_accum,
+        param_dtype=None if args.param_dtype in (None, "float32") else args.param_dtype,
+        ep=args.ep,
     )
+
+
+def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> None:
+    """A mixture-of-experts workload's layout: data and expert parallelism only.
+
+    Raises:
+        ValueError: ``--tp``/``--pp`` above 1, or an ``--ep`` that does not
+            divide the ranks and the experts (one line, the valid values).
+    """
+    from simplefsdp.frontend.expert_parallel import check_expert_parallel_layout
+
+    if tp > 1 or pp > 1:
+        raise ValueError(
+            f"--tp {tp} --pp {pp}: the mixture-of-experts workload runs with data and expert "
+            "parallelism only (--ep); use --tp 1 --pp 1"
+        )
+    args = moe_args(workload.model, workload.model_overrides, workload.seq_len)
+    try:
+        check_expert_parallel_layout(args.num_experts, ep, nproc)
+    except ValueError as e:
+        raise ValueError(f"--ep: {e}") from None
 
 
 #: How ``simplefsdp bench`` spells each degree of :class:`ParallelDims`.
@@ -413,9 +468,12 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
         "seq_len": workload.seq_len,
         "tp": spec.tp,
         "pp": spec.pp,
+        "ep": spec.ep,
+        "moe": is_moe_model(workload.model),
         "pp_schedule": spec.pp_schedule if spec.pp > 1 else None,
         "microbatches": spec.microbatches if spec.pp > 1 else None,
         "grad_accum": spec.grad_accum,
+        "param_dtype": spec.param_dtype or "float32",
         "tokens_per_step_per_rank": workload.batch_size
         * workload.seq_len
         * spec.grad_accum
@@ -458,7 +516,9 @@ def run_bench(
     load_avg_1m: list[float] = []
     # The comm-only replay models data-parallel flat buffers over all ranks;
     # with tensor or pipeline parallelism that is not the step's communication.
-    extra = [(0, COMM_ONLY)] if spec.tp == 1 and spec.pp == 1 else []
+    # Nor, for a mixture of experts, expert parameters on their own mesh.
+    plain = spec.tp == 1 and spec.pp == 1 and not is_moe_model(spec.workload.model)
+    extra = [(0, COMM_ONLY)] if plain else []
     launches = [*_launch_order(configs, rounds), *extra]
     failed: set[str] = set()
     for i, (r, config) in enumerate(launches):
@@ -528,8 +588,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = _build_parser().parse_args(argv)
     try:
-        configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp)
         spec = build_spec(args)
+        configs = resolve_configs(
+            args.configs, tp=args.tp, pp=args.pp, moe=is_moe_model(spec.workload.model)
+        )
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     except ValueError as exc:

@@ -21,7 +21,9 @@ __all__ = [
     "COMM_ONLY",
     "CONFIGS",
     "DEFAULT_CONFIGS",
+    "FLOAT8_CONFIGS",
     "PHASE_SUFFIX",
+    "PUBLIC_CONFIGS",
     "TEST_CONFIGS",
     "WORKLOADS",
     "BenchConfig",
@@ -62,6 +64,10 @@ class BenchConfig:
             the other data-parallel configurations step for step.
         lr_scale: learning-rate multiplier; 1.0 except in the test-only
             configuration that must be flagged as wrong.
+        float8: convert the linear layers with torchao's float8 training
+            (tensorwise scaling, weights all-gathered in float8), as
+            ``simplefsdp train --float8.enable true`` does (the output layer
+            and layers with dims not multiples of 16 stay high precision).
         description: one line for ``--help`` and the docs.
     """
 
@@ -75,23 +81,44 @@ class BenchConfig:
     keep_gathered: Any = None
     syncs_grads: bool = True
     lr_scale: float = 1.0
+    float8: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
+        if self.float8 and self.engine not in FLOAT8_ENGINES:
+            raise ValueError(
+                f"float8 runs with engines {', '.join(FLOAT8_ENGINES)}, not {self.engine!r}"
+            )
 
     @property
     def supports_tp(self) -> bool:
         """Whether the configuration runs with ``--tp > 1`` (and ``--pp > 1``)."""
         return self.engine in TP_ENGINES
 
-    def engine_spec(self, tp: int = 1) -> Any:
-        """This configuration as a ``simplefsdp.engines.EngineSpec`` (not for ``comm``)."""
+    def numerics(self, param_dtype: str | None = None) -> str:
+        """What the losses of this configuration are compared within: the
+        parameter dtype the matmuls run in (``float32`` without mixed
+        precision; ddp and replica ignore ``param_dtype``), with ``+float8``
+        for float8 configurations. Only rows of the same numerics must agree
+        on the loss."""
+        dtype = param_dtype if param_dtype and self.engine not in ("ddp", "replica") else None
+        return (dtype or "float32") + ("+float8" if self.float8 else "")
+
+    def engine_spec(self, tp: int = 1, param_dtype: str | None = None) -> Any:
+        """This configuration as a ``simplefsdp.engines.EngineSpec`` (not for ``comm``).
+
+        ``param_dtype``: mixed precision (gradients reduced in float32, as
+        torchtitan); ``None`` trains in the parameters' float32.
+        """
         from simplefsdp.engines import EngineSpec
 
+        mixed = param_dtype is not None and self.engine not in ("ddp", "replica")
         return EngineSpec(
             tp=tp,
             engine=self.engine,
+            param_dtype=param_dtype if mixed else None,
+            reduce_dtype="float32" if mixed else None,
             mode="fully_shard",
             compile=self.compiled,
             backend="inductor",
@@ -103,6 +130,9 @@ class BenchConfig:
             broadcast_buffers=False,
         )
 
+
+#: Engines that train torchao float8 models (as ``simplefsdp train --float8.enable``).
+FLOAT8_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
 
 CONFIGS: dict[str, BenchConfig] = {
     c.name: c
@@ -158,6 +188,30 @@ CONFIGS: dict[str, BenchConfig] = {
     )
 }
 
+# Public, but not run by "all": they need torchao (the ``float8`` extra). Their
+# losses are checked against each other (Note: [Loss groups] in report.py).
+FLOAT8_CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            "fsdp2-float8",
+            "fsdp2",
+            True,
+            "fsdp2-compile with torchao float8 linears, weights all-gathered in float8",
+            float8=True,
+        ),
+        BenchConfig(
+            "simplefsdp-float8",
+            "simplefsdp",
+            True,
+            "simplefsdp-auto with torchao float8 linears, weights all-gathered in float8",
+            bucketing="auto",
+            reorder=True,
+            float8=True,
+        ),
+    )
+}
+
 # Not listed in --help nor run by default: candidates being measured, and a
 # deliberately wrong configuration (10x learning rate) that the
 # loss-agreement check must flag.
@@ -199,24 +253,54 @@ COMM_ONLY = BenchConfig(
 
 DEFAULT_CONFIGS: tuple[str, ...] = tuple(CONFIGS)
 
+#: Every configuration a user can name (``all`` runs :data:`DEFAULT_CONFIGS`).
+PUBLIC_CONFIGS: tuple[str, ...] = (*CONFIGS, *FLOAT8_CONFIGS)
+
+
+def _torchao_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is None
+
 
 def resolve_configs(
-    names: str | list[str] | tuple[str, ...] | None, tp: int = 1, pp: int = 1
+    names: str | list[str] | tuple[str, ...] | None,
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    moe: bool = False,
 ) -> list[BenchConfig]:
     """The configurations named by ``--configs`` (comma-separated or a list).
 
     ``None`` or ``"all"`` selects every public configuration (with ``tp > 1``
     or ``pp > 1``, every one that composes with tensor and pipeline
-    parallelism: the engines ``simplefsdp`` and ``fsdp2``); the order given
-    is kept and duplicates are dropped.
+    parallelism: the engines ``simplefsdp`` and ``fsdp2``); the float8
+    configurations (:data:`FLOAT8_CONFIGS`) run only when named. With
+    ``moe`` (a mixture-of-experts model) only the configurations of
+    ``simplefsdp.bench.moe.MOE_BENCH_CONFIGS`` run. The order given is kept
+    and duplicates are dropped.
 
     Raises:
         ValueError: an unknown name (the message lists the valid names), a
             configuration that does not run with ``tp > 1`` or ``pp > 1``,
-            or an empty selection.
+            a float8 configuration without torchao, a configuration the MoE
+            workload does not run, or an empty selection.
     """
     flag = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
     tp = max(tp, pp)  # the same engines compose with both
+    if moe:
+        from simplefsdp.bench.moe import MOE_BENCH_CONFIGS
+
+        if names is None or names == "all":
+            return [CONFIGS[n] for n in MOE_BENCH_CONFIGS]
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        for name in names:
+            if name and name not in MOE_BENCH_CONFIGS and name not in TEST_CONFIGS:
+                raise ValueError(
+                    f"configuration {name!r} does not run a mixture-of-experts model; "
+                    f"valid: {', '.join(MOE_BENCH_CONFIGS)}"
+                )
     if names is None or names == "all":
         return [CONFIGS[n] for n in DEFAULT_CONFIGS if tp == 1 or CONFIGS[n].supports_tp]
     if isinstance(names, str):
@@ -225,12 +309,19 @@ def resolve_configs(
     for name in names:
         if not name:
             continue
-        config = CONFIGS.get(name) or TEST_CONFIGS.get(name)
+        config = CONFIGS.get(name) or FLOAT8_CONFIGS.get(name) or TEST_CONFIGS.get(name)
         if config is None:
             raise ValueError(
                 f"unknown configuration {name!r}; valid configurations: "
-                f"{', '.join(DEFAULT_CONFIGS)} (or 'all')"
+                f"{', '.join(PUBLIC_CONFIGS)} (or 'all')"
             )
+        if config.float8 and tp > 1:
+            raise ValueError(
+                f"configuration {name!r} (float8) does not run with {flag}; float8 training "
+                "runs with data parallelism only"
+            )
+        if config.float8 and _torchao_missing():
+            raise ValueError(f'configuration {name!r} needs torchao: pip install -e ".[float8]"')
         if tp > 1 and not config.supports_tp:
             valid = [n for n in DEFAULT_CONFIGS if CONFIGS[n].supports_tp]
             raise ValueError(
@@ -249,8 +340,9 @@ class Workload:
     """What is trained: model, per-rank batch, sequence length and step counts.
 
     Attributes:
-        name: preset name (``compute``, ``comm``, ``memory``).
-        model: a ``simplefsdp.models.llama3`` config name.
+        name: preset name (``compute``, ``comm``, ``memory``, ``moe``).
+        model: a ``simplefsdp.models.llama3`` or ``simplefsdp.models.moe``
+            config name.
         batch_size: per-rank micro-batch.
         seq_len: tokens per sequence.
         steps: measured steps.
@@ -288,6 +380,16 @@ WORKLOADS: dict[str, Workload] = {
         2,
         "parameter-memory-heavy: small model (~101M parameters), batch 1 x 128 per rank",
         lr=1e-4,
+    ),
+    "moe": Workload(
+        "moe",
+        "moe_debug",
+        2,
+        128,
+        6,
+        3,
+        "mixture of experts: moe_debug (8 experts, top 2, a shared expert), batch 2 x 128 per "
+        "rank, experts sharded by --ep (Note: [Bench MoE recipes])",
     ),
 }
 
@@ -332,6 +434,9 @@ class BenchSpec:
         microbatches: micro-batches per pipeline step (``None``: ``pp``).
         grad_accum: batches per optimizer step; all but the last run without
             gradient communication (``ParallelModel.grad_sync(False)``).
+        param_dtype: mixed precision of the data-parallel engines
+            (``"bfloat16"``; ``None``: float32 throughout).
+        ep: expert-parallel degree of a MoE model (Note: [Bench MoE recipes]).
     """
 
     workload: Workload
@@ -344,6 +449,8 @@ class BenchSpec:
     pp_schedule: str = "1f1b"
     microbatches: int | None = None
     grad_accum: int = 1
+    param_dtype: str | None = None
+    ep: int = 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -56,9 +56,19 @@ Note: [Counting collectives]
     reducer, FSDP2's hooks, functional collectives in compiled code):
     ``_allgather_base_``/``allgather_into_tensor_coalesced_``/``allgather_``,
     ``_reduce_scatter_base_``/``reduce_scatter_tensor_coalesced_``/
-    ``reduce_scatter_``, ``allreduce_``/``allreduce_coalesced_``. The
+    ``reduce_scatter_``, ``allreduce_``/``allreduce_coalesced_``, and
+    expert parallelism's ``alltoall_base_``/``alltoall_``. The
     profiler, unlike a ``TorchDispatchMode``, does not make Dynamo fall back
     to eager, so compiled code is counted as it runs.
+
+    The same profiled step records each collective's tensor shapes and
+    dtypes, from which the worker reports the bytes each kind moved per step
+    (``collective_bytes_profiled``): the unsharded buffer's bytes, i.e. an
+    all-gather's output and a reduce-scatter's input, as
+    ``simplefsdp.comm_report`` counts them. A float8 all-gather moves one
+    byte per element whether it travels as float8 or as its ``uint8`` view.
+    All-reduces and coalesced collectives take tensor lists, whose shapes the
+    profiler does not record: their bytes are left out.
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ from simplefsdp._compat import all_gather_single, reduce_scatter_single
 
 __all__ = [
     "count_collectives",
+    "profile_collectives",
     "fsdp_unit_numels",
     "phase_peaks",
     "run_comm_only",
@@ -94,8 +105,10 @@ _C10D_OPS: dict[str, str] = {
     "c10d::allreduce_": "all_reduce",
     "c10d::allreduce_coalesced_": "all_reduce",
     "c10d::broadcast_": "broadcast",
+    "c10d::alltoall_base_": "all_to_all",
+    "c10d::alltoall_": "all_to_all",
 }
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 
 def synchronize(device: torch.device) -> None:
@@ -125,12 +138,23 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     total = 0
     for tensor in tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        if local.device.type == "meta" or storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
+        for plain in _inner_tensors(local):
+            storage = plain.untyped_storage()
+            if plain.device.type == "meta" or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s data: itself, or for a wrapper
+    subclass (torchao's float8 training weight) the tensors it wraps."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for name in names for inner in _inner_tensors(getattr(tensor, name))]
 
 
 def phase_peaks(probe: Any, phases: dict[str, Callable[[], Any]]) -> dict[str, int | None]:
@@ -155,16 +179,48 @@ def phase_peaks(probe: Any, phases: dict[str, Callable[[], Any]]) -> dict[str, i
 def count_collectives(fn: Callable[[], Any]) -> dict[str, int]:
     """Collectives issued while ``fn()`` runs, by kind (Note: [Counting
     collectives])."""
+    return profile_collectives(fn)[0]
+
+
+# The profiler's names of tensor dtypes (c10 scalar type names) -> bytes per element.
+_PROFILER_DTYPE_BYTES = {
+    "double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
+    "short int": 2, "unsigned char": 1, "signed char": 1, "bool": 1,
+    "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "c10::Float8_e4m3fnuz": 1,
+    "c10::Float8_e5m2fnuz": 1,
+}  # fmt: skip
+
+
+def _event_bytes(event: Any) -> int | None:
+    """Bytes of the larger of a collective's first two tensors (output and
+    input), ``None`` where the profiler did not record them."""
+    shapes = getattr(event, "input_shapes", None) or []
+    dtypes = getattr(event, "input_dtypes", None) or []
+    sizes = []
+    for shape, dtype in list(zip(shapes, dtypes))[:2]:
+        itemsize = _PROFILER_DTYPE_BYTES.get(dtype)
+        if itemsize is None or not shape:
+            continue
+        sizes.append(math.prod(shape) * itemsize)
+    return max(sizes) if sizes else None
+
+
+def profile_collectives(fn: Callable[[], Any]) -> tuple[dict[str, int], dict[str, int]]:
+    """Collectives issued while ``fn()`` runs: ``(counts, bytes)`` by kind
+    (Note: [Counting collectives]); ``bytes`` sums the collectives whose
+    tensors the profiler recorded."""
     from torch.profiler import ProfilerActivity, profile
 
     counts = dict.fromkeys(KINDS, 0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    nbytes = dict.fromkeys(KINDS, 0)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
     for event in prof.events():
         kind = _C10D_OPS.get(event.name)
         if kind is not None:
             counts[kind] += 1
-    return counts
+            nbytes[kind] += _event_bytes(event) or 0
+    return counts, nbytes
 
 
 def fsdp_unit_numels(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[int, bool]]:

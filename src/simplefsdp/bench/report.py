@@ -34,6 +34,8 @@ REFERENCE_ORDER = (
     "simplefsdp-manual",
     "simplefsdp-auto",
     "simplefsdp-torch-passes",
+    "fsdp2-float8",
+    "simplefsdp-float8",
 )
 _COUNT_FIELDS = {
     "all_gather": "num_all_gathers",
@@ -48,6 +50,7 @@ def _empty_row(config: BenchConfig) -> dict[str, Any]:
         "name": config.name,
         "description": config.description,
         "syncs_grads": config.syncs_grads,
+        "numerics": config.numerics(),
         "ok": False,
         "error": None,
         "notes": [],
@@ -55,6 +58,7 @@ def _empty_row(config: BenchConfig) -> dict[str, Any]:
     for key in (
         "step_time_s_median", "step_time_s_min", "step_time_s_max", "tokens_per_s_per_rank",
         "peak_mem_bytes", "num_all_gathers", "num_reduce_scatters", "num_all_reduces",
+        "all_gather_bytes", "reduce_scatter_bytes",
         "compile_s", "first_loss", "final_loss", "predicted_step_time_s",
         "predicted_peak_mem_bytes", "warmup_resident_mem_bytes",
         "peak_mem_bytes_beyond_warmup_resident",
@@ -165,6 +169,12 @@ def merge_ranks(config: BenchConfig, ranks: list[dict], workload: Workload) -> d
     )
     for kind, key in _COUNT_FIELDS.items():
         row[key] = int(ranks[0]["collectives"].get(kind, 0))
+    if ranks[0].get("numerics"):
+        row["numerics"] = ranks[0]["numerics"]
+    nbytes = ranks[0].get("collective_bytes") or {}
+    for kind in ("all_gather", "reduce_scatter"):
+        row[f"{kind}_bytes"] = int(nbytes[kind]) if kind in nbytes else None
+    row["collective_bytes_profiled"] = ranks[0].get("collective_bytes_profiled")
     if all(r.get("bubble_fractions") for r in ranks):
         per_rank = [statistics.median(r["bubble_fractions"]) for r in ranks]
         row["bubble_fraction_per_rank"] = per_rank
@@ -240,6 +250,10 @@ def _reference(rows: list[dict]) -> dict | None:
     return next(iter(by_name.values()), None)
 
 
+def _numerics(row: dict) -> str:
+    return row.get("numerics") or "float32"
+
+
 def _rel_diff(value: float, reference: float) -> float:
     if not (math.isfinite(value) and math.isfinite(reference)):
         return math.inf
@@ -255,12 +269,35 @@ def check_losses(rows: list[dict], rtol: float) -> dict[str, Any]:
     trains an independent replica per rank and is only held to the first
     step. A disagreeing row gets ``ok=false`` and an explanatory note.
 
+    Note: [Loss groups]
+        Rows are compared within their numerics (``numerics``: the dtype the
+        matmuls run in, ``+float8`` for torchao float8 linears), each group
+        against its own reference: float8 rounding moves the loss by far
+        more than any tolerance that would catch a wrong pass, so a float8
+        row is held to the other float8 rows (``fsdp2-float8`` first), not
+        to the float32 ones.
+
     Returns:
-        ``{"reference": name | None, "rtol": rtol}``.
+        ``{"reference": name | None, "rtol": rtol, "references": {numerics:
+        name}}``; ``reference`` is the first group's.
     """
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(_numerics(row), []).append(row)
+    references: dict[str, str] = {}
+    for numerics, group in groups.items():
+        reference = _check_group(group, rtol)
+        if reference is not None:
+            references[numerics] = reference
+    first = next(iter(references.values()), None)
+    return {"reference": first, "rtol": rtol, "references": references}
+
+
+def _check_group(rows: list[dict], rtol: float) -> str | None:
+    """:func:`check_losses` for rows of one numerics; the reference's name."""
     reference = _reference(rows)
     if reference is None:
-        return {"reference": None, "rtol": rtol}
+        return None
     for row in rows:
         if row["final_loss"] is None:
             continue
@@ -277,7 +314,7 @@ def check_losses(rows: list[dict], rtol: float) -> dict[str, Any]:
                     f"{reference['name']} ({reference[f'{which}_loss']:.6f}): relative "
                     f"difference {diff:.2e} > {rtol:.0e}"
                 )
-    return {"reference": reference["name"], "rtol": rtol}
+    return reference["name"]
 
 
 def _by_name(rows: list[dict], name: str) -> dict | None:
@@ -314,6 +351,10 @@ def _fmt(value: Any, spec: str, width: int) -> str:
     return f"{value:{spec}}".rjust(width)
 
 
+def _mib(value: int | None) -> float | None:
+    return None if value is None else value / _MIB
+
+
 def _fmt_mib(value: int | None) -> str:
     return "-" if value is None else f"{value / _MIB:.1f}"
 
@@ -333,6 +374,7 @@ def _table_line(row: dict) -> str:
         f"{_fmt(row.get('speedup_vs_fsdp2'), '.2f', 6)} "
         f"{_fmt(row['tokens_per_s_per_rank'], '.0f', 8)} {_fmt(mem, '.1f', 8)} "
         f"{_fmt(row.get('peak_mem_vs_fsdp2'), '.2f', 6)} {counts:>10} "
+        f"{_fmt(_mib(row.get('all_gather_bytes')), '.2f', 7)} "
         f"{_fmt(row['compile_s'], '.1f', 7)} {_fmt(row['final_loss'], '.5f', 9)} "
         f"{_fmt(row['predicted_step_time_s'], '.3f', 7)}"
     )
@@ -345,6 +387,8 @@ def format_table(result: dict) -> str:
     ranks = f"{env['world_size']} ranks" + (
         f" (dp {env['world_size'] // tp} x tp {tp})" if tp > 1 else ""
     )
+    if env.get("ep", 1) > 1:
+        ranks += f", experts ep {env['ep']} x dp_shard_mod_ep {env['world_size'] // env['ep']}"
     accum = env.get("grad_accum", 1)
     if accum > 1:
         ranks += f", {accum} accumulation batches per step"
@@ -352,12 +396,15 @@ def format_table(result: dict) -> str:
     if pp > 1:
         ranks += f", pp {pp} ({env.get('pp_schedule')}, {env.get('microbatches')} micro-batches)"
     per = "per data-parallel rank" if tp > 1 or pp > 1 else "per rank"
+    if env.get("param_dtype") not in (None, "float32"):
+        ranks += f", {env['param_dtype']} mixed precision (fsdp2 and simplefsdp configurations)"
     lines = [
         f"simplefsdp bench: workload {env['workload']} ({env['model']}, {env['num_params']:,} "
         f"params), {ranks} on {env['device']}, batch {env['batch_size']} x "
         f"{env['seq_len']} {per}, {env['warmup']} warm-up + {env['steps']} measured steps",
         f"{'config':<24} {'ok':>3} {'step s':>8} {'min-max s':>13} {'/limit':>6} "
         f"{'fsdp2/':>6} {'tok/s/rk':>8} {'peak MiB':>8} {'/fsdp2':>6} {'AG/RS/AR':>10} "
+        f"{'AG MiB':>7} "
         f"{'compile':>7} {'final loss':>9} {'pred s':>7}",
     ]
     lines.append("-" * len(lines[-1]))
@@ -374,6 +421,18 @@ def format_table(result: dict) -> str:
         lines.append(f"comm-only: FAILED: {result['comm_only_error']}")
     elif tp > 1 or pp > 1:
         lines.append("comm-only: not measured with tensor or pipeline parallelism")
+    elif env.get("moe"):
+        lines.append("comm-only: not measured for a mixture of experts (experts on their own mesh)")
+    a2a = [
+        (row["name"], (row.get("collectives_profiled") or {}).get("all_to_all", 0))
+        for row in result["configs"]
+        if (row.get("collectives_profiled") or {}).get("all_to_all")
+    ]
+    if a2a:
+        lines.append(
+            "all-to-alls per step (expert parallelism, profiled): "
+            + ", ".join(f"{name} {n}" for name, n in a2a)
+        )
     for row in result["configs"]:
         if row.get("bubble_fraction") is not None:
             per_rank = ", ".join(f"{b:.2f}" for b in row["bubble_fraction_per_rank"])
@@ -437,7 +496,9 @@ def format_table(result: dict) -> str:
     lines.append(
         "step s: median over measured steps (of every round) of the slowest rank; "
         "/limit: time / limit's time; "
-        "fsdp2/: fsdp2's time / time (>1 = faster than fsdp2); peak: " + env["memory_method"]
+        "fsdp2/: fsdp2's time / time (>1 = faster than fsdp2); AG MiB: bytes all-gathered per "
+        "step (gathered size; comm_report for simplefsdp.compile, else the profiler); peak: "
+        + env["memory_method"]
     )
     loads = env.get("load_avg_1m_before_each")
     if loads:
@@ -446,9 +507,18 @@ def format_table(result: dict) -> str:
             f"{max(loads):.1f} on {env['device']}; other processes slow every measurement"
         )
     check = result.get("loss_check", {})
-    lines.append(
-        f"losses checked against {check.get('reference')} (relative tolerance {check.get('rtol')})"
-    )
+    references = check.get("references") or {}
+    if len(references) > 1:
+        lines.append(
+            "losses checked within each numerics (Note: [Loss groups]): "
+            + ", ".join(f"{n} against {ref}" for n, ref in references.items())
+            + f" (relative tolerance {check.get('rtol')})"
+        )
+    else:
+        lines.append(
+            f"losses checked against {check.get('reference')} "
+            f"(relative tolerance {check.get('rtol')})"
+        )
     for row in result["configs"]:
         for note in ([row["error"]] if row["error"] else []) + [
             n for n in row["notes"] if not row["ok"]

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from simplefsdp.bench.configs import (
     COMM_ONLY,
     CONFIGS,
+    FLOAT8_CONFIGS,
     PHASE_SUFFIX,
     TEST_CONFIGS,
     BenchConfig,
@@ -40,13 +41,14 @@ from simplefsdp.bench.configs import (
     Workload,
 )
 from simplefsdp.bench.measure import (
-    count_collectives,
     fsdp_unit_numels,
     phase_peaks,
+    profile_collectives,
     run_comm_only,
     state_bytes,
     timed,
 )
+from simplefsdp.bench.moe import is_moe_model
 from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines import (
     MemoryProbe,
@@ -91,21 +93,37 @@ def lookup_config(name: str) -> BenchConfig:
     """
     if name == COMM_ONLY.name:
         return COMM_ONLY
-    config = CONFIGS.get(name) or TEST_CONFIGS.get(name)
+    config = CONFIGS.get(name) or FLOAT8_CONFIGS.get(name) or TEST_CONFIGS.get(name)
     if config is None:
         raise ValueError(f"unknown configuration {name!r}; valid: {', '.join(CONFIGS)}")
     return config
 
 
-def build_model(workload: Workload, seed: int) -> nn.Module:
-    """The workload's Llama 3 model on the CPU, initialised under ``seed``."""
+def build_model(workload: Workload, seed: int, *, float8: bool = False) -> nn.Module:
+    """The workload's model (Llama 3, or a mixture of experts) on the CPU,
+    initialised under ``seed``.
+
+    ``float8``: its linear layers converted as ``simplefsdp train
+    --float8.enable true`` converts them (tensorwise scaling, float8
+    all-gathers, the output layer left out), after the initialisation, so
+    the float8 model starts from the same weights as the others.
+    """
+    from simplefsdp.bench.moe import build_moe_model
     from simplefsdp.models.llama3 import Transformer, get_config
 
+    if is_moe_model(workload.model):
+        return build_moe_model(workload.model, workload.model_overrides, workload.seq_len, seed)
     overrides = dict(workload.model_overrides)
     if workload.seq_len > get_config(workload.model, **overrides).max_seq_len:
         overrides["max_seq_len"] = workload.seq_len
     torch.manual_seed(seed)
-    return Transformer(get_config(workload.model, **overrides))
+    model = Transformer(get_config(workload.model, **overrides))
+    if float8:
+        from simplefsdp.train.config.schema import Float8Config, JobConfig
+        from simplefsdp.train.parallelism import convert_to_float8
+
+        convert_to_float8(model, JobConfig(float8=Float8Config(enable=True)))
+    return model
 
 
 def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> list[Batch]:
@@ -140,27 +158,38 @@ def _forward_backward(
     return total
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+def _optimizer_step(
+    optimizer: torch.optim.Optimizer, after: Callable[[], None] | None = None
+) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if after is not None:
+        after()
 
 
 def _train_step(
     forward_backward: Callable[[list[Batch]], float | None],
     optimizer: torch.optim.Optimizer,
     batch: list[Batch],
+    after: Callable[[], None] | None = None,
 ) -> float | None:
-    """One optimizer step over ``batch``'s accumulation batches (the mean loss)."""
+    """One optimizer step over ``batch``'s accumulation batches (the mean
+    loss); ``after`` runs after the optimizer (a MoE's routing update)."""
     loss = forward_backward(batch)
-    _optimizer_step(optimizer)
+    _optimizer_step(optimizer, after)
     return loss
 
 
 def _parallelize(
     config: BenchConfig, spec: BenchSpec, model: nn.Module, mesh: DeviceMesh, device
 ) -> ParallelModel | PipelinedModel:
-    """The Llama 3 recipe of ``simplefsdp train`` (sequence parallel on, loss parallel off)."""
+    """The Llama 3 recipe of ``simplefsdp train`` (sequence parallel on, loss
+    parallel off), or for a mixture of experts Note: [Bench MoE recipes]."""
+    from simplefsdp.bench.moe import parallelize_moe
     from simplefsdp.models.llama3.parallelize import parallelize_llama
+
+    if is_moe_model(spec.workload.model):
+        return parallelize_moe(config, model, spec.ep, device, spec.param_dtype)
 
     pipeline = None
     if spec.pp > 1:
@@ -168,7 +197,12 @@ def _parallelize(
             spec.pp, spec.pp_schedule, microbatches=spec.microbatches or spec.pp
         )
     return parallelize_llama(
-        model, config.engine_spec(spec.tp), mesh, device, pipeline=pipeline, measure_times=True
+        model,
+        config.engine_spec(spec.tp, spec.param_dtype),
+        mesh,
+        device,
+        pipeline=pipeline,
+        measure_times=True,
     )
 
 
@@ -185,7 +219,7 @@ def _run_training(
     """
     workload = spec.workload
     probe = MemoryProbe(device)
-    model = build_model(workload, spec.seed)
+    model = build_model(workload, spec.seed, float8=config.float8)
     num_params = sum(p.numel() for p in model.parameters())
     parallel = _parallelize(config, spec, model, mesh, device)
     del model  # pipeline stages are copies
@@ -199,7 +233,12 @@ def _run_training(
     )
     pipe = parallel if isinstance(parallel, PipelinedModel) else None  # for its bubble times
     forward_backward = functools.partial(_forward_backward, parallel, device=device)
-    step_fn = functools.partial(_train_step, forward_backward, optimizer)
+    after = None
+    if is_moe_model(workload.model):
+        from simplefsdp.bench.moe import update_routing
+
+        after = functools.partial(update_routing, parallel.module)
+    step_fn = functools.partial(_train_step, forward_backward, optimizer, after=after)
     warmup_s, step_s, losses, bubbles = [], [], [], []
     state: int | None = None
     measure_start: int | None = None
@@ -233,10 +272,10 @@ def _run_training(
             probe,
             {
                 "forward_backward": lambda: forward_backward(batches[-1]),
-                "optimizer": lambda: _optimizer_step(optimizer),
+                "optimizer": lambda: _optimizer_step(optimizer, after),
             },
         )
-        profiled = count_collectives(lambda: step_fn(batch=batches[-1]))
+        profiled, profiled_bytes = profile_collectives(lambda: step_fn(batch=batches[-1]))
     # With accumulation or a pipeline a step runs compiled graphs a different
     # number of times, and a pipeline reduces outside them (reduce_accumulated):
     # only the profiler counts per step.
@@ -258,6 +297,8 @@ def _run_training(
         "collectives": summary["counts"] if summary else profiled,
         "collectives_source": "comm_report" if summary else "profiler",
         "collectives_profiled": profiled,
+        "collective_bytes_profiled": profiled_bytes,
+        "collective_bytes": summary.get("bytes") if summary else profiled_bytes,
         "predicted": summary["predicted"] if summary else None,
         "predicted_step_time_s": summary["predicted_step_time_s"] if summary else None,
         "predicted_peak_mem_bytes": summary["predicted_peak_mem_bytes"] if summary else None,
@@ -305,7 +346,9 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
         "world_size": world_size,
         "tp": spec.tp,
         "pp": spec.pp,
+        "ep": spec.ep,
         "grad_accum": spec.grad_accum,
+        "numerics": config.numerics(spec.param_dtype),
         "device": str(device),
     }
     try:

@@ -165,7 +165,8 @@ class ParallelModel:
         ``predicted_peak_mem_bytes`` is the largest predicted live peak of
         any graph beyond the training state (``live_peak_bytes``: what the
         bench's forward+backward phase measures; ``None`` when no graph has
-        one).
+        one). ``bytes`` is per kind the unsharded bytes the graphs' collectives
+        move (an all-gather's output, a reduce-scatter's input).
         """
         from simplefsdp.compiler import comm_report
 
@@ -182,6 +183,9 @@ class ParallelModel:
         ]
         return {
             "counts": counts,
+            "bytes": {
+                kind: sum(g.total_bytes(kind) for g in latest.values()) for kind in COLLECTIVE_KINDS
+            },
             "predicted": {k: v for k, v in predicted.items() if v} or None,
             "predicted_step_time_s": (
                 sum(times) if times and all(t is not None for t in times) else None  # type: ignore[misc]
