@@ -77,20 +77,23 @@ def _fqn_from_source(source_name: str) -> str | None:
     return ".".join(parts) if parts else None
 
 
-def _flat_slots(value: Any) -> list[bool]:
+def _flat_slots(value: Any, local: bool = False) -> list[bool]:
     """AOTAutograd's flattening of one graph input: one slot per leaf, True for
-    the slot holding a DTensor's local tensor."""
+    the slot holding a DTensor's local tensor (``local``: ``value`` is one),
+    also where that local tensor is a subclass itself (torchao's float8
+    weights, Note: [Float8 all-gather])."""
     if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
         attrs, _ = value.__tensor_flatten__()
         slots: list[bool] = []
         for attr in attrs:
             inner = getattr(value, attr)
+            is_local = local or attr == "_local_tensor"
             if isinstance(inner, torch.Tensor) and is_traceable_wrapper_subclass(inner):
-                slots.extend(_flat_slots(inner))
+                slots.extend(_flat_slots(inner, is_local))
             else:
-                slots.append(attr == "_local_tensor")
+                slots.append(is_local)
         return slots
-    return [False]
+    return [local]
 
 
 def primal_fqns(
