@@ -56,6 +56,7 @@ from simplefsdp.compiler.report import (
 )
 from simplefsdp.compiler.wrapped_model import (
     collective_groups,
+    ep_mesh_groups,
     group_backends,
     mesh_device_type,
     mesh_groups,
@@ -419,6 +420,7 @@ class SimpleFSDPBackend:
         self._cost_model: CostModel | None = None
         self._mesh_groups: list = []
         self._tp_mesh_groups: list = []
+        self._ep_mesh_groups: list = []
         # Which collectives stage a copy (gloo): Note: [Collective buffers until the wait].
         self.staging = staged_by({})
         self._mesh_device_type: str | None = None
@@ -434,6 +436,7 @@ class SimpleFSDPBackend:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = mesh_groups(model)
             self._tp_mesh_groups = tp_mesh_groups(model)
+            self._ep_mesh_groups = ep_mesh_groups(model)
             self.staging = staged_by(group_backends(self._mesh_groups + self._tp_mesh_groups))
             self.groups = collective_groups(model)
             self._mesh_device_type = mesh_device_type(model)
@@ -490,7 +493,10 @@ class SimpleFSDPBackend:
         compile-time collectives]."""
         if self.is_auto and self.options.cost_model is None and self._cost_model is None:
             self._cost_model = calibrated_cost_model(
-                self._mesh_groups, self._mesh_device_type, self._tp_mesh_groups
+                self._mesh_groups,
+                self._mesh_device_type,
+                self._tp_mesh_groups,
+                self._ep_mesh_groups,
             )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

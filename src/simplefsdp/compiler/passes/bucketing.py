@@ -78,6 +78,10 @@ class CollectiveSite:
     wait: fx.Node
     fqn: str | None
     key: tuple  # sites may share a bucket only if their keys are equal
+    # A float8 all-gather's gradient bytes (its elements at the stored
+    # shard's element size; ``None``: its own bytes): Note: [Float8 bytes in
+    # the planner].
+    grad_bytes: int | None = None
 
     @property
     def input(self) -> fx.Node:
@@ -181,7 +185,12 @@ def find_sites(
             key = (kind, node.args[3], node.args[2], node.args[1], dtype)  # + op
         else:
             key = (kind, node.args[2], node.args[1], dtype)  # group, op, dtype
-        sites.append(CollectiveSite(kind, node, wait, fqn, key))
+        grad_bytes = None
+        if kind == "all_gather" and carries_float8(node.args[0]):
+            source = gather_source(node.args[0], primal_fqns)
+            itemsize = source.meta["val"].element_size() if "val" in source.meta else 4
+            grad_bytes = node_bytes(node) * itemsize  # one byte per gathered element
+        sites.append(CollectiveSite(kind, node, wait, fqn, key, grad_bytes))
     return sites
 
 
