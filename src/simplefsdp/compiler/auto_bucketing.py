@@ -79,6 +79,15 @@ Note: [Planning around tensor-parallel collectives]
     first unit's first use are left out, like the compute there. Without TP
     collectives every ``fixed_comm_s`` is 0 and plans are unchanged.
 
+Note: [Float8 bytes in the planner]
+    A float8 weight (Note: [Float8 all-gather]) is gathered at one byte per
+    element and its gradient reduce-scattered in high precision. Its unit's
+    ``gathered_bytes`` are the float8 bytes (the all-gathers and the
+    gathered parameter's memory) and its ``grad_bytes`` the elements at the
+    stored shard's element size (the reduce-scatter, the gradients and
+    their shards). Other units have ``grad_bytes = gathered_bytes``, as the
+    memory model assumes throughout.
+
 Note: [Identical plans without compile-time collectives]
     Ranks must bucket identically or their collectives mismatch and hang. The
     plan is a deterministic function of the forward graph and the cost model;
@@ -142,6 +151,13 @@ class GatherUnit:
     # [Where in the step a bucket's memory is held]).
     saved_before_bytes: int = 0
     saved_bytes: int = 0
+    # Gradient bytes (Note: [Float8 bytes in the planner]); None: gathered_bytes.
+    grad_bytes: int | None = None
+
+    @property
+    def reduced_bytes(self) -> int:
+        """The bytes its reduce-scatter takes in (its gradient)."""
+        return self.gathered_bytes if self.grad_bytes is None else self.grad_bytes
 
 
 def saved_activations(gm: fx.GraphModule, num_user_outputs: int | None) -> dict[int, int]:
@@ -224,7 +240,16 @@ def gather_units(
         before = saved_before(start)
         within = saved_before(end) - before
         units.append(
-            GatherUnit(site.fqn, site.bytes, int(site.node.args[1]), compute, fixed, before, within)
+            GatherUnit(
+                site.fqn,
+                site.bytes,
+                int(site.node.args[1]),
+                compute,
+                fixed,
+                before,
+                within,
+                site.grad_bytes,
+            )
         )
     if units:  # the last window reaches the graph's end: every activation is in one
         last = units[-1]
@@ -244,8 +269,9 @@ def bucket_comm_s(
     if not units:
         return 0.0
     size, group = sum(u.gathered_bytes for u in units), units[0].group_size
+    reduced = sum(u.reduced_bytes for u in units)
     all_gather = gathers_per_step(units, reshard, kept) * cm.comm_time("all_gather", group, size)
-    return all_gather + cm.comm_time("reduce_scatter", group, size)
+    return all_gather + cm.comm_time("reduce_scatter", group, reduced)
 
 
 def _window_s(units: Sequence[GatherUnit]) -> float:
@@ -271,6 +297,7 @@ class _Span:
     saved_end: int
     grads_at_start: int
     grads_at_end: int
+    grad_nbytes: int  # its gradients (Note: [Float8 bytes in the planner])
 
     def __add__(self, other: _Span) -> _Span:
         return _Span(
@@ -280,12 +307,13 @@ class _Span:
             max(self.saved_end, other.saved_end),
             min(self.grads_at_start, other.grads_at_start),
             max(self.grads_at_end, other.grads_at_end),
+            self.grad_nbytes + other.grad_nbytes,
         )
 
 
 def _singles(units: Sequence[GatherUnit], kept: Collection[str] = ()) -> list[_Span]:
     """One span per unit, in the order of ``units`` (forward order)."""
-    shards = [u.gathered_bytes // max(u.group_size, 1) for u in units]
+    shards = [u.reduced_bytes // max(u.group_size, 1) for u in units]
     after = list(itertools.accumulate(reversed(shards), initial=0))[::-1]  # after[k]: k..
     return [
         _Span(
@@ -295,6 +323,7 @@ def _singles(units: Sequence[GatherUnit], kept: Collection[str] = ()) -> list[_S
             u.saved_before_bytes + u.saved_bytes,
             after[k + 1],
             after[k],
+            u.reduced_bytes,
         )
         for k, u in enumerate(units)
     ]
@@ -319,7 +348,7 @@ def _term(previous: _Span | None, span: _Span) -> int:
     before = 0 if previous is None or previous.kept else previous.nbytes
     backward = before + max(
         span.saved_end + regather + span.grads_at_start,
-        span.saved_start + 2 * span.nbytes + regather + span.grads_at_end,
+        span.saved_start + 2 * span.grad_nbytes + regather + span.grads_at_end,
     )
     terms = [span.saved_end + _forward_bytes(span), backward]
     if previous is not None:

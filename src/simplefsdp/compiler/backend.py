@@ -56,6 +56,7 @@ from simplefsdp.compiler.report import (
 )
 from simplefsdp.compiler.wrapped_model import (
     collective_groups,
+    ep_mesh_groups,
     group_backends,
     mesh_device_type,
     mesh_groups,
@@ -77,20 +78,23 @@ def _fqn_from_source(source_name: str) -> str | None:
     return ".".join(parts) if parts else None
 
 
-def _flat_slots(value: Any) -> list[bool]:
+def _flat_slots(value: Any, local: bool = False) -> list[bool]:
     """AOTAutograd's flattening of one graph input: one slot per leaf, True for
-    the slot holding a DTensor's local tensor."""
+    the slot holding a DTensor's local tensor (``local``: ``value`` is one),
+    also where that local tensor is a subclass itself (torchao's float8
+    weights, Note: [Float8 all-gather])."""
     if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
         attrs, _ = value.__tensor_flatten__()
         slots: list[bool] = []
         for attr in attrs:
             inner = getattr(value, attr)
+            is_local = local or attr == "_local_tensor"
             if isinstance(inner, torch.Tensor) and is_traceable_wrapper_subclass(inner):
-                slots.extend(_flat_slots(inner))
+                slots.extend(_flat_slots(inner, is_local))
             else:
-                slots.append(attr == "_local_tensor")
+                slots.append(is_local)
         return slots
-    return [False]
+    return [local]
 
 
 def primal_fqns(
@@ -416,6 +420,7 @@ class SimpleFSDPBackend:
         self._cost_model: CostModel | None = None
         self._mesh_groups: list = []
         self._tp_mesh_groups: list = []
+        self._ep_mesh_groups: list = []
         # Which collectives stage a copy (gloo): Note: [Collective buffers until the wait].
         self.staging = staged_by({})
         self._mesh_device_type: str | None = None
@@ -431,6 +436,7 @@ class SimpleFSDPBackend:
             self._fqn_by_id = {id(p): n for n, p in model.named_parameters()}
             self._mesh_groups = mesh_groups(model)
             self._tp_mesh_groups = tp_mesh_groups(model)
+            self._ep_mesh_groups = ep_mesh_groups(model)
             self.staging = staged_by(group_backends(self._mesh_groups + self._tp_mesh_groups))
             self.groups = collective_groups(model)
             self._mesh_device_type = mesh_device_type(model)
@@ -487,7 +493,10 @@ class SimpleFSDPBackend:
         compile-time collectives]."""
         if self.is_auto and self.options.cost_model is None and self._cost_model is None:
             self._cost_model = calibrated_cost_model(
-                self._mesh_groups, self._mesh_device_type, self._tp_mesh_groups
+                self._mesh_groups,
+                self._mesh_device_type,
+                self._tp_mesh_groups,
+                self._ep_mesh_groups,
             )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

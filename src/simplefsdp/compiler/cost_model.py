@@ -55,9 +55,11 @@ from simplefsdp._version import __version__
 from simplefsdp.compiler.patterns import (
     ALL_DATA_PARALLEL,
     DATA_PARALLEL,
+    EXPERT_PARALLEL,
     TENSOR_PARALLEL,
     CollectiveGroups,
     collective_group,
+    collective_group_size,
     collective_kind,
     concrete,
     is_compute,
@@ -88,8 +90,10 @@ class CostModel:
 
     Attributes:
         comm: ``"kind/group_size"`` -> fit (kind: all_gather, reduce_scatter,
-            all_reduce), and ``"tp:kind/group_size"`` for tensor-parallel
-            groups. Missing keys fall back to ``default_comm``.
+            all_reduce), ``"tp:kind/group_size"`` for tensor-parallel
+            groups, ``"ep:all_to_all/group_size"`` for expert parallelism's
+            all-to-alls (else priced as an all-gather of their bytes).
+            Missing keys fall back to ``default_comm``.
         flops_per_s: sustained matmul throughput in float32 (and for any
             dtype ``flops_per_s_by_dtype`` does not name).
         flops_per_s_by_dtype: sustained matmul throughput by the matmul's
@@ -128,22 +132,21 @@ class CostModel:
         if role is not None and role != DATA_PARALLEL:
             fit = self.comm.get(f"{role}:{key}")
         if fit is None:
-            fit = self.comm.get(key, self.default_comm)
-        return fit(num_bytes)
+            fit = self.comm.get(key)
+        if fit is None and kind == "all_to_all":
+            # Note: [All-to-alls of expert parallelism]: an all-gather of the
+            # same bytes moves as much per rank over the same link.
+            return self.comm_time("all_gather", group_size, num_bytes, role)
+        return (fit or self.default_comm)(num_bytes)
 
     def collective_time(self, node: fx.Node, role: str | None = None) -> float:
         """Seconds of a collective node of the graph (0 for other nodes)."""
         kind = collective_kind(node)
         if kind is None:
             return 0.0
-        # all_gather_into_tensor(input, group_size, group_name),
-        # reduce_scatter_tensor(input, op, group_size, group_name).
-        if kind == "all_gather":
-            group_size = int(node.args[1])
-        elif kind == "reduce_scatter":
-            group_size = int(node.args[2])
-        else:
-            group_size = _group_size(node)
+        # The bytes an all-gather outputs, a reduction or all-to-all takes in
+        # (an all-to-all's: what this rank sends).
+        group_size = collective_group_size(node) or _group_size(node)
         size = node_bytes(node) if kind == "all_gather" else node_bytes(node.args[0])
         return self.comm_time(kind, group_size, size, role)
 
@@ -315,6 +318,7 @@ def calibrate_comm(
     *,
     sizes: tuple[int, ...] = CALIBRATION_SIZES_BYTES,
     timer: Callable[[Callable[[], None]], float] | None = None,
+    kinds: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce"),
 ) -> dict[str, LinearFit]:
     """Linear fits of each collective's time over ``sizes`` (bytes) on ``group``.
 
@@ -324,14 +328,15 @@ def calibrate_comm(
         prefix: put before each fit's name (``"tp:"`` for the tensor-parallel role).
         sizes: the message sizes timed, in bytes.
         timer: times one call (default: the median of a few runs, synchronised).
+        kinds: the collectives timed (``"all_to_all"`` too for an ep group).
 
     Returns:
-        ``{prefix + kind: LinearFit}`` for all-gather, reduce-scatter and all-reduce.
+        ``{prefix + kind/group_size: LinearFit}`` for each of ``kinds``.
     """
     timer = timer or _time_it
     group_size = dist.get_world_size(group)
     fits = {}
-    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+    for kind in kinds:
         points = []
         for size in sizes:
             numel = size // 4
@@ -343,6 +348,8 @@ def calibrate_comm(
                     all_gather_single(full, shard, group=group)
                 elif kind == "reduce_scatter":
                     reduce_scatter_single(shard, full, group=group)
+                elif kind == "all_to_all":
+                    dist.all_to_all_single(full.clone(), full, group=group)
                 else:
                     dist.all_reduce(full, group=group)
                 if device.type == "cuda":
@@ -468,12 +475,14 @@ def calibrated_cost_model(
     groups: list | None = None,
     device_type: str | None = None,
     tp_groups: list | None = None,
+    ep_groups: list | None = None,
 ) -> CostModel:
     """Measure (or load from cache) this machine's cost model; every rank
     returns rank 0's numbers. Collective: call it on every rank.
 
     ``groups``: the data-parallel process groups (default: the world);
-    ``tp_groups``: the tensor-parallel mesh's groups (``"tp:"`` keys).
+    ``tp_groups``: the tensor-parallel mesh's groups (``"tp:"`` keys);
+    ``ep_groups``: the expert-parallel mesh's (``"ep:all_to_all/N"`` keys).
     ``device_type``: the data-parallel mesh's (see :func:`calibration_device`).
     Takes a few seconds the first time a configuration is seen.
     """
@@ -499,10 +508,13 @@ def calibrated_cost_model(
     tp_groups = list(tp_groups or [])
     sizes = sorted({dist.get_world_size(g) for g in groups})
     tp_sizes = sorted({dist.get_world_size(g) for g in tp_groups})
+    ep_groups = list(ep_groups or [])
+    ep_sizes = sorted({dist.get_world_size(g) for g in ep_groups})
     have = (
         cached is not None
         and all(f"all_gather/{s}" in cached.comm for s in sizes)
         and all(f"{TENSOR_PARALLEL}:all_gather/{s}" in cached.comm for s in tp_sizes)
+        and all(f"{EXPERT_PARALLEL}:all_to_all/{s}" in cached.comm for s in ep_sizes)
     )
     if _all_ranks_agree(have, device):
         model = cached
@@ -513,6 +525,10 @@ def calibrated_cost_model(
             comm.update(calibrate_comm(group, device))
         for group in tp_groups:
             comm.update(calibrate_comm(group, device, prefix=f"{TENSOR_PARALLEL}:"))
+        for group in ep_groups:
+            comm.update(
+                calibrate_comm(group, device, prefix=f"{EXPERT_PARALLEL}:", kinds=("all_to_all",))
+            )
         flops, bandwidth, flops_by_dtype = _calibrate_compute(device)
         overlap = median_comm_overlap(groups[0], device)
         model = CostModel(

@@ -15,6 +15,7 @@ from simplefsdp.compiler.passes.bucketing import (
     find_sites,
     plan_buckets,
 )
+from simplefsdp.compiler.passes.float8 import AMAX_BUCKET, fold_double_waits, merge_amax_all_reduces
 from simplefsdp.compiler.passes.reordering import reorder
 from simplefsdp.compiler.patterns import ALL_DATA_PARALLEL, CollectiveGroups, placeholders
 from simplefsdp.compiler.report import BucketInfo
@@ -39,6 +40,9 @@ def run_graph_passes(
 ) -> dict:
     """Bucket (when a plan is given) and reorder (when enabled) ``gm`` in place.
 
+    With a plan, the float8 amax all-reduces are merged first (Note: [One
+    amax all-reduce per graph]).
+
     ``sites``: the graph's FSDP collectives when the caller already found
     them (the auto planner does, on the same unchanged forward graph);
     ``None`` finds them here. ``groups``: which collectives are data
@@ -49,13 +53,25 @@ def run_graph_passes(
     """
     start = time.perf_counter()
     result: dict = {"buckets": [], "notes": []}
+    if fold_double_waits(gm.graph):
+        gm.recompile()
     if plan is not None:
+        for merged in merge_amax_all_reduces(gm, _fake_mode(gm), groups, primal_names):
+            result["buckets"].append(
+                BucketInfo(
+                    "all_reduce", AMAX_BUCKET, merged["params"], merged["bytes"], merged["dtype"]
+                )
+            )
+            result["notes"].append(
+                f"float8: {merged['merged']} amax all-reduces -> 1 ({merged['dtype']}, "
+                f"{merged['bytes']} B)"
+            )
         if sites is None:
             sites = find_sites(gm.graph, primal_names, output_fqns, groups)
         names = [b.name for b in plan.buckets]
         buckets = plan_buckets(sites, plan.bucket_index(), names)
         # Describe the buckets before the rewrite erases their original nodes.
-        result["buckets"] = [
+        result["buckets"] += [
             BucketInfo(kind=b.kind, name=b.name, params=b.fqns, bytes=b.bytes, dtype=b.dtype)
             for b in buckets
         ]

@@ -20,12 +20,16 @@ ALL_GATHER = _funcol.all_gather_into_tensor.default
 REDUCE_SCATTER = _funcol.reduce_scatter_tensor.default
 ALL_REDUCE = _funcol.all_reduce.default
 WAIT = _funcol.wait_tensor.default
+ALL_TO_ALL = _funcol.all_to_all_single.default
 
 COLLECTIVE_KINDS = {
     ALL_GATHER: "all_gather",
     REDUCE_SCATTER: "reduce_scatter",
     ALL_REDUCE: "all_reduce",
+    ALL_TO_ALL: "all_to_all",
 }
+# The kinds FSDP's own collectives have (the ones bucketing merges).
+FSDP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 # Ops that only cast, pad, reshape or slice: what DTensor's redistribute and
 # mixed precision put between a parameter shard and the tensor compute reads.
@@ -58,11 +62,13 @@ VIEW_OPS = {
     aten.expand.default,
     aten.as_strided.default,
     aten.detach.default,
+    aten.view.dtype,  # float8 bytes seen as uint8 and back (Note: [Float8 all-gather])
 }
 
 
 def collective_kind(node: fx.Node) -> str | None:
-    """``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``None``."""
+    """``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``,
+    ``"all_to_all"`` or ``None``."""
     if node.op != "call_function":
         return None
     return COLLECTIVE_KINDS.get(node.target)
@@ -73,12 +79,30 @@ def collective_group(node: fx.Node) -> str | None:
     kind = collective_kind(node)
     if kind is None:
         return None
-    group = node.args[3] if kind == "reduce_scatter" else node.args[2]
+    # all_gather(input, size, group), reduce_scatter(input, op, size, group),
+    # all_reduce(input, op, group), all_to_all(input, out_splits, in_splits, group)
+    group = node.args[3] if kind in ("reduce_scatter", "all_to_all") else node.args[2]
     return group if isinstance(group, str) else getattr(group, "group_name", str(group))
+
+
+def collective_group_size(node: fx.Node) -> int:
+    """The group size a collective names in its arguments: an all-gather's
+    or reduce-scatter's, an all-to-all's number of splits; 0 where the
+    graph does not say (an all-reduce, an all-to-all of even splits)."""
+    kind = collective_kind(node)
+    if kind == "all_gather":
+        return int(node.args[1])
+    if kind == "reduce_scatter":
+        return int(node.args[2])
+    if kind == "all_to_all":
+        splits = next((a for a in node.args[1:3] if isinstance(a, (list, tuple))), None)
+        return len(splits) if splits is not None else 0
+    return 0
 
 
 DATA_PARALLEL = "dp"
 TENSOR_PARALLEL = "tp"
+EXPERT_PARALLEL = "ep"
 OTHER = "other"
 
 
@@ -100,22 +124,40 @@ class CollectiveGroups:
         built without a model, hand-built test graphs) treats every
         collective as data parallel, as before 2-D support.
 
+    Note: [All-to-alls of expert parallelism]
+        The token dispatch and combine of expert parallelism (Note: [Expert
+        parallelism]) are all-to-alls with data-dependent splits. Every
+        all-to-all, on whatever process group (the ep mesh's group may be
+        the very group the dense parameters are sharded over), has role
+        ``"ep"``, as have the other collectives on the ep mesh's groups. The
+        passes leave them in place, like the tensor-parallel ones; the report
+        lists them apart and the cost model prices them on their link
+        (``"ep:all_to_all/N"`` fit, else the all-gather fit of the same
+        bytes: both move ``(N - 1) / N`` of the buffer per rank).
+
     Attributes:
         data_parallel: names of the data-parallel process groups; ``None``:
-            every collective counts as data parallel.
+            every collective counts as data parallel (all-to-alls aside).
         tensor_parallel: names of the tensor-parallel mesh's process groups.
+        expert_parallel: names of the expert-parallel (ep) mesh's process groups.
     """
 
     data_parallel: frozenset[str] | None = None
     tensor_parallel: frozenset[str] = frozenset()
+    expert_parallel: frozenset[str] = frozenset()
 
     def role(self, node: fx.Node) -> str | None:
-        """``"dp"``, ``"tp"``, ``"other"``; ``None`` if ``node`` is no collective."""
+        """``"dp"``, ``"tp"``, ``"ep"``, ``"other"``; ``None`` if ``node`` is
+        no collective."""
         group = collective_group(node)
         if group is None:
             return None
+        if collective_kind(node) == "all_to_all":
+            return EXPERT_PARALLEL
         if self.data_parallel is None or group in self.data_parallel:
             return DATA_PARALLEL
+        if group in self.expert_parallel:
+            return EXPERT_PARALLEL
         return TENSOR_PARALLEL if group in self.tensor_parallel else OTHER
 
     def is_data_parallel(self, node: fx.Node) -> bool:
@@ -242,6 +284,77 @@ def downstream_output_index(node: fx.Node) -> list[int]:
                 seen.add(user)
                 frontier.append(user)
     return sorted(positions)
+
+
+_BYTE_VIEWS = (aten.detach.default, aten.view.dtype)
+
+
+def carries_float8(node: fx.Node) -> bool:
+    """Whether ``node`` is a byte view (``uint8``, through detaches) of a
+    float8 tensor: the input of a float8 all-gather (Note: [Float8 all-gather])."""
+    return float8_dtype_of(node) is not None
+
+
+def float8_dtype_of(node: fx.Node) -> torch.dtype | None:
+    """The float8 dtype ``node`` is a byte view of (``None``: it is none)."""
+    for _ in range(4):
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return None
+        if node.target not in _BYTE_VIEWS:
+            return None
+        node = node.args[0]
+        dtype = node_dtype(node) if isinstance(node, fx.Node) else None
+        if dtype is not None and dtype.itemsize == 1 and dtype.is_floating_point:
+            return dtype
+    return None
+
+
+def wire_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype a collective input carries: the float8 dtype of float8 bytes
+    (they travel as ``uint8``: gloo has no float8 type), else its own."""
+    return float8_dtype_of(node) or node_dtype(node)
+
+
+def gather_prep(collective: fx.Node) -> list[fx.Node]:
+    """The nodes computing ``collective``'s input from graph inputs and
+    earlier collectives' results, in graph order: its ancestors up to (not
+    including) placeholders and waits. For a float8 all-gather, the scale
+    from the all-reduced amax and the cast of the shard; for a plain one,
+    its casts, pads and reshapes."""
+    seen: set[fx.Node] = set()
+    frontier = list(collective.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if node in seen or node.op != "call_function" or is_wait(node):
+            continue
+        seen.add(node)
+        frontier.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(collective.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def gather_source(node: fx.Node, primal_names: dict[str, str]) -> fx.Node | None:
+    """The stored shard (graph input named in ``primal_names``) an
+    all-gather's input ``node`` comes from: through shaping ops, or for
+    float8 bytes through the cast (Note: [Float8 all-gather]), whose other
+    inputs are the scale's (an all-reduce's result, or a saved scale)."""
+    source = source_placeholder(node)
+    if source is not None or not carries_float8(node):
+        return source
+    seen: set[fx.Node] = set()
+    found: set[fx.Node] = set()
+    frontier = [node]
+    while frontier:
+        current = frontier.pop()
+        if current in seen or is_wait(current) or collective_kind(current) is not None:
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            if current.name in primal_names:
+                found.add(current)
+            continue
+        frontier.extend(current.all_input_nodes)
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def placeholders(graph: fx.Graph) -> list[fx.Node]:

@@ -2,10 +2,13 @@
 
 Each collective carries its process group and its ``role``: ``"dp"`` for the
 data-parallel (FSDP) collectives our passes bucket and reorder, ``"tp"`` for
-the tensor-parallel mesh's, ``"other"`` for any other group (Note:
-[Data-parallel collectives only]). Counts and bytes take an optional role;
-without one they cover every collective of the graph, as the profiler sees
-them.
+the tensor-parallel mesh's, ``"ep"`` for expert parallelism's all-to-alls
+(Note: [All-to-alls of expert parallelism]), ``"other"`` for any other group
+(Note: [Data-parallel collectives only]). Counts and bytes take an optional
+role; without one they cover every collective of the graph, as the profiler
+sees them. A collective's ``dtype`` is what it carries (float8 for float8
+bytes, ``"+"``-joined dtypes for a bucket of several, Note: [Mixed dtypes in
+one all-gather bucket]) and ``dtype_bytes`` its bytes per dtype.
 """
 
 from __future__ import annotations
@@ -14,24 +17,26 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
-import torch
 import torch.fx as fx
 
 from simplefsdp.compiler.patterns import (
     ALL_DATA_PARALLEL,
     DATA_PARALLEL,
+    EXPERT_PARALLEL,
+    FSDP_KINDS,
     OTHER,
     TENSOR_PARALLEL,
     CollectiveGroups,
     collective_group,
+    collective_group_size,
     collective_kind,
     downstream_output_index,
+    gather_source,
     is_compute,
     is_wait,
     node_bytes,
-    node_dtype,
-    source_placeholder,
     wait_of,
+    wire_dtype,
 )
 
 
@@ -42,7 +47,9 @@ class CollectiveInfo:
     ``issue_pos``/``wait_pos`` count the compute nodes that precede the
     collective / its wait in graph order (0 = before any compute), out of the
     graph's ``num_compute_nodes``. ``group`` is the process group's name and
-    ``role`` is ``"dp"``, ``"tp"`` or ``"other"`` (see the module docstring).
+    ``role`` is ``"dp"``, ``"tp"``, ``"ep"`` or ``"other"`` (see the module
+    docstring). ``bytes``: an all-to-all's input (what this rank sends).
+    ``dtype_bytes``: ``bytes`` by carried dtype.
     """
 
     kind: str
@@ -55,10 +62,12 @@ class CollectiveInfo:
     wait_pos: int | None
     group: str = ""
     role: str = DATA_PARALLEL
+    dtype_bytes: dict[str, int] = field(default_factory=dict)
 
 
-ROLES = (DATA_PARALLEL, TENSOR_PARALLEL, OTHER)
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+ROLES = (DATA_PARALLEL, TENSOR_PARALLEL, EXPERT_PARALLEL, OTHER)
+KINDS = FSDP_KINDS
+ALL_KINDS = (*FSDP_KINDS, "all_to_all")
 
 
 @dataclass
@@ -145,23 +154,19 @@ class CommReport:
         return format_report(self)
 
 
-def _wire_dtype(node: fx.Node):
-    """The dtype a collective carries: a float8 tensor's bytes travel as
-    ``uint8`` (gloo has no float8 type), reported as the float8 dtype
-    (Note: [Float8 all-gather]): the input seen back through detaches and
-    views."""
+def _carried(node: fx.Node, size: int) -> tuple[str, dict[str, int]]:
+    """A collective's carried dtype name and its bytes by dtype: a float8
+    tensor's bytes travel as ``uint8`` (gloo has no float8 type) and are
+    reported as the float8 dtype (Note: [Float8 all-gather]); a bucket of
+    several dtypes travels as bytes (Note: [Mixed dtypes in one all-gather
+    bucket]) and is reported as its dtypes."""
+    tagged = node.meta.get("simplefsdp_dtype_bytes")
+    if tagged:
+        return "+".join(tagged), dict(tagged)
     source = node.args[0] if node.args else None
-    for _ in range(4):
-        if not isinstance(source, fx.Node) or source.target not in _BYTE_VIEWS:
-            break
-        source = source.args[0]
-        dtype = node_dtype(source) if isinstance(source, fx.Node) else None
-        if dtype is not None and dtype.itemsize == 1 and dtype.is_floating_point:
-            return dtype
-    return node_dtype(node)
-
-
-_BYTE_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.view.dtype)
+    dtype = wire_dtype(source) if isinstance(source, fx.Node) else None
+    name = str(dtype).replace("torch.", "")
+    return name, {name: size}
 
 
 def format_bytes(n: int) -> str:
@@ -182,18 +187,20 @@ def _fmt_params(params: list[str], limit: int = 3) -> str:
 
 _ROLE_TITLES = {
     TENSOR_PARALLEL: "tensor-parallel collectives",
+    EXPERT_PARALLEL: "expert-parallel collectives",
     OTHER: "collectives of other process groups",
 }
 
 
-def _collective_lines(collectives: list[CollectiveInfo]) -> list[str]:
+def _collective_lines(collectives: list[CollectiveInfo], width: int = 9) -> list[str]:
     lines = [
-        f"   {'#':>3} {'collective':<15} {'dtype':<9} {'bytes':>10} {'issue@':>7} {'wait@':>6}  params"
+        f"   {'#':>3} {'collective':<15} {'dtype':<{width}} {'bytes':>10} {'issue@':>7} "
+        f"{'wait@':>6}  params"
     ]
     for i, c in enumerate(collectives):
         wait = "-" if c.wait_pos is None else str(c.wait_pos)
         lines.append(
-            f"   {i:>3} {c.kind:<15} {c.dtype:<9} {format_bytes(c.bytes):>10} "
+            f"   {i:>3} {c.kind:<15} {c.dtype:<{width}} {format_bytes(c.bytes):>10} "
             f"{c.issue_pos:>7} {wait:>6}  {_fmt_params(c.params)}"
         )
     return lines
@@ -203,10 +210,13 @@ def format_report(report: CommReport) -> str:
     """A readable multi-table view of ``report``.
 
     The header and the main table show the data-parallel collectives; those
-    of other roles (tensor parallelism's) follow in their own sections.
+    of other roles (tensor parallelism's, expert parallelism's all-to-alls)
+    follow in their own sections.
     """
     lines = []
     for g in report.graphs:
+        # The dtype column fits the graph's longest (float8, mixed buckets).
+        width = max([9, *(len(x.dtype) for x in (*g.collectives, *g.buckets))])
         others = [r for r in ROLES[1:] if any(c.role == r for c in g.collectives)]
         dp = DATA_PARALLEL if others else None
         counts = ", ".join(f"{g.count(k, dp)} {k}" for k in KINDS)
@@ -216,7 +226,7 @@ def format_report(report: CommReport) -> str:
             f"{g.num_compute_nodes} compute nodes"
         )
         for role in others:
-            counts = ", ".join(f"{g.count(k, role)} {k}" for k in KINDS if g.count(k, role))
+            counts = ", ".join(f"{g.count(k, role)} {k}" for k in ALL_KINDS if g.count(k, role))
             lines.append(
                 f"   {_ROLE_TITLES[role]} (left in place): {counts}; "
                 f"{format_bytes(g.total_bytes(role=role))}"
@@ -226,16 +236,18 @@ def format_report(report: CommReport) -> str:
         for note in g.notes:
             lines.append(f"   note: {note}")
         if g.buckets:
-            lines.append(f"   {'bucket':<28} {'kind':<15} {'dtype':<9} {'bytes':>10}  params")
+            lines.append(f"   {'bucket':<28} {'kind':<15} {'dtype':<{width}} {'bytes':>10}  params")
             for b in g.buckets:
                 lines.append(
-                    f"   {b.name[:28]:<28} {b.kind:<15} {b.dtype:<9} {format_bytes(b.bytes):>10}  "
+                    f"   {b.name[:28]:<28} {b.kind:<15} {b.dtype:<{width}} "
+                    f"{format_bytes(b.bytes):>10}  "
                     f"{_fmt_params(b.params)}"
                 )
-        lines.extend(_collective_lines([c for c in g.collectives if c.role == DATA_PARALLEL]))
+        dp_rows = [c for c in g.collectives if c.role == DATA_PARALLEL]
+        lines.extend(_collective_lines(dp_rows, width))
         for role in others:
             lines.append(f"   {_ROLE_TITLES[role]}:")
-            lines.extend(_collective_lines([c for c in g.collectives if c.role == role]))
+            lines.extend(_collective_lines([c for c in g.collectives if c.role == role], width))
     return "\n".join(lines)
 
 
@@ -248,7 +260,7 @@ def _collective_params(
     if tagged is not None:
         return list(tagged)
     if kind == "all_gather":
-        source = source_placeholder(node.args[0])
+        source = gather_source(node.args[0], primal_fqns)
         fqn = primal_fqns.get(source.name) if source is not None else None
         return [fqn] if fqn else []
     wait = wait_of(node)
@@ -280,16 +292,14 @@ def build_graph_report(
             continue
         kind = collective_kind(node)
         if kind is not None:
-            # all_gather(input, size, group), reduce_scatter(input, op, size, group)
-            group_size = (
-                int(node.args[1 if kind == "all_gather" else 2]) if kind != "all_reduce" else 0
-            )
+            group_size = collective_group_size(node)
             size = node_bytes(node) if kind == "all_gather" else node_bytes(node.args[0])
             role = groups.role(node)
+            dtype, by_dtype = _carried(node, size)
             info = CollectiveInfo(
                 kind=kind,
                 node=node.name,
-                dtype=str(_wire_dtype(node)).replace("torch.", ""),
+                dtype=dtype,
                 bytes=size,
                 group_size=group_size,
                 params=_collective_params(node, kind, primal_fqns, output_fqns, role),
@@ -297,6 +307,7 @@ def build_graph_report(
                 wait_pos=None,
                 group=str(collective_group(node)),
                 role=role,
+                dtype_bytes=by_dtype,
             )
             issued[node] = info
             collectives.append(info)

@@ -49,10 +49,24 @@ def tp_mesh_groups(model: nn.Module) -> list:
     return [tp_mesh.get_group(dim) for dim in range(tp_mesh.ndim)]
 
 
+def ep_mesh_groups(model: nn.Module) -> list:
+    """The process groups of the expert-parallel mesh ``ExpertParallel``
+    sharded ``model``'s experts over (none without experts)."""
+    from simplefsdp.frontend.expert_parallel import EP_MESH_ATTR
+
+    meshes = {}
+    for module in model.modules():
+        mesh = module.__dict__.get(EP_MESH_ATTR)
+        if mesh is not None:
+            meshes[id(mesh)] = mesh
+    return [mesh.get_group(dim) for mesh in meshes.values() for dim in range(mesh.ndim)]
+
+
 def collective_groups(model: nn.Module) -> CollectiveGroups:
     """Which process groups of ``model``'s graphs are data parallel (the
-    mesh's dim groups and the hybrid submeshes' groups) and which tensor
-    parallel (the TP mesh's). Not wrapped: every collective counts as data
+    mesh's dim groups and the hybrid submeshes' groups), which tensor
+    parallel (the TP mesh's) and which expert parallel (the ep mesh's; Note:
+    [All-to-alls of expert parallelism]). Not wrapped: every collective counts as data
     parallel (Note: [Data-parallel collectives only])."""
     from simplefsdp.frontend.data_parallel import get_data_parallel_state
 
@@ -68,7 +82,12 @@ def collective_groups(model: nn.Module) -> CollectiveGroups:
     dp = {m.get_group(dim).group_name for m in dict.fromkeys(meshes) for dim in range(m.ndim)}
     dp |= {g.group_name for g in state.reshard_groups.values()}  # Note: [Partial resharding]
     tp = {g.group_name for g in tp_mesh_groups(model)}
-    return CollectiveGroups(data_parallel=frozenset(dp), tensor_parallel=frozenset(tp - dp))
+    ep = {g.group_name for g in ep_mesh_groups(model)}
+    return CollectiveGroups(
+        data_parallel=frozenset(dp),
+        tensor_parallel=frozenset(tp - dp),
+        expert_parallel=frozenset(ep - dp),
+    )
 
 
 def reshard_groups_of(model: nn.Module, reshard_after_forward: bool | int) -> dict:

@@ -97,9 +97,9 @@ class _Float8AllGather(torch.autograd.Function):
     def backward(ctx, grad, _):
         reduce_dtype, reduce_op = ctx.reduce
         grad = grad.to(reduce_dtype or grad.dtype).contiguous()
-        shard = funcol.wait_tensor(_reduce_scatter(grad, "sum", 0, (ctx.mesh, 0)))
-        if reduce_op == "avg":
-            shard = shard / ctx.mesh.size()
+        # The reduce op of every other parameter's reduce-scatter (DTensor's
+        # Partial): the compiler buckets them together.
+        shard = funcol.wait_tensor(_reduce_scatter(grad, reduce_op, 0, (ctx.mesh, 0)))
         return shard.to(ctx.local_dtype), None, None, None, None, None
 
 

@@ -18,6 +18,21 @@ Note: [Bucket layouts]
         is the contiguous view ``[off_i:off_i+n_i]`` of it.
     all-reduce: members are flattened and concatenated; slices are views.
     All three only move bytes, so bucketing never changes numerics.
+
+Note: [Mixed dtypes in one all-gather bucket]
+    The all-gathers of a bucket on one process group become one collective
+    whatever their dtypes: float8 weights (whose bytes travel as ``uint8``,
+    Note: [Float8 all-gather]) beside the bf16/fp32 parameters that stay in
+    high precision (norms, biases, an unconverted output layer), or
+    parameters kept in fp32 under a bf16 ``param_dtype``. With one dtype the
+    bucket travels in it; with several, every member's flat shard is viewed
+    as bytes (``uint8``), the members wider first so each one's offset in
+    the buffer is a multiple of its element size, one ``uint8`` all-gather
+    moves them, and each member's rank rows are copied out and viewed back
+    as its dtype. An all-gather only moves bytes, so this is exact; each
+    member costs what it weighs (one byte per float8 element). Reductions
+    (reduce-scatter, all-reduce) compute on their elements: a bucket's
+    reductions split by dtype and reduce op.
 """
 
 from __future__ import annotations
@@ -33,17 +48,21 @@ from simplefsdp.compiler.patterns import (
     ALL_DATA_PARALLEL,
     ALL_GATHER,
     ALL_REDUCE,
+    FSDP_KINDS,
     REDUCE_SCATTER,
     WAIT,
     CollectiveGroups,
+    carries_float8,
     collective_kind,
     downstream_output_index,
+    gather_prep,
+    gather_source,
     node_bytes,
     node_dtype,
     path_from_placeholder,
-    source_placeholder,
     stable_topological_sort,
     wait_of,
+    wire_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,6 +78,10 @@ class CollectiveSite:
     wait: fx.Node
     fqn: str | None
     key: tuple  # sites may share a bucket only if their keys are equal
+    # A float8 all-gather's gradient bytes (its elements at the stored
+    # shard's element size; ``None``: its own bytes): Note: [Float8 bytes in
+    # the planner].
+    grad_bytes: int | None = None
 
     @property
     def input(self) -> fx.Node:
@@ -72,6 +95,31 @@ class CollectiveSite:
     @property
     def bytes(self) -> int:
         return node_bytes(self.node) if self.kind == "all_gather" else node_bytes(self.input)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype it carries (a float8 dtype for float8 bytes)."""
+        return wire_dtype(self.input)
+
+    @property
+    def float8(self) -> bool:
+        """A float8 all-gather (Note: [Float8 all-gather])."""
+        return self.kind == "all_gather" and carries_float8(self.input)
+
+
+def dtype_names(sites: Sequence[CollectiveSite]) -> str:
+    """The dtypes ``sites`` carry, ``"+"``-joined in order of appearance."""
+    names = dict.fromkeys(str(s.dtype).replace("torch.", "") for s in sites)
+    return "+".join(names)
+
+
+def dtype_bytes(sites: Sequence[CollectiveSite]) -> dict[str, int]:
+    """Bytes per carried dtype (gathered or reduced) of ``sites``."""
+    result: dict[str, int] = {}
+    for site in sites:
+        name = str(site.dtype).replace("torch.", "")
+        result[name] = result.get(name, 0) + site.bytes
+    return result
 
 
 @dataclass(frozen=True)
@@ -92,12 +140,14 @@ class GraphBucket:
 
     @property
     def dtype(self) -> str:
-        return str(node_dtype(self.sites[0].input)).replace("torch.", "")
+        """The carried dtype; several ``"+"``-joined (Note: [Mixed dtypes in
+        one all-gather bucket])."""
+        return dtype_names(self.sites)
 
 
 def _site_fqn(node: fx.Node, kind: str, primal_fqns: dict[str, str], output_fqns) -> str | None:
     if kind == "all_gather":
-        source = source_placeholder(node.args[0])
+        source = gather_source(node.args[0], primal_fqns)
         return primal_fqns.get(source.name) if source is not None else None
     positions = downstream_output_index(wait_of(node) or node)
     fqns = [output_fqns[p] for p in positions if output_fqns.get(p)]
@@ -114,12 +164,14 @@ def find_sites(
     inputs), and reductions whose result is returned as a parameter gradient.
     Collectives that cannot be attributed to a parameter, and those on other
     than the data-parallel process groups of ``groups`` (Note: [Data-parallel
-    collectives only]), are left alone."""
+    collectives only]), are left alone. All-gathers of one process group
+    share a key whatever their dtype (Note: [Mixed dtypes in one all-gather
+    bucket])."""
     sites = []
     for node in graph.nodes:
         kind = collective_kind(node)
         wait = wait_of(node) if kind else None
-        if kind is None or wait is None or "val" not in node.args[0].meta:
+        if kind not in FSDP_KINDS or wait is None or "val" not in node.args[0].meta:
             continue
         if not groups.is_data_parallel(node):
             continue
@@ -128,12 +180,17 @@ def find_sites(
             continue
         dtype = node_dtype(node.args[0])
         if kind == "all_gather":
-            key = (kind, node.args[2], node.args[1], dtype)  # group, size, dtype
+            key = (kind, node.args[2], node.args[1])  # group, size
         elif kind == "reduce_scatter":
             key = (kind, node.args[3], node.args[2], node.args[1], dtype)  # + op
         else:
             key = (kind, node.args[2], node.args[1], dtype)  # group, op, dtype
-        sites.append(CollectiveSite(kind, node, wait, fqn, key))
+        grad_bytes = None
+        if kind == "all_gather" and carries_float8(node.args[0]):
+            source = gather_source(node.args[0], primal_fqns)
+            itemsize = source.meta["val"].element_size() if "val" in source.meta else 4
+            grad_bytes = node_bytes(node) * itemsize  # one byte per gathered element
+        sites.append(CollectiveSite(kind, node, wait, fqn, key, grad_bytes))
     return sites
 
 
@@ -193,22 +250,57 @@ def _split_into_waits(make, source: fx.Node, dim: int, sites, sizes, reshape) ->
         offset += size
 
 
+def _copy_in_nodes(site: CollectiveSite, anchor: fx.Node, order: dict[fx.Node, int]):
+    """What computes ``site``'s input and must precede the bucket's
+    collective at ``anchor``: the shaping path from its shard or, for float8
+    bytes, the scale and the cast (those not before ``anchor`` already)."""
+    if not site.float8:
+        return path_from_placeholder(site.input)
+    return [n for n in gather_prep(site.node) if order[n] > order[anchor]]
+
+
 def _bucket_all_gather(graph: fx.Graph, make: _NodeMaker, bucket: GraphBucket) -> fx.Node:
     order = _order(graph)
     sites = sorted(bucket.sites, key=lambda s: order[s.node])
     anchor = sites[0].node
     for site in sites[1:]:  # copy-in inputs only depend on graph inputs
-        for pre in path_from_placeholder(site.input):
+        for pre in _copy_in_nodes(site, anchor, order):
             anchor.prepend(pre)
     group_size, group_name = sites[0].node.args[1], sites[0].node.args[2]
-    sizes = [s.numel for s in sites]
-    total = sum(sizes)
+    dtypes = {site.input.meta["val"].dtype for site in sites}
+    if len(dtypes) > 1:  # Note: [Mixed dtypes in one all-gather bucket]
+        sites.sort(key=lambda s: -s.input.meta["val"].element_size())
     with graph.inserting_before(anchor):
-        flat = make(aten.cat.default, [make(aten.reshape.default, s.input, [-1]) for s in sites])
+        if len(dtypes) == 1:
+            sizes = [s.numel for s in sites]
+            flat = make(
+                aten.cat.default, [make(aten.reshape.default, s.input, [-1]) for s in sites]
+            )
+        else:
+            sizes = [s.numel * s.input.meta["val"].element_size() for s in sites]
+            flat = make(
+                aten.cat.default,
+                [
+                    make(aten.view.dtype, make(aten.reshape.default, s.input, [-1]), torch.uint8)
+                    for s in sites
+                ],
+            )
+        total = sum(sizes)
         gathered = make(ALL_GATHER, flat, group_size, group_name)
         waited = make(WAIT, gathered)
         rows = make(aten.view.default, waited, [group_size, total])  # (G, total)
-        _split_into_waits(make, rows, 1, sites, sizes, aten.reshape.default)
+        if len(dtypes) == 1:
+            _split_into_waits(make, rows, 1, sites, sizes, aten.reshape.default)
+        else:
+            offset = 0
+            for site, size in zip(sites, sizes):
+                piece = make(aten.slice.Tensor, rows, 1, offset, offset + size)
+                flat_piece = make(aten.reshape.default, piece, [group_size * size])
+                typed = make(aten.view.dtype, flat_piece, site.input.meta["val"].dtype)
+                site.wait.replace_all_uses_with(
+                    make(aten.reshape.default, typed, _shape(site.wait))
+                )
+                offset += size
     _tag(gathered, bucket)
     return gathered
 
@@ -245,6 +337,7 @@ def _bucket_reduction(graph: fx.Graph, make: _NodeMaker, bucket: GraphBucket) ->
 def _tag(node: fx.Node, bucket: GraphBucket) -> None:
     node.meta["simplefsdp_params"] = bucket.fqns
     node.meta["simplefsdp_bucket"] = bucket.name
+    node.meta["simplefsdp_dtype_bytes"] = dtype_bytes(bucket.sites)
 
 
 def apply_buckets(gm: fx.GraphModule, buckets: Sequence[GraphBucket], fake_mode) -> int:

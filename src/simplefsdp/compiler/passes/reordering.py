@@ -15,8 +15,13 @@ Note: [Reordering rules]
     output for the last one, unless something reads the result earlier.
     The rules are functions of the graph only, so every rank reorders alike.
     Only data-parallel collectives move (Note: [Data-parallel collectives
-    only]); the others (tensor parallelism's) keep their place, and the
-    prefetch distance counts data-parallel all-gathers only.
+    only]); the others (tensor parallelism's, expert parallelism's
+    all-to-alls) keep their place, and the prefetch distance counts
+    data-parallel all-gathers only. A float8 all-gather (Note: [Float8
+    all-gather]) moves with the cast of its shard and the scale computation
+    (``gather_prep``), which read the stored shard and the amax all-reduce's
+    result; that all-reduce stays at the top of the graph (Note: [One amax
+    all-reduce per graph]).
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ import logging
 
 import torch.fx as fx
 
+from simplefsdp.compiler.passes.float8 import AMAX_META
 from simplefsdp.compiler.patterns import (
     ALL_DATA_PARALLEL,
     CollectiveGroups,
+    carries_float8,
     collective_group,
     collective_kind,
+    gather_prep,
     is_shaping,
     is_view,
     wait_of,
@@ -90,6 +98,21 @@ def _copy_in(collective: fx.Node) -> list[fx.Node]:
     return list(members)
 
 
+def _carries_float8(collective: fx.Node) -> bool:
+    """A float8 all-gather, alone or in a bucket (Note: [Mixed dtypes in one
+    all-gather bucket])."""
+    carried = collective.meta.get("simplefsdp_dtype_bytes") or {}
+    return carries_float8(collective.args[0]) or any(d.startswith("float8") for d in carried)
+
+
+def _gather_group(ag: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
+    """``ag`` and what must move with it to issue it before ``anchor``: its
+    copy-in, and for float8 bytes the cast and scale not yet before ``anchor``."""
+    if not _carries_float8(ag):
+        return [*_copy_in(ag), ag]
+    return [*(n for n in gather_prep(ag) if order[n] > order[anchor]), ag]
+
+
 def _move_before(anchor: fx.Node, nodes: list[fx.Node], order: dict[fx.Node, int]) -> None:
     for node in sorted(nodes, key=order.__getitem__):
         anchor.prepend(node)
@@ -130,7 +153,7 @@ def reorder_all_gathers(
         anchor = wait_of(gathers[max(i - prefetch_distance, 0)])
         if order[ag] < order[anchor]:
             continue
-        group = [*_copy_in(ag), ag]
+        group = _gather_group(ag, anchor, order)
         if not _inputs_ready_before(group, anchor, order):
             continue
         _move_before(anchor, group, order)
@@ -148,6 +171,7 @@ def reorder_reductions(graph: fx.Graph, groups: CollectiveGroups = ALL_DATA_PARA
         if collective_kind(n) in ("reduce_scatter", "all_reduce")
         and wait_of(n)
         and groups.is_data_parallel(n)
+        and not n.meta.get(AMAX_META)  # Note: [One amax all-reduce per graph]
     ]
     moved = 0
     # 1. issue right after the last input (its copy-in moves along)

@@ -50,6 +50,7 @@ from simplefsdp.compiler.patterns import (
     VIEW_OPS,
     WAIT,
     aten,
+    carries_float8,
     collective_group,
     path_from_placeholder,
     shaping_closure,
@@ -158,7 +159,7 @@ def mark_reshard(
 # all-gather) is tagged ``MUST_RECOMPUTE`` with the byte views after it, and
 # backward gathers the float8 bytes again (the scale, one number computed by
 # the amax all-reduce, is saved rather than reduced again); without, the
-# gathered bytes are saved. Such gathers stay out of buckets and partial resharding.
+# gathered bytes are saved. Such gathers stay out of partial resharding.
 _FLOAT8_VIEWS = VIEW_OPS | {WAIT, aten.view.dtype, aten.view.default, aten.alias.default}
 
 
@@ -173,7 +174,7 @@ def _mark_float8_reshard(
             continue
         wait = wait_of(node)
         source = node.args[0]
-        if wait is None or not isinstance(source, fx.Node) or not _carries_float8(source):
+        if wait is None or not isinstance(source, fx.Node) or not carries_float8(source):
             continue
         pre, placeholders = _ancestors(source)
         if len(placeholders) != 1 or any(n.target is ALL_GATHER for n in pre):
@@ -203,20 +204,6 @@ def _mark_float8_reshard(
 def _is_scalar_value(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.numel() == 1
-
-
-def _carries_float8(node: fx.Node) -> bool:
-    """Whether ``node`` is a byte view of a float8 tensor."""
-    for _ in range(4):
-        if node.op != "call_function" or node.target not in (aten.detach.default, aten.view.dtype):
-            return False
-        node = node.args[0]
-        val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        if val is not None and val.dtype.itemsize == 1 and val.dtype.is_floating_point:
-            return True
-        if not isinstance(node, fx.Node):
-            return False
-    return False
 
 
 def _ancestors(node: fx.Node) -> tuple[list[fx.Node], set[fx.Node]]:
