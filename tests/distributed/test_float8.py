@@ -276,3 +276,60 @@ def test_float8_tensor_parallel_matches_one_process():
 @pytest.mark.heavy
 def test_float8_tensor_parallel_compiled_matches_one_process():
     _check_tp(run_distributed(_tp_body, world_size=WORLD, args=("aot_eager",))[0])
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _float8_checkpoint_body(folder: str) -> dict:
+    from dataclasses import asdict
+
+    from simplefsdp.checkpoint import Checkpointer
+    from simplefsdp.models.llama3 import Transformer, get_config
+    from simplefsdp.train.config import load_config
+    from simplefsdp.train.parallelism import parallelize_job
+
+    job = load_config(None, ["--float8.enable", "true", "--compile.enable", "false"])
+    args = get_config("debug", n_layers=1)
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallel = parallelize_job(model, job, torch.device("cpu"))
+    stored = dict(parallel.module.named_parameters())
+    assert is_float8(stored["layers.0.attention.wq.weight"])  # the run trains in float8
+    optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    parallel.step(tokens[:, :-1], tokens[:, 1:])
+    optimizer.step()
+    ck = Checkpointer(folder, model=parallel.module, optimizer=optimizer,
+                      device=torch.device("cpu"), keep_last=1, config_hash="h",
+                      config_json={"model_args": asdict(args)})  # fmt: skip
+    ck.save(1, {"scheduler": {}, "data_loader": {}})
+    return {k: v.full_tensor().numpy() for k, v in parallel.module.state_dict().items()}
+
+
+def is_float8(param) -> bool:
+    from simplefsdp.frontend.float8 import is_float8_weight
+
+    return is_float8_weight(param)
+
+
+def test_export_of_a_float8_run_is_plain_weights(tmp_path):
+    """``simplefsdp export`` of a float8 run: plain tensors named as the
+    unconverted model's, loadable into it, equal to the trained weights."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    from simplefsdp.checkpoint.export import export_checkpoint, model_args_from_config
+    from simplefsdp.models.llama3 import Transformer
+
+    trained = run_distributed(_float8_checkpoint_body, world_size=WORLD, args=(str(tmp_path),))[0]
+    weights_path, config_path = export_checkpoint(tmp_path, tmp_path / "out" / "model.safetensors")
+    weights = load_file(str(weights_path))
+    import json
+
+    plain = Transformer(model_args_from_config(json.loads(config_path.read_text())))
+    assert weights.keys() == plain.state_dict().keys()
+    assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in weights.values())
+    plain.load_state_dict(weights, strict=True)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, torch.from_numpy(trained[name])), name
