@@ -251,3 +251,129 @@ def _checkpoint_body(folder: str) -> None:
 
 def test_float8_checkpoint_loads_into_high_precision_and_float8_models(tmp_path):
     run_distributed(_checkpoint_body, world_size=WORLD, args=(str(tmp_path),))
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+TP_STEPS, TP_LR = 4, 0.5
+
+
+def _llama(float8: bool) -> torch.nn.Module:
+    from simplefsdp.models.llama3 import Transformer, get_config
+    from simplefsdp.train.parallelism import convert_to_float8_training_model
+
+    torch.manual_seed(0)
+    model = Transformer(get_config("debug", dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    return convert_to_float8_training_model(model, "tensorwise") if float8 else model
+
+
+def _tp_body(backend: str | None) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from simplefsdp.engines import EngineSpec, build_mesh
+    from simplefsdp.models.llama3.parallelize import cross_entropy, parallelize_llama
+
+    reference = _llama(True)
+    spec = EngineSpec(tp=WORLD, compile=backend is not None, backend=backend or "aot_eager")
+    mesh = build_mesh("simplefsdp", "fully_shard", "cpu", WORLD, tp=WORLD)
+    # Sequence parallelism would all-gather float8 activations, which gloo
+    # cannot (no float8 type): the replicated-activation plan on CPU.
+    tp = parallelize_llama(_llama(True), spec, mesh, torch.device("cpu"), sequence_parallel=False)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=TP_LR)
+    tp_opt = torch.optim.SGD(tp.module.parameters(), lr=TP_LR)
+    ref_losses, tp_losses = [], []
+    for _ in range(TP_STEPS):
+        loss = cross_entropy(reference(inputs), targets)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+        tp_losses.append(tp.step(inputs, targets).item())
+        tp_opt.step()
+        tp_opt.zero_grad()
+    diffs = {}
+    for (name, p), (_, q) in zip(reference.named_parameters(), tp.module.named_parameters()):
+        q = q.full_tensor() if isinstance(q, DTensor) else q
+        diffs[name] = ((q - p).abs().max() / p.abs().max()).item()
+    return {"ref": ref_losses, "tp": tp_losses, "diffs": diffs}
+
+
+def _check_tp(result: dict) -> None:
+    # Every float8 scale under TP is the whole tensor's amax (the DTensor amax
+    # all-reduces over the TP ranks) and each element's cast is the same, so
+    # the float8 operands equal one process's; what differs is the fp32 sum
+    # of the row-wise layers' partial outputs (an all-reduce) and of the
+    # gradients: rounding at 1e-7, far below one float8 step (2**-3 relative).
+    torch.testing.assert_close(
+        torch.tensor(result["tp"]), torch.tensor(result["ref"]), rtol=1e-5, atol=0
+    )
+    assert max(result["diffs"].values()) < 1e-5, result["diffs"]
+    assert result["ref"][-1] < result["ref"][0] - 0.5, result["ref"]  # it trained
+
+
+def test_float8_tensor_parallel_matches_one_process():
+    _check_tp(run_distributed(_tp_body, world_size=WORLD, args=(None,))[0])
+
+
+@pytest.mark.heavy
+def test_float8_tensor_parallel_compiled_matches_one_process():
+    _check_tp(run_distributed(_tp_body, world_size=WORLD, args=("aot_eager",))[0])
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _float8_checkpoint_body(folder: str) -> dict:
+    from dataclasses import asdict
+
+    from simplefsdp.checkpoint import Checkpointer
+    from simplefsdp.models.llama3 import Transformer, get_config
+    from simplefsdp.train.config import load_config
+    from simplefsdp.train.parallelism import parallelize_job
+
+    job = load_config(None, ["--float8.enable", "true", "--compile.enable", "false"])
+    args = get_config("debug", n_layers=1)
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallel = parallelize_job(model, job, torch.device("cpu"))
+    stored = dict(parallel.module.named_parameters())
+    assert is_float8(stored["layers.0.attention.wq.weight"])  # the run trains in float8
+    optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    parallel.step(tokens[:, :-1], tokens[:, 1:])
+    optimizer.step()
+    ck = Checkpointer(folder, model=parallel.module, optimizer=optimizer,
+                      device=torch.device("cpu"), keep_last=1, config_hash="h",
+                      config_json={"model_args": asdict(args)})  # fmt: skip
+    ck.save(1, {"scheduler": {}, "data_loader": {}})
+    return {k: v.full_tensor().numpy() for k, v in parallel.module.state_dict().items()}
+
+
+def is_float8(param) -> bool:
+    from simplefsdp.frontend.float8 import is_float8_weight
+
+    return is_float8_weight(param)
+
+
+def test_export_of_a_float8_run_is_plain_weights(tmp_path):
+    """``simplefsdp export`` of a float8 run: plain tensors named as the
+    unconverted model's, loadable into it, equal to the trained weights."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    from simplefsdp.checkpoint.export import export_checkpoint, model_args_from_config
+    from simplefsdp.models.llama3 import Transformer
+
+    trained = run_distributed(_float8_checkpoint_body, world_size=WORLD, args=(str(tmp_path),))[0]
+    weights_path, config_path = export_checkpoint(tmp_path, tmp_path / "out" / "model.safetensors")
+    weights = load_file(str(weights_path))
+    import json
+
+    plain = Transformer(model_args_from_config(json.loads(config_path.read_text())))
+    assert weights.keys() == plain.state_dict().keys()
+    assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in weights.values())
+    plain.load_state_dict(weights, strict=True)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, torch.from_numpy(trained[name])), name

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from simplefsdp.train import config as C
 from simplefsdp.train.config import (
@@ -585,12 +586,58 @@ def test_manual_edit_then_validate():
         (["--float8.recipe", "blockwise"], "float8.recipe"),
         (["--float8.enable", "true", "--parallel.engine", "simplefsdp_eager"],
          "valid choices with float8"),
-        (["--float8.enable", "true", "--parallel.tp", "2"], "data parallelism only"),
+        (["--float8.enable", "true", "--parallel.pp", "2"], "data and tensor parallelism"),
     ],
 )  # fmt: skip
 def test_float8_errors(override, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, override)
+
+
+def test_float8_with_tensor_parallel():
+    from simplefsdp.train.cli import preflight
+
+    job = load_config(None, ["--float8.enable", "true", "--parallel.tp", "2"])
+    assert job.parallel.tp == 2
+    # gloo has no float8 all-gather for the sequence-parallel activations
+    with pytest.raises(ValueError, match="--parallel.sequence_parallel false"):
+        preflight(job, world_size=2, local_world_size=2)
+    ok = ["--parallel.sequence_parallel", "false"]
+    preflight(
+        load_config(None, ["--float8.enable", "true", "--parallel.tp", "2", *ok]),
+        world_size=2,
+        local_world_size=2,
+    )
+    rowwise = ["--float8.enable", "true", "--float8.recipe", "rowwise", "--parallel.tp", "2"]
+    preflight(load_config(None, rowwise), world_size=2, local_world_size=2)
+
+
+def test_float8_tensor_parallel_plan_uses_torchao_styles():
+    pytest.importorskip("torchao.float8")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from simplefsdp.models.llama3 import Transformer, get_config
+    from simplefsdp.models.llama3.tensor_parallel import llama3_tp_plan
+    from simplefsdp.train.parallelism import convert_to_float8_training_model
+
+    def plan(recipe):
+        with torch.device("meta"):
+            model = Transformer(get_config("debug", n_layers=1))
+        if recipe:
+            convert_to_float8_training_model(model, recipe)
+        styles = llama3_tp_plan(model)
+        return {k.removeprefix("layers.0."): type(v).__name__ for k, v in styles.items()}
+
+    float8 = plan("tensorwise")
+    assert float8["attention"] == float8["feed_forward"] == "PrepareFloat8ModuleInput"
+    assert float8["attention.wq"] == float8["feed_forward.w1"] == "Float8ColwiseParallel"
+    assert float8["attention.wo"] == float8["feed_forward.w2"] == "Float8RowwiseParallel"
+    # the output layer is not converted (float8.filter_fqns): torch's style
+    assert float8["output"] == "ColwiseParallel"
+    # rowwise scaling is not served by torchao's float8 styles: torch's own
+    assert plan("rowwise") == plan(None)
+    assert plan(None)["attention.wq"] == ColwiseParallel.__name__
+    assert plan(None)["attention.wo"] == RowwiseParallel.__name__
 
 
 def test_float8_section_defaults():

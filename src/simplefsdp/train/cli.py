@@ -180,6 +180,13 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
             f"{local_world_size} processes per node but only {gpus} GPUs are visible; "
             f"use --nproc between 1 and {gpus}"
         )
+    f8 = job.float8
+    if f8.enable and f8.recipe == "tensorwise" and p.tp > 1 and p.sequence_parallel and not gpus:
+        raise ValueError(
+            "float8.recipe 'tensorwise' with parallel.tp > 1 and parallel.sequence_parallel true "
+            "needs GPUs (gloo cannot all-gather float8 activations); on CPU use "
+            "--parallel.sequence_parallel false"
+        )
 
 
 def _check_data_files(path: str) -> None:

@@ -26,6 +26,14 @@ over a 1-D ``DeviceMesh`` (Megatron-style, as torchtitan's Llama 3 ``apply_tp``)
   head counts, so local heads just work). ``wo``/``w2``:
   :class:`RowwiseParallel` whose partial output is reduce-scattered to
   ``Shard(1)`` (sequence parallel) or all-reduced to ``Replicate``.
+* Float8: a block whose projections are torchao ``Float8Linear`` layers with
+  tensorwise dynamic scaling (``convert_to_float8_training`` before TP, as
+  torchtitan) gets torchao's float8 styles instead (``Float8ColwiseParallel``,
+  ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``): the activation is
+  cast to float8 before its sequence all-gather (half the bytes), the scales
+  are the whole tensors' amaxes, and the output gradients are cast to float8
+  in backward. Rowwise-scaled and unconverted layers keep the plain styles
+  (the ``Float8Linear`` then casts its DTensor inputs itself).
 * ``output``: :class:`ColwiseParallel` over the vocabulary. With loss
   parallelism the logits stay a ``Shard(-1)`` DTensor
   (``use_local_output=False``) and must be consumed by ``F.cross_entropy``
@@ -71,7 +79,12 @@ from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_paral
 
 from simplefsdp.parallel_dims import tp_split_sizes
 
-__all__ = ["apply_tensor_parallel", "llama3_tp_plan", "loss_parallel_context"]
+__all__ = [
+    "apply_tensor_parallel",
+    "is_float8_tensorwise",
+    "llama3_tp_plan",
+    "loss_parallel_context",
+]
 
 
 def llama3_tp_plan(
@@ -97,6 +110,7 @@ def llama3_tp_plan(
         ``ParallelStyle`` objects.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    colwise, rowwise, prepare = _styles_for(model)
     plan: dict[str, ParallelStyle] = {}
     # A pipeline stage may lack the embedding or the head (they are None).
     if getattr(model, "tok_embeddings", None) is not None:
@@ -114,19 +128,65 @@ def llama3_tp_plan(
         if sequence_parallel:
             plan[prefix + "attention_norm"] = SequenceParallel()
             plan[prefix + "ffn_norm"] = SequenceParallel()
-        plan[prefix + "attention"] = PrepareModuleInput(
+        block = model.layers[key]
+        plan[prefix + "attention"] = prepare(block.attention, ("wq", "wk", "wv"))(
             input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
         )
         for name in ("wq", "wk", "wv"):
-            plan[prefix + "attention." + name] = ColwiseParallel()
-        plan[prefix + "attention.wo"] = RowwiseParallel(output_layouts=seq)
-        plan[prefix + "feed_forward"] = PrepareModuleInput(
+            plan[prefix + "attention." + name] = colwise(block.attention, name)()
+        plan[prefix + "attention.wo"] = rowwise(block.attention, "wo")(output_layouts=seq)
+        plan[prefix + "feed_forward"] = prepare(block.feed_forward, ("w1", "w3"))(
             input_layouts=(seq,), desired_input_layouts=(Replicate(),)
         )
         for name in ("w1", "w3"):
-            plan[prefix + "feed_forward." + name] = ColwiseParallel()
-        plan[prefix + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+            plan[prefix + "feed_forward." + name] = colwise(block.feed_forward, name)()
+        plan[prefix + "feed_forward.w2"] = rowwise(block.feed_forward, "w2")(output_layouts=seq)
     return plan
+
+
+def is_float8_tensorwise(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear`` with dynamic tensorwise
+    scaling of its input, weight and output gradient: the layers torchao's
+    float8 TP styles serve (rowwise recipes are not)."""
+    if type(module).__name__ != "Float8Linear":
+        return False
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    casts = (
+        module.config.cast_config_input,
+        module.config.cast_config_weight,
+        module.config.cast_config_grad_output,
+    )
+    return all(
+        c.scaling_type == ScalingType.DYNAMIC
+        and c.scaling_granularity == ScalingGranularity.TENSORWISE
+        for c in casts
+    )
+
+
+def _styles_for(model: nn.Module):
+    """``(colwise, rowwise, prepare)``: functions of (parent module, child
+    name(s)) giving the style class for that projection (or the module input
+    shared by those projections): torchao's float8 style where every one of
+    them :func:`is_float8_tensorwise`, else torch's."""
+    if not any(is_float8_tensorwise(m) for m in model.modules()):
+        plain = (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+        return tuple((lambda *_, s=style: s) for style in plain)
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def float8(parent: nn.Module, names) -> bool:
+        names = (names,) if isinstance(names, str) else names
+        return all(is_float8_tensorwise(getattr(parent, name)) for name in names)
+
+    return (
+        lambda p, n: Float8ColwiseParallel if float8(p, n) else ColwiseParallel,
+        lambda p, n: Float8RowwiseParallel if float8(p, n) else RowwiseParallel,
+        lambda p, n: PrepareFloat8ModuleInput if float8(p, n) else PrepareModuleInput,
+    )
 
 
 def _check_divisible(name: str, value: int, tp: int, why: str = "") -> None:
@@ -204,13 +264,23 @@ def apply_tensor_parallel(
         ``model``, parallelized in place.
 
     Raises:
-        ValueError: ``tp_mesh`` is not a 1-D ``DeviceMesh``; a parameter is
+        ValueError: a tensorwise float8 model with ``sequence_parallel`` on a
+            CPU mesh (gloo has no float8 all-gather); ``tp_mesh`` is not a
+            1-D ``DeviceMesh``; a parameter is
             already a DTensor; ``n_heads``, ``n_kv_heads`` or the feed-forward
             hidden dim (or, with ``loss_parallel``, ``vocab_size``) is not
             divisible by the TP size. The message names the value. (Later, from
             ``model(tokens)``: an uneven sequence split with ``sequence_parallel``.)
     """
     _validate(model, tp_mesh, loss_parallel)
+    if sequence_parallel and tp_mesh.device_type == "cpu":
+        float8 = next((n for n, m in model.named_modules() if is_float8_tensorwise(m)), None)
+        if float8 is not None:
+            raise ValueError(
+                f"tensor parallel: float8 layer {float8!r} with sequence_parallel=True on a CPU "
+                "mesh: gloo cannot all-gather float8 activations; use sequence_parallel=False "
+                "on CPU (GPUs gather them in float8)"
+            )
     plan = llama3_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel:

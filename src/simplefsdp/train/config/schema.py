@@ -557,10 +557,10 @@ def validate_config(cfg: JobConfig) -> None:
         errors.append(
             'float8.enable: invalid value True without torchao; install it with pip install -e ".[float8]"'
         )
-    if f8.enable and (p.tp > 1 or p.pp > 1):
+    if f8.enable and p.pp > 1:
         errors.append(
-            f"float8.enable: invalid value True with parallel.tp={p.tp}, parallel.pp={p.pp}; "
-            "float8 training runs with data parallelism only (tp = pp = 1)"
+            f"float8.enable: invalid value True with parallel.pp={p.pp}; "
+            "float8 training runs with data and tensor parallelism (pp = 1)"
         )
 
     errors.extend(_expert_parallel_errors(cfg))
