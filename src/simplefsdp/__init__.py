@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         data_parallel,
         get_data_parallel_state,
     )
+    from simplefsdp.frontend.float8 import convert_linears_to_float8
     from simplefsdp.frontend.parametrization import disable_parametrization
     from simplefsdp.frontend.rank_check import RankDivergenceError
     from simplefsdp.policies import MixedPrecisionPolicy
@@ -47,6 +48,7 @@ _LAZY: dict[str, str] = {
     "comm_report": "simplefsdp.compiler.entry_points",
     "compile": "simplefsdp.compiler.entry_points",
     "compile_backend": "simplefsdp.compiler.entry_points",
+    "convert_linears_to_float8": "simplefsdp.frontend.float8",
     "data_parallel": "simplefsdp.frontend.data_parallel",
     "disable_parametrization": "simplefsdp.frontend.parametrization",
     "eager": "simplefsdp.eager_executor.api",
@@ -67,6 +69,7 @@ __all__ = [
     "comm_report",
     "compile",
     "compile_backend",
+    "convert_linears_to_float8",
     "data_parallel",
     "disable_parametrization",
     "eager",

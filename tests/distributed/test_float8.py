@@ -259,12 +259,12 @@ TP_STEPS, TP_LR = 4, 0.5
 
 
 def _llama(float8: bool) -> torch.nn.Module:
+    from simplefsdp import convert_linears_to_float8
     from simplefsdp.models.llama3 import Transformer, get_config
-    from simplefsdp.train.parallelism import convert_to_float8_training_model
 
     torch.manual_seed(0)
     model = Transformer(get_config("debug", dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
-    return convert_to_float8_training_model(model, "tensorwise") if float8 else model
+    return convert_linears_to_float8(model, "tensorwise") if float8 else model
 
 
 def _tp_body(backend: str | None) -> dict:

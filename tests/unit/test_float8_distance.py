@@ -16,15 +16,15 @@ STEPS = 8
 
 
 def _losses(float8: bool) -> list[float]:
+    from simplefsdp.frontend.float8 import convert_linears_to_float8
     from simplefsdp.models.llama3 import Transformer, get_config
     from simplefsdp.models.llama3.parallelize import cross_entropy
-    from simplefsdp.train.parallelism import convert_to_float8_training_model
 
     torch.manual_seed(0)
     model = Transformer(get_config("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2))
     model.init_weights()
     if float8:
-        convert_to_float8_training_model(model, "tensorwise")
+        convert_linears_to_float8(model, "tensorwise")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))
     losses = []

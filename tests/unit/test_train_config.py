@@ -616,15 +616,15 @@ def test_float8_tensor_parallel_plan_uses_torchao_styles():
     pytest.importorskip("torchao.float8")
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from simplefsdp.frontend.float8 import convert_linears_to_float8
     from simplefsdp.models.llama3 import Transformer, get_config
     from simplefsdp.models.llama3.tensor_parallel import llama3_tp_plan
-    from simplefsdp.train.parallelism import convert_to_float8_training_model
 
     def plan(recipe):
         with torch.device("meta"):
             model = Transformer(get_config("debug", n_layers=1))
         if recipe:
-            convert_to_float8_training_model(model, recipe)
+            convert_linears_to_float8(model, recipe)
         styles = llama3_tp_plan(model)
         return {k.removeprefix("layers.0."): type(v).__name__ for k, v in styles.items()}
 

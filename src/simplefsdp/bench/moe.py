@@ -91,7 +91,7 @@ def parallelize_moe(config: Any, model: nn.Module, ep: int, device: torch.device
     import torch.distributed as dist
 
     from simplefsdp.engines import ParallelModel
-    from simplefsdp.engines.parallelize import _dtype
+    from simplefsdp.engines.parallelize import dtype_from_name
     from simplefsdp.frontend.expert_parallel import (
         apply_expert_parallel,
         build_expert_parallel_mesh,
@@ -102,7 +102,7 @@ def parallelize_moe(config: Any, model: nn.Module, ep: int, device: torch.device
     mesh, dp_mesh = build_expert_parallel_mesh(device.type, world, ep, model.args.num_experts)
     model.to(device)
     apply_expert_parallel(model, mesh["ep"])
-    dtype = _dtype(param_dtype)
+    dtype = dtype_from_name(param_dtype)
     reduce_dtype = torch.float32 if dtype is not None else None
     notes = [f"experts: ep {ep} x dp_shard_mod_ep {world // ep}; dense: dp {world}"]
     if config.engine == "simplefsdp":

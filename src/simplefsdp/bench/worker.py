@@ -119,10 +119,9 @@ def build_model(workload: Workload, seed: int, *, float8: bool = False) -> nn.Mo
     torch.manual_seed(seed)
     model = Transformer(get_config(workload.model, **overrides))
     if float8:
-        from simplefsdp.train.config.schema import Float8Config, JobConfig
-        from simplefsdp.train.parallelism import convert_to_float8
+        from simplefsdp.frontend.float8 import convert_linears_to_float8
 
-        convert_to_float8(model, JobConfig(float8=Float8Config(enable=True)))
+        convert_linears_to_float8(model)
     return model
 
 

@@ -64,7 +64,12 @@ InitFn = Callable[[nn.Module], None]
 TensorParallelFn = Callable[[nn.Module, DeviceMesh], Any]
 
 
-def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+def dtype_from_name(value: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"``/``"float16"``/``"float32"`` (or a dtype, or ``None``) as a torch dtype.
+
+    Raises:
+        ValueError: an unknown name, listing the valid ones.
+    """
     if value is None or isinstance(value, torch.dtype):
         return value
     if value not in _DTYPES:
@@ -160,8 +165,8 @@ class EngineSpec:
                 f"parallelism (ep={self.ep}); engines with ep > 1: {', '.join(EP_ENGINES)}, "
                 "tp 1"
             )
-        _dtype(self.param_dtype)
-        _dtype(self.reduce_dtype)
+        dtype_from_name(self.param_dtype)
+        dtype_from_name(self.reduce_dtype)
         if self.torch_passes and self.engine != "simplefsdp":
             raise ValueError(f"torch_passes applies to engine 'simplefsdp', not {self.engine!r}")
 
@@ -293,7 +298,8 @@ def _apply_simplefsdp(
     import simplefsdp
 
     policy = simplefsdp.MixedPrecisionPolicy(
-        param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
+        param_dtype=dtype_from_name(spec.param_dtype),
+        reduce_dtype=dtype_from_name(spec.reduce_dtype),
     )
     simplefsdp.data_parallel(
         model,
@@ -348,7 +354,8 @@ def _apply_fsdp2(
     from simplefsdp.frontend.expert_parallel import EP_MESH_ATTR
 
     policy = MixedPrecisionPolicy(
-        param_dtype=_dtype(spec.param_dtype), reduce_dtype=_dtype(spec.reduce_dtype)
+        param_dtype=dtype_from_name(spec.param_dtype),
+        reduce_dtype=dtype_from_name(spec.reduce_dtype),
     )
     for _, block in repeated_blocks(model):
         if spec.compile:

@@ -52,6 +52,41 @@ _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduc
 _WEIGHT_CLASS_NAME = "WeightWithDynamicFloat8CastTensor"
 
 
+def convert_linears_to_float8(
+    model: torch.nn.Module, recipe: str = "tensorwise", filter_fqns: str = "output"
+) -> torch.nn.Module:
+    """torchao's ``convert_to_float8_training`` of ``model`` with ``recipe``
+    (``"tensorwise"``: dynamic tensorwise scaling with float8 all-gathers, Note:
+    [Float8 all-gather]; ``"rowwise"``: torchao's rowwise recipe, gathered in
+    ``param_dtype`` as under FSDP2), skipping modules whose name contains one
+    of the comma-separated ``filter_fqns`` and layers whose dims are not
+    multiples of 16 (torchtitan's filter). Works on a meta-device model; call
+    it before :func:`simplefsdp.data_parallel`.
+
+    Raises:
+        ValueError: torchao is not installed (one line naming the extra), or
+            an unknown ``recipe``.
+    """
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ValueError('float8 training needs torchao: pip install -e ".[float8]"') from e
+    if recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    elif recipe == "rowwise":
+        config = Float8LinearConfig.from_recipe_name(recipe)
+    else:
+        raise ValueError(f"float8 recipe: invalid value {recipe!r}; valid: 'tensorwise', 'rowwise'")
+    skipped = [name.strip() for name in filter_fqns.split(",") if name.strip()]
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        if any(name in fqn for name in skipped):
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    return convert_to_float8_training(model, config=config, module_filter_fn=keep)
+
+
 def is_float8_weight(param: torch.Tensor) -> bool:
     """Whether ``param`` (a stored DTensor or a plain tensor) holds a torchao
     float8-all-gather weight (``WeightWithDynamicFloat8CastTensor``)."""

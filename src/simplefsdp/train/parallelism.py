@@ -124,36 +124,9 @@ def convert_to_float8(model: torch.nn.Module, job: JobConfig) -> torch.nn.Module
     Raises:
         ValueError: torchao is not installed (one line naming the extra).
     """
-    return convert_to_float8_training_model(model, job.float8.recipe, job.float8.filter_fqns)
+    from simplefsdp import convert_linears_to_float8
 
-
-def convert_to_float8_training_model(
-    model: torch.nn.Module, recipe: str, filter_fqns: str = "output"
-) -> torch.nn.Module:
-    """torchao's ``convert_to_float8_training`` of ``model`` with ``recipe``
-    (``"tensorwise"`` with float8 all-gathers, or ``"rowwise"``), skipping
-    modules whose name contains one of the comma-separated ``filter_fqns``
-    and layers whose dims are not multiples of 16 (torchtitan's filter).
-
-    Raises:
-        ValueError: torchao is not installed (one line naming the extra).
-    """
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as e:
-        raise ValueError('float8.enable=true needs torchao: pip install -e ".[float8]"') from e
-    if recipe == "tensorwise":
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    else:
-        config = Float8LinearConfig.from_recipe_name(recipe)
-    skipped = [name.strip() for name in filter_fqns.split(",") if name.strip()]
-
-    def keep(module: torch.nn.Module, fqn: str) -> bool:
-        if any(name in fqn for name in skipped):
-            return False
-        return module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-    return convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    return convert_linears_to_float8(model, job.float8.recipe, job.float8.filter_fqns)
 
 
 # --------------------------------------------------------------------------- MoE models
