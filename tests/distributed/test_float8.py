@@ -41,9 +41,10 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randn(WORLD * LOCAL_BATCH, 32, generator=g) for _ in range(STEPS)]
 
 
-def _train(model, micro_batches: int, rank: int = 0) -> list[float]:
+def _train(model, micro_batches: int, rank: int = 0, after=None) -> list[float]:
     """Steps of AdamW; the global batch split into ``micro_batches`` pieces,
-    this process running piece ``rank`` (all pieces, accumulated, in one process)."""
+    this process running piece ``rank`` (all pieces, accumulated, in one
+    process); ``after()`` runs after each optimizer step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for batch in _batches():
@@ -56,6 +57,8 @@ def _train(model, micro_batches: int, rank: int = 0) -> list[float]:
             total += loss.detach()
         opt.step()
         opt.zero_grad()
+        if after is not None:
+            after()
         losses.append(total)
     return losses
 
@@ -206,12 +209,24 @@ def _fsdp2_body() -> None:
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
-    fsdp2 = _build(True)
-    for layer in fsdp2:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(fsdp2, mesh=mesh)
+    from simplefsdp.engines import ParallelModel
+
+    def sharded():
+        model = _build(True)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    fsdp2 = sharded()
     fsdp2_losses = _global(_train(fsdp2, 1, rank))
+    # The fsdp2 engine precomputes all scales in one all-reduce after each
+    # optimizer step (torchao's precompute_float8_dynamic_scale_for_fsdp):
+    # the same scales, so the same training.
+    precomputed = sharded()
+    engine = ParallelModel(module=precomputed, forward=precomputed, engine="fsdp2", mesh=mesh)
+    assert _global(_train(precomputed, 1, rank, engine.after_optimizer_step)) == fsdp2_losses
+    assert precomputed[0].weight._local_tensor._precomputed_scale is not None
     ours = _wrap(_build(True), None)
     our_losses = _global(_train(ours, 1, rank))
     # FSDP2 runs torchao's own pre/post all-gather hooks: the same amax

@@ -173,7 +173,9 @@ def _train_step(
     after: Callable[[], None] | None = None,
 ) -> float | None:
     """One optimizer step over ``batch``'s accumulation batches (the mean
-    loss); ``after`` runs after the optimizer (a MoE's routing update)."""
+    loss); ``after`` runs after the optimizer (the engine's
+    :meth:`~simplefsdp.engines.ParallelModel.after_optimizer_step`, a MoE's
+    routing update)."""
     loss = forward_backward(batch)
     _optimizer_step(optimizer, after)
     return loss
@@ -232,11 +234,14 @@ def _run_training(
     )
     pipe = parallel if isinstance(parallel, PipelinedModel) else None  # for its bubble times
     forward_backward = functools.partial(_forward_backward, parallel, device=device)
-    after = None
+    after = parallel.after_optimizer_step  # FSDP2's float8 scales
     if is_moe_model(workload.model):
         from simplefsdp.bench.moe import update_routing
 
-        after = functools.partial(update_routing, parallel.module)
+        def after() -> None:
+            parallel.after_optimizer_step()
+            update_routing(parallel.module)
+
     step_fn = functools.partial(_train_step, forward_backward, optimizer, after=after)
     warmup_s, step_s, losses, bubbles = [], [], [], []
     state: int | None = None

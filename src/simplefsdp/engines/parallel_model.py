@@ -57,6 +57,7 @@ class ParallelModel:
     notes: list[str] = field(default_factory=list)
     tp_mesh: DeviceMesh | None = None
     loss_fn: LossFn | None = None
+    _float8_weights: bool | None = field(default=None, init=False, repr=False)
 
     @property
     def has_loss(self) -> bool:
@@ -143,6 +144,28 @@ class ParallelModel:
                 yield
             finally:
                 self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def after_optimizer_step(self) -> None:
+        """What the engine does after each optimizer step.
+
+        FSDP2 with torchao float8 all-gather weights: the next step's float8
+        scales of every such weight in one all-reduce (torchao's
+        ``precompute_float8_dynamic_scale_for_fsdp``, as torchtitan runs it);
+        without it each weight's pre-all-gather hook all-reduces its own amax.
+        simplefsdp computes the scales in the step's graph instead (one
+        bucketed amax all-reduce: Note: [Float8 all-gather]). Other engines:
+        nothing.
+        """
+        if self.engine != "fsdp2":
+            return
+        if self._float8_weights is None:
+            from simplefsdp.frontend.float8 import is_float8_weight
+
+            self._float8_weights = any(is_float8_weight(p) for p in self.module.parameters())
+        if self._float8_weights:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.module)
 
     @contextlib.contextmanager
     def compile_context(self) -> Iterator[None]:

@@ -280,6 +280,11 @@ class PipelinedModel:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target) * self._scale
 
+    def after_optimizer_step(self) -> None:
+        """Each part's :meth:`ParallelModel.after_optimizer_step`."""
+        for part in self.parts:
+            part.after_optimizer_step()
+
     @contextlib.contextmanager
     def compile_context(self) -> Iterator[None]:
         """The parts' Inductor patches (see :meth:`ParallelModel.compile_context`)."""

@@ -447,6 +447,7 @@ class Trainer:
                 loss_sum += loss
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
         self.optimizer.step()
+        self.parallel.after_optimizer_step()
         self.scheduler.step()
         if self.moe:
             self._balance_experts()
