@@ -162,6 +162,9 @@ class Traced:
     # partitioned (compiled) forward saves: the eager engine's extra.
     eager_saved_bytes: int = 0
     compiled_saved_bytes: int = 0
+    # Weights torchao's float8 conversion converts with torchtitan's filter:
+    # every ``nn.Linear`` but the output layer, both dims divisible by 16.
+    float8_fqns: frozenset[str] = frozenset()
 
 
 @contextlib.contextmanager
@@ -224,6 +227,7 @@ def trace_step(key: TraceKey) -> Traced:
         eager_saved = sum(e for e, _ in backend.saved_activations)
         compiled_saved = sum(c for _, c in backend.saved_activations)
         local = sum(_local(p).numel() * _local(p).element_size() for p in wrapped.parameters())
+        float8 = frozenset(float8_linear_weights(wrapped))
     torch._dynamo.reset()
     return Traced(
         key,
@@ -235,7 +239,22 @@ def trace_step(key: TraceKey) -> Traced:
         local,
         eager_saved,
         compiled_saved,
+        float8,
     )
+
+
+def float8_linear_weights(module: nn.Module, skip: tuple[str, ...] = ("output",)) -> list[str]:
+    """FQNs of the weights torchao's ``convert_to_float8_training`` converts
+    under torchtitan's default filter: every ``nn.Linear`` whose name is not
+    in ``skip`` and whose both dims are divisible by 16 (``torch._scaled_mm``'s
+    requirement)."""
+    found = []
+    for name, sub in module.named_modules():
+        if not isinstance(sub, nn.Linear) or name.split(".")[-1] in skip:
+            continue
+        if all(d % 16 == 0 for d in sub.weight.shape):
+            found.append(f"{name}.weight")
+    return found
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
