@@ -143,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="simplefsdp", help="simplefsdp (compiled) or fsdp2")
     p.add_argument("--dtype", default="bf16", help="bf16 (mixed precision, default) or fp32")
     p.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="with --tp: the logits stay sharded over the vocabulary for the loss "
+        "(simplefsdp train --parallel.loss_parallel true; torchtitan's default)",
+    )
+    p.add_argument(
         "--float8",
         action="store_true",
         help="torchao float8 training (tensorwise, float8 all-gather) of every linear "
@@ -212,6 +218,7 @@ def _layout(ns: argparse.Namespace, values: dict | None = None):
         engine=ns.engine,
         dtype=ns.dtype,
         float8=ns.float8,
+        loss_parallel=ns.loss_parallel,
     )
 
 
@@ -703,7 +710,13 @@ def _moe_main(ns: argparse.Namespace, start: float) -> int:
     if not pred.fits:
         largest = largest_fitting_batch(pred)
         print(format_prediction(pred))
-        hint = f"about {largest}" if largest else "none: the model state alone is too large"
+        state = sum(pred.memory[k] for k in ("parameters", "gradients", "optimizer"))
+        if largest:
+            hint = f"about {largest}"
+        elif state > pred.usable_bytes:
+            hint = "none: the model state alone is too large (more --gpus)"
+        else:
+            hint = "none at this --seq and --ac (a leaner --ac or a shorter --seq)"
         print(
             f"simplefsdp plan: error: --batch {layout.batch} does not fit on {hw.name}: "
             f"predicted {pred.peak_bytes / GiB:.2f} GiB of {pred.usable_bytes / GiB:.2f} GiB "

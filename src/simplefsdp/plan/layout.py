@@ -43,6 +43,8 @@ class Layout:
     # torchao float8 training (tensorwise scaling, float8 all-gather) of the
     # linears torchtitan converts: every one but the output layer.
     float8: bool = False
+    # With tp > 1: the logits stay sharded over the vocabulary for the loss.
+    loss_parallel: bool = False
 
     @property
     def dp(self) -> int:
@@ -55,7 +57,7 @@ class Layout:
         if self.float8:
             parts.append("float8")
         if self.tp > 1:
-            parts.append(f"tp{self.tp}")
+            parts.append(f"tp{self.tp}" + (" loss-parallel" if self.loss_parallel else ""))
         if self.pp > 1:
             parts.append(f"pp{self.pp} m{self.microbatches}")
         elif self.microbatches > 1:  # gradient accumulation
@@ -96,5 +98,6 @@ def validate(args: ModelArgs, layout: Layout) -> None:
         batch=layout.batch,
         seq_len=layout.seq,
         sequence_parallel=True,
+        loss_parallel=layout.loss_parallel and layout.tp > 1,
         names=_LAYOUT_NAMES,
     )

@@ -475,6 +475,7 @@ def predict(
             layout.ac,
             layout.reshard_after_forward,
             layout.dtype,
+            layout.loss_parallel and layout.tp > 1,
         )
         for n in (1, 2)
     ]

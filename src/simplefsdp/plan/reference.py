@@ -42,6 +42,7 @@ class ReferenceRow:
     modelled: bool
     note: str = ""
     float8: bool = False
+    loss_parallel: bool = False  # torchtitan's default wherever TP is on
 
 
 # From the table's text: local batch per data-parallel rank; Tables 1/3 use
@@ -132,6 +133,7 @@ TORCHTITAN_H100_202412 = (
         True,
         "2D + compile + Float8",
         float8=True,
+        loss_parallel=True,
     ),
     ReferenceRow(
         "5",
@@ -149,6 +151,7 @@ TORCHTITAN_H100_202412 = (
         False,
         "3D 1F1B + compile + Float8 + AsyncTP",
         float8=True,
+        loss_parallel=True,
     ),
 )
 CALIBRATION_ROW = 1  # index of the row the matmul efficiency is fitted on
@@ -169,6 +172,7 @@ def predict_row(row: ReferenceRow, hw):
         microbatches=row.microbatches,
         engine=row.engine,
         float8=row.float8,
+        loss_parallel=row.loss_parallel,
     )
     return predict(get_config(row.model), layout, hw)
 

@@ -114,17 +114,28 @@ class _WithLoss(nn.Module):
     in one module, so the loss's memory is part of the traced graphs.
 
     Under TP the logits are replicated (all-gathered) before the loss, as in
-    ``simplefsdp train`` without loss parallelism: a vocabulary-parallel loss
-    (``loss_parallel_context``) does not trace under Dynamo, so its memory
-    saving is not modelled.
+    ``simplefsdp train`` without loss parallelism. With ``loss_parallel``
+    (``--parallel.loss_parallel``: the logits stay sharded over the
+    vocabulary) each rank's loss works on its own shard of the logits: the
+    memory and work of a vocabulary-parallel cross-entropy, less its two
+    all-reduces of one number per token (``loss_parallel_context`` does not
+    trace under Dynamo, so its graph is not the one traced).
     """
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, loss_parallel: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.loss_parallel = loss_parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self.model(tokens)
+        if self.loss_parallel:
+            from torch.distributed.tensor import DTensor
+
+            assert isinstance(logits, DTensor), type(logits)
+            local = logits.to_local().float()
+            target = tokens.remainder(local.shape[-1])[..., None]
+            return (local.logsumexp(-1, keepdim=True) - local.gather(-1, target)).mean()
         if hasattr(logits, "full_tensor"):
             logits = logits.full_tensor()
         # log_softmax + gather: the memory of F.cross_entropy (fp32 logits and
@@ -145,6 +156,7 @@ class TraceKey:
     ac: str
     reshard_after_forward: bool = True
     dtype: str = "bf16"  # compute dtype: bf16 (mixed precision) or fp32
+    loss_parallel: bool = False  # logits sharded over the vocabulary under TP
 
 
 @dataclass
@@ -200,10 +212,11 @@ def trace_step(key: TraceKey) -> Traced:
         mesh = init_device_mesh("cpu", (key.dp, key.tp), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             model = Transformer(key.args)
+        loss_parallel = key.loss_parallel and key.tp > 1
         if key.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
+            apply_tensor_parallel(model, mesh["tp"], loss_parallel=loss_parallel)
         apply_activation_checkpointing(model, key.ac)
-        wrapped = _WithLoss(model)
+        wrapped = _WithLoss(model, loss_parallel)
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if key.dtype == "bf16"
