@@ -121,3 +121,20 @@ def test_reference_float8_rows_are_predicted_with_float8() -> None:
     rows = [r for r in TORCHTITAN_H100_202412 if "Float8" in r.note]
     assert len(rows) == 4 and all(r.float8 for r in rows)
     assert not any(r.float8 for r in TORCHTITAN_H100_202412 if "Float8" not in r.note)
+
+
+def test_loss_parallel_keeps_the_logits_sharded() -> None:
+    # With the vocabulary split over TP 2 each rank's loss works on half the
+    # logits: the activations and temporaries shrink by at least a quarter
+    # of one fp32 copy of the full logits (the partitioner keeps some of
+    # them in bf16 either way).
+    args = get_config("debug", vocab_size=4096)
+    layout = Layout(gpus=4, tp=2, batch=2, seq=64, bucketing="per_block")
+    replicated = predict(args, layout, FIXED)
+    sharded = predict(args, dataclasses.replace(layout, loss_parallel=True), FIXED)
+    logits = 2 * 64 * 4096 * 4  # one fp32 copy of the full logits
+    lost = (replicated.memory["activations"] + replicated.memory["temporary"]) - (
+        sharded.memory["activations"] + sharded.memory["temporary"]
+    )
+    assert lost >= logits / 4
+    assert "loss-parallel" in sharded.layout.describe()
