@@ -8,6 +8,8 @@ Examples::
     simplefsdp plan --model llama3_405b --gpus 512 --tp 8 --pp 8 --microbatches 8 \\
         --batch 32 --ac full --out plans/405b
     simplefsdp plan --model llama3_8b --gpus 8 --sweep
+    simplefsdp plan --model llama3_8b --gpus 8 --batch 2 --float8
+    simplefsdp plan --model deepseek_v3_16b --gpus 8 --ep 2 --batch 1 --seq 4096
     simplefsdp plan --calibrate --out profiles/   # measure this machine (gloo, CPU)
 
 Runs in one process on this machine: the model is traced on the meta device
@@ -81,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="simplefsdp plan",
         description="Predict per-GPU peak memory, step time, tokens/s and MFU of a Llama 3 "
-        "training job from its traced graphs, without GPUs.",
+        "training job from its traced graphs, or of a mixture-of-experts job from its "
+        "shapes, without GPUs.",
     )
     p.add_argument(
         "--model",
