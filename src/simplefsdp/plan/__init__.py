@@ -1,5 +1,7 @@
 """``simplefsdp plan``: predict per-GPU memory and step time of Llama 3 training
-jobs on GPU clusters from traced graphs, on a machine without GPUs.
+jobs on GPU clusters from traced graphs (bf16 or float8), and of
+mixture-of-experts jobs with expert parallelism from their shapes
+(``simplefsdp.plan.moe``), on a machine without GPUs.
 
 See ``docs/scale.md`` for the model and its validation against published
 measurements.

@@ -8,6 +8,8 @@ Examples::
     simplefsdp plan --model llama3_405b --gpus 512 --tp 8 --pp 8 --microbatches 8 \\
         --batch 32 --ac full --out plans/405b
     simplefsdp plan --model llama3_8b --gpus 8 --sweep
+    simplefsdp plan --model llama3_8b --gpus 8 --batch 2 --float8
+    simplefsdp plan --model deepseek_v3_16b --gpus 8 --ep 2 --batch 1 --seq 4096
     simplefsdp plan --calibrate --out profiles/   # measure this machine (gloo, CPU)
 
 Runs in one process on this machine: the model is traced on the meta device
@@ -81,12 +83,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="simplefsdp plan",
         description="Predict per-GPU peak memory, step time, tokens/s and MFU of a Llama 3 "
-        "training job from its traced graphs, without GPUs.",
+        "training job from its traced graphs, or of a mixture-of-experts job from its "
+        "shapes, without GPUs.",
     )
     p.add_argument(
         "--model",
         default="llama3_8b",
-        help="llama3_8b (default), llama3_70b, llama3_405b, llama3_debug, llama3_small",
+        help="llama3_8b (default), llama3_70b, llama3_405b, llama3_debug, llama3_small; "
+        "mixture of experts: moe_debug, moe_small, deepseek_v3_16b, deepseek_v3_671b, "
+        "llama4_scout",
     )
     p.add_argument("--config", help="JSON file of ModelArgs fields (optional key 'base')")
     p.add_argument(
@@ -119,6 +124,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pp", type=int, default=1)
     p.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel degree of a mixture-of-experts --model (default 1): each rank "
+        "holds num_experts / ep experts, sharded over the dp / ep ranks holding the same ones",
+    )
+    p.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=1.0,
+        help="MoE: routed tokens of the most loaded EP rank over the mean (default 1.0: balanced)",
+    )
+    p.add_argument(
         "--microbatches",
         type=int,
         default=None,
@@ -127,6 +145,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--engine", default="simplefsdp", help="simplefsdp (compiled) or fsdp2")
     p.add_argument("--dtype", default="bf16", help="bf16 (mixed precision, default) or fp32")
+    p.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="with --tp: the logits stay sharded over the vocabulary for the loss "
+        "(simplefsdp train --parallel.loss_parallel true; torchtitan's default)",
+    )
+    p.add_argument(
+        "--float8",
+        action="store_true",
+        help="torchao float8 training (tensorwise, float8 all-gather) of every linear "
+        "but the output layer: float8 matmuls at the profile's float8 peak",
+    )
     p.add_argument("--bucketing", default="auto", help="auto, per_block, none")
     p.add_argument(
         "--no-reshard", action="store_true", help="keep gathered parameters after forward"
@@ -190,6 +220,8 @@ def _layout(ns: argparse.Namespace, values: dict | None = None):
         bucketing=ns.bucketing,
         engine=ns.engine,
         dtype=ns.dtype,
+        float8=ns.float8,
+        loss_parallel=ns.loss_parallel,
     )
 
 
@@ -203,6 +235,12 @@ def format_prediction(pred) -> str:
     ]
     for name, value in pred.memory.items():
         lines.append(f"    {name:<20}{value / GiB:8.2f} GiB")
+    if getattr(pred, "params", None):
+        lines.insert(
+            1,
+            f"  parameters            {pred.params['total'] / 1e9:8.2f} B total, "
+            f"{pred.params['activated'] / 1e9:.2f} B activated per token",
+        )
     lines.append(f"  step time             {pred.step_s:8.3f} s")
     for name in ("compute", "exposed_comm", "bubble", "optimizer"):
         lines.append(f"    {name:<20}{pred.time[name]:8.3f} s")
@@ -210,15 +248,26 @@ def format_prediction(pred) -> str:
             lines.append(f"      {'of which copies':<18}{pred.time['copies']:8.3f} s")
         if name == "compute" and pred.time["hooks"]:
             lines.append(f"      {'of which hooks':<18}{pred.time['hooks']:8.3f} s")
+    if "ep_comm_total" in pred.time:
+        lines.append(
+            f"    (all DP comm {pred.time['dp_comm_total']:.3f} s, EP all-to-all "
+            f"{pred.time['ep_comm_total']:.3f} s, exposed)"
+        )
+    else:
+        lines.append(
+            f"    (all DP comm {pred.time['dp_comm_total']:.3f} s, TP comm "
+            f"{pred.time['tp_comm_total']:.3f} s)"
+        )
     lines += [
-        f"    (all DP comm {pred.time['dp_comm_total']:.3f} s, TP comm "
-        f"{pred.time['tp_comm_total']:.3f} s)",
         f"  tokens/s/GPU          {pred.tokens_per_s_per_gpu:8.0f}",
         f"  MFU                   {100 * pred.mfu:8.1f} %",
-        f"  bucket plan           {len(pred.buckets)} buckets"
-        + (f"; first: {len(pred.buckets[0])} params" if pred.buckets else "")
-        + (f"; {len(pred.kept)} params kept gathered for backward" if pred.kept else ""),
     ]
+    if not getattr(pred, "params", None):  # MoE plans have no traced bucket plan
+        lines.append(
+            f"  bucket plan           {len(pred.buckets)} buckets"
+            + (f"; first: {len(pred.buckets[0])} params" if pred.buckets else "")
+            + (f"; {len(pred.kept)} params kept gathered for backward" if pred.kept else "")
+        )
     lines += [f"  note: {n}" for n in pred.notes]
     return "\n".join(lines)
 
@@ -527,8 +576,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return calibrate_main(ns)
     start = time.perf_counter()
+    from simplefsdp.plan.moe import is_moe_model
+
+    if ns.config is None and is_moe_model(ns.model):
+        return _moe_main(ns, start)
     try:
         from simplefsdp.plan.predict import predict, validate
+
+        if ns.ep is not None and ns.ep != 1:
+            raise ValueError(
+                f"--ep {ns.ep} needs a mixture-of-experts --model (moe_debug, moe_small, "
+                f"deepseek_v3_16b, deepseek_v3_671b, llama4_scout); {ns.config or ns.model!r} "
+                "is dense"
+            )
 
         args = model_args(ns.model, ns.config)
         hw = get_profile(ns.hardware)
@@ -607,6 +667,82 @@ def main(argv: list[str] | None = None) -> int:
         png = write_png(preds, out / "plan.png")
         if not ns.json:
             print(f"wrote {out / 'plan.json'}" + (f" and {out / 'plan.png'}" if png else ""))
+    if not ns.json:
+        print(f"planned in {elapsed:.1f} s")
+    return 0
+
+
+def _moe_main(ns: argparse.Namespace, start: float) -> int:
+    """``simplefsdp plan`` for a mixture-of-experts ``--model`` (Note: [MoE
+    plan model] in ``simplefsdp.plan.moe``)."""
+    from simplefsdp.plan.moe import MoELayout, moe_args, predict_moe
+
+    try:
+        for flag, bad in (
+            ("--tp", ns.tp not in (None, 1)),
+            ("--pp", ns.pp != 1),
+            ("--microbatches", ns.microbatches not in (None, 1)),
+            ("--float8", ns.float8),
+            ("--sweep", ns.sweep),
+            ("--dtype", ns.dtype != "bf16"),
+            ("--bucketing", ns.bucketing != "auto"),
+        ):
+            if bad:
+                raise ValueError(
+                    f"{flag} is not planned for mixture-of-experts models ({ns.model}); "
+                    "valid: --gpus, --ep, --batch, --seq, --ac, --engine, --no-reshard, "
+                    "--expert-imbalance, --hardware"
+                )
+        args = moe_args(ns.model)
+        hw = get_profile(ns.hardware)
+        layout = MoELayout(
+            gpus=ns.gpus if ns.gpus is not None else GENERIC_DEFAULTS["gpus"],
+            batch=ns.batch if ns.batch is not None else 1,
+            seq=ns.seq if ns.seq is not None else min(args.max_seq_len, 4096),
+            ep=ns.ep if ns.ep is not None else 1,
+            ac=ns.ac or "selective",
+            engine=ns.engine,
+            reshard_after_forward=not ns.no_reshard,
+            imbalance=ns.expert_imbalance,
+        )
+        pred = predict_moe(args, layout, hw)
+    except ValueError as exc:
+        print(f"simplefsdp plan: error: {exc}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    if not pred.fits:
+        largest = largest_fitting_batch(pred)
+        print(format_prediction(pred))
+        state = sum(pred.memory[k] for k in ("parameters", "gradients", "optimizer"))
+        if largest:
+            hint = f"about {largest}"
+        elif state > pred.usable_bytes:
+            hint = "none: the model state alone is too large (more --gpus)"
+        else:
+            hint = "none at this --seq and --ac (a leaner --ac or a shorter --seq)"
+        print(
+            f"simplefsdp plan: error: --batch {layout.batch} does not fit on {hw.name}: "
+            f"predicted {pred.peak_bytes / GiB:.2f} GiB of {pred.usable_bytes / GiB:.2f} GiB "
+            f"usable per GPU; largest batch that fits: {hint}",
+            file=sys.stderr,
+        )
+        return 2
+    result = {
+        "model": dataclasses.asdict(args),
+        "hardware": hw.to_dict(),
+        "planning_s": elapsed,
+        "predictions": [pred.to_dict()],
+    }
+    if ns.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(format_prediction(pred))
+    if ns.out:
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(result, indent=2, default=str))
+        if not ns.json:
+            print(f"wrote {out / 'plan.json'}")
     if not ns.json:
         print(f"planned in {elapsed:.1f} s")
     return 0

@@ -85,6 +85,12 @@ class HardwareProfile:
             compute, hooks and collectives; 0 (the built-in GPU profiles)
             prices them as the compiled engine's, by
             ``copy_bytes_per_byte``.
+        peak_fp8_flops: dense float8 (e4m3/e5m2) tensor-core peak (FLOP/s);
+            0 where the accelerator has no float8 matmul (``--float8`` is
+            then refused).
+        fp8_matmul_efficiency: achievable fraction of ``peak_fp8_flops``
+            for the float8 matmuls of converted linears (0: as
+            ``matmul_efficiency``).
     """
 
     name: str
@@ -111,6 +117,8 @@ class HardwareProfile:
     fsdp2_group_s: float = 0.0
     fsdp2_copy_s_per_byte: float = 0.0
     fsdp2_sharded_group_s: float = 0.0
+    peak_fp8_flops: float = 0.0
+    fp8_matmul_efficiency: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,6 +143,12 @@ class HardwareProfile:
         return latency + factor * num_bytes / bandwidth
 
 
+# The float8 matmuls' achievable fraction of the fp8 peak: one number fitted
+# on one published row (torchtitan's 8B on 8 H100s with Float8, see
+# ``simplefsdp.plan.reference``); the casts to float8 are priced apart, by
+# the bytes they move (Note: [Plan model]).
+FP8_EFFICIENCY = 0.4882
+
 # Numbers: NVIDIA's datasheets (dense, i.e. without 2:4 sparsity). Where no
 # public number exists (achievable fractions, latencies) the value is an
 # assumption, marked so; ``--calibrate`` replaces all of them with
@@ -147,6 +161,9 @@ PROFILES: dict[str, HardwareProfile] = {
         # bf16 dense (1979 with sparsity), 67 TFLOPS fp32, 80 GB HBM3 at 3.35 TB/s.
         peak_bf16_flops=989 * TFLOPS,
         peak_fp32_flops=67 * TFLOPS,
+        # Same datasheet: 1,979 TFLOPS fp8 dense (3,958 with sparsity).
+        peak_fp8_flops=1979 * TFLOPS,
+        fp8_matmul_efficiency=FP8_EFFICIENCY,
         # torchtitan's 500 W H100 fitted value (see h100-96gb-500w); a 700 W
         # SXM part likely sustains more: a conservative assumption.
         matmul_efficiency=0.5021,
@@ -175,6 +192,10 @@ PROFILES: dict[str, HardwareProfile] = {
         # peak (what torchtitan's MFU uses) and a calibrated efficiency.
         peak_bf16_flops=989 * TFLOPS,
         peak_fp32_flops=67 * TFLOPS,
+        peak_fp8_flops=1979 * TFLOPS,  # SXM datasheet, as the bf16 peak
+        # Fitted (python -m simplefsdp.plan.reference --fit-float8) on one
+        # row only: 8B, 8 GPUs, FSDP + torch.compile + Float8, 8,532 TPS/GPU.
+        fp8_matmul_efficiency=FP8_EFFICIENCY,
         # Fitted (python -m simplefsdp.plan.reference --fit) on one row only:
         # 8B, 8 GPUs, FSDP + torch.compile, 6,667 TPS/GPU; docs/scale.md.
         matmul_efficiency=0.5021,
@@ -194,9 +215,12 @@ PROFILES: dict[str, HardwareProfile] = {
         name="h200",
         description="NVIDIA H200 SXM 141GB, 8 per node, NVLink 4, 400 Gb/s InfiniBand per GPU",
         # H200 datasheet (nvidia.com/en-us/data-center/h200): 989 TFLOPS bf16
-        # dense, 67 TFLOPS fp32, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+        # dense, 67 TFLOPS fp32, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s;
+        # 1,979 TFLOPS fp8 dense.
         peak_bf16_flops=989 * TFLOPS,
         peak_fp32_flops=67 * TFLOPS,
+        peak_fp8_flops=1979 * TFLOPS,
+        fp8_matmul_efficiency=FP8_EFFICIENCY,  # assumption: as h100
         matmul_efficiency=0.5021,  # assumption: as h100
         memory_bytes=141 * GB,
         usable_memory_fraction=0.95,
@@ -216,6 +240,7 @@ PROFILES: dict[str, HardwareProfile] = {
         # A100 datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOPS bf16
         # dense, 19.5 TFLOPS fp32, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s
         # bidirectional (300 each way). DGX A100: 8x 200 Gb/s HDR per node.
+        # No float8 tensor cores (peak_fp8_flops 0: --float8 is refused).
         peak_bf16_flops=312 * TFLOPS,
         peak_fp32_flops=19.5 * TFLOPS,
         matmul_efficiency=0.6,  # assumption

@@ -40,6 +40,11 @@ class Layout:
     bucketing: Bucketing = "auto"
     engine: Engine = "simplefsdp"
     dtype: str = "bf16"  # bf16: bf16 compute and gathers, fp32 reduce; fp32: all fp32
+    # torchao float8 training (tensorwise scaling, float8 all-gather) of the
+    # linears torchtitan converts: every one but the output layer.
+    float8: bool = False
+    # With tp > 1: the logits stay sharded over the vocabulary for the loss.
+    loss_parallel: bool = False
 
     @property
     def dp(self) -> int:
@@ -49,8 +54,10 @@ class Layout:
         parts = [f"dp{self.dp}"]
         if self.dtype != "bf16":
             parts.append(self.dtype)
+        if self.float8:
+            parts.append("float8")
         if self.tp > 1:
-            parts.append(f"tp{self.tp}")
+            parts.append(f"tp{self.tp}" + (" loss-parallel" if self.loss_parallel else ""))
         if self.pp > 1:
             parts.append(f"pp{self.pp} m{self.microbatches}")
         elif self.microbatches > 1:  # gradient accumulation
@@ -75,6 +82,11 @@ def validate(args: ModelArgs, layout: Layout) -> None:
         raise ValueError(f"unknown bucketing {layout.bucketing!r}; valid: {', '.join(BUCKETINGS)}")
     if layout.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {layout.dtype!r}; valid: {', '.join(DTYPES)}")
+    if layout.float8 and layout.dtype != "bf16":
+        raise ValueError(
+            f"--float8 trains with bf16 mixed precision; got --dtype {layout.dtype!r} "
+            "(valid with --float8: bf16)"
+        )
     if layout.ac not in AC_MODES:
         raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
     for name, value in (("--batch", layout.batch), ("--seq", layout.seq)):
@@ -86,5 +98,6 @@ def validate(args: ModelArgs, layout: Layout) -> None:
         batch=layout.batch,
         seq_len=layout.seq,
         sequence_parallel=True,
+        loss_parallel=layout.loss_parallel and layout.tp > 1,
         names=_LAYOUT_NAMES,
     )

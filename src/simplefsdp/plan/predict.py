@@ -66,12 +66,38 @@ Note: [Plan model]
     profile has none, memory bound at 28 bytes moved per fp32 parameter.
     Pipeline parallelism (1F1B) takes ``(m + pp - 1)`` microbatch slots of the
     slowest stage; the ``pp - 1`` idle ones are the bubble.
+
+Note: [Float8 in the plan]
+    ``--float8`` predicts torchao's float8 training (tensorwise dynamic
+    scaling, float8 all-gather) of the linears torchtitan converts (every
+    ``nn.Linear`` but the output layer, ``float8_linear_weights``) from the
+    same bf16 traces:
+      matmuls      a matmul none of whose operands has the output layer's
+                   (local) vocabulary dimension runs in float8, all three of
+                   a linear's (forward, grad input, grad weight), at the
+                   profile's ``peak_fp8_flops * fp8_matmul_efficiency``;
+                   attention and the output layer stay bf16;
+      casts        each such matmul's activation operands (those with the
+                   token dimension; the weights arrive in float8 from the
+                   all-gather) are cast to float8 by the bytes they move:
+                   an amax pass and a cast pass, 2 + 2 + 1 bytes per
+                   element eager, 2 + 1 compiled (the amax fused into the
+                   producer);
+      all-gathers  converted weights gather 1 byte per parameter instead of
+                   2 (buckets, prefetch memory and the copies around them
+                   shrink with them); gradients are still reduced in fp32;
+      scales       one all-reduce of every converted weight's amax per step
+                   (torchao's ``precompute_float8_dynamic_scale_for_fsdp``),
+                   after the optimizer.
+    Activations are as bf16's: torchao saves the bf16 inputs and casts again
+    in backward. MFU stays against the bf16 peak (torchtitan's convention).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -124,18 +150,72 @@ def _is_heavy(node: fx.Node) -> bool:
     return "scaled_dot_product" in name or "embedding" in name
 
 
-def compute_time(gm: fx.GraphModule, cost_model: CostModel, fused: bool) -> dict[str, float]:
+def _dims(node) -> tuple[int, ...]:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+@dataclass(frozen=True)
+class Float8Matmuls:
+    """Which matmuls of a traced graph run in float8, and their cost (Note:
+    [Float8 in the plan]).
+
+    Attributes:
+        flops_per_s: achievable float8 matmul rate.
+        tokens: the token dimension of a microbatch's activations
+            (``batch * seq``).
+        skip_dim: the output layer's local vocabulary size: a matmul with
+            an operand of that dimension stays bf16.
+    """
+
+    flops_per_s: float
+    tokens: int
+    skip_dim: int
+
+    def converts(self, node: fx.Node) -> bool:
+        """A 2-D matmul of a converted linear."""
+        if node.target not in (aten.mm.default, aten.addmm.default):
+            return False
+        return not any(self.skip_dim in _dims(n) for n in (node, *node.all_input_nodes))
+
+    def seconds(self, node: fx.Node, cost_model: CostModel, fused: bool) -> float:
+        """The matmul at the float8 rate plus the casts of its activation
+        operands (those with the token dimension) to float8."""
+        inputs = [n for n in node.all_input_nodes if len(_dims(n)) == 2]
+        cast = [n for n in inputs if self.tokens in _dims(n)]
+        elements = sum(_dims(n)[0] * _dims(n)[1] for n in cast)
+        per_element = 3.0 if fused else 5.0  # amax fused into the producer, or its own pass
+        kernels = len(cast) * (1 if fused else 2)
+        return (
+            node_flops(node) / self.flops_per_s
+            + per_element * elements / cost_model.bytes_per_s
+            + (1 + kernels) * cost_model.kernel_overhead_s
+        )
+
+
+def compute_time(
+    gm: fx.GraphModule,
+    cost_model: CostModel,
+    fused: bool,
+    float8: Float8Matmuls | None = None,
+) -> dict[str, float]:
     """Seconds and FLOPs of the compute nodes of ``gm``.
 
     ``fused``: non-matmul compute nodes are grouped as Inductor would (Note:
     [Plan model]): such a node pays for the inputs it reads from outside the
     chain and for its output only if something outside the chain reads it;
-    one kernel overhead per chain output.
+    one kernel overhead per chain output. ``float8``: the matmuls it
+    converts run in float8 (Note: [Float8 in the plan]).
     """
     flops = matmul_s = other_s = 0.0
     kernels = chains = 0
     for node in gm.graph.nodes:
         if not is_compute(node):
+            continue
+        if float8 is not None and float8.converts(node):
+            flops += node_flops(node)
+            matmul_s += float8.seconds(node, cost_model, fused)
+            kernels += 1
             continue
         if _is_heavy(node) or not fused:
             flops += node_flops(node)
@@ -196,10 +276,13 @@ class GraphMeasures:
         return GraphMeasures(**values)
 
 
-def measure(traced: Traced, cost_model: CostModel, fused: bool) -> GraphMeasures:
+def measure(
+    traced: Traced, cost_model: CostModel, fused: bool, float8: Float8Matmuls | None = None
+) -> GraphMeasures:
     fw, bw = traced.forward, traced.backward
     fw_mem, bw_mem = estimate_memory(fw), estimate_memory(bw)
-    fw_t, bw_t = compute_time(fw, cost_model, fused), compute_time(bw, cost_model, fused)
+    fw_t = compute_time(fw, cost_model, fused, float8)
+    bw_t = compute_time(bw, cost_model, fused, float8)
     params = traced.local_param_bytes
     # Data-parallel bytes reduced per byte gathered (fp32 reduce / bf16 gather).
     dp = traced.groups.is_data_parallel
@@ -341,13 +424,44 @@ def _forward_order_blocks(units: list[GatherUnit]) -> list[list[GatherUnit]]:
     return [list(g) for _, g in itertools.groupby(units, key=lambda u: _block_of(u.fqn))]
 
 
+def _in_block(fqn: str) -> str:
+    """``fqn`` with its block index replaced by 0."""
+    return re.sub(r"\.layers\.\d+\.", ".layers.0.", fqn)
+
+
+def float8_matmuls(args: ModelArgs, layout: Layout, hw: HardwareProfile) -> Float8Matmuls:
+    """The float8 matmuls of ``layout`` on ``hw`` (Note: [Float8 in the plan]).
+
+    Raises:
+        ValueError: ``hw`` has no float8 peak.
+    """
+    if hw.peak_fp8_flops <= 0:
+        raise ValueError(
+            f"--float8 needs float8 tensor cores; hardware {hw.name!r} has no float8 peak "
+            "(peak_fp8_flops; built-in profiles with one: h100, h100-96gb-500w, h200)"
+        )
+    efficiency = hw.fp8_matmul_efficiency or hw.matmul_efficiency
+    return Float8Matmuls(
+        flops_per_s=hw.peak_fp8_flops * efficiency,
+        tokens=(layout.batch // layout.microbatches) * layout.seq,
+        skip_dim=args.vocab_size // layout.tp,
+    )
+
+
 def predict(
     args: ModelArgs,
     layout: Layout,
     hw: HardwareProfile,
 ) -> Prediction:
-    """Predict ``layout`` of ``args`` on ``hw`` (Note: [Plan model])."""
+    """Predict ``layout`` of ``args`` on ``hw`` (Note: [Plan model]; with
+    ``layout.float8``, Note: [Float8 in the plan]).
+
+    Raises:
+        ValueError: an invalid layout, or ``--float8`` on a profile without
+            a float8 peak (one line naming the value).
+    """
     validate(args, layout)
+    fp8 = float8_matmuls(args, layout, hw) if layout.float8 else None
     mb = layout.batch // layout.microbatches
     # Uneven splits as ``layer_ranges``: the first stages take one more block.
     stage_blocks = max(len(r) for r in layer_ranges(args.n_layers, layout.pp))
@@ -361,13 +475,14 @@ def predict(
             layout.ac,
             layout.reshard_after_forward,
             layout.dtype,
+            layout.loss_parallel and layout.tp > 1,
         )
         for n in (1, 2)
     ]
     t1, t2 = traced(keys[0]), traced(keys[1])
     fused = layout.engine == "simplefsdp"
     probe = cost_model_for(hw, layout, 1.0)
-    m1, m2 = measure(t1, probe, fused), measure(t2, probe, fused)
+    m1, m2 = measure(t1, probe, fused, fp8), measure(t2, probe, fused, fp8)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
     per_block = m1.per_block(m2)
     # Pipeline stages: the blocks of the most loaded stage plus all the rest
@@ -384,6 +499,25 @@ def predict(
     fw_window = sum(u.compute_s for u in units)
     scale = compute_s / (3 * fw_window) if fw_window else 0.0
     units = [dataclasses.replace(u, compute_s=u.compute_s * scale) for u in units]
+    float8_units = 0
+    if fp8 is not None:
+        # Converted weights gather in float8, 1 byte per parameter; gradients
+        # are still reduced in fp32, so the reduce-scatter's bytes per
+        # gathered byte grow by what the gathers shrank (Note: [Float8 in
+        # the plan]).
+        converted = {_in_block(f) for f in t2.float8_fqns}
+        bf16_bytes = sum(u.gathered_bytes for u in units)
+        units = [
+            dataclasses.replace(u, gathered_bytes=u.gathered_bytes // 2)
+            if _in_block(u.fqn) in converted
+            else u
+            for u in units
+        ]
+        float8_units = sum(_in_block(u.fqn) in converted for u in units)
+        fp8_bytes = sum(u.gathered_bytes for u in units)
+        if fp8_bytes:
+            ratio = m1.rs_to_ag_ratio * bf16_bytes / fp8_bytes
+            cost_model = cost_model_for(hw, layout, ratio)
     param_bytes = stage.param_bytes
     grad_bytes = param_bytes
     optimizer_bytes = 2 * param_bytes
@@ -463,6 +597,10 @@ def predict(
         hw.adamw_s_per_param or ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
     )
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)  # grad norm
+    if float8_units:
+        # The amaxes of the converted weights, one all-reduce per step.
+        span = layout.dp * layout.tp
+        optimizer_s += hw.comm_seconds("all_reduce", layout.dp, 4 * float8_units, span)
     step_s = slots * mb_s + optimizer_s
     gathered = prefetch_extra_bytes(buckets, kept) if layout.dp > 1 else 0.0
     activations = first_stage_saved
@@ -498,6 +636,11 @@ def predict(
     }
     if layout.pp > 1:
         notes.append("pipeline: 1F1B; activation send/recv between stages not modelled")
+    if fp8 is not None:
+        notes.append(
+            f"float8: {float8_units} weights gathered and multiplied in float8 at "
+            f"{fp8.flops_per_s / 1e12:,.0f} TFLOP/s; MFU against the bf16 peak"
+        )
     return Prediction(
         layout=layout,
         hardware=hw.name,
@@ -518,6 +661,7 @@ __all__ = [
     "AC_MODES",
     "BUCKETINGS",
     "ENGINES",
+    "Float8Matmuls",
     "GraphMeasures",
     "Layout",
     "Prediction",
@@ -526,6 +670,7 @@ __all__ = [
     "copy_written_bytes",
     "fsdp2_copy_seconds",
     "cost_model_for",
+    "float8_matmuls",
     "measure",
     "predict",
     "validate",

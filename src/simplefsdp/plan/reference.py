@@ -3,13 +3,16 @@
 ``TORCHTITAN_H100_202412``: torchtitan's 2024-12 Llama 3.1 benchmark on H100
 (pytorch/torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md``, commit
 31a17bf as stored): TPS/GPU and peak memory (GiB, the maximum across GPUs) per
-row, with the row's layout. Rows with Float8, AsyncTP or context parallelism
-are kept with ``modelled=False``: we predict bf16 without async TP, so their
-errors are shown but not held to the accuracy goal.
+row, with the row's layout. Float8 rows are predicted with ``--float8``
+(Note: [Float8 in the plan]); rows with AsyncTP are kept with
+``modelled=False``: we predict TP's collectives exposed, so their errors are
+shown but not held to the accuracy goal. Context parallelism (Tables 2 and
+6) and the interleaved 1F1B schedule are left out.
 
 ``python -m simplefsdp.plan.reference`` prints the comparison table of
 ``docs/scale.md``; ``--fit`` fits the ``h100-96gb-500w`` profile's matmul
-efficiency on the first row only (the calibration row).
+efficiency on the bf16 calibration row only, ``--fit-float8`` its float8
+matmul efficiency on the Float8 calibration row only.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class ReferenceRow:
     memory_gib: float
     modelled: bool
     note: str = ""
+    float8: bool = False
+    loss_parallel: bool = False  # torchtitan's default wherever TP is on
 
 
 # From the table's text: local batch per data-parallel rank; Tables 1/3 use
@@ -61,6 +66,23 @@ TORCHTITAN_H100_202412 = (
         True,
         "FSDP + torch.compile",
     ),
+    ReferenceRow(
+        "1",
+        "8B",
+        8,
+        2,
+        8192,
+        "selective",
+        1,
+        1,
+        1,
+        "simplefsdp",
+        8532,
+        76.8,
+        True,
+        "FSDP + torch.compile + Float8",
+        float8=True,
+    ),
     ReferenceRow("3", "8B", 128, 2, 8192, "selective", 1, 1, 1, "fsdp2", 5605, 67.0, True, "FSDP"),
     ReferenceRow(
         "3",
@@ -79,6 +101,23 @@ TORCHTITAN_H100_202412 = (
         "FSDP + torch.compile",
     ),
     ReferenceRow(
+        "3",
+        "8B",
+        128,
+        2,
+        8192,
+        "selective",
+        1,
+        1,
+        1,
+        "simplefsdp",
+        8380,
+        61.8,
+        True,
+        "FSDP + torch.compile + Float8",
+        float8=True,
+    ),
+    ReferenceRow(
         "4",
         "70B",
         256,
@@ -91,8 +130,10 @@ TORCHTITAN_H100_202412 = (
         "simplefsdp",
         829,
         71.9,
-        False,
+        True,
         "2D + compile + Float8",
+        float8=True,
+        loss_parallel=True,
     ),
     ReferenceRow(
         "5",
@@ -109,9 +150,12 @@ TORCHTITAN_H100_202412 = (
         82.5,
         False,
         "3D 1F1B + compile + Float8 + AsyncTP",
+        float8=True,
+        loss_parallel=True,
     ),
 )
 CALIBRATION_ROW = 1  # index of the row the matmul efficiency is fitted on
+FLOAT8_CALIBRATION_ROW = 2  # the row the float8 matmul efficiency is fitted on
 
 
 def predict_row(row: ReferenceRow, hw):
@@ -127,17 +171,21 @@ def predict_row(row: ReferenceRow, hw):
         ac=row.ac,
         microbatches=row.microbatches,
         engine=row.engine,
+        float8=row.float8,
+        loss_parallel=row.loss_parallel,
     )
     return predict(get_config(row.model), layout, hw)
 
 
-def fit_efficiency(hw, row: ReferenceRow, iterations: int = 12):
-    """The matmul efficiency at which ``row``'s predicted tokens/s matches
-    the measurement (bisection; traces are cached, so each step is cheap)."""
+def fit_efficiency(hw, row: ReferenceRow, iterations: int = 12, field: str = "matmul_efficiency"):
+    """The efficiency (``field`` of the profile: ``matmul_efficiency``, or
+    ``fp8_matmul_efficiency`` for a Float8 row) at which ``row``'s predicted
+    tokens/s matches the measurement (bisection; traces are cached, so each
+    step is cheap)."""
     lo, hi = 0.2, 1.0
     for _ in range(iterations):
         mid = (lo + hi) / 2
-        pred = predict_row(row, dataclasses.replace(hw, matmul_efficiency=mid))
+        pred = predict_row(row, dataclasses.replace(hw, **{field: mid}))
         if pred.tokens_per_s_per_gpu < row.tokens_per_s_per_gpu:
             lo = mid
         else:
@@ -159,7 +207,7 @@ def comparison_table(hw, rows=TORCHTITAN_H100_202412) -> str:
             f"{row.note} | {row.tokens_per_s_per_gpu:,.0f} | {tps:,.0f} | "
             f"{100 * (tps / row.tokens_per_s_per_gpu - 1):+.1f}% | {row.memory_gib:.1f} | "
             f"{mem:.1f} | {100 * (mem / row.memory_gib - 1):+.1f}% | "
-            f"{'yes' if row.modelled else 'no (Float8/AsyncTP)'} |"
+            f"{'yes' if row.modelled else 'no (AsyncTP)'} |"
         )
     return "\n".join(lines)
 
@@ -170,12 +218,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simplefsdp.plan.reference")
     parser.add_argument("--hardware", default="h100-96gb-500w")
     parser.add_argument("--fit", action="store_true", help="fit the matmul efficiency first")
+    parser.add_argument(
+        "--fit-float8",
+        action="store_true",
+        help="fit the float8 matmul efficiency on the Float8 calibration row (after --fit)",
+    )
+    parser.add_argument("--rows", help="comma-separated row indices (default: all)")
     ns = parser.parse_args(argv)
     hw = get_profile(ns.hardware)
     if ns.fit:
         efficiency = fit_efficiency(hw, TORCHTITAN_H100_202412[CALIBRATION_ROW])
         print(f"fitted matmul_efficiency = {efficiency:.4f}")
         hw = dataclasses.replace(hw, matmul_efficiency=efficiency)
+    if ns.fit_float8:
+        row = TORCHTITAN_H100_202412[FLOAT8_CALIBRATION_ROW]
+        efficiency = fit_efficiency(hw, row, field="fp8_matmul_efficiency")
+        print(f"fitted fp8_matmul_efficiency = {efficiency:.4f}")
+        hw = dataclasses.replace(hw, fp8_matmul_efficiency=efficiency)
+    if ns.rows:
+        rows = tuple(TORCHTITAN_H100_202412[int(i)] for i in ns.rows.split(","))
+        print(comparison_table(hw, rows))
+        return 0
     print(comparison_table(hw))
     return 0
 

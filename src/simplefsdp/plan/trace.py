@@ -114,17 +114,28 @@ class _WithLoss(nn.Module):
     in one module, so the loss's memory is part of the traced graphs.
 
     Under TP the logits are replicated (all-gathered) before the loss, as in
-    ``simplefsdp train`` without loss parallelism: a vocabulary-parallel loss
-    (``loss_parallel_context``) does not trace under Dynamo, so its memory
-    saving is not modelled.
+    ``simplefsdp train`` without loss parallelism. With ``loss_parallel``
+    (``--parallel.loss_parallel``: the logits stay sharded over the
+    vocabulary) each rank's loss works on its own shard of the logits: the
+    memory and work of a vocabulary-parallel cross-entropy, less its two
+    all-reduces of one number per token (``loss_parallel_context`` does not
+    trace under Dynamo, so its graph is not the one traced).
     """
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, loss_parallel: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.loss_parallel = loss_parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self.model(tokens)
+        if self.loss_parallel:
+            from torch.distributed.tensor import DTensor
+
+            assert isinstance(logits, DTensor), type(logits)
+            local = logits.to_local().float()
+            target = tokens.remainder(local.shape[-1])[..., None]
+            return (local.logsumexp(-1, keepdim=True) - local.gather(-1, target)).mean()
         if hasattr(logits, "full_tensor"):
             logits = logits.full_tensor()
         # log_softmax + gather: the memory of F.cross_entropy (fp32 logits and
@@ -145,6 +156,7 @@ class TraceKey:
     ac: str
     reshard_after_forward: bool = True
     dtype: str = "bf16"  # compute dtype: bf16 (mixed precision) or fp32
+    loss_parallel: bool = False  # logits sharded over the vocabulary under TP
 
 
 @dataclass
@@ -162,6 +174,9 @@ class Traced:
     # partitioned (compiled) forward saves: the eager engine's extra.
     eager_saved_bytes: int = 0
     compiled_saved_bytes: int = 0
+    # Weights torchao's float8 conversion converts with torchtitan's filter:
+    # every ``nn.Linear`` but the output layer, both dims divisible by 16.
+    float8_fqns: frozenset[str] = frozenset()
 
 
 @contextlib.contextmanager
@@ -197,10 +212,11 @@ def trace_step(key: TraceKey) -> Traced:
         mesh = init_device_mesh("cpu", (key.dp, key.tp), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             model = Transformer(key.args)
+        loss_parallel = key.loss_parallel and key.tp > 1
         if key.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
+            apply_tensor_parallel(model, mesh["tp"], loss_parallel=loss_parallel)
         apply_activation_checkpointing(model, key.ac)
-        wrapped = _WithLoss(model)
+        wrapped = _WithLoss(model, loss_parallel)
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if key.dtype == "bf16"
@@ -224,6 +240,7 @@ def trace_step(key: TraceKey) -> Traced:
         eager_saved = sum(e for e, _ in backend.saved_activations)
         compiled_saved = sum(c for _, c in backend.saved_activations)
         local = sum(_local(p).numel() * _local(p).element_size() for p in wrapped.parameters())
+        float8 = frozenset(float8_linear_weights(wrapped))
     torch._dynamo.reset()
     return Traced(
         key,
@@ -235,7 +252,22 @@ def trace_step(key: TraceKey) -> Traced:
         local,
         eager_saved,
         compiled_saved,
+        float8,
     )
+
+
+def float8_linear_weights(module: nn.Module, skip: tuple[str, ...] = ("output",)) -> list[str]:
+    """FQNs of the weights torchao's ``convert_to_float8_training`` converts
+    under torchtitan's default filter: every ``nn.Linear`` whose name is not
+    in ``skip`` and whose both dims are divisible by 16 (``torch._scaled_mm``'s
+    requirement)."""
+    found = []
+    for name, sub in module.named_modules():
+        if not isinstance(sub, nn.Linear) or name.split(".")[-1] in skip:
+            continue
+        if all(d % 16 == 0 for d in sub.weight.shape):
+            found.append(f"{name}.weight")
+    return found
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

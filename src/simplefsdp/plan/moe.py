@@ -1,0 +1,413 @@
+"""``simplefsdp plan`` for mixture-of-experts models with expert parallelism.
+
+Note: [MoE plan model]
+    MoE models are planned analytically from their shapes (``MoEArgs``),
+    not from traced graphs: the DeepSeek shapes use multi-head latent
+    attention, which :mod:`simplefsdp.models.moe` counts but does not build.
+    The layout is torchtitan's: ``gpus`` data-parallel ranks (no TP or PP),
+    experts split over ``ep`` ranks (``num_experts / ep`` each) and sharded
+    over the ``dp / ep`` ranks that hold the same experts
+    (``dp_shard_mod_ep``); everything else (attention, dense feed-forward,
+    router, shared experts, embedding, output) sharded over all ``dp`` ranks.
+
+    Memory per GPU (bytes):
+      parameters, gradients, optimizer
+                   fp32 shards, 4 + 4 + 8 bytes per parameter: dense / dp,
+                   experts / ep / (dp / ep) = experts / dp;
+      activations  what backward needs per token and layer (bf16), by AC
+                   mode (``activation_elements``): ``none`` every tensor a
+                   block's backward reads; ``selective`` torchtitan's op
+                   policy (matmul and attention outputs, every other matmul
+                   recomputed, the all-to-all outputs and the grouped
+                   matmuls' outputs kept) as the block input, half of the
+                   linears' outputs, attention's output, the dispatched
+                   tokens and the experts' outputs; ``full`` the block input;
+      gathered     the bf16 parameters of the gathered blocks: two blocks
+                   (one computing, one prefetched) and the one copied out,
+                   ``2 * B_i + B_(i+1)`` as the compiler's own model, a
+                   block's experts being its ``num_experts / ep`` local ones;
+      temporary    the loss's logits (bf16), fp32 logits and their
+                   gradient, ``10 * vocab`` bytes per token, and for full AC
+                   one block's recomputed activations.
+
+    Step time:
+      compute      matmul FLOPs of the activated parameters (``top_k``
+                   routed experts per token, times ``imbalance`` on the
+                   most loaded rank), attention (causal, fused), at the
+                   profile's bf16 rate; AC's recomputation (full: one more
+                   forward of the blocks; selective: half the blocks'
+                   forward matmuls); elementwise work as three passes over
+                   the no-AC activations at the achievable bandwidth.
+      all-to-all   per MoE layer, dispatch and combine in forward and again
+                   in backward (and once more under full AC's
+                   recomputation), each moving ``tokens * top_k * dim`` bf16
+                   bytes per rank (times ``imbalance``), ``(ep - 1) / ep``
+                   of them to other ranks, on NVLink when the ``ep``
+                   consecutive ranks of an EP group sit in one node, else on
+                   the NIC; on the critical path (the token counts are data
+                   the next kernels wait for), so exposed.
+      FSDP comm    per block, the all-gathers (forward, and backward again
+                   with resharding) and fp32 reduce-scatters of its dense
+                   part over ``dp`` and its experts over ``dp / ep``;
+                   exposed only where a block's communication exceeds its
+                   compute (prefetch distance 1).
+      optimizer    AdamW, 28 bytes moved per fp32 parameter shard.
+    Load imbalance: ``imbalance`` (default 1.0, perfectly balanced routing)
+    is the ratio of the most loaded EP rank's routed tokens to the mean; the
+    step waits for that rank. Not modelled: the host's device-to-host sync
+    of the token counts before each dispatch, token permutation kernels
+    beyond the elementwise passes, grouped-matmul efficiency at small
+    per-expert token counts, Float8, TP and PP for MoE models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from simplefsdp.models.moe import MOE_CONFIGS, MoEArgs, num_active_params, num_params
+from simplefsdp.plan.hardware import HardwareProfile
+from simplefsdp.plan.layout import AC_MODES, ENGINES
+
+ADAMW_BYTES_PER_PARAM = 28
+
+__all__ = [
+    "MoELayout",
+    "MoEPrediction",
+    "activation_elements",
+    "expert_params",
+    "is_moe_model",
+    "moe_args",
+    "predict_moe",
+    "validate_moe",
+]
+
+
+def is_moe_model(name: str | None) -> bool:
+    return name in MOE_CONFIGS
+
+
+def moe_args(name: str) -> MoEArgs:
+    from simplefsdp.models.moe import get_config
+
+    return get_config(name)
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """A MoE layout: ``gpus`` data-parallel ranks, experts over ``ep``.
+    ``batch`` is per data-parallel rank per step."""
+
+    gpus: int
+    batch: int
+    seq: int
+    ep: int = 1
+    ac: str = "selective"
+    engine: str = "simplefsdp"
+    reshard_after_forward: bool = True
+    imbalance: float = 1.0
+
+    @property
+    def dp(self) -> int:
+        return self.gpus
+
+    @property
+    def microbatches(self) -> int:
+        return 1
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts += [
+            f"ac={self.ac}",
+            "per_block",
+            "reshard" if self.reshard_after_forward else "no-reshard",
+        ]
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_moe(args: MoEArgs, layout: MoELayout, name: str = "the model") -> None:
+    """One-line ``ValueError`` naming the bad value and what would be valid."""
+    if layout.engine not in ENGINES:
+        raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
+    if layout.ac not in AC_MODES:
+        raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
+    for flag, value in (("--gpus", layout.gpus), ("--batch", layout.batch), ("--seq", layout.seq)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if layout.ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {layout.ep}")
+    if not layout.imbalance >= 1.0:
+        raise ValueError(f"--expert-imbalance must be >= 1 (1: balanced), got {layout.imbalance}")
+    if args.num_experts % layout.ep:
+        valid = _divisors(math.gcd(args.num_experts, layout.dp))
+        raise ValueError(
+            f"--ep {layout.ep} does not divide {name}'s {args.num_experts} experts; "
+            f"valid --ep on {layout.dp} GPUs: {', '.join(map(str, valid))}"
+        )
+    if layout.dp % layout.ep:
+        valid = _divisors(math.gcd(args.num_experts, layout.dp))
+        raise ValueError(
+            f"--ep {layout.ep} does not divide the {layout.dp} data-parallel ranks; "
+            f"valid --ep: {', '.join(map(str, valid))}"
+        )
+
+
+def expert_params(args: MoEArgs) -> int:
+    """Parameters of the routed experts (all MoE layers)."""
+    return args.n_moe_layers * args.num_experts * 3 * args.dim * args.moe_hidden_dim
+
+
+def _attention_elements(args: MoEArgs) -> dict[str, float]:
+    """Per token, the bf16 elements of attention's tensors backward reads:
+    ``inputs`` (norm input and output), ``linear_out`` (the projections'
+    outputs), ``sdpa`` (its query, key, value inputs and output)."""
+    if args.attention == "gqa":
+        head = args.dim // args.n_heads
+        kv = args.n_kv_heads * head
+        linear_out = args.dim + 2 * kv  # wq, wk, wv
+        sdpa = 2 * args.dim + 2 * kv  # q, k, v, out
+    else:
+        qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+        q = args.n_heads * qk
+        kv_a = args.kv_lora_rank + args.qk_rope_head_dim
+        kv_b = args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
+        low = args.q_lora_rank + (args.q_lora_rank if args.q_lora_rank else 0)
+        linear_out = q + kv_a + kv_b + low + args.kv_lora_rank  # kv norm output too
+        sdpa = 2 * q + args.n_heads * args.v_head_dim * 2  # q, k, v, out
+    return {"inputs": 2 * args.dim, "linear_out": linear_out, "sdpa": sdpa}
+
+
+def activation_elements(args: MoEArgs, ac: str, imbalance: float = 1.0) -> dict[str, float]:
+    """bf16 elements saved for backward per token, summed over the blocks
+    (Note: [MoE plan model]); ``layer_none`` is one block's at ``none``
+    (what full AC recomputes at once).
+
+    Returns:
+        ``{"saved": ..., "layer_none": ..., "none": ...}``.
+    """
+    attn = _attention_elements(args)
+    attn_none = attn["inputs"] + attn["linear_out"] + attn["sdpa"]
+    routed = args.top_k * imbalance
+    shared = args.num_shared_experts * args.moe_hidden_dim
+    moe_none = (
+        2 * args.dim  # norm input and output
+        + 2 * args.num_experts  # router scores, fp32
+        + routed * args.dim  # dispatched tokens
+        + routed * 3 * args.moe_hidden_dim  # w1, w3 outputs and their product
+        + routed * args.dim  # experts' outputs (scaled by the scores)
+        + 3 * shared
+        + args.dim  # combined output
+    )
+    dense_none = 2 * args.dim + 3 * args.dense_hidden_dim
+    none = args.n_layers * attn_none + args.n_moe_layers * moe_none
+    none += args.n_dense_layers * dense_none
+    if ac == "full":
+        saved = args.n_layers * args.dim
+    elif ac == "selective":
+        attn_sel = args.dim + attn["linear_out"] / 2 + args.n_heads * args.v_head_dim
+        if args.attention == "gqa":
+            attn_sel = args.dim + attn["linear_out"] / 2 + args.dim
+        moe_sel = (
+            2 * routed * args.dim  # all-to-all and grouped-matmul outputs
+            + routed * 2 * args.moe_hidden_dim  # grouped matmuls' outputs (w1, w3)
+            + 1.5 * shared  # half of the shared experts' matmul outputs
+            + 2 * args.num_experts
+        )
+        dense_sel = 1.5 * args.dense_hidden_dim
+        saved = args.n_layers * attn_sel + args.n_moe_layers * moe_sel
+        saved += args.n_dense_layers * dense_sel
+    else:
+        saved = none
+    layer_none = attn_none + (moe_none if args.n_moe_layers else dense_none)
+    return {"saved": saved, "layer_none": layer_none, "none": none}
+
+
+@dataclass
+class MoEPrediction:
+    """Per-GPU prediction of a MoE layout (bytes, seconds); the same fields
+    as :class:`~simplefsdp.plan.predict.Prediction` where they apply."""
+
+    layout: MoELayout
+    hardware: str
+    params: dict[str, float]
+    memory: dict[str, float]
+    peak_bytes: float
+    usable_bytes: float
+    time: dict[str, float]
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    notes: list[str] = dataclasses.field(default_factory=list)
+    buckets: list = dataclasses.field(default_factory=list)
+    kept: list = dataclasses.field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": dataclasses.asdict(self.layout) | {"dp": self.layout.dp},
+            "hardware": self.hardware,
+            "parameters": self.params,
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "usable_bytes": self.usable_bytes,
+            "memory_bytes": self.memory,
+            "time_s": self.time,
+            "step_s": self.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "notes": self.notes,
+        }
+
+
+def moe_flops_per_token(args: MoEArgs, seq: int) -> float:
+    """Training FLOPs per token of the activated parameters: ``6 * N_active``
+    (without the input embedding) plus causal attention, forward and
+    backward (``3 * 2 * 2 * n_heads * (qk + v) * seq / 2`` per layer)."""
+    active = num_active_params(args, exclude_embeddings=True)
+    if args.attention == "gqa":
+        qk = v = args.dim // args.n_heads
+    else:
+        qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    attention = 3 * 2 * args.n_heads * (qk + v) * seq * args.n_layers  # causal: half of 4x
+    return 6.0 * active + attention
+
+
+def predict_moe(args: MoEArgs, layout: MoELayout, hw: HardwareProfile) -> MoEPrediction:
+    """Predict ``layout`` of a MoE model on ``hw`` (Note: [MoE plan model]).
+
+    Raises:
+        ValueError: a bad layout (``validate_moe``).
+    """
+    validate_moe(args, layout)
+    dp, ep = layout.dp, layout.ep
+    tokens = layout.batch * layout.seq
+    total = num_params(args)
+    experts = expert_params(args)
+    dense = total - experts
+    active = num_active_params(args)
+
+    # ---- memory
+    shard_params = dense / dp + experts / dp
+    embed = args.vocab_size * args.dim
+    per_expert = 3 * args.dim * args.moe_hidden_dim
+    block_dense = (dense - 2 * embed - args.dim) / args.n_layers
+    moe_block = block_dense + args.num_experts // ep * per_expert
+    biggest = 2 * (moe_block if args.n_moe_layers else block_dense)  # bf16 bytes
+    gathered = 3 * biggest if dp > 1 else 0.0
+    acts = activation_elements(args, layout.ac, layout.imbalance)
+    activations = 2 * acts["saved"] * tokens
+    temporary = 10 * args.vocab_size * tokens
+    if layout.ac == "full":
+        temporary += 2 * acts["layer_none"] * tokens
+    memory = {
+        "parameters": 4 * shard_params,
+        "gradients": 4 * shard_params,
+        "optimizer": 8 * shard_params,
+        "activations": activations,
+        "gathered": gathered,
+        "temporary": temporary,
+    }
+    peak = sum(memory.values())
+    usable = hw.memory_bytes * hw.usable_memory_fraction
+
+    # ---- compute
+    rate = hw.peak_bf16_flops * hw.matmul_efficiency
+    bw = hw.memory_bandwidth * hw.memory_efficiency
+    attn_flops = moe_flops_per_token(args, layout.seq) - 6.0 * num_active_params(
+        args, exclude_embeddings=True
+    )
+    routed = 6.0 * args.n_moe_layers * args.top_k * per_expert  # per token, fwd + bwd
+    linear = 6.0 * num_active_params(args, exclude_embeddings=True) - routed
+    routed *= layout.imbalance  # the most loaded rank's routed tokens
+    block_fw = (linear - 6.0 * embed) / 3 + routed / 3  # blocks' forward matmuls
+    recompute = {"full": block_fw, "selective": block_fw / 2, "none": 0.0}[layout.ac]
+    matmul_s = tokens * (linear + routed + recompute) / rate
+    attention_s = tokens * attn_flops / (rate * hw.attention_efficiency)
+    if layout.ac == "full":
+        attention_s *= 4 / 3  # its forward again
+    elementwise_s = 3 * 2 * acts["none"] * tokens / bw
+    compute_s = matmul_s + attention_s + elementwise_s
+
+    # ---- all-to-all
+    intra = ep <= hw.gpus_per_node
+    link = hw.intra_bandwidth if intra else hw.inter_bandwidth
+    latency = hw.intra_latency_s if intra else hw.inter_latency_s
+    a2a_bytes = 2 * tokens * args.top_k * args.dim * layout.imbalance
+    per_a2a = latency + (ep - 1) / ep * a2a_bytes / link if ep > 1 else 0.0
+    a2a_count = args.n_moe_layers * (6 if layout.ac == "full" else 4)
+    a2a_s = a2a_count * per_a2a
+
+    # ---- FSDP collectives, per block, overlapped with the block's compute
+    span = dp  # the dp / ep ranks holding the same experts are ep apart
+    gathers = 2 if layout.reshard_after_forward else 1
+
+    def block_comm(dense_p: float, expert_p: float) -> float:
+        seconds = 0.0
+        for count, group in ((dense_p, dp), (expert_p, dp // ep)):
+            if count <= 0 or group <= 1:
+                continue
+            seconds += gathers * hw.comm_seconds("all_gather", group, 2 * count, span)
+            seconds += hw.comm_seconds("reduce_scatter", group, 4 * count, span)
+        return seconds
+
+    blocks = args.n_layers
+    block_compute = (compute_s - tokens * 6.0 * embed / rate) / blocks
+    moe_comm = block_comm(block_dense, args.num_experts // ep * per_expert)
+    dense_comm = block_comm(block_dense + 3 * args.dim * args.dense_hidden_dim, 0)
+    dp_comm_s = args.n_moe_layers * moe_comm + args.n_dense_layers * dense_comm
+    dp_comm_s += block_comm(2 * embed + args.dim, 0)
+    exposed = args.n_moe_layers * max(moe_comm - block_compute, 0.0)
+    exposed += args.n_dense_layers * max(dense_comm - block_compute, 0.0)
+    exposed += block_comm(embed, 0) / gathers  # the first gather, before any compute
+    exposed_s = exposed + a2a_s
+
+    optimizer_s = shard_params * ADAMW_BYTES_PER_PARAM / bw
+    optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)
+    step_s = compute_s + exposed_s + optimizer_s
+    tps = tokens / step_s
+    mfu = tps * moe_flops_per_token(args, layout.seq) / hw.peak_bf16_flops
+    notes = [
+        f"parameters: {total / 1e9:.2f}B total, {active / 1e9:.2f}B activated per token "
+        f"({experts / 1e9:.2f}B in routed experts, {args.num_experts // ep} of "
+        f"{args.num_experts} per EP rank)",
+        f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
+        f"({'NVLink' if intra else 'NIC'}), exposed; expert load imbalance "
+        f"{layout.imbalance:g} (1: balanced)",
+        "analytic MoE model (Note: [MoE plan model]): per-block FSDP groups for both "
+        "engines; host syncs of token counts and grouped-matmul efficiency at small "
+        "expert batches not modelled",
+    ]
+    return MoEPrediction(
+        layout=layout,
+        hardware=hw.name,
+        params={"total": total, "activated": active, "routed_experts": experts},
+        memory=memory,
+        peak_bytes=peak,
+        usable_bytes=usable,
+        time={
+            "compute": compute_s,
+            "copies": 0.0,
+            "hooks": 0.0,
+            "exposed_comm": exposed_s,
+            "bubble": 0.0,
+            "optimizer": optimizer_s,
+            "dp_comm_total": dp_comm_s,
+            "tp_comm_total": 0.0,
+            "ep_comm_total": a2a_s,
+            "flops": tokens * (linear + routed + recompute + attn_flops),
+        },
+        step_s=step_s,
+        tokens_per_s_per_gpu=tps,
+        mfu=mfu,
+        notes=notes,
+    )
