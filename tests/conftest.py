@@ -27,20 +27,12 @@ _start_device_run = False
 
 def pytest_collection_modifyitems(session, config, items):
     # The CUDA-visible rerun of the unit tests (test_device_assumptions.py)
-    # runs beside the other tests. In one process it starts beside the first
-    # unit test and its test waits for it last; under pytest-xdist
-    # (``-n N``) its test goes first and runs it, while the other workers
-    # take the rest.
+    # starts beside the first unit test and its test waits for it last.
     global _start_device_run
     waiting = [item for item in items if item.nodeid.endswith(_DEVICE_RUN)]
-    if not waiting:
-        return
-    others = [item for item in items if item not in waiting]
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items[:] = waiting + others
-    else:
-        _start_device_run = os.environ.get(_PRETEND_CUDA) != "1"
-        items[:] = others + waiting
+    _start_device_run = bool(waiting) and os.environ.get(_PRETEND_CUDA) != "1"
+    if waiting:
+        items[:] = [item for item in items if item not in waiting] + waiting
 
 
 def pytest_runtest_setup(item):
