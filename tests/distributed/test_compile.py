@@ -136,6 +136,7 @@ def test_full_checkpointing_replays_dropout_masks_bitwise() -> None:
     run_distributed(_dropout_replay_body, 2)
 
 
+@pytest.mark.heavy  # minutes-long on 2 CPU cores; run with -m heavy
 def test_inductor_full_checkpointing_of_attention_blocks() -> None:
     # Inductor partitions through our custom_partitioner_fn (the RNG-state repair).
     run_distributed(

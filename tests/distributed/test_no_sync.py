@@ -255,6 +255,7 @@ def test_llama_uncompiled_and_aot_eager():
         assert (value == result["aot_eager"]["params"][name]).all(), name  # bitwise
 
 
+@pytest.mark.heavy  # minutes-long on 2 CPU cores; run with -m heavy
 def test_inductor_bucketed():
     runs = ("inductor",)
     result = run_distributed(

@@ -123,6 +123,7 @@ def test_reference_float8_rows_are_predicted_with_float8() -> None:
     assert not any(r.float8 for r in TORCHTITAN_H100_202412 if "Float8" not in r.note)
 
 
+@pytest.mark.heavy  # minutes-long on 2 CPU cores; run with -m heavy
 def test_loss_parallel_keeps_the_logits_sharded() -> None:
     # With the vocabulary split over TP 2 each rank's loss works on half the
     # logits: the activations and temporaries shrink by at least a quarter

@@ -186,26 +186,22 @@ def test_resume_of_a_live_run_is_refused_before_anything_starts(tmp_path, capsys
     assert sorted(p.name for p in folder.iterdir()) == before
 
 
-def test_resume_keeps_the_run_folders_and_names_a_conflicting_flag(tmp_path):
+def test_resume_keeps_the_run_folders_and_says_which_flags_it_did_not_use(tmp_path):
     folder = _run(tmp_path / "a", "20260101-000000-aaaa", step=2, config=_saved_config(tmp_path))
-    other = ["--metrics.output_dir", str(tmp_path / "b")]
-    with pytest.raises(ValueError) as info:
-        resume.resolve_resume(
-            load_config("debug", other + ["--checkpoint.resume"]), str(folder), other
-        )
-    assert str(info.value) == (
-        f"--resume: metrics.output_dir '{tmp_path / 'b'}' cannot apply to run "
-        f"20260101-000000-aaaa, whose folder is in {tmp_path / 'a'}: a resumed run keeps "
-        "its folders; leave out metrics.output_dir to resume, or leave out --resume to "
-        "start a new run"
+    other = ["--metrics.output_dir", str(tmp_path / "b"), "--checkpoint.folder", "elsewhere"]
+    job, choice = resume.resolve_resume(
+        load_config("debug", other + ["--checkpoint.resume"]), str(folder), other
+    )
+    assert job.metrics.output_dir == str(tmp_path / "a") and job.checkpoint.folder == ""
+    assert choice.line() == (
+        f"resuming run 20260101-000000-aaaa at step 2 ({folder}); it keeps its folders: "
+        f"metrics.output_dir '{tmp_path / 'b'}' not used (the run's folder: {folder}), "
+        f"checkpoint.folder 'elsewhere' not used (the run's checkpoints: {folder / 'checkpoints'})"
     )
     same = ["--metrics.output_dir", str(tmp_path / "a")]
     job, choice = resume.resolve_resume(
         load_config("debug", same + ["--checkpoint.resume"]), None, same
     )
-    assert choice.run.path == folder and choice.step == 2
-    ckpt = ["--checkpoint.folder", str(tmp_path / "elsewhere")]
-    with pytest.raises(ValueError, match="checkpoint.folder .* whose checkpoints are in"):
-        resume.resolve_resume(
-            load_config("debug", ckpt + ["--checkpoint.resume"]), str(folder), ckpt
-        )
+    assert (
+        choice.run.path == folder and choice.step == 2 and "keeps its folders" not in choice.line()
+    )

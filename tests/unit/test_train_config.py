@@ -594,8 +594,10 @@ def test_float8_errors(override, match):
         load_config(None, override)
 
 
-def test_float8_with_tensor_parallel():
+def test_float8_with_tensor_parallel(monkeypatch):
     from simplefsdp.train.cli import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU check
 
     job = load_config(None, ["--float8.enable", "true", "--parallel.tp", "2"])
     assert job.parallel.tp == 2

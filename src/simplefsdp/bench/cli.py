@@ -41,7 +41,6 @@ from simplefsdp.bench.configs import (
     get_workload,
     resolve_configs,
 )
-from simplefsdp.bench.moe import is_moe_model, moe_args
 from simplefsdp.bench.report import (
     add_ratios,
     check_losses,
@@ -53,6 +52,7 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
+from simplefsdp.models import MOE_MODELS
 from simplefsdp.parallel_dims import ParallelDims, oversubscription_warning
 
 EXIT_CONFIG_ERROR = 2
@@ -204,7 +204,7 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     if args.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     microbatches = args.microbatches if args.microbatches is not None else args.pp
-    if is_moe_model(workload.model):
+    if workload.model in MOE_MODELS:
         _check_moe_layout(nproc, args.tp, args.pp, args.ep, workload)
     else:
         from simplefsdp.models.llama3 import get_config
@@ -245,6 +245,8 @@ def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> N
             f"--tp {tp} --pp {pp}: the mixture-of-experts workload runs with data and expert "
             "parallelism only (--ep); use --tp 1 --pp 1"
         )
+    from simplefsdp.bench.moe import moe_args
+
     args = moe_args(workload.model, workload.model_overrides, workload.seq_len)
     try:
         check_expert_parallel_layout(args.num_experts, ep, nproc)
@@ -469,7 +471,7 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
         "tp": spec.tp,
         "pp": spec.pp,
         "ep": spec.ep,
-        "moe": is_moe_model(workload.model),
+        "moe": workload.model in MOE_MODELS,
         "pp_schedule": spec.pp_schedule if spec.pp > 1 else None,
         "microbatches": spec.microbatches if spec.pp > 1 else None,
         "grad_accum": spec.grad_accum,
@@ -517,7 +519,7 @@ def run_bench(
     # The comm-only replay models data-parallel flat buffers over all ranks;
     # with tensor or pipeline parallelism that is not the step's communication.
     # Nor, for a mixture of experts, expert parameters on their own mesh.
-    plain = spec.tp == 1 and spec.pp == 1 and not is_moe_model(spec.workload.model)
+    plain = spec.tp == 1 and spec.pp == 1 and spec.workload.model not in MOE_MODELS
     extra = [(0, COMM_ONLY)] if plain else []
     launches = [*_launch_order(configs, rounds), *extra]
     failed: set[str] = set()
@@ -588,10 +590,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = _build_parser().parse_args(argv)
     try:
+        # The configurations first: their errors need no torch.
+        model = args.model or get_workload(args.workload).model
+        configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp, moe=model in MOE_MODELS)
         spec = build_spec(args)
-        configs = resolve_configs(
-            args.configs, tp=args.tp, pp=args.pp, moe=is_moe_model(spec.workload.model)
-        )
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     except ValueError as exc:

@@ -52,9 +52,9 @@ MOE_BENCH_CONFIGS: tuple[str, ...] = (
 
 def is_moe_model(name: str) -> bool:
     """Whether ``name`` is a ``simplefsdp.models.moe`` config."""
-    from simplefsdp.models.moe import MOE_CONFIGS
+    from simplefsdp.models import MOE_MODELS
 
-    return name in MOE_CONFIGS
+    return name in MOE_MODELS
 
 
 def moe_args(model: str, overrides: dict[str, Any], seq_len: int) -> Any:

@@ -54,12 +54,15 @@ class Resume:
     run: RunInfo
     step: int
     changes: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()
 
     def line(self) -> str:
         """``resuming run ID at step N (FOLDER)[; changed: a 1 -> 2, ...]``."""
         text = f"resuming run {self.run.run_id} at step {self.step} ({self.run.path})"
         if self.changes:
             text += "; changed: " + ", ".join(self.changes)
+        if self.unused:
+            text += "; it keeps its folders: " + ", ".join(self.unused)
         return text
 
 
@@ -91,6 +94,7 @@ def resolve_resume(
             run = find_run(spec, root)
         except ValueError as exc:
             raise ValueError(f"--resume: {exc}") from exc
+        unused = _unused_folders(job, run, overrides)
         job, changes = _restored(job, run, overrides)  # refused changes first: no torch yet
         step = _resume_step(job, run)
         if step is None:
@@ -98,7 +102,7 @@ def resolve_resume(
                 f"--resume {spec}: run {run.run_id} has no complete checkpoint in "
                 f"{run.checkpoint_folder} ({describe_runs(run.path.parent)})"
             )
-        return job, Resume(run, step, changes)
+        return job, Resume(run, step, changes, unused)
     found = newest_resumable_run(root)
     if found is None:
         if ck.resume and not _restarted():
@@ -109,10 +113,11 @@ def resolve_resume(
             )
         return job, None
     run, _ = found
+    unused = _unused_folders(job, run, overrides)
     job, changes = _restored(job, run, overrides)
     step = _resume_step(job, run)
     assert step is not None, "newest_resumable_run found a complete checkpoint"
-    return job, Resume(run, step, changes)
+    return job, Resume(run, step, changes, unused)
 
 
 def _resume_step(job: JobConfig, run: RunInfo) -> int | None:
@@ -128,7 +133,6 @@ def _restored(
 
     A run folder without ``config.toml`` (made by hand) trains with ``job``.
     """
-    _check_folders(job, run, overrides)
     saved = run.path / CONFIG_FILE
     if not saved.is_file():
         return _placed(job, run), ()
@@ -139,26 +143,24 @@ def _restored(
     return final, tuple(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in changes)
 
 
-def _check_folders(job: JobConfig, run: RunInfo, overrides: list[str]) -> None:
-    """A resumed run keeps its folders: an output or checkpoint folder given on
-    the command line that is not the run's is one line, not silently replaced."""
+def _unused_folders(job: JobConfig, run: RunInfo, overrides: list[str]) -> tuple[str, ...]:
+    """A resumed run keeps its folders: the output or checkpoint folders given
+    on the command line that are not the run's, said in the resume line."""
     given = {o.split("=", 1)[0].lstrip("-") for o in overrides}
     where = {
-        "metrics.output_dir": (Path(job.metrics.output_dir), run.path.parent),
+        "metrics.output_dir": (job.metrics.output_dir, Path(job.metrics.output_dir), run.path),
         "checkpoint.folder": (
+            job.checkpoint.folder,
             run_checkpoint_folder(job.checkpoint.folder, run.path),
             run.checkpoint_folder,
         ),
     }
-    for key, (asked, actual) in where.items():
-        if key in given and asked.resolve() != actual.resolve():
-            value = job.metrics.output_dir if key == "metrics.output_dir" else job.checkpoint.folder
-            raise ValueError(
-                f"--resume: {key} {value!r} cannot apply to run {run.run_id}, whose "
-                f"{'folder is in' if key == 'metrics.output_dir' else 'checkpoints are in'} "
-                f"{actual}: a resumed run keeps its folders; leave out {key} to resume, "
-                "or leave out --resume to start a new run"
-            )
+    parent = {"metrics.output_dir": run.path.parent}
+    return tuple(
+        f"{key} {value!r} not used (the run's {'folder' if key.startswith('metrics') else 'checkpoints'}: {actual})"
+        for key, (value, asked, actual) in where.items()
+        if key in given and asked.resolve() != parent.get(key, actual).resolve()
+    )
 
 
 def _placed(job: JobConfig, run: RunInfo) -> JobConfig:

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from simplefsdp.models import LLAMA_MODELS, MOE_MODELS
 from simplefsdp.parallel_dims import (
     AC_MODES,
     BUCKETINGS,
@@ -65,17 +66,6 @@ __all__ = [
     "validate_config",
 ]
 
-#: Names of the Llama 3 model configurations (``simplefsdp.models.llama3``).
-LLAMA_MODELS: tuple[str, ...] = ("debug", "small", "8B", "70B", "405B")
-#: Names of the mixture-of-experts configurations (``simplefsdp.models.moe``'s
-#: ``MOE_CONFIGS``; this module imports no torch, a unit test keeps them equal).
-MOE_MODELS: tuple[str, ...] = (
-    "moe_debug",
-    "moe_small",
-    "deepseek_v3_16b",
-    "deepseek_v3_671b",
-    "llama4_scout",
-)
 #: Names of the model configurations ``model.name`` may refer to.
 VALID_MODELS: tuple[str, ...] = (*LLAMA_MODELS, *MOE_MODELS)
 #: Load balancing of a mixture-of-experts model (``model.load_balance``).
