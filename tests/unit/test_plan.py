@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import plan_profiles
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.models.llama3 import get_config, num_params
 from simplefsdp.plan import cli as plan_cli
@@ -32,24 +33,7 @@ from simplefsdp.plan.trace import TraceKey
 
 GiB = 2**30
 
-# A round-number profile for hand-computed checks.
-FIXED = HardwareProfile(
-    name="fixed",
-    description="test",
-    peak_bf16_flops=1e12,
-    peak_fp32_flops=1e11,
-    matmul_efficiency=0.5,
-    memory_bytes=64 * GiB,
-    usable_memory_fraction=1.0,
-    memory_bandwidth=1e11,
-    memory_efficiency=0.5,
-    kernel_overhead_s=0.0,
-    gpus_per_node=4,
-    intra_bandwidth=1e10,
-    intra_latency_s=1e-5,
-    inter_bandwidth=1e9,
-    inter_latency_s=1e-4,
-)
+FIXED = plan_profiles.FIXED  # round numbers for hand-computed checks
 
 
 def _debug(**overrides):

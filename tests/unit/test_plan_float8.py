@@ -12,35 +12,18 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import plan_profiles
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.models.llama3 import Transformer, get_config
 from simplefsdp.plan import cli as plan_cli
-from simplefsdp.plan.hardware import PROFILES, HardwareProfile
+from simplefsdp.plan.hardware import PROFILES
 from simplefsdp.plan.predict import Float8Matmuls, Layout, compute_time, predict
 from simplefsdp.plan.reference import TORCHTITAN_H100_202412
 from simplefsdp.plan.trace import float8_linear_weights
 
 GiB = 2**30
 
-FIXED = HardwareProfile(
-    name="fixed",
-    description="test",
-    peak_bf16_flops=1e12,
-    peak_fp32_flops=1e11,
-    matmul_efficiency=0.5,
-    memory_bytes=64 * GiB,
-    usable_memory_fraction=1.0,
-    memory_bandwidth=1e11,
-    memory_efficiency=0.5,
-    kernel_overhead_s=0.0,
-    gpus_per_node=4,
-    intra_bandwidth=1e10,
-    intra_latency_s=1e-5,
-    inter_bandwidth=1e9,
-    inter_latency_s=1e-4,
-    peak_fp8_flops=2e12,
-    fp8_matmul_efficiency=0.5,
-)
+FIXED = dataclasses.replace(plan_profiles.FIXED, peak_fp8_flops=2e12, fp8_matmul_efficiency=0.5)
 
 
 def test_gpu_profiles_carry_the_datasheet_float8_peak() -> None:

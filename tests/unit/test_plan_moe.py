@@ -8,30 +8,15 @@ import json
 
 import pytest
 
+import plan_profiles
 from simplefsdp.models.moe import get_config, num_active_params, num_params
 from simplefsdp.plan import cli as plan_cli
-from simplefsdp.plan.hardware import PROFILES, HardwareProfile
+from simplefsdp.plan.hardware import PROFILES
 from simplefsdp.plan.moe import MoELayout, predict_moe
 
 GiB = 2**30
 
-FIXED = HardwareProfile(
-    name="fixed",
-    description="test",
-    peak_bf16_flops=1e12,
-    peak_fp32_flops=1e11,
-    matmul_efficiency=0.5,
-    memory_bytes=640 * GiB,
-    usable_memory_fraction=1.0,
-    memory_bandwidth=1e11,
-    memory_efficiency=0.5,
-    kernel_overhead_s=0.0,
-    gpus_per_node=4,
-    intra_bandwidth=1e10,
-    intra_latency_s=1e-5,
-    inter_bandwidth=1e9,
-    inter_latency_s=1e-4,
-)
+FIXED = dataclasses.replace(plan_profiles.FIXED, memory_bytes=640 * GiB)
 
 
 def test_parameters_total_and_activated() -> None:
