@@ -336,6 +336,7 @@ def test_bucketing_bitwise_equal_to_none(mode: str, mp: bool) -> None:
         assert counts["backward"]["all_reduce"] == 5
 
 
+@pytest.mark.heavy  # half a minute on 2 CPU cores; run with -m heavy
 def test_bucketing_bitwise_hybrid_shard_4_ranks() -> None:
     counts = run_distributed(_bucketing_parity_body, 4, args=("hybrid_shard", False, "per_block"))[
         0

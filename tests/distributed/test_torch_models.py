@@ -463,6 +463,7 @@ def test_transformers_compiled() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # half a minute on 2 CPU cores; run with -m heavy
 def test_hybrid_shard_4_ranks() -> None:
     configs = [
         (name, "hybrid_shard", executor)

@@ -503,6 +503,7 @@ def test_bad_rounds_are_a_usage_error(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # half a minute on 2 CPU cores; run with -m heavy
 def test_rounds_end_to_end(tmp_path):
     """Two real rounds of one eager configuration: each round's raw results in
     its own folder, the row pooling both rounds' measured steps."""

@@ -444,6 +444,7 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path, capsys) -> None:
         assert message in err and "\n" not in err, err
 
 
+@pytest.mark.heavy  # half a minute on 2 CPU cores; run with -m heavy
 def test_cli_batch_that_cannot_fit(tmp_path, capsys) -> None:
     # A GPU with room for the model state and half the batch's activations
     # (per-block buckets: the auto plan would shrink its buckets to fit).
