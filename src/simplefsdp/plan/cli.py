@@ -27,6 +27,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from simplefsdp.plan.hardware import get_profile, profile_names
 
@@ -560,6 +561,16 @@ def write_png(preds, path: Path) -> bool:
     return True
 
 
+def _result(args: Any, hw: Any, elapsed: float, preds: list) -> dict:
+    """The ``--json`` record of a plan: the model, the hardware and the predictions."""
+    return {
+        "model": dataclasses.asdict(args),
+        "hardware": hw.to_dict(),
+        "planning_s": elapsed,
+        "predictions": [p.to_dict() for p in preds],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     logging.getLogger("torch").setLevel(logging.ERROR)
@@ -644,12 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    result = {
-        "model": dataclasses.asdict(args),
-        "hardware": hw.to_dict(),
-        "planning_s": elapsed,
-        "predictions": [p.to_dict() for p in preds],
-    }
+    result = _result(args, hw, elapsed, preds)
     if ns.sweep:
         result["skipped"] = skipped
     if ns.json:
@@ -727,12 +733,7 @@ def _moe_main(ns: argparse.Namespace, start: float) -> int:
             file=sys.stderr,
         )
         return 2
-    result = {
-        "model": dataclasses.asdict(args),
-        "hardware": hw.to_dict(),
-        "planning_s": elapsed,
-        "predictions": [pred.to_dict()],
-    }
+    result = _result(args, hw, elapsed, [pred])
     if ns.json:
         print(json.dumps(result, indent=2, default=str))
     else:
