@@ -1,0 +1,112 @@
+"""What a model family declares: :class:`ModelSpec`.
+
+A family is a folder ``simplefsdp/models/<family>/`` whose ``spec.py``
+defines one ``SPEC: ModelSpec``. Train, bench, plan, checkpoint and export
+work from the spec (found through :mod:`simplefsdp.models.registry`) and
+never name a family. Everything a command line needs before any process
+starts (flavors, counts, ``validate``) works without building the model.
+
+Pure data and callables: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["Capability", "CAPABILITIES", "LayoutDegrees", "ModelSpec"]
+
+#: What a family may compose with: tensor, pipeline, expert and context
+#: parallelism, float8 linears, and Hugging Face weights in and out.
+Capability = str
+CAPABILITIES: tuple[Capability, ...] = ("tp", "pp", "ep", "cp", "float8", "hf")
+
+
+class LayoutDegrees(Protocol):
+    """The degrees ``ModelSpec.validate`` checks a configuration against."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+
+
+def _no_errors(config: Any, layout: Any) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family.
+
+    Attributes:
+        family: the family's name (``"llama3"``, ``"moe"``, ...).
+        description: one line for listings.
+        config_type: the family's configuration dataclass.
+        flavors: named configurations (published sizes and debug sizes),
+            ``flavor name -> config``.
+        build: ``build(config) -> nn.Module``; call it under
+            ``torch.device("meta")`` to build without memory.
+        init_weights: ``init_weights(model, buffer_device)`` initialises a
+            built model (or one of its pipeline stages) in place.
+        loss: ``loss(logits, targets) -> scalar`` for ``(B, T, V)`` logits.
+        num_params: ``num_params(config, exclude_embeddings=False) -> int``.
+        num_active_params: parameters one token uses (MoE: ``top_k`` routed
+            experts); defaults to ``num_params``.
+        flops_per_token: ``flops_per_token(config, seq_len) -> int``,
+            training FLOPs (forward and backward) per token.
+        validate: ``validate(config, layout) -> list[str]``: the model
+            against the layout's degrees (heads vs tp, experts vs ep,
+            sequence vs cp), one line per problem.
+        capabilities: what it composes with (:data:`CAPABILITIES`); a
+            layout using a missing one is refused by the resolve step.
+        tensor_parallel: ``tensor_parallel(model, tp_mesh, *,
+            sequence_parallel, loss_parallel)`` applies its TP plan in place.
+        pipeline_split: ``pipeline_split(model, stage_ids, num_stages) ->
+            list[nn.Module]``, copies of the model keeping each stage's part.
+        fullgraph: a compiled forward is one graph (``False``: a MoE layer
+            reads its token counts to the host).
+        after_optimizer_step: called with the model after each optimizer
+            step (e.g. the routing-bias update); returns metrics to log
+            (``name -> float``) or ``None``.
+        hf_adapter: converts to and from Hugging Face checkpoints (``None``:
+            no Hugging Face format).
+    """
+
+    family: str
+    description: str
+    config_type: type
+    flavors: Mapping[str, Any]
+    build: Callable[[Any], Any]
+    init_weights: Callable[[Any, Any], None]
+    loss: Callable[[Any, Any], Any]
+    num_params: Callable[..., int]
+    flops_per_token: Callable[[Any, int], int]
+    num_active_params: Callable[..., int] | None = None
+    validate: Callable[[Any, Any], list[str]] = _no_errors
+    capabilities: frozenset[Capability] = field(default_factory=frozenset)
+    tensor_parallel: Callable[..., None] | None = None
+    pipeline_split: Callable[..., list[Any]] | None = None
+    fullgraph: bool = True
+    after_optimizer_step: Callable[[Any], Mapping[str, float] | None] | None = None
+    hf_adapter: Any = None
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.capabilities) - set(CAPABILITIES))
+        if unknown:
+            raise ValueError(
+                f"family {self.family!r} declares unknown capabilities {unknown}; "
+                f"valid: {', '.join(CAPABILITIES)}"
+            )
+
+    def supports(self, capability: Capability) -> bool:
+        """The family composes with ``capability``."""
+        return capability in self.capabilities
+
+    def active_params(self, config: Any, exclude_embeddings: bool = False) -> int:
+        """Parameters one token uses (all of them for dense families)."""
+        count = self.num_active_params or self.num_params
+        return count(config, exclude_embeddings=exclude_embeddings)
