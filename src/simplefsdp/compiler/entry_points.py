@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from simplefsdp.compiler import first_inputs
@@ -156,15 +159,64 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     return model
 
 
+class RecompileLimitError(RuntimeError):
+    """A frame of a ``simplefsdp.compile``d model reached Dynamo's recompile
+    limit (Note: [No silent fallback at the recompile limit])."""
+
+
+# torch._dynamo.config's switch that makes the recompile limit an error.
+_FAIL_AT_LIMIT = "fail_on_recompile_limit_hit"
+
+
+def _recompile_limit_fails() -> contextlib.AbstractContextManager:
+    """Dynamo raises instead of running a frame uncompiled at the recompile
+    limit, for the duration of one compiled call (Note: [No silent fallback
+    at the recompile limit])."""
+    config = torch._dynamo.config
+    if not hasattr(config, _FAIL_AT_LIMIT):  # older torch spelled it fail_on_cache_limit_hit
+        return config.patch(fail_on_cache_limit_hit=True)
+    return config.patch(**{_FAIL_AT_LIMIT: True})
+
+
+def _recompile_limit_message(model: nn.Module, exc: BaseException) -> str:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    limit = torch._dynamo.config.recompile_limit
+    return (
+        f"simplefsdp: rank {rank}: a frame of {type(model).__name__}'s compiled forward "
+        f"recompiled more than torch._dynamo.config.recompile_limit={limit} times; running it "
+        "uncompiled would issue other FSDP collectives than the ranks that still run it "
+        "compiled, so this rank stops (TORCH_LOGS=recompiles names the guards that failed; "
+        "raise the limit if the recompiles are expected)"
+    )
+
+
 def _run_reads_in_context(model: nn.Module) -> None:
     """Run ``model``'s compiled calls under ``compiled_read_context``
-    (Note: [Accumulation flags under compiled activation checkpointing])."""
+    (Note: [Accumulation flags under compiled activation checkpointing]),
+    with the recompile limit an error (Note: [No silent fallback at the
+    recompile limit])."""
     compiled = model._compiled_call_impl
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or getattr(
+        torch._dynamo.exc, "FailOnCacheLimitHit"
+    )
 
     @functools.wraps(compiled, updated=())
     def call(*args: Any, **kwargs: Any) -> Any:
-        with compiled_read_context(model):
-            return compiled(*args, **kwargs)
+        # Note: [No silent fallback at the recompile limit]
+        # Past torch._dynamo.config.recompile_limit, Dynamo runs a frame
+        # uncompiled from then on, on this rank only. A frame of a
+        # data_parallel model reads parameters: compiled, its all-gathers are
+        # bucketed by our passes; uncompiled, they are one per parameter. So
+        # the rank's collectives would stop pairing with the other ranks'
+        # (RankDivergenceError at best, a hang or a wrong result at worst).
+        # Each compiled call runs with Dynamo's fail_on_recompile_limit_hit,
+        # scoped to the call, and the rank that reaches the limit raises one
+        # line saying so. Nothing else in the process sees the option.
+        try:
+            with compiled_read_context(model), _recompile_limit_fails():
+                return compiled(*args, **kwargs)
+        except limit_hit as exc:
+            raise RecompileLimitError(_recompile_limit_message(model, exc)) from exc
 
     model._compiled_call_impl = call
 

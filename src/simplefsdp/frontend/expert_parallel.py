@@ -31,8 +31,27 @@ mean loss over all data-parallel ranks, like the dense parameters'.
 ``grad_reduce="sum"`` leaves them summed (pair it with ``reduce_op="sum"``).
 
 The split sizes are data-dependent: they are read to the host
-(``.tolist()``), a graph break under ``torch.compile``; the expert
-computation itself then sees a token count that changes step to step.
+(``.tolist()``) and the expert computation sees a token count that changes
+step to step and differs between ranks (Note: [Expert parallelism under
+torch.compile]).
+
+Note: [Expert parallelism under torch.compile]
+    Compiled, the host read is a graph break, and what follows it was traced
+    with this step's split sizes and token counts as inputs: Dynamo guarded
+    on their values (``sum(output_splits) == 953``) and on the tokens'
+    sizes, and recompiled the frames after the break whenever they changed.
+    Each rank recompiled on its own data, so one rank reached
+    ``torch._dynamo.config.recompile_limit`` first and ran that frame
+    uncompiled: its expert-weight all-gathers no longer paired with the
+    other ranks' compiled ones (``RankDivergenceError``, or a collective
+    mismatch). So the style's forward (counts exchange, dispatch, the local
+    experts, combine) is ``torch.compiler.disable``d: no data-dependent size
+    ever reaches a traced frame, the graphs before and after it have the
+    sizes of the rank's batch alone (``(B*T*top_k, D)``), and nothing
+    recompiles per step. The expert weights are then read eagerly, one
+    all-gather per parameter in module order on every rank (each recorded
+    for Note: [Same gathers on every rank]); the dense layers, the router and
+    the shared experts stay compiled and bucketed.
 """
 
 from __future__ import annotations
@@ -178,6 +197,8 @@ class ExpertParallel(ParallelStyle):
         grad_scale = 1.0 / ep if self.grad_reduce == "avg" else 1.0
         group = device_mesh.get_group()
 
+        # Note: [Expert parallelism under torch.compile]
+        @torch.compiler.disable
         def forward(tokens: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
             return _dispatch_compute_combine(
                 inner_forward, tokens, num_tokens_per_expert, group, ep, grad_scale
