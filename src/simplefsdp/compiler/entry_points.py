@@ -164,18 +164,11 @@ class RecompileLimitError(RuntimeError):
     limit (Note: [No silent fallback at the recompile limit])."""
 
 
-# torch._dynamo.config's switch that makes the recompile limit an error.
-_FAIL_AT_LIMIT = "fail_on_recompile_limit_hit"
-
-
 def _recompile_limit_fails() -> contextlib.AbstractContextManager:
     """Dynamo raises instead of running a frame uncompiled at the recompile
     limit, for the duration of one compiled call (Note: [No silent fallback
     at the recompile limit])."""
-    config = torch._dynamo.config
-    if not hasattr(config, _FAIL_AT_LIMIT):  # older torch spelled it fail_on_cache_limit_hit
-        return config.patch(fail_on_cache_limit_hit=True)
-    return config.patch(**{_FAIL_AT_LIMIT: True})
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 
 
 def _recompile_limit_message(model: nn.Module, exc: BaseException) -> str:
@@ -196,9 +189,7 @@ def _run_reads_in_context(model: nn.Module) -> None:
     with the recompile limit an error (Note: [No silent fallback at the
     recompile limit])."""
     compiled = model._compiled_call_impl
-    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or getattr(
-        torch._dynamo.exc, "FailOnCacheLimitHit"
-    )
+    limit_hit = torch._dynamo.exc.FailOnRecompileLimitHit
 
     @functools.wraps(compiled, updated=())
     def call(*args: Any, **kwargs: Any) -> Any:
