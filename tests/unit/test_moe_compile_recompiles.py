@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import simplefsdp
 
-STEPS, BATCH, SEQ, VOCAB, EXPERTS = 6, 2, 8, 37, 4
+STEPS, BATCH, SEQ, VOCAB, EXPERTS = 5, 2, 8, 37, 4
 
 
 def moe_args():
@@ -28,10 +28,13 @@ def moe_args():
     )  # fmt: skip
 
 
-def train_compiled_moe(ep: int, steps: int) -> dict:
-    """Train the compiled model (ep over all ranks) on batches whose routing
-    differs per step (and rank); Dynamo's graph count after each step and
-    this rank's tokens per expert of each step."""
+def train_compiled_moe(ep: int | None, steps: int) -> dict:
+    """Train the compiled model (``ExpertParallel`` over ``ep`` ranks; ``None``:
+    plain ``data_parallel``) on batches whose routing differs per step (and
+    rank); Dynamo's graph count after each step and this rank's tokens per
+    expert of each step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from simplefsdp.frontend.data_parallel import parallelize_experts_and_data
     from simplefsdp.frontend.expert_parallel import build_expert_parallel_mesh
     from simplefsdp.models.moe import Transformer
@@ -39,9 +42,13 @@ def train_compiled_moe(ep: int, steps: int) -> dict:
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    mesh, dp_mesh = build_expert_parallel_mesh("cpu", dist.get_world_size(), ep, EXPERTS)
     torch.manual_seed(0)
-    model = parallelize_experts_and_data(Transformer(moe_args()), mesh, dp_mesh)
+    model = Transformer(moe_args())
+    if ep is None:
+        simplefsdp.data_parallel(model, init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        mesh, dp_mesh = build_expert_parallel_mesh("cpu", dist.get_world_size(), ep, EXPERTS)
+        parallelize_experts_and_data(model, mesh, dp_mesh)
     simplefsdp.compile(model, backend="aot_eager", bucketing="none", fullgraph=False)
     moe = model.layers["1"].moe
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -79,8 +86,9 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def test_compiled_moe_compiles_once_whatever_the_routing(one_rank) -> None:
-    res = train_compiled_moe(ep=1, steps=STEPS)
+@pytest.mark.parametrize("ep", [1, None], ids=["expert_parallel", "experts_loop"])
+def test_compiled_moe_compiles_once_whatever_the_routing(one_rank, ep) -> None:
+    res = train_compiled_moe(ep=ep, steps=STEPS)
     assert len(set(res["seen"])) == STEPS, res["seen"]  # other counts every step
     assert res["graphs"] == [res["graphs"][0]] * STEPS, res["graphs"]
     assert res["inference_graphs"] <= res["graphs"][0]

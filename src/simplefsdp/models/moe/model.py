@@ -132,12 +132,27 @@ class GroupedExperts(nn.Module):
             h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)  # (R, F)
             out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (R, D)
             return _ContiguousGrad.apply(out)
-        outputs = []
-        counts = num_tokens_per_expert.tolist()
-        for expert, chunk in enumerate(torch.split(x, counts, dim=0)):
-            h = F.silu(chunk @ w1[expert].T) * (chunk @ w3[expert].T)  # (r, F)
-            outputs.append(h @ w2[expert].T)  # (r, D)
-        return torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, x.shape[-1])
+        return _expert_loop(x, num_tokens_per_expert, w1, w2, w3)
+
+
+# Compiled, the loop's split sizes would be traced as this step's values and
+# recompile per step; the loop runs uncompiled (Note: [Expert parallelism
+# under torch.compile] in simplefsdp/frontend/expert_parallel.py).
+@torch.compiler.disable
+def _expert_loop(
+    x: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+) -> torch.Tensor:
+    """:class:`GroupedExperts` as a loop over experts: ``(R, dim) -> (R, dim)``."""
+    outputs = []
+    counts = num_tokens_per_expert.tolist()
+    for expert, chunk in enumerate(torch.split(x, counts, dim=0)):
+        h = F.silu(chunk @ w1[expert].T) * (chunk @ w3[expert].T)  # (r, F)
+        outputs.append(h @ w2[expert].T)  # (r, D)
+    return torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, x.shape[-1])
 
 
 class TokenChoiceRouter(nn.Module):
