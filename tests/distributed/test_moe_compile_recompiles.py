@@ -32,4 +32,5 @@ def test_compiled_ep2_moe_compiles_once() -> None:
         assert res["graphs"] == [res["graphs"][0]] * STEPS, (rank, res["graphs"])
         assert res["inference_graphs"] <= res["graphs"][0]
         assert torch.isfinite(torch.tensor(res["loss"]))
+        assert res["unwaited_collectives"] == 0
     assert results[0]["seen"] != results[1]["seen"]

@@ -67,7 +67,10 @@ def train_compiled_moe(ep: int | None, steps: int) -> dict:
     with torch.no_grad():  # validation: the inference graphs, compiled once
         for _ in range(3):
             model(torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen))
+    from torch._C._distributed_c10d import _get_work_registry_size
+
     return {
+        "unwaited_collectives": _get_work_registry_size(),
         "graphs": graphs,
         "inference_graphs": counters["stats"]["unique_graphs"] - train_graphs,
         "seen": seen,
@@ -92,6 +95,7 @@ def test_compiled_moe_compiles_once_whatever_the_routing(one_rank, ep) -> None:
     assert len(set(res["seen"])) == STEPS, res["seen"]  # other counts every step
     assert res["graphs"] == [res["graphs"][0]] * STEPS, res["graphs"]
     assert res["inference_graphs"] <= res["graphs"][0]
+    assert res["unwaited_collectives"] == 0  # nothing left in flight
 
 
 class _Switched(nn.Module):
