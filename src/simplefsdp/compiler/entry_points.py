@@ -171,7 +171,7 @@ def _recompile_limit_fails() -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 
 
-def _recompile_limit_message(model: nn.Module, exc: BaseException) -> str:
+def _recompile_limit_message(model: nn.Module) -> str:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     limit = torch._dynamo.config.recompile_limit
     return (
@@ -207,7 +207,7 @@ def _run_reads_in_context(model: nn.Module) -> None:
             with compiled_read_context(model), _recompile_limit_fails():
                 return compiled(*args, **kwargs)
         except limit_hit as exc:
-            raise RecompileLimitError(_recompile_limit_message(model, exc)) from exc
+            raise RecompileLimitError(_recompile_limit_message(model)) from exc
 
     model._compiled_call_impl = call
 
