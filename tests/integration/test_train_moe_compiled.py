@@ -3,7 +3,7 @@ over many steps on 4 CPU processes (ep 2 x dp 2): routing, hence every
 rank's expert token counts, changes each step and between ranks, and the
 run neither recompiles into Dynamo's limit nor diverges between ranks
 (Note: [Expert parallelism under torch.compile]); it validates and
-checkpoints, and its checkpoint resumes at ep 4. Heavy: about 20 minutes on
+checkpoints, and its checkpoint resumes at ep 4. Heavy: about 6 minutes on
 2 cores."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_compiled_moe_trains_validates_and_resumes_at_another_ep(tmp_path):
     assert f"steps          0 -> {STEPS}" in proc.stdout
     run = only_run(tmp_path / "ep2")
     trained = losses(run / "metrics.jsonl")
-    assert sorted(trained) == list(range(10, STEPS + 1, 10))
+    assert set(range(10, STEPS + 1, 10)) <= set(trained) and max(trained) == STEPS
     assert sorted(losses(run / "metrics.jsonl", "val_loss")) == [50, 100, 150, 200]
     assert trained[STEPS] < trained[10]
     assert (checkpoints(run) / f"step-{STEPS}").is_dir()
@@ -49,5 +49,5 @@ def test_compiled_moe_trains_validates_and_resumes_at_another_ep(tmp_path):
                                     str(STEPS + MORE), "--resume"])  # fmt: skip
     assert f"steps          {STEPS} -> {STEPS + MORE}" in proc.stdout
     resumed = losses(resumed_run / "metrics.jsonl")
-    assert sorted(resumed) == list(range(STEPS + 10, STEPS + MORE + 1, 10))
+    assert min(resumed) > STEPS and max(resumed) == STEPS + MORE
     assert resumed[STEPS + MORE] < trained[10]
