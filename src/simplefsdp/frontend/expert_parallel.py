@@ -36,14 +36,14 @@ step to step and differs between ranks (Note: [Expert parallelism under
 torch.compile]).
 
 Note: [Expert parallelism under torch.compile]
-    Compiled, the host read is a graph break, and what follows it was traced
-    with this step's split sizes and token counts as inputs: Dynamo guarded
-    on their values (``sum(output_splits) == 953``) and on the tokens'
-    sizes, and recompiled the frames after the break whenever they changed.
-    Each rank recompiled on its own data, so one rank reached
-    ``torch._dynamo.config.recompile_limit`` first and ran that frame
-    uncompiled: its expert-weight all-gathers no longer paired with the
-    other ranks' compiled ones (``RankDivergenceError``, or a collective
+    Compiled, the host read would be a graph break, and what follows it
+    would be traced with this step's split sizes and token counts as inputs:
+    Dynamo guards on their values (``sum(output_splits) == 953``) and on the
+    tokens' sizes, and recompiles the frames after the break whenever they
+    change. Each rank recompiles on its own data, so one rank reaches
+    ``torch._dynamo.config.recompile_limit`` first and runs that frame
+    uncompiled: its expert-weight all-gathers no longer pair with the other
+    ranks' compiled ones (``RankDivergenceError``, or a collective
     mismatch). So the style's forward (counts exchange, dispatch, the local
     experts, combine) is ``torch.compiler.disable``d: no data-dependent size
     ever reaches a traced frame, the graphs before and after it have the
