@@ -89,7 +89,12 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ep", [1, None], ids=["expert_parallel", "experts_loop"])
+# About 8 s of CPU each; the loop variant (no ExpertParallel) is left to -m heavy.
+@pytest.mark.parametrize(
+    "ep",
+    [1, pytest.param(None, marks=pytest.mark.heavy)],
+    ids=["expert_parallel", "experts_loop"],
+)
 def test_compiled_moe_compiles_once_whatever_the_routing(one_rank, ep) -> None:
     res = train_compiled_moe(ep=ep, steps=STEPS)
     assert len(set(res["seen"])) == STEPS, res["seen"]  # other counts every step
