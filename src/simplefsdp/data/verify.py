@@ -144,7 +144,7 @@ class ShardVerifier:
 
     def start(self) -> ShardVerifier:
         """Start the thread (a daemon: it never delays the process's exit)."""
-        self._thread = threading.Thread(target=self.run, name="simplefsdp-verify", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="simplefsdp-verify", daemon=True)
         self._thread.start()
         return self
 
@@ -158,8 +158,11 @@ class ShardVerifier:
                 self.error = problem
                 return
             self.verified += 1
-        if self.verified:
-            logger.info("verified %d token shards (checksums recorded)", self.verified)
+
+    def _run(self) -> None:
+        self.run()
+        if self.verified and self.error is None:
+            logger.info("verified %d token shard files (checksums recorded)", self.verified)
 
     def verify_one(self, check: ShardCheck) -> str | None:
         """The one-line problem of ``check.path``, or ``None`` (then recorded as verified)."""
