@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from chat_data import CONVERSATIONS, make_chat_tokenizer, write_conversations
 from simplefsdp.data import DataError, build_data
 from simplefsdp.data.prepare import INDEX_NAME, main, prepare
 from simplefsdp.train import cli
@@ -238,52 +239,18 @@ def test_a_missing_shard_is_called_missing(prepared):
 
 # --------------------------------------------------------------------------- chat data
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-CONVERSATIONS = [
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "What is two plus two?"},
-     {"role": "assistant", "content": "Four."},
-     {"role": "user", "content": "And three plus three?"},
-     {"role": "assistant", "content": "Six, of course."}],
-    [{"role": "user", "content": "Name a colour."},
-     {"role": "assistant", "content": "Blue is a colour."}],
-] * 6  # fmt: skip
-
 
 @pytest.fixture
 def chat_tokenizer(tmp_path):
     """A tiny BPE tokenizer with a ChatML template, saved like a model's folder."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator([m["content"] for c in CONVERSATIONS for m in c] * 3, trainer)
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", additional_special_tokens=special[1:]
-    )
-    fast.chat_template = CHATML
-    folder = tmp_path / "chat_tok"
-    fast.save_pretrained(str(folder))
-    return folder
+    pytest.importorskip("transformers")
+    return make_chat_tokenizer(tmp_path / "chat_tok")
 
 
 def test_chat_loss_mask_covers_exactly_the_assistant_turns(chat_tokenizer, tmp_path):
     from transformers import AutoTokenizer
 
-    (tmp_path / "chat.jsonl").write_text(
-        "".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS)
-    )
+    write_conversations(tmp_path / "chat.jsonl")
     out = tmp_path / "chat_tokens"
     index = prepare(tmp_path / "chat.jsonl", out, tokenizer=str(chat_tokenizer),
                     data_format="chat", val_fraction=0.0, progress=False)  # fmt: skip

@@ -25,10 +25,10 @@ The pipeline has four small modules:
 This package imports nothing else of simplefsdp.
 """
 
-from . import corpus, loader, tokenizer, verify
+from . import corpus, loader, tokenizer
 from .corpus import *  # noqa: F403
 from .loader import *  # noqa: F403
 from .tokenizer import *  # noqa: F403
-from .verify import DataError
+from .verify import DataError as DataError
 
 __all__ = [*corpus.__all__, *loader.__all__, *tokenizer.__all__, "DataError"]

@@ -459,9 +459,7 @@ def build_data(
     tok = load_tokenizer(cfg.tokenizer)
     mask_after = tok.eos_id if getattr(cfg, "mask_document_boundaries", False) else None
     if is_prepared(cfg.path):  # token shards of simplefsdp data prepare, memory-mapped
-        prepared = load_prepared(
-            cfg.path, tok, cfg.tokenizer, vocab_size=vocab_size, verify=verify
-        )
+        prepared = load_prepared(cfg.path, tok, cfg.tokenizer, vocab_size=vocab_size, verify=verify)
         corpus, train, val = prepared.corpus, prepared.train, prepared.val
         verifier = prepared.verifier
     else:

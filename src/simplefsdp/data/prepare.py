@@ -11,18 +11,24 @@ worker processes and writes, per input file ``i``, ``shards/{i:06d}.train.bin``
 and ``shards/{i:06d}.val.bin`` (raw little-endian ``uint16`` ids, or ``uint32``
 for vocabularies above 65536; every document followed by EOS; documents go to
 validation by the same hash of their name as in memory) and then
-``index.json``: the tokenizer's identity, the dtype, every shard's tokens and
-documents, and the fingerprint of the training stream. ``--data.path tokens/``
+``index.json``: the tokenizer's identity (with a digest of its definition),
+the vocabulary size and largest id, the dtype, every shard's tokens,
+documents, largest id and CRC-32, and the fingerprint of the training
+stream. With ``--format chat`` each shard has a ``.mask`` file beside it
+(one byte per token: 1 on the assistant's tokens; see :mod:`simplefsdp.data.chat`). ``--data.path tokens/``
 then trains on it by memory map (see :class:`TokenShards`).
 
 Note: [Prepared shards are complete or absent]
     A shard is written under a temporary name, fsynced and renamed, then its
-    small ``.json`` record (tokens, documents, sha256) is written the same
-    way; ``index.json`` is written last. Running the command again skips the
-    files whose record exists and whose shard has the recorded size, so an
-    interrupted run resumes, and a shard without its record (the process
-    died in between) is written again. A loader opens only a folder with
-    ``index.json`` and checks each shard's size against it.
+    small ``.json`` record (tokens, documents, CRC-32, largest id, the
+    tokenizer's digest) is written the same way; ``index.json`` is written
+    last. Running the command again keeps the files whose record exists,
+    names the same tokenizer and whose shards have the recorded size and
+    checksum, so an interrupted run resumes and a damaged shard is built
+    again; a shard without its record (the process died in between) is
+    written again. A loader opens only a folder with ``index.json``, checks
+    each shard's size against it and its checksum once in the background
+    (see [Verified token data] in :mod:`simplefsdp.data.verify`).
 
 The training stream of the shards is the concatenation of the train shards
 in file order, which is exactly the stream :func:`build_corpus` builds in

@@ -525,11 +525,16 @@ class Trainer:
             if n > 0 and self.rank == 0:
                 logger.warning("this torch's pipeline schedules cannot evaluate: no val_loss")
             return None
+        from simplefsdp.data import DataError
+
         total, count = torch.zeros((), device=self.device), 0
-        for inputs, targets in self.loader.val_batches(n):
-            with self._loss_context():
-                total += self._eval_loss(inputs, targets)
-            count += 1
+        try:
+            for inputs, targets in self.loader.val_batches(n):
+                with self._loss_context():
+                    total += self._eval_loss(inputs, targets)
+                count += 1
+        except DataError as exc:  # a damaged validation shard
+            raise TrainingError(str(exc)) from None
         if self.moe:  # the model ran in training mode: its routing counted these tokens
             self._drop_expert_counts()
         if count == 0:
