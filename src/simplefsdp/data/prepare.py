@@ -131,6 +131,11 @@ def prepare_command(index: dict[str, Any], folder: str | os.PathLike[str]) -> st
              "--out", str(folder), "--tokenizer", str(tok)]  # fmt: skip
     if index.get("data_format", "text") != "text":
         words += ["--format", str(index["data_format"])]
+    default_field = "messages" if index.get("data_format") == "chat" else DEFAULT_TEXT_FIELD
+    if index.get("text_field", default_field) != default_field:
+        words += ["--text-field", str(index["text_field"])]
+    if index.get("val_fraction", 0.05) != 0.05:
+        words += ["--val-fraction", str(index["val_fraction"])]
     return " ".join(words)
 
 
@@ -146,16 +151,18 @@ def _write_atomic(path: Path, data: bytes | memoryview) -> None:
     os.replace(tmp, path)
 
 
-def _record_ok(shards: Path, i: int, digest: str, fmt: str) -> dict[str, Any] | None:
+def _record_ok(shards: Path, i: int, settings: dict[str, Any]) -> dict[str, Any] | None:
     """The record of input ``i`` when it and its shards are complete and intact:
-    the same tokenizer and format, every file of the recorded size and checksum.
+    the same ``settings`` (tokenizer digest, format, field, validation fraction),
+    every file of the recorded size and checksum.
 
     A shard that fails its checksum is logged (it is built again).
     """
     try:
         record = json.loads((shards / f"{i:06d}.json").read_text(encoding="utf-8"))
-        if record.get("tokenizer") != digest or record.get("data_format", "text") != fmt:
+        if any(record.get(k) != v for k, v in settings.items()):
             return None
+        fmt = settings["data_format"]
         for split in ("train", "val"):
             part = record[split]
             files = [(part["file"], part["checksum"])]
@@ -287,7 +294,9 @@ def _prepare_file(job: tuple[Any, ...]) -> dict[str, Any]:
     """Worker: tokenise input ``i`` into its shards and write its record."""
     i, file, rel, spec, field, val_fraction, out, fmt, digest = job
     shards = Path(out) / "shards"
-    record = _record_ok(shards, i, digest, fmt)
+    settings = {"tokenizer": digest, "data_format": fmt, "text_field": field,
+                "val_fraction": val_fraction}  # fmt: skip
+    record = _record_ok(shards, i, settings)
     if record is not None:
         return {**record, "skipped": True}
     logging.getLogger("simplefsdp.data.corpus").setLevel(logging.WARNING)  # per-file notes
@@ -300,7 +309,7 @@ def _prepare_file(job: tuple[Any, ...]) -> dict[str, Any]:
     else:
         docs = _documents(file, rel, field)
         dtype = torch.int32 if tok.vocab_size > 2**15 else torch.int16
-    record = {"input": rel, "tokenizer": digest, "data_format": fmt}
+    record = {"input": rel, **settings}
     for split in ("train", "val"):
         mask = None
         if fmt == "chat":

@@ -196,6 +196,7 @@ class Trainer:
         # Chat data trains on the assistant's tokens only: counted per step.
         self._trained_tokens = 0 if self.loader.has_loss_mask else None
         self._trained_in_window = 0
+        self._micro_trained = -1  # targets trained on in the last micro-batch (-1: not counted)
         self._check_same_data(self.loader.fingerprint)
 
     def _check_same_data(self, fingerprint: dict[str, int]) -> None:
@@ -451,7 +452,10 @@ class Trainer:
                     scale=1 / accum,
                     sync=micro == accum - 1,
                 )
-            if loss is not None:  # None: a pipeline rank without the last stage
+            # None: a pipeline rank without the last stage. A micro-batch of chat
+            # data without an assistant token has a NaN mean loss (and zero
+            # gradients): it adds nothing.
+            if loss is not None and self._micro_trained != 0:
                 loss_sum += loss
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
         self.optimizer.step()
@@ -471,7 +475,8 @@ class Trainer:
         except DataError as exc:
             raise TrainingError(str(exc)) from None
         if self._trained_tokens is not None:
-            self._trained_in_window += int((targets != IGNORE_INDEX).sum())
+            self._micro_trained = int((targets != IGNORE_INDEX).sum())
+            self._trained_in_window += self._micro_trained
         return inputs, targets
 
     def _balance_experts(self) -> None:
