@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -211,11 +212,14 @@ def test_data_help_exits_0_and_bare_data_shows_it(capsys):
     assert "--format {text,chat}" in capsys.readouterr().out
 
 
-def test_prepare_writes_no_carriage_returns_off_a_terminal(corpus, tmp_path, capsys):
+def test_prepare_writes_no_carriage_returns_off_a_terminal(corpus, tmp_path, capsys, monkeypatch):
     argv = ["prepare", "--input", str(corpus), "--out", str(tmp_path / "t"), "--workers", "1"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "\r" not in captured.err and "\r" not in captured.out
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: one progress line
+    assert main([*argv[:-4], "--out", str(tmp_path / "t2"), "--workers", "1"]) == 0
+    assert "\rprepare: 1/" in capsys.readouterr().err
 
 
 def test_prepare_errors_name_its_own_flags(corpus, tmp_path, capsys):
@@ -271,6 +275,18 @@ def test_chat_loss_mask_covers_exactly_the_assistant_turns(chat_tokenizer, tmp_p
         assert trained == expected  # exactly the assistant's text and end of turn
         start = end + 1
     assert index["train"]["trained_tokens"] == int(mask.sum())
+
+    # Parquet records (a list-of-structs column) give the same shards
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"messages": CONVERSATIONS}), tmp_path / "chat.parquet")
+    prepare(tmp_path / "chat.parquet", tmp_path / "pq", tokenizer=str(chat_tokenizer),
+            data_format="chat", val_fraction=0.0, progress=False)  # fmt: skip
+    for name in (shard["file"], shard["mask"]):
+        assert (tmp_path / "pq" / "shards" / name).read_bytes() == (
+            out / "shards" / name
+        ).read_bytes()
 
     # the loader leaves every other target out of the loss
     data = build_data(_cfg(out, tokenizer=str(chat_tokenizer), val_fraction=0.0, seq_len=8))
