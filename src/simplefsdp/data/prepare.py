@@ -781,8 +781,8 @@ def load_prepared(
     if verify is not None:
         i, n = verify
         checks = shard_checks(folder, index)[i::n]
-        if "checksum" not in index:
-            logger.warning(
+        if "checksum" not in index:  # simplefsdp train's launcher said so once already
+            logger.info(
                 "%s was prepared without checksums: its shards are checked by their ids on "
                 "first use; re-run %s to record checksums",
                 folder,
