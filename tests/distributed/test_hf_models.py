@@ -187,6 +187,7 @@ def _body(configs: list[tuple[str, str, str]]) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 24 model/executor runs: many minutes on 2 CPU cores; run with -m heavy
 def test_hf_models_match_one_process() -> None:
     configs = [
         (name, "fully_shard", executor)
@@ -227,6 +228,7 @@ def _routed_apart_body() -> tuple[float, float, bool]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # about half a minute on 2 CPU cores; run with -m heavy
 def test_mixtral_routed_apart_trains_with_the_eager_executor() -> None:
     for reference, first, apart in run_distributed(_routed_apart_body, 2):
         assert apart, "the ranks' tokens picked the same experts: not the case under test"

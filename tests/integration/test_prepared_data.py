@@ -56,3 +56,50 @@ def test_resume_on_shards_at_another_world_size_continues_exactly(tmp_path):
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step] == pytest.approx(full[step], rel=1e-5), (full, resumed)
+
+
+def _run_any(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "simplefsdp.cli", *argv],
+        cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+
+
+@pytest.mark.heavy  # two 2-rank runs: about a minute on 2 CPU cores
+def test_chat_data_trains_on_the_assistant_tokens_and_a_damaged_shard_is_one_line(tmp_path):
+    """A run on chat data reports the tokens it trains on (step line, metrics,
+    summary); a shard damaged in place (ids outside the vocabulary) stops the
+    run with one line naming it, not an IndexError per rank."""
+    pytest.importorskip("transformers")
+    import json
+
+    import numpy as np
+
+    from chat_data import make_chat_tokenizer, write_conversations
+
+    make_chat_tokenizer(tmp_path / "chat_tok")
+    write_conversations(tmp_path / "chat.jsonl")
+    _run(tmp_path, "data", "prepare", "--format", "chat", "--input", "chat.jsonl", "--out",
+         "tokens", "--tokenizer", "chat_tok", "--val-fraction", "0", "--workers", "1")  # fmt: skip
+    argv = ["train", "--nproc", "2", "--data.path", "tokens", "--data.tokenizer", "chat_tok",
+            "--data.seq_len", "32", "--data.batch_size", "2", "--training.warmup_steps", "1",
+            "--training.steps", "3", "--metrics.log_interval", "1", "--metrics.val_interval", "0",
+            "--compile.enable", "false", "--checkpoint.enable", "false"]  # fmt: skip
+    proc = _run(tmp_path, *argv, "--metrics.output_dir", "chat")
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and all("% of tokens" in line for line in steps), proc.stdout
+    assert "trained on (" in proc.stdout  # the summary
+    records = [json.loads(x) for x in (only_run(tmp_path / "chat") / "metrics.jsonl").open()]
+    assert all(0 < r["trained_tokens_pct"] < 100 for r in records if "loss" in r)
+
+    index = json.loads((tmp_path / "tokens" / "index.json").read_text())
+    shard = np.memmap(tmp_path / "tokens" / "shards" / index["train"]["shards"][0]["file"],
+                      dtype="<u2", mode="r+")  # fmt: skip
+    shard[::7] = 60000
+    shard.flush()
+    del shard
+    proc = _run_any(tmp_path, *argv, "--metrics.output_dir", "damaged")
+    errors = [x for x in proc.stderr.splitlines() if "error" in x]
+    assert proc.returncode != 0 and "IndexError" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and "000000.train.bin" in errors[0], proc.stderr
+    assert "simplefsdp data prepare --input" in errors[0]

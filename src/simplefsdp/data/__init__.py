@@ -16,7 +16,11 @@ The pipeline has four small modules:
   ``[data]`` section of a job config.
 * :mod:`~simplefsdp.data.prepare` - ``simplefsdp data prepare``: a corpus
   tokenised once into memory-mapped token shards plus an index, which
-  :func:`build_data` opens when ``data.path`` is such a folder.
+  :func:`build_data` opens when ``data.path`` is such a folder; with
+  ``--format chat`` conversations rendered by a chat template
+  (:mod:`~simplefsdp.data.chat`) with a loss mask over the assistant's tokens.
+* :mod:`~simplefsdp.data.verify` - each shard's checksum, verified once in a
+  background thread while training runs.
 
 This package imports nothing else of simplefsdp.
 """
@@ -25,5 +29,6 @@ from . import corpus, loader, tokenizer
 from .corpus import *  # noqa: F403
 from .loader import *  # noqa: F403
 from .tokenizer import *  # noqa: F403
+from .verify import DataError as DataError
 
-__all__ = [*corpus.__all__, *loader.__all__, *tokenizer.__all__]
+__all__ = [*corpus.__all__, *loader.__all__, *tokenizer.__all__, "DataError"]

@@ -23,6 +23,7 @@ import torch
 from .corpus import DEFAULT_TEXT_FIELD, TokenCorpus, build_corpus, data_fingerprint
 from .prepare import TokenShards, is_prepared, load_prepared
 from .tokenizer import Tokenizer, load_tokenizer
+from .verify import ShardVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def _gather_windows(
     tokens: torch.Tensor, window_ids: torch.Tensor, seq_len: int, mask_after: int | None = None
 ) -> Batch:
     """``(inputs, targets)`` int64 tensors for the windows ``window_ids``; targets whose
-    input is ``mask_after`` (the EOS id) are :data:`IGNORE_INDEX`."""
+    input is ``mask_after`` (the EOS id) are :data:`IGNORE_INDEX`, and so are the
+    targets outside the loss mask of token shards that have one (chat data)."""
     starts = window_ids.to(torch.int64) * seq_len
     index = starts[:, None] + torch.arange(seq_len + 1, dtype=torch.int64)[None, :]
     windows = (tokens.gather(index) if isinstance(tokens, TokenShards) else tokens[index]).to(
@@ -57,6 +59,8 @@ def _gather_windows(
     inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
     if mask_after is not None:
         targets[inputs == mask_after] = IGNORE_INDEX
+    if isinstance(tokens, TokenShards) and tokens.has_mask:
+        targets[~tokens.gather_mask(index[:, 1:])] = IGNORE_INDEX
     return inputs, targets
 
 
@@ -167,6 +171,9 @@ class DistributedTokenLoader:
         val_tokens: Optional validation stream for :meth:`val_batches`.
         mask_after: Targets whose input token is this id (the EOS id) are
             :data:`IGNORE_INDEX`, left out of the loss (document boundaries).
+        verifier: Verifies the token shards in the background; each batch
+            raises :class:`~simplefsdp.data.verify.DataError` once it has
+            found a damaged one.
 
     Raises:
         ValueError: bad sizes or rank, or fewer windows than one global batch.
@@ -186,6 +193,7 @@ class DistributedTokenLoader:
         global_batch: bool = False,
         val_tokens: torch.Tensor | None = None,
         mask_after: int | None = None,
+        verifier: ShardVerifier | None = None,
     ) -> None:
         _check_loader_args(seq_len, batch_size, rank, world_size)
         self.tokens = _check_tokens(tokens, "tokens")
@@ -197,6 +205,9 @@ class DistributedTokenLoader:
         self.seed = int(seed)
         self.global_batch = global_batch
         self.mask_after = mask_after
+        self.verifier = verifier
+        #: Whether targets outside the assistant's turns are left out (chat data).
+        self.has_loss_mask = isinstance(self.tokens, TokenShards) and self.tokens.has_mask
         self.global_batch_size = world_size * batch_size
         self.num_windows = max(0, (self.tokens.numel() - 1) // seq_len)
         if self.num_windows < self.global_batch_size:
@@ -252,7 +263,13 @@ class DistributedTokenLoader:
         return self
 
     def __next__(self) -> Batch:
-        """Next ``(inputs, targets)``, advancing the state (wraps to the next epoch)."""
+        """Next ``(inputs, targets)``, advancing the state (wraps to the next epoch).
+
+        Raises:
+            DataError: a damaged token shard (one line naming it and the fix).
+        """
+        if self.verifier is not None:
+            self.verifier.check()
         if self.position + self.global_batch_size > self.num_windows:
             self.epoch += 1
             self.position = 0
@@ -390,6 +407,7 @@ class DataSpec(Protocol):
     tokenizer: str
     max_bytes: int | None
     text_field: str
+    mask_document_boundaries: bool
 
 
 @dataclass
@@ -415,6 +433,8 @@ def build_data(
     seed: int = 0,
     global_batch: bool = False,
     report: bool = True,
+    vocab_size: int | None = None,
+    verify: tuple[int, int] | None = None,
 ) -> DataBundle:
     """Build tokenizer, corpus and loader from the ``[data]`` config section.
 
@@ -429,12 +449,19 @@ def build_data(
         global_batch: See :class:`DistributedTokenLoader`.
         report: Log what reading the data found (undecodable bytes, skipped
             records); one rank of a job is enough.
+        vocab_size: The model's vocabulary (default: the tokenizer's); token
+            shards' ids are checked against it batch by batch.
+        verify: ``(i, n)``: verify every ``n``-th token shard from the
+            ``i``-th in the background (e.g. this node's local rank and
+            ranks per node, so that each node checks its own copy);
+            ``None``: no verification.
     """
     tok = load_tokenizer(cfg.tokenizer)
     mask_after = tok.eos_id if getattr(cfg, "mask_document_boundaries", False) else None
     if is_prepared(cfg.path):  # token shards of simplefsdp data prepare, memory-mapped
-        prepared = load_prepared(cfg.path, tok, cfg.tokenizer)
+        prepared = load_prepared(cfg.path, tok, cfg.tokenizer, vocab_size=vocab_size, verify=verify)
         corpus, train, val = prepared.corpus, prepared.train, prepared.val
+        verifier = prepared.verifier
     else:
         corpus = build_corpus(
             cfg.path,
@@ -445,6 +472,7 @@ def build_data(
             report=report,
         )
         train, val = corpus.train, corpus.val
+        verifier = None
     loader = DistributedTokenLoader(
         train,
         seq_len=cfg.seq_len,
@@ -455,5 +483,6 @@ def build_data(
         global_batch=global_batch,
         val_tokens=val,
         mask_after=mask_after,
+        verifier=verifier,
     )
     return DataBundle(tok, corpus, loader)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "tokenizer_digest"]
 
 
 class Tokenizer(Protocol):
@@ -238,3 +239,54 @@ def load_tokenizer(spec: str) -> Tokenizer:
         )
     logger.info("loaded tokenizer %r", tok)
     return tok
+
+
+#: The files of a Hugging Face tokenizer folder that define its tokens (and
+#: its chat template); :func:`tokenizer_digest` hashes those present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def tokenizer_digest(spec: str) -> str:
+    """A hash of a tokenizer's definition, independent of where it lies.
+
+    ``"byte"`` has a fixed digest; a ``tokenizer.json`` file is hashed whole;
+    a folder by the :data:`TOKENIZER_FILES` it holds (name and bytes). Two
+    copies of a tokenizer in different places have the same digest; a
+    changed vocabulary, merge list or chat template gives another.
+
+    Raises:
+        ValueError: the path does not exist, or a folder holds none of
+            :data:`TOKENIZER_FILES`.
+    """
+    digest = hashlib.sha256()
+    if spec == "byte":
+        digest.update(b"simplefsdp-byte-tokenizer-260")
+        return "sha256:" + digest.hexdigest()
+    path = Path(spec).expanduser()
+    if path.is_file():
+        digest.update(path.read_bytes())
+    elif path.is_dir():
+        found = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+        if not found:
+            raise ValueError(
+                f"tokenizer {spec!r}: folder holds none of the tokenizer files "
+                f"({', '.join(TOKENIZER_FILES[:3])}, ...)"
+            )
+        for name in found:
+            digest.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
+    else:
+        raise ValueError(
+            f"tokenizer {spec!r}: path does not exist; use 'byte' or the path of a local "
+            "tokenizer.json file or Hugging Face tokenizer folder"
+        )
+    return "sha256:" + digest.hexdigest()

@@ -130,37 +130,25 @@ def _error(message: str) -> int:
 
 
 def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None:
-    """Check what the config alone cannot: data path, tokenizer path, mesh, devices.
+    """Check what the config alone cannot: the inputs (data, tokenizer, Hugging
+    Face folder, vocabulary; see :mod:`simplefsdp.train.preflight`), mesh, devices.
 
     Runs before any process is started and before any output is written.
 
     Raises:
-        ValueError: naming the problem and the valid choices.
+        ValueError: naming the problem and the valid choices
+            (:class:`~simplefsdp.train.preflight.InputErrors`: one line per problem).
     """
     from simplefsdp.engines import mesh_shape_for
+    from simplefsdp.train.preflight import check_inputs
 
-    path = job.data.path
-    if path is not None:
-        p = Path(path).expanduser()
-        if not (p.is_file() or p.is_dir()):
-            raise ValueError(
-                f"data.path {path!r} does not exist; give a text file, a folder of text files, "
-                "or leave data.path unset for the embedded stdlib corpus"
-            )
-        _check_data_files(path)
-    tok = job.data.tokenizer
-    if tok != "byte":
-        if not Path(tok).expanduser().exists():
-            raise ValueError(
-                f"data.tokenizer {tok!r} does not exist; use 'byte' or the path of a local "
-                "tokenizer.json file or Hugging Face tokenizer folder"
-            )
-        from simplefsdp.data import load_tokenizer
-
-        try:
-            load_tokenizer(tok)
-        except ValueError as exc:
-            raise ValueError(f"data.tokenizer {tok!r}: {_one_line(exc)}") from exc
+    # data, tokenizer, Hugging Face folder, vocabulary: every problem, one line each
+    notes = check_inputs(job)
+    if not under_torchrun() or (
+        os.environ.get("RANK", "0") == "0" and not os.environ.get(ERROR_DIR_ENV)
+    ):
+        for note in notes:
+            print(f"simplefsdp train: note: {note}", file=sys.stderr)
     p = job.parallel
     _check_layout(job, world_size)
     mesh_shape_for(
@@ -186,30 +174,6 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
             "float8.recipe 'tensorwise' with parallel.tp > 1 and parallel.sequence_parallel true "
             "needs GPUs (gloo cannot all-gather float8 activations); on CPU use "
             "--parallel.sequence_parallel false"
-        )
-
-
-def _check_data_files(path: str) -> None:
-    """``data.path`` must hold at least one non-empty text file, and none that is
-    mostly binary (judged by its head) or Parquet without pyarrow."""
-    from simplefsdp.data import list_corpus_files, sniff_data_file
-    from simplefsdp.data.prepare import is_prepared
-
-    if is_prepared(path):  # token shards of simplefsdp data prepare: checked when opened
-        return
-    try:
-        _, files = list_corpus_files(path)
-    except (FileNotFoundError, ValueError) as exc:
-        raise ValueError(f"data.path {path!r}: {_one_line(exc)}") from exc
-    for f in files:
-        problem = sniff_data_file(f)
-        if problem is not None:
-            raise ValueError(problem)
-    if not any(f.stat().st_size > 0 for f in files):
-        what = "is empty" if Path(path).is_file() else "holds no non-empty text file"
-        raise ValueError(
-            f"data.path {path!r} {what}; give a text file or a folder of text files with "
-            "some text, or leave data.path unset for the embedded stdlib corpus"
         )
 
 
@@ -478,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         preflight(job, world_size=world, local_world_size=local)
     except ValueError as exc:
         if not worker or rank == 0:
-            return _error(_one_line(exc))
+            for line in getattr(exc, "errors", None) or [_one_line(exc)]:
+                _error(line)
         return EXIT_CONFIG_ERROR
     if resume is not None and (not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV))):
         print(f"simplefsdp train: {resume.line()}", flush=True)

@@ -356,6 +356,9 @@ class TrainSummary:
     run_id: str = ""
     compile_s: float | None = None
     interrupted_by: str = ""
+    #: With a loss mask (chat data): tokens read and tokens trained on, all ranks.
+    tokens_read: int | None = None
+    tokens_trained: int | None = None
 
     def format(self) -> str:
         """A multi-line human-readable summary."""
@@ -373,6 +376,15 @@ class TrainSummary:
             f"  loss           {num(self.first_loss, '.4f')} -> {num(self.final_loss, '.4f')}",
             f"  val loss       {num(self.final_val_loss, '.4f')}",
             f"  tokens/s/rank  {num(self.tokens_per_s, ',.0f')}",
+            *(
+                [
+                    f"  tokens         {self.tokens_read:,} read, {self.tokens_trained:,} "
+                    f"trained on ({100 * self.tokens_trained / max(self.tokens_read, 1):.0f}%, "
+                    "the assistant's)"
+                ]
+                if self.tokens_read is not None and self.tokens_trained is not None
+                else []
+            ),
             f"  peak memory    {format_bytes(self.peak_memory_bytes)} ({self.memory_kind})",
             f"  compile        {num(self.compile_s, '.1f')}s (first step)"
             if self.compile_s is not None

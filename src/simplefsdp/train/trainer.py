@@ -180,14 +180,23 @@ class Trainer:
     def _build_data(self) -> None:
         from simplefsdp.data import build_data
 
+        # Each node verifies its own copy of token shards, split over its ranks.
+        local = int(os.environ.get("LOCAL_RANK", self.rank))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         bundle = build_data(
             self.job.data,
             rank=self.dp_rank,
             world_size=self.dp_size,
             seed=self.job.training.seed,
             report=self.rank == 0,
+            vocab_size=self.job.model.vocab_size,
+            verify=(local, per_node),
         )
         self.tokenizer, self.loader = bundle.tokenizer, bundle.loader
+        # Chat data trains on the assistant's tokens only: counted per step.
+        self._trained_tokens = 0 if self.loader.has_loss_mask else None
+        self._trained_in_window = 0
+        self._micro_trained = -1  # targets trained on in the last micro-batch (-1: not counted)
         self._check_same_data(self.loader.fingerprint)
 
     def _check_same_data(self, fingerprint: dict[str, int]) -> None:
@@ -435,7 +444,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(accum):
-            inputs, targets = next(self.loader)
+            inputs, targets = self._next_batch()
             with self._loss_context():  # forward and backward; reduced on the last micro-batch
                 loss = self.parallel.step(
                     inputs.to(self.device),
@@ -443,7 +452,10 @@ class Trainer:
                     scale=1 / accum,
                     sync=micro == accum - 1,
                 )
-            if loss is not None:  # None: a pipeline rank without the last stage
+            # None: a pipeline rank without the last stage. A micro-batch of chat
+            # data without an assistant token has a NaN mean loss (and zero
+            # gradients): it adds nothing.
+            if loss is not None and self._micro_trained != 0:
                 loss_sum += loss
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
         self.optimizer.step()
@@ -452,6 +464,20 @@ class Trainer:
         if self.moe:
             self._balance_experts()
         return loss_sum, grad_norm, float(lr)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loader's next batch; damaged token data is a :class:`TrainingError`;
+        with a loss mask the targets trained on are counted."""
+        from simplefsdp.data import IGNORE_INDEX, DataError
+
+        try:
+            inputs, targets = next(self.loader)
+        except DataError as exc:
+            raise TrainingError(str(exc)) from None
+        if self._trained_tokens is not None:
+            self._micro_trained = int((targets != IGNORE_INDEX).sum())
+            self._trained_in_window += self._micro_trained
+        return inputs, targets
 
     def _balance_experts(self) -> None:
         """After the optimizer step: the routing-bias update from the tokens each
@@ -478,6 +504,11 @@ class Trainer:
         total, count = pair.tolist()
         return total / count
 
+    def _global_sum(self, value: float) -> float:
+        reduced = torch.tensor([value], dtype=torch.float64, device=comm_device(self.device))
+        dist.all_reduce(reduced)
+        return float(reduced.item())
+
     def _global_max(self, value: float) -> float:
         reduced = torch.tensor([value], dtype=torch.float64, device=comm_device(self.device))
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
@@ -499,11 +530,16 @@ class Trainer:
             if n > 0 and self.rank == 0:
                 logger.warning("this torch's pipeline schedules cannot evaluate: no val_loss")
             return None
+        from simplefsdp.data import DataError
+
         total, count = torch.zeros((), device=self.device), 0
-        for inputs, targets in self.loader.val_batches(n):
-            with self._loss_context():
-                total += self._eval_loss(inputs, targets)
-            count += 1
+        try:
+            for inputs, targets in self.loader.val_batches(n):
+                with self._loss_context():
+                    total += self._eval_loss(inputs, targets)
+                count += 1
+        except DataError as exc:  # a damaged validation shard
+            raise TrainingError(str(exc)) from None
         if self.moe:  # the model ran in training mode: its routing counted these tokens
             self._drop_expert_counts()
         if count == 0:
@@ -539,6 +575,14 @@ class Trainer:
         }
         if self._expert_loads:
             record.update(expert_load_metrics(self._expert_loads))
+        if self._trained_tokens is not None:  # chat data: the assistant's tokens
+            trained = self._trained_in_window / (self.job.parallel.tp * self.job.parallel.pp)
+            self._trained_tokens += self._trained_in_window
+            self._trained_in_window = 0
+            record["trained_tokens_per_s_per_rank"] = trained / max(elapsed, 1e-9)
+            record["trained_tokens_pct"] = (
+                100 * trained / max(steps_in_window * self._tokens_per_step(), 1)
+            )
         return record
 
     def _should(self, interval: int, step: int) -> bool:
@@ -562,7 +606,10 @@ class Trainer:
         if record is not None and self.rank == 0:
             assert self._writer is not None and self._progress is not None
             self._writer.write(record, step=step)
-            self._progress.line(format_step_line(step, self.job.training.steps, record))
+            line = format_step_line(step, self.job.training.steps, record)
+            if "trained_tokens_pct" in record:  # chat data: the share trained on
+                line += f" | trained {record['trained_tokens_pct']:.0f}% of tokens"
+            self._progress.line(line)
         ck = self.job.checkpoint
         if ck.enable and self._should(ck.interval, step):
             path = self.checkpointer.save(step, self._trainer_state(step))
@@ -685,6 +732,14 @@ class Trainer:
         if steady_steps > 0 and steady_s > 0:
             s.tokens_per_s = steady_steps * self._tokens_per_step() / steady_s
         s.peak_memory_bytes = int(self._global_max(self.memory.peak_bytes() or 0))
+        if self._trained_tokens is not None:  # global counts: every rank's batch once
+            self._trained_tokens += self._trained_in_window
+            self._trained_in_window = 0
+            p = self.job.parallel
+            steps = self.step - s.start_step
+            read = steps * self._tokens_per_step() * self.world_size
+            trained = self._global_sum(self._trained_tokens) / (p.tp * p.pp)
+            s.tokens_read, s.tokens_trained = int(read), int(trained)
 
     def close(self, *, clean: bool = True) -> None:
         """Flush metrics and destroy the process group.
