@@ -305,6 +305,10 @@ def format_step_line(step: int, total_steps: int, record: dict[str, Any]) -> str
     parts.append(f"mem {format_bytes(record.get('peak_memory_bytes'))}")
     if record.get("moe_imbalance") is not None:
         parts.append(f"moe imb {record['moe_imbalance']:.2f}")
+    if "checkpoint_blocking_s" in record:  # the time a save held up training
+        parts.append(f"save blocked {record['checkpoint_blocking_s']:.2f}s")
+    if record.get("checkpoint_staging_wait_s"):
+        parts.append(f"save copy wait {record['checkpoint_staging_wait_s']:.2f}s")
     return " | ".join(parts)
 
 

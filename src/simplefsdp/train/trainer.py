@@ -144,6 +144,7 @@ class Trainer:
         self._writer: MetricsWriter | None = None
         self._progress: ProgressDisplay | None = None
         self._stop_agreement: StopAgreement | None = None
+        self._staging_wait_s = 0.0  # waited for asynchronous saves' copies since the last log
 
     # -- setup -------------------------------------------------------------
 
@@ -329,6 +330,7 @@ class Trainer:
             keep_last=self.job.checkpoint.keep_last,
             config_hash=config_hash(self.job),
             config_json={"job": config_to_dict(self.job), "model_args": asdict(self.model_args)},
+            async_mode=self.job.checkpoint.async_mode,
         )
 
     def _build_metrics(self) -> None:
@@ -446,6 +448,8 @@ class Trainer:
             if loss is not None:  # None: a pipeline rank without the last stage
                 loss_sum += loss
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
+        # A save copying the parameters in the background must finish copying first.
+        self._staging_wait_s += self.checkpointer.wait_staged()
         self.optimizer.step()
         self.parallel.after_optimizer_step()
         self.scheduler.step()
@@ -559,14 +563,19 @@ class Trainer:
             self.summary.final_val_loss = val
         if self._progress is not None:
             self._progress.update(step)  # the bar (on a terminal) moves every step
-        if record is not None and self.rank == 0:
-            assert self._writer is not None and self._progress is not None
-            self._writer.write(record, step=step)
-            self._progress.line(format_step_line(step, self.job.training.steps, record))
         ck = self.job.checkpoint
         if ck.enable and self._should(ck.interval, step):
             path = self.checkpointer.save(step, self._trainer_state(step))
             self.summary.checkpoint = str(path)
+            if record is not None:
+                record["checkpoint_blocking_s"] = self.checkpointer.last_blocking_s
+        if record is not None and self._staging_wait_s > 0:
+            record["checkpoint_staging_wait_s"] = self._staging_wait_s
+            self._staging_wait_s = 0.0
+        if record is not None and self.rank == 0:
+            assert self._writer is not None and self._progress is not None
+            self._writer.write(record, step=step)
+            self._progress.line(format_step_line(step, self.job.training.steps, record))
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {
@@ -616,6 +625,8 @@ class Trainer:
                 if agreed := self._stop_agreed(stop):
                     self._stop_cleanly(step, stop, agreed)
                     break
+            else:
+                self._finish_saves()
         self._finish_summary(time.perf_counter() - run_start, steady_s)
         return self.summary
 
@@ -656,6 +667,7 @@ class Trainer:
         saved = ck.enable and self._should(ck.interval, step)
         if ck.enable and not saved:
             self.summary.checkpoint = str(self.checkpointer.save(step, self._trainer_state(step)))
+        self._finish_saves()
         signal_name = self.summary.interrupted_by = stop.settle(agreed)
         self.exit_code = stop.exit_code
         if self.rank == 0:
@@ -671,6 +683,13 @@ class Trainer:
             error_dir = launcher_error_dir()
             if error_dir is not None:  # the stop was reported, and why
                 (error_dir / STOPPED_MARK).write_text(str(stop.signum), encoding="utf-8")
+
+    def _finish_saves(self) -> None:
+        """Wait for a checkpoint still being written in the background, saying so."""
+        pending = self.checkpointer.pending
+        if pending is not None and self._progress is not None:
+            self._progress.line(f"waiting for checkpoint {pending.name} to be written")
+        self.checkpointer.finish()
 
     def _record_summary(self, record: dict[str, Any]) -> None:
         if self.summary.first_loss is None:
@@ -699,6 +718,9 @@ class Trainer:
             self._progress.close()
         if self._writer is not None:
             self._writer.close()
+        checkpointer = self.__dict__.get("checkpointer")
+        if clean and checkpointer is not None:
+            checkpointer.close()
         if not dist.is_initialized():
             return
         # Let every rank finish its last collective before any rank tears down
