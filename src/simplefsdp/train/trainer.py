@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from simplefsdp._faults import maybe_kill_at_step
+from simplefsdp._faults import maybe_kill_at_step, maybe_sleep_after_step
 from simplefsdp.checkpoint import (
     Checkpointer,
     resume_checkpoint,
@@ -53,7 +53,13 @@ from simplefsdp.engines import (
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict
 from simplefsdp.train.config.schema import ModelConfig
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
-from simplefsdp.train.launch import ERROR_DIR_ENV, STOPPED_MARK, launcher_error_dir, note_step
+from simplefsdp.train.launch import (
+    ERROR_DIR_ENV,
+    STOPPED_MARK,
+    launcher_error_dir,
+    note_step,
+    note_stoppable,
+)
 from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
     Heartbeat,
@@ -601,6 +607,7 @@ class Trainer:
         run_start = time.perf_counter()
         window_steps, window_s, steady_s = 0, 0.0, 0.0
         with StopRequest() as stop:
+            note_stoppable()  # the launcher may pass signals on (Note: [Stops that save])
             for step in range(start_step + 1, total + 1):
                 note_step(step)  # for the launcher, should this rank die (Note: [Worker failures])
                 is_log = self._should(self.job.metrics.log_interval, step) or step == start_step + 1
@@ -609,6 +616,7 @@ class Trainer:
                     loss, grad_norm, lr = self.train_step()
                 # Test-only fault injection (SIMPLEFSDP_TEST_KILL_AT_STEP); a no-op otherwise.
                 maybe_kill_at_step(step, self.rank, self.world_size, self.job.metrics.output_dir)
+                maybe_sleep_after_step()  # test-only slow step (SIMPLEFSDP_TEST_STEP_SLEEP_S)
                 if is_log or self._validates_or_saves(step):
                     # Queued device work must land in this step's window, not in
                     # the validation/checkpoint that follows (on GPU).
