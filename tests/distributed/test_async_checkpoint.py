@@ -76,8 +76,6 @@ def test_killed_during_a_background_save_resumes_from_the_previous_one(tmp_path,
         run_distributed(_train, 2, args=(str(folder), mode), kwargs={"die_saving": 3})
     assert (folder / "step-3.tmp").is_dir()  # written, never committed
     assert latest_checkpoint(folder).step == 2
-    (resumed,) = run_distributed(
-        _train, 2, args=(str(folder), mode), kwargs={"resume_from": 2}
-    )[:1]
+    (resumed,) = run_distributed(_train, 2, args=(str(folder), mode), kwargs={"resume_from": 2})[:1]
     assert resumed == {3: reference[3], 4: reference[4]}
     assert latest_checkpoint(folder).step == 4

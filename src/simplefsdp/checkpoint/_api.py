@@ -164,7 +164,6 @@ def _finish_and_publish(
     _agree(problem, group)
 
 
-
 def prepare_save(
     path: str | os.PathLike[str],
     *,
@@ -265,7 +264,9 @@ def save(
     with _single_process_ok():
         dcp.save(state, storage_writer=writer, no_dist=_no_dist())
     write_json_files(tmp, files)
-    commit_save(tmp, final, {"step": step, "world_size": rank_and_world()[1], "config_hash": config_hash})
+    commit_save(
+        tmp, final, {"step": step, "world_size": rank_and_world()[1], "config_hash": config_hash}
+    )
     return final
 
 

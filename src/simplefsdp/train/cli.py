@@ -47,6 +47,7 @@ from simplefsdp.train.launch import (
 )
 from simplefsdp.train.resume import (
     Resume,
+    keep_global_batch,
     output_folders,
     resolve_resume,
     start_run_files,
@@ -475,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 f"--nproc must be >= 1 and --max-restarts >= 0 (got {world}, {args.max_restarts})"
             )
+        job, resume = keep_global_batch(job, resume, world)  # Note: [Global batch on resume]
         preflight(job, world_size=world, local_world_size=local)
     except ValueError as exc:
         if not worker or rank == 0:

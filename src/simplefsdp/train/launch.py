@@ -170,9 +170,7 @@ def launch(
                     if checkpoint
                     else "; no checkpoint was saved"
                 )
-                print(
-                    f"simplefsdp train: stopped by {name} before saving{where}", file=sys.stderr
-                )
+                print(f"simplefsdp train: stopped by {name} before saving{where}", file=sys.stderr)
             return 128 + signum
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
@@ -365,7 +363,11 @@ class _StopForwarder:
     def handle(self, signum: int, frame: Any, torch_handler: Callable[..., Any]) -> None:
         """The launcher's handler of ``signum`` while the agent runs."""
         pids = self._worker_pids()
-        if signum not in (signal.SIGINT, signal.SIGTERM) or self.forwarded or len(pids) < self.nproc:
+        if (
+            signum not in (signal.SIGINT, signal.SIGTERM)
+            or self.forwarded
+            or len(pids) < self.nproc
+        ):
             torch_handler(signum, frame)  # raises SignalException: the agent's teardown
             return
         self.forwarded = signum
