@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "GPU_PEAK_BF16_FLOPS",
     "MMAP_THRESHOLD_BYTES",
+    "CompileWatch",
     "Heartbeat",
     "TrainSummary",
     "MetricsWriter",
@@ -289,6 +290,57 @@ class Heartbeat:
         self._done.set()
         if self._thread is not None:
             self._thread.join()
+
+
+class CompileWatch:
+    """Whether torch is compiling at this moment, for the first step's heartbeat.
+
+    While the block runs, callbacks registered with dynamo's compile callback
+    handler (removed on exit: it is process-wide) count the compilations in
+    progress (dynamo's frames and AOTAutograd's lazily compiled backward), so
+    that a long first step says whether it is compiling or executing.
+    """
+
+    def __init__(self) -> None:
+        self.compiling = False
+        self.compiled_s = 0.0
+        self._started: float | None = None
+        self._handler: Any = None
+
+    def _start(self, *_: object) -> None:
+        self.compiling, self._started = True, time.perf_counter()
+
+    def _end(self, *_: object) -> None:
+        if self._started is not None:
+            self.compiled_s += time.perf_counter() - self._started
+        self.compiling, self._started = False, None
+
+    def message(self, elapsed_s: float) -> str:
+        """The heartbeat line after ``elapsed_s`` seconds of the step."""
+        if self._handler is None:  # no callbacks in this torch: cannot tell
+            return f"  still compiling or running the first step: {elapsed_s:.0f}s"
+        if self.compiling:
+            return f"  still compiling: {elapsed_s:.0f}s"
+        return (
+            f"  running the compiled step: {elapsed_s:.0f}s "
+            f"(compiling took {self.compiled_s:.0f}s of it)"
+        )
+
+    def __enter__(self) -> CompileWatch:
+        try:
+            from torch._dynamo.callback import callback_handler
+        except ImportError:
+            return self
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+        self._handler = callback_handler
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handler is not None:
+            self._handler.remove_start_callback(self._start)
+            self._handler.remove_end_callback(self._end)
+            self._handler = None
 
 
 def format_step_line(step: int, total_steps: int, record: dict[str, Any]) -> str:

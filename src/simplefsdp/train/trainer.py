@@ -64,6 +64,7 @@ from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
     Heartbeat,
     MetricsWriter,
+    CompileWatch,
     ProgressDisplay,
     TrainSummary,
     expert_load_metrics,
@@ -166,6 +167,7 @@ class Trainer:
         self.memory = MemoryProbe(self.device)
         self.memory.reset()
         self._build_model()
+        self._probe_float8()
         self._build_optimizer()
         resume_step = self._start_run()
         self._build_checkpointer()
@@ -318,6 +320,20 @@ class Trainer:
             num_params(self.model_args) / 1e6,
             self.flops_per_token,
         )
+
+    def _probe_float8(self) -> None:
+        """Say so when float8 matmuls are much slower than bf16 on this CPU
+        (Note: [Float8 on CPU] in simplefsdp.train.float8_probe)."""
+        if not (self.job.float8.enable and self.device.type == "cpu" and self.rank == 0):
+            return
+        from simplefsdp.train.float8_probe import float8_warning
+
+        dim = int(getattr(self.model_args, "dim", 0))
+        hidden = getattr(self.model_args, "ffn_hidden_dim", None)
+        hidden = int(hidden() if callable(hidden) else hidden or 4 * dim)
+        warning = float8_warning(dim, hidden) if dim else None
+        if warning is not None:
+            logger.warning("%s", warning)
 
     def _build_optimizer(self) -> None:
         t = self.job.training
@@ -651,7 +667,7 @@ class Trainer:
             "this takes a while on CPU"
         )
         start = time.perf_counter()
-        with Heartbeat(lambda s: f"  still compiling: {s:.0f}s", self._progress.line):
+        with CompileWatch() as watch, Heartbeat(watch.message, self._progress.line):
             yield
         self.summary.compile_s = time.perf_counter() - start
         cache = inductor_cache_counts()
