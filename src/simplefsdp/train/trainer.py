@@ -62,9 +62,9 @@ from simplefsdp.train.launch import (
 )
 from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
+    CompileWatch,
     Heartbeat,
     MetricsWriter,
-    CompileWatch,
     ProgressDisplay,
     TrainSummary,
     expert_load_metrics,
