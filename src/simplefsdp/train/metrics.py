@@ -144,6 +144,14 @@ class MetricsWriter:
             ``torch.utils.tensorboard`` can be imported (a warning otherwise).
         filename: name of the JSON lines file.
         run_id: written into every record (see Note: [One run per folder]).
+        wandb: also log every record's numbers to Weights & Biases (the
+            ``wandb`` package, ``pip install simplefsdp[wandb]``; a warning
+            where it is missing). ``WANDB_MODE=offline`` keeps the run on disk
+            (``<output_dir>/wandb``) for ``wandb sync`` later.
+        wandb_project: the W&B project.
+        wandb_run_name: the W&B run's name (default: ``run_id``); the W&B run
+            id is ``run_id``, so a resumed run continues the same W&B run.
+        config: the job configuration, stored with the W&B run.
     """
 
     def __init__(
@@ -153,6 +161,10 @@ class MetricsWriter:
         tensorboard: bool = False,
         filename: str = "metrics.jsonl",
         run_id: str = "",
+        wandb: bool = False,
+        wandb_project: str = "simplefsdp",
+        wandb_run_name: str = "",
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +172,27 @@ class MetricsWriter:
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._tb = self._open_tensorboard() if tensorboard else None
         self.run_id = run_id
+        self._wandb = (
+            self._open_wandb(wandb_project, wandb_run_name or run_id, config) if wandb else None
+        )
+
+    def _open_wandb(self, project: str, name: str, config: dict[str, Any] | None) -> Any:
+        try:
+            import wandb
+        except ImportError:
+            logger.warning(
+                "metrics.wandb is on but wandb is not installed (pip install "
+                "'simplefsdp[wandb]'); writing JSON lines only"
+            )
+            return None
+        return wandb.init(
+            project=project,
+            name=name,
+            id=self.run_id or None,
+            resume="allow",
+            dir=str(self.output_dir),
+            config=config,
+        )
 
     def _open_tensorboard(self) -> Any:
         try:
@@ -185,10 +218,16 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps({k: _jsonable(v) for k, v in full.items()}) + "\n")
             self._file.flush()
+        numbers = {
+            key: value
+            for key, value in record.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None and numbers:
+            self._wandb.log(numbers, step=step)
 
     def close(self) -> None:
         """Flush and close the files."""
@@ -198,6 +237,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 @dataclass

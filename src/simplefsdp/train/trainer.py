@@ -358,8 +358,15 @@ class Trainer:
     def _build_metrics(self) -> None:
         if self.rank == 0:
             assert self.run_dir is not None
+            mt = self.job.metrics
             self._writer = MetricsWriter(
-                self.run_dir, tensorboard=self.job.metrics.tensorboard, run_id=self.run_id
+                self.run_dir,
+                tensorboard=mt.tensorboard,
+                run_id=self.run_id,
+                wandb=mt.wandb,
+                wandb_project=mt.wandb_project,
+                wandb_run_name=mt.wandb_run_name,
+                config=config_to_dict(self.job) if mt.wandb else None,
             )
             self.summary.metrics_path = str(self._writer.path)
             tb = self._writer.tensorboard_dir
