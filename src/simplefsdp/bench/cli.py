@@ -404,7 +404,7 @@ def _stop(proc: subprocess.Popen) -> None:
     A SIGTERM that reaches torchrun's agent while it is starting the workers
     (after it installed its handler, before it holds their process context)
     ends the agent without stopping the workers it already started, which
-    run in sessions of their own: the workers seen before the SIGTERM that
+    run detached from it (setsid): the workers seen before the SIGTERM that
     outlive the agent are killed here (Note: [Stopping a bench]).
     """
     workers = _descendants(proc.pid)
