@@ -93,7 +93,9 @@ def main() -> None:
             _measure, args.nproc, args=(args.model, folder, args.saves, args.gap_s),
             timeout_s=3600,
         )  # fmt: skip
-    print(f"model {args.model} ({per_rank[0]['params'][0] / 1e6:.0f}M parameters), {args.nproc} ranks (CPU, gloo), {args.saves} saves per mode")
+    print(
+        f"model {args.model} ({per_rank[0]['params'][0] / 1e6:.0f}M parameters), {args.nproc} ranks (CPU, gloo), {args.saves} saves per mode"
+    )
     print(f"{'mode':<8} {'blocking s':>11} {'total s':>9}")
     for mode in MODES:
         slowest = [
