@@ -80,7 +80,7 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 #: Communication bucketing strategies of the compiler passes.
 BUCKETING_MODES = BUCKETINGS
 #: How checkpoints are written (``checkpoint.async_mode``); see Note:
-#: [Asynchronous checkpoints] in ``simplefsdp.checkpoint._async``.
+#: [Asynchronous checkpoints] in the ``simplefsdp.checkpoint`` package.
 CHECKPOINT_ASYNC_MODES: tuple[str, ...] = ("none", "async", "staged")
 #: torchao float8 recipes (``float8.recipe``).
 FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
