@@ -156,13 +156,15 @@ class AsyncCheckpointWriter:
         final, tmp, files = _api.prepare_save(path, json_files=json_files)
         state, _ = tensor_state(model, optimizer, rng_device=model_device(model))
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        # no_dist only where needed: a keyword that older torch releases lack
+        single = {"no_dist": True} if _api._no_dist() else {}
         with _api._single_process_ok():
             response = dcp.async_save(
                 state,
                 storage_writer=writer,
                 process_group=self.group,
                 async_stager=self._stager,
-                no_dist=_api._no_dist(),
+                **single,
             )
         if isinstance(response, Future):
             staged, upload = _done_future(), response
