@@ -343,9 +343,11 @@ class _StopForwarder:
         signal from rank 0's mark. No timer runs; a scheduler's own (SLURM:
         30 s from SIGTERM to SIGKILL by default) is the bound, and a save
         cut short by it leaves the previous checkpoint the latest. A second
-        signal, or one before every worker trains (nothing to save yet),
-        goes to torchrun's handler: the agent stops the workers at once, and
-        the launcher's last line names the latest complete checkpoint.
+        signal kills the workers (a save in progress never commits, see
+        [Atomic publish]); it, and a signal before every worker trains
+        (nothing to save yet), go to torchrun's handler, whose agent stops
+        the workers, and the launcher's last line names the latest complete
+        checkpoint.
     """
 
     def __init__(self, error_dir: Path, nproc: int) -> None:
@@ -363,6 +365,10 @@ class _StopForwarder:
     def handle(self, signum: int, frame: Any, torch_handler: Callable[..., Any]) -> None:
         """The launcher's handler of ``signum`` while the agent runs."""
         pids = self._worker_pids()
+        if self.forwarded and signum in (signal.SIGINT, signal.SIGTERM):
+            for pid in pids:  # a second signal: stop now (the previous checkpoint stays)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         if (
             signum not in (signal.SIGINT, signal.SIGTERM)
             or self.forwarded
