@@ -69,7 +69,9 @@ def reference(tmp_path_factory) -> dict:
     return run_distributed(_train, 2, args=(str(folder), "none"))[0]
 
 
-@pytest.mark.parametrize("mode", ["async", "staged"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("async", marks=pytest.mark.heavy), "staged"]
+)  # the same commit path: one in the default run
 def test_killed_during_a_background_save_resumes_from_the_previous_one(tmp_path, mode, reference):
     folder = tmp_path / "ck"
     with pytest.raises(RuntimeError, match="rank 0 died"):
