@@ -23,6 +23,11 @@ Note: [Atomic checkpoints]
     renamed to ``*.tmp`` (unpublished atomically) and then deleted. Loading
     checks every file's sha256 and that the checkpoint fits the model, and
     refuses with a one-line error naming the file and the mismatch.
+    An asynchronous save (``async_mode``) is published the same way, from
+    a background thread once every rank's files are written (Note:
+    [Asynchronous checkpoints] in ``simplefsdp.checkpoint._async``): until
+    then its folder is ``step-N.tmp`` and the previous checkpoint is the
+    latest.
 
 Note: [Damaged checkpoints]
     One rule: a ``step-N`` folder was committed (its save finished: the
