@@ -81,3 +81,6 @@ def test_killed_during_a_background_save_resumes_from_the_previous_one(tmp_path,
     (resumed,) = run_distributed(_train, 2, args=(str(folder), mode), kwargs={"resume_from": 2})[:1]
     assert resumed == {3: reference[3], 4: reference[4]}
     assert latest_checkpoint(folder).step == 4
+    from simplefsdp.checkpoint.export import load_full_model_state
+
+    assert "embed.weight" in load_full_model_state(folder / "step-4")  # exports like any other
