@@ -25,6 +25,10 @@ nothing unless their variable is set; never set them in a real job.
     marker file ``SIMPLEFSDP_TEST_KILL_MARKER`` (default
     ``<metrics.output_dir>/.simplefsdp-test-killed``) and does nothing if the
     marker exists, so the restarted job runs through.
+
+``SIMPLEFSDP_TEST_STEP_SLEEP_S=<seconds>``
+    Every rank of the trainer sleeps that long after each optimizer step: a
+    slow step, e.g. to check that a stop waits for it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -44,7 +49,9 @@ __all__ = [
     "KILL_MARKER_ENV",
     "KILL_RANK_ENV",
     "SAVE_STAGES",
+    "STEP_SLEEP_ENV",
     "maybe_kill_at_step",
+    "maybe_sleep_after_step",
     "save_fault_point",
 ]
 
@@ -53,6 +60,7 @@ FAIL_RANK_ENV = "SIMPLEFSDP_TEST_FAIL_RANK"
 KILL_AT_STEP_ENV = "SIMPLEFSDP_TEST_KILL_AT_STEP"
 KILL_RANK_ENV = "SIMPLEFSDP_TEST_KILL_RANK"
 KILL_MARKER_ENV = "SIMPLEFSDP_TEST_KILL_MARKER"
+STEP_SLEEP_ENV = "SIMPLEFSDP_TEST_STEP_SLEEP_S"
 DEFAULT_KILL_MARKER = ".simplefsdp-test-killed"
 SAVE_STAGES = ("before_write", "after_write", "before_publish", "after_publish")
 
@@ -89,3 +97,10 @@ def maybe_kill_at_step(step: int, rank: int, world_size: int, output_dir: str) -
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"rank {rank} killed at step {step}\n", encoding="utf-8")
     _sigkill_self(f"{KILL_AT_STEP_ENV}={step}, rank {rank}")
+
+
+def maybe_sleep_after_step() -> None:
+    """Sleep ``SIMPLEFSDP_TEST_STEP_SLEEP_S`` seconds (see module doc); a no-op when unset."""
+    wanted = os.environ.get(STEP_SLEEP_ENV)
+    if wanted:
+        time.sleep(float(wanted))

@@ -338,6 +338,7 @@ def test_warmup_residency_is_the_growth_beyond_the_optimizer_state():
     }  # fmt: skip
     table = format_table({"env": env, "configs": rows, "comm_only_s": None})
     assert "fsdp2 400.0 (1.00x fsdp2) [0.0], simplefsdp-auto 470.0 (1.18x fsdp2) [60.0]" in table
+    assert "Note: [" not in table  # words, not references to the source
     # An older worker's result (no readings before warm-up) stays unknown.
     old = _raw_rank(0, 200, 300, 20, 60, 500)
     del old["mem_before_warmup_bytes"]
@@ -605,6 +606,7 @@ def test_float8_losses_are_checked_against_float8():
     table = format_table({"env": env, "configs": rows, "comm_only_s": None, "loss_check": check})
     assert "AG MiB" in table and "bfloat16 mixed precision" in table
     assert "float32 against fsdp2, float32+float8 against fsdp2-float8" in table
+    assert "Note: [" not in table
     fsdp2_line = next(line for line in table.splitlines() if line.startswith("fsdp2 "))
     f8_line = next(line for line in table.splitlines() if line.startswith("fsdp2-float8 "))
     assert " 2.00 " in fsdp2_line and " 1.00 " in f8_line

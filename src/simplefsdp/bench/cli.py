@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -381,15 +382,41 @@ def _wait_reporting(
             on_phase(f"still {current.split(' (')[0]} ({now - since:.0f} s)")
 
 
+def _descendants(pid: int) -> set[int]:
+    """Process ids below ``pid`` at any depth (Linux ``/proc``; empty elsewhere)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the command may hold ")": the fields follow the last one
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """Stop a configuration's launcher and its workers: SIGTERM lets the
-    elastic agent stop its workers; after 30 s, force."""
+    elastic agent stop its workers; after 30 s, force.
+
+    A SIGTERM that reaches torchrun's agent while it is starting the workers
+    (after it installed its handler, before it holds their process context)
+    ends the agent without stopping the workers it already started, which
+    run detached from it (setsid): the workers seen before the SIGTERM that
+    outlive the agent are killed here (Note: [Stopping a bench]).
+    """
+    workers = _descendants(proc.pid)
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    for pid in workers | _descendants(proc.pid):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class _Terminated(Exception):

@@ -389,7 +389,7 @@ WORKLOADS: dict[str, Workload] = {
         6,
         3,
         "mixture of experts: moe_debug (8 experts, top 2, a shared expert), batch 2 x 128 per "
-        "rank, experts sharded by --ep (Note: [Bench MoE recipes])",
+        "rank, experts sharded by --ep (docs/benchmarks.md, Workloads)",
     ),
 }
 

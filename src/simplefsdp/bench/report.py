@@ -466,7 +466,7 @@ def format_table(result: dict) -> str:
     if resident:
         lines.append(
             "peak MiB without what warm-up left resident beyond the optimizer state "
-            "(compiled code, graphs, guards; Note: [Warm-up residency]) [that residency]: "
+            "(compiled code, graphs, guards; see Method in docs/benchmarks.md) [that residency]: "
             + ", ".join(
                 f"{row['name']} {_fmt_mib(row.get('peak_mem_bytes_beyond_warmup_resident'))}"
                 + (
@@ -481,7 +481,8 @@ def format_table(result: dict) -> str:
     rounds = [row for row in result["configs"] if row.get("rounds")]
     if rounds:
         lines.append(
-            f"{len(rounds[0]['rounds'])} rounds in alternating order (Note: [Bench rounds]); "
+            f"{len(rounds[0]['rounds'])} rounds in alternating order (A B C, C B A, ...: "
+            "slow drift of the machine hits every config alike); "
             "step s per round: "
             + ", ".join(
                 f"{row['name']} "
@@ -510,7 +511,8 @@ def format_table(result: dict) -> str:
     references = check.get("references") or {}
     if len(references) > 1:
         lines.append(
-            "losses checked within each numerics (Note: [Loss groups]): "
+            "losses checked within each numerics (matmul dtype, float8 or not: their "
+            "rounding differs by more than the tolerance): "
             + ", ".join(f"{n} against {ref}" for n, ref in references.items())
             + f" (relative tolerance {check.get('rtol')})"
         )

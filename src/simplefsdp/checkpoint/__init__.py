@@ -11,7 +11,9 @@ Usable with or without the trainer::
 A run's ``step-N`` folders (what the trainer writes): :class:`Checkpointer`
 saves and loads them, keeps the last ``keep_last``; :func:`latest_checkpoint`,
 :func:`list_checkpoints` and :func:`prune_checkpoints` find and remove them
-(see :mod:`simplefsdp.checkpoint.steps`). ``simplefsdp export`` writes a
+(see :mod:`simplefsdp.checkpoint.steps`); with ``async_mode="async"`` or
+``"staged"`` its saves finish in the background (Note: [Asynchronous
+checkpoints] in :mod:`simplefsdp.checkpoint._async`). ``simplefsdp export`` writes a
 checkpoint's full weights to a safetensors file
 (:mod:`simplefsdp.checkpoint.export`). Test-only fault hooks are in
 :mod:`simplefsdp._faults`.
@@ -28,6 +30,7 @@ Note: [Checkpoint folder]
 """
 
 from simplefsdp.checkpoint._api import EXTRA_STATE_NAME, barrier, load, save, verify
+from simplefsdp.checkpoint._async import ASYNC_MODES, AsyncCheckpointWriter, PendingSave
 from simplefsdp.checkpoint._files import (
     MANIFEST_NAME,
     CheckpointError,
@@ -56,6 +59,8 @@ from simplefsdp.checkpoint.steps import (
 )
 
 __all__ = [
+    "ASYNC_MODES",
+    "AsyncCheckpointWriter",
     "CONFIG_NAME",
     "EXTRA_STATE_NAME",
     "MANIFEST_NAME",
@@ -65,6 +70,7 @@ __all__ = [
     "CheckpointScan",
     "Checkpointer",
     "DamagedCheckpointError",
+    "PendingSave",
     "SafeFileSystemReader",
     "TensorOnlyLoadPlanner",
     "barrier",

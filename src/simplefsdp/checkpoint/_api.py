@@ -68,10 +68,10 @@ logger = logging.getLogger(__name__)
 EXTRA_STATE_NAME = "extra_state.json"
 
 
-def barrier() -> None:
-    """``torch.distributed.barrier()`` when a process group is initialized, else nothing."""
+def barrier(group: Any = None) -> None:
+    """``torch.distributed.barrier(group)`` when a process group is initialized, else nothing."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _no_dist() -> bool:
@@ -87,9 +87,9 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
-def _agree(problem: str | None) -> None:
+def _agree(problem: str | None, group: Any = None) -> None:
     """Raise rank 0's ``problem`` (if any) on every rank, so no rank is left waiting."""
-    problem = broadcast_from_rank0(problem)
+    problem = broadcast_from_rank0(problem, group)
     if problem is not None:
         raise CheckpointError(problem)
 
@@ -137,10 +137,12 @@ def _check_json_names(files: Mapping[str, Any]) -> None:
             )
 
 
-def _finish_and_publish(tmp: Path, final: Path, manifest_fields: dict[str, Any]) -> None:
+def _finish_and_publish(
+    tmp: Path, final: Path, manifest_fields: dict[str, Any], group: Any = None
+) -> None:
     """Hash (all ranks), write the manifest, verify and publish (rank 0)."""
     rank, _ = rank_and_world()
-    hashes = hash_files(tmp, payload_files(tmp))
+    hashes = hash_files(tmp, payload_files(tmp), group)
     problem = None
     if rank == 0:
         try:
@@ -152,14 +154,68 @@ def _finish_and_publish(tmp: Path, final: Path, manifest_fields: dict[str, Any])
                 fsync_dir(tmp)
         except (OSError, CheckpointError) as exc:
             problem = f"could not finish {tmp}: {exc}"
-    _agree(problem)
+    _agree(problem, group)
     save_fault_point("before_publish", rank)
     if rank == 0:
         try:
             _publish(tmp, final)
         except (OSError, CheckpointError) as exc:
             problem = f"could not publish {final}: {exc}"
-    _agree(problem)
+    _agree(problem, group)
+
+
+def prepare_save(
+    path: str | os.PathLike[str],
+    *,
+    extra_state: Mapping[str, Any] | None = None,
+    json_files: Mapping[str, Any] | None = None,
+) -> tuple[Path, Path, dict[str, Any]]:
+    """The first part of a save (collective): check the JSON files, make ``<path>.tmp``.
+
+    Returns:
+        ``(final folder, tmp folder, {JSON file name: data})``.
+    """
+    final = Path(path)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    rank, _ = rank_and_world()
+    files = dict(json_files or {})
+    if extra_state is not None:
+        files[EXTRA_STATE_NAME] = dict(extra_state)
+    _check_json_names(files)
+    for name, data in files.items():  # on every rank, before anything is written
+        try:
+            json.dumps(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"checkpoint JSON file {name!r} is not JSON-serialisable: {exc}"
+            ) from None
+    _agree(_replace_problem(final) if rank == 0 else None)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    save_fault_point("before_write", rank)
+    return final, tmp, files
+
+
+def write_json_files(tmp: Path, files: Mapping[str, Any]) -> None:
+    """Rank 0 writes the JSON files of a save into ``tmp``."""
+    if rank_and_world()[0] == 0:
+        for name, data in files.items():
+            write_json_atomic(tmp / name, data)
+
+
+def commit_save(
+    tmp: Path, final: Path, manifest_fields: dict[str, Any], *, group: Any = None
+) -> None:
+    """The last part of a save (collective over ``group``), once every rank's
+    shards are written: manifest, verification, atomic publish (see [Atomic publish])."""
+    rank, _ = rank_and_world()
+    barrier(group)  # every rank's shards are on disk
+    save_fault_point("after_write", rank)
+    _finish_and_publish(tmp, final, manifest_fields, group)
+    save_fault_point("after_publish", rank)
+    barrier(group)
 
 
 def save(
@@ -202,39 +258,15 @@ def save(
         CheckpointError: the checkpoint could not be finished or published.
         ValueError: a bad ``json_files`` name.
     """
-    final = Path(path)
-    tmp = final.with_name(final.name + TMP_SUFFIX)
-    rank, world = rank_and_world()
-    files = dict(json_files or {})
-    if extra_state is not None:
-        files[EXTRA_STATE_NAME] = dict(extra_state)
-    _check_json_names(files)
-    for name, data in files.items():  # on every rank, before anything is written
-        try:
-            json.dumps(data)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"checkpoint JSON file {name!r} is not JSON-serialisable: {exc}"
-            ) from None
-    _agree(_replace_problem(final) if rank == 0 else None)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    save_fault_point("before_write", rank)
+    final, tmp, files = prepare_save(path, extra_state=extra_state, json_files=json_files)
     state, _ = tensor_state(model, optimizer, rng_device=model_device(model) if rng else None)
     writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
     with _single_process_ok():
         dcp.save(state, storage_writer=writer, no_dist=_no_dist())
-    if rank == 0:
-        for name, data in files.items():
-            write_json_atomic(tmp / name, data)
-    barrier()  # every rank's shards are on disk
-    save_fault_point("after_write", rank)
-    fields = {"step": step, "world_size": world, "config_hash": config_hash}
-    _finish_and_publish(tmp, final, fields)
-    save_fault_point("after_publish", rank)
-    barrier()
+    write_json_files(tmp, files)
+    commit_save(
+        tmp, final, {"step": step, "world_size": rank_and_world()[1], "config_hash": config_hash}
+    )
     return final
 
 

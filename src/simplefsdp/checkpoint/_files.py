@@ -83,20 +83,21 @@ def payload_files(folder: Path) -> list[str]:
     return sorted(rel for rel in rels if rel != MANIFEST_NAME)
 
 
-def hash_files(folder: Path, rel_paths: list[str]) -> dict[str, str]:
+def hash_files(folder: Path, rel_paths: list[str], group: Any = None) -> dict[str, str]:
     """SHA-256 of each file, the work split over the ranks when a process group is up.
 
     Collective when ``torch.distributed`` is initialised (every rank must call it
     with the same list); rank ``r`` hashes files ``r, r + W, ...`` and the
     digests are exchanged with ``all_gather_object``, so every rank returns all.
     Assumes every rank sees ``folder`` (a shared filesystem, as DCP needs).
+    ``group``: the process group to use (default: the default group).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return {rel: sha256_file(folder / rel) for rel in rel_paths}
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = {rel: sha256_file(folder / rel) for rel in rel_paths[rank::world]}
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=group)
     return {rel: digest for part in gathered for rel, digest in part.items()}
 
 
@@ -186,14 +187,14 @@ def check_files(
     return None
 
 
-def broadcast_from_rank0(value: Any) -> Any:
+def broadcast_from_rank0(value: Any, group: Any = None) -> Any:
     """Rank 0's ``value`` on every rank (identity without a process group).
 
     Used so that every rank takes the same decision about shared files, even
     if the ranks' views of the filesystem differ for a moment.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return value
     box = [value if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]

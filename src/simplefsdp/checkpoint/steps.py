@@ -23,6 +23,11 @@ Note: [Atomic checkpoints]
     renamed to ``*.tmp`` (unpublished atomically) and then deleted. Loading
     checks every file's sha256 and that the checkpoint fits the model, and
     refuses with a one-line error naming the file and the mismatch.
+    An asynchronous save (``async_mode``) is published the same way, from
+    a background thread once every rank's files are written (Note:
+    [Asynchronous checkpoints] in ``simplefsdp.checkpoint._async``): until
+    then its folder is ``step-N.tmp`` and the previous checkpoint is the
+    latest.
 
 Note: [Damaged checkpoints]
     One rule: a ``step-N`` folder was committed (its save finished: the
@@ -67,6 +72,7 @@ import torch
 import torch.nn as nn
 
 from simplefsdp.checkpoint import _api
+from simplefsdp.checkpoint._async import ASYNC_MODES, AsyncCheckpointWriter
 from simplefsdp.checkpoint._files import (
     TMP_SUFFIX,
     CheckpointError,
@@ -363,6 +369,13 @@ class Checkpointer:
         config_hash: :func:`simplefsdp.train.config.config_hash` of the job.
         config_json: JSON-ready data stored as ``config.json`` (job config,
             model args), for :mod:`simplefsdp.checkpoint.export`.
+        async_mode: ``"none"`` (saves block until published), ``"async"`` or
+            ``"staged"`` (saves finish in the background, see Note:
+            [Asynchronous checkpoints] in ``simplefsdp.checkpoint._async``).
+            Collective to construct when not ``"none"``.
+
+    Attributes:
+        last_blocking_s: seconds the latest :meth:`save` blocked its caller.
     """
 
     def __init__(
@@ -375,7 +388,12 @@ class Checkpointer:
         keep_last: int,
         config_hash: str,
         config_json: dict[str, Any],
+        async_mode: str = "none",
     ) -> None:
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(
+                f"checkpoint.async_mode {async_mode!r} is not one of {', '.join(ASYNC_MODES)}"
+            )
         self.folder = Path(folder)
         self.model = model
         self.optimizer = optimizer
@@ -384,6 +402,9 @@ class Checkpointer:
         self.config_hash = config_hash
         self.config_json = config_json
         self.rank, self.world_size = rank_and_world()
+        self.async_mode = async_mode
+        self.last_blocking_s = 0.0
+        self._writer = None if async_mode == "none" else AsyncCheckpointWriter(async_mode)  # type: ignore[arg-type]
 
     def _tensor_state(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """``(dcp_state, full_optimizer_state_dict)`` as saved; ``dcp_state`` holds tensors only."""
@@ -405,6 +426,18 @@ class Checkpointer:
         final = self.folder / step_dir_name(step)
         meta = {"step": step, "world_size": self.world_size, "config_hash": self.config_hash}
         json_files = {TRAINER_STATE_NAME: {**trainer_state, **meta}, CONFIG_NAME: self.config_json}
+        if self._writer is not None:
+            pending = self._writer.save(
+                self.model,
+                self.optimizer,
+                final,
+                json_files=json_files,
+                step=step,
+                config_hash=self.config_hash,
+                after_commit=self._after_commit,
+            )
+            self.last_blocking_s = pending.blocking_s
+            return final
         _api.save(
             self.model,
             self.optimizer,
@@ -413,13 +446,50 @@ class Checkpointer:
             step=step,
             config_hash=self.config_hash,
         )
+        self._prune(final)
+        _api.barrier()
+        self.last_blocking_s = time.perf_counter() - start
+        logger.info("saved checkpoint %s in %.2fs", final, self.last_blocking_s)
+        return final
+
+    def _prune(self, final: Path) -> None:
         if self.rank == 0:
             removed = prune_checkpoints(self.folder, self.keep_last, keep=[final])
             if removed:
                 logger.info("removed old checkpoints: %s", ", ".join(p.name for p in removed))
-        _api.barrier()
-        logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - start)
-        return final
+
+    def _after_commit(self, final: Path) -> None:
+        """In the background thread of an asynchronous save, once ``final`` is published."""
+        self._prune(final)
+        assert self._writer is not None
+        _api.barrier(self._writer.group)
+        logger.info("saved checkpoint %s (written in the background)", final)
+
+    def wait_staged(self) -> float:
+        """Before the optimizer changes the parameters: wait until the pending
+        asynchronous save has copied them; the seconds waited (0 when none)."""
+        return 0.0 if self._writer is None else self._writer.wait_staged()
+
+    @property
+    def pending(self) -> Path | None:
+        """The folder of a save still being written in the background, or ``None``."""
+        if self._writer is None or self._writer.pending is None:
+            return None
+        return None if self._writer.pending.done() else self._writer.pending.path
+
+    def finish(self) -> Path | None:
+        """Wait for the pending asynchronous save to commit (collective); its
+        folder, or ``None`` when none was pending.
+
+        Raises:
+            CheckpointError: that save failed.
+        """
+        return None if self._writer is None else self._writer.wait()
+
+    def close(self) -> None:
+        """Wait for a pending save and release the background threads."""
+        if self._writer is not None:
+            self._writer.close()
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load model, optimizer and RNG state from ``path``; return its trainer state.

@@ -383,7 +383,7 @@ def predict_moe(args: MoEArgs, layout: MoELayout, hw: HardwareProfile) -> MoEPre
         f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
         f"({'NVLink' if intra else 'NIC'}), exposed; expert load imbalance "
         f"{layout.imbalance:g} (1: balanced)",
-        "analytic MoE model (Note: [MoE plan model]): per-block FSDP groups for both "
+        "analytic MoE model (docs/scale.md): per-block FSDP groups for both "
         "engines; host syncs of token counts and grouped-matmul efficiency at small "
         "expert batches not modelled",
     ]

@@ -37,6 +37,7 @@ from simplefsdp.train.config import (
     format_config,
     load_config,
 )
+from simplefsdp.train.config.schema import VALID_MODELS
 from simplefsdp.train.launch import (
     ERROR_DIR_ENV,
     launch,
@@ -47,12 +48,18 @@ from simplefsdp.train.launch import (
 )
 from simplefsdp.train.resume import (
     Resume,
+    keep_global_batch,
     output_folders,
     resolve_resume,
     start_run_files,
     this_run,
 )
-from simplefsdp.train.runs import RUN_ID_ENV, check_output_folders, set_run_status
+from simplefsdp.train.runs import (
+    RUN_ID_ENV,
+    check_output_folders,
+    output_dir_for_model,
+    set_run_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +370,11 @@ def _parse(
         job = load_config(args.config, overrides, notes=notes)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
+    if args.model is not None and not any(o.startswith("--metrics.output_dir") for o in overrides):
+        # runs are filed under the model they train (outputs/moe_debug, not outputs/debug)
+        job.metrics.output_dir = output_dir_for_model(
+            job.metrics.output_dir, job.model.name, VALID_MODELS
+        )
     try:
         job, resume = resolve_resume(job, args.resume or None, overrides)
     except ValueError:
@@ -439,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 f"--nproc must be >= 1 and --max-restarts >= 0 (got {world}, {args.max_restarts})"
             )
+        job, resume = keep_global_batch(job, resume, world)  # Note: [Global batch on resume]
         preflight(job, world_size=world, local_world_size=local)
     except ValueError as exc:
         if not worker or rank == 0:

@@ -12,10 +12,14 @@ Note: [Clean stop]
     + the signal number: under ``simplefsdp train`` the launcher does, from
     rank 0's mark, while the workers exit 0, so that torchrun's agent does
     not restart them (``--max-restarts``) and train on after the stop.
-    On Ctrl-C the terminal signals every process; torchrun's agent then also
-    sends SIGTERM to its workers and kills them 30 s later, which bounds how
-    long the final save may take (a save cut short leaves the previous
-    checkpoint intact: saves are atomic). A rank that received nothing itself
+    Under ``simplefsdp train`` the launcher passes SIGINT/SIGTERM on to the
+    workers and waits for them, however long the step and its save take
+    (Note: [Stops that save] in ``simplefsdp.train.launch``); under a plain
+    torchrun, the agent sends its workers the signal and kills them after its
+    ``--shutdown-timeout`` (30 s), which bounds how long the final save may
+    take (a save cut short leaves the previous checkpoint intact: saves are
+    atomic). With ``checkpoint.async_mode`` the save is written in the
+    background and waited for before the process exits. A rank that received nothing itself
     (one worker signalled by a scheduler, or its launcher watcher firing a
     moment after another rank's) reports the agreed signal "received by
     another rank". Under plain torchrun the first rank to exit makes the

@@ -45,6 +45,7 @@ __all__ = [
     "launch",
     "launcher_error_dir",
     "note_step",
+    "note_stoppable",
     "oversubscription_warning",
     "peer_lost",
     "under_torchrun",
@@ -57,6 +58,9 @@ ERROR_DIR_ENV = "SIMPLEFSDP_ERROR_DIR"
 STOPPED_MARK = "stopped"
 #: Files each worker keeps in that folder: the step it is in (``step-rank<N>``).
 STEP_FILE_PREFIX = "step-rank"
+#: Files each worker writes there once it stops cleanly on a signal: its pid
+#: (``pid-rank<N>``; Note: [Stops that save]).
+PID_FILE_PREFIX = "pid-rank"
 
 WORKER_MODULE = "simplefsdp.train"
 
@@ -90,10 +94,10 @@ def launch(
     :mod:`simplefsdp.train.runs`) and report errors the user can act on as
     one line each into a temporary folder (``SIMPLEFSDP_ERROR_DIR``); the
     launcher prints the lowest rank's line once. A worker that dies is one
-    line per event (Note: [Worker failures]). On Ctrl-C or SIGTERM
-    torchrun's agent sends SIGTERM to the workers, which finish their step and
-    save (Note: [Clean stop] in :mod:`simplefsdp.train.interrupts`) within the
-    agent's grace period.
+    line per event (Note: [Worker failures]). On Ctrl-C or SIGTERM the
+    launcher passes the signal on to the workers, which finish their step and
+    save (Note: [Clean stop] in :mod:`simplefsdp.train.interrupts`), however
+    long that takes (Note: [Stops that save]).
 
     Args:
         worker_argv: the arguments every worker gets (config and overrides).
@@ -145,7 +149,8 @@ def launch(
         os.environ[ERROR_DIR_ENV] = error_dir
         try:
             reporter = _FailureReporter(Path(error_dir), max_restarts, resume_point, resume_command)
-            with _quiet_agent(reporter):
+            forwarder = _StopForwarder(Path(error_dir), nproc)
+            with _quiet_agent(reporter), forwarder.installed():
                 torchrun.run(args)
             stopped = Path(error_dir) / STOPPED_MARK
             if stopped.exists():  # workers exit 0 after a clean stop: no restart
@@ -158,7 +163,14 @@ def launch(
             signum = int(getattr(exc, "sigval", signal.SIGINT))
             if not (Path(error_dir) / STOPPED_MARK).exists():
                 name = signal.Signals(signum).name
-                print(f"simplefsdp train: stopped by {name} before saving", file=sys.stderr)
+                checkpoint = (resume_point or (lambda: None))()
+                where = (
+                    f"; the latest complete checkpoint is {checkpoint} ({resume_command} "
+                    "continues from it)"
+                    if checkpoint
+                    else "; no checkpoint was saved"
+                )
+                print(f"simplefsdp train: stopped by {name} before saving{where}", file=sys.stderr)
             return 128 + signum
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
@@ -295,8 +307,102 @@ class _FailureReporter:
         gone: the agent stops them all before it logs the failure)."""
         for path in self.error_dir.glob(f"{STEP_FILE_PREFIX}*"):
             path.unlink(missing_ok=True)
+        for path in self.error_dir.glob(f"{PID_FILE_PREFIX}*"):
+            path.unlink(missing_ok=True)
         for path in self.error_dir.glob("rank*.txt"):
             path.unlink(missing_ok=True)
+
+
+def note_stoppable() -> None:
+    """Tell the launcher that this worker now stops cleanly on SIGINT/SIGTERM
+    (finishing its step and saving), so that it may pass those signals on
+    (Note: [Stops that save]); a no-op under any other launcher."""
+    error_dir = launcher_error_dir()
+    if error_dir is None:
+        return
+    path = error_dir / f"{PID_FILE_PREFIX}{os.environ.get('RANK', '0')}"
+    with contextlib.suppress(OSError):
+        path.write_text(str(os.getpid()), encoding="utf-8")
+
+
+class _StopForwarder:
+    """Passes the launcher's SIGINT/SIGTERM on to its workers.
+
+    Note: [Stops that save]
+        torchrun's agent answers a signal by sending it to the workers and
+        killing them ``shutdown_timeout`` (30 s) later, whatever they are
+        doing: a step plus its save that take longer were cut short (the
+        save lost, the run "stopped before saving"). Instead, while the
+        agent runs, the launcher's handler for SIGINT and SIGTERM (the one
+        torchrun's process context installs, ``_terminate_process_handler``,
+        replaced for that time) sends the signal to every worker once all
+        have said they stop cleanly (``note_stoppable``: the training loop
+        runs) and returns: the workers finish the step, save (asynchronously
+        where ``checkpoint.async_mode`` says so, waiting for it) and exit 0,
+        the agent sees them finish and the launcher exits with 128 + the
+        signal from rank 0's mark. No timer runs; a scheduler's own (SLURM:
+        30 s from SIGTERM to SIGKILL by default) is the bound, and a save
+        cut short by it leaves the previous checkpoint the latest. A second
+        signal kills the workers (a save in progress never commits, see
+        [Atomic publish]); it, and a signal before every worker trains
+        (nothing to save yet), go to torchrun's handler, whose agent stops
+        the workers, and the launcher's last line names the latest complete
+        checkpoint.
+    """
+
+    def __init__(self, error_dir: Path, nproc: int) -> None:
+        self.error_dir = error_dir
+        self.nproc = nproc
+        self.forwarded: int | None = None
+
+    def _worker_pids(self) -> list[int]:
+        pids = []
+        for path in self.error_dir.glob(f"{PID_FILE_PREFIX}*"):
+            with contextlib.suppress(OSError, ValueError):
+                pids.append(int(path.read_text(encoding="utf-8")))
+        return pids
+
+    def handle(self, signum: int, frame: Any, torch_handler: Callable[..., Any]) -> None:
+        """The launcher's handler of ``signum`` while the agent runs."""
+        pids = self._worker_pids()
+        if self.forwarded and signum in (signal.SIGINT, signal.SIGTERM):
+            for pid in pids:  # a second signal: stop now (the previous checkpoint stays)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if (
+            signum not in (signal.SIGINT, signal.SIGTERM)
+            or self.forwarded
+            or len(pids) < self.nproc
+        ):
+            torch_handler(signum, frame)  # raises SignalException: the agent's teardown
+            return
+        self.forwarded = signum
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        print(
+            f"simplefsdp train: {signal.Signals(signum).name}: the workers finish their step "
+            "and save; send it again to stop them at once",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Replace torchrun's signal handler by :meth:`handle` while the block runs."""
+        from torch.distributed.elastic.multiprocessing import api as elastic_api
+
+        torch_handler = elastic_api._terminate_process_handler
+
+        def handler(signum: int, frame: Any) -> None:
+            self.handle(signum, frame, torch_handler)
+
+        # Looked up by name when the agent starts the workers (PContext.start).
+        elastic_api._terminate_process_handler = handler
+        try:
+            yield
+        finally:
+            elastic_api._terminate_process_handler = torch_handler
 
 
 def _report_failure(exc: Any, error_dir: Path, reporter: _FailureReporter | None = None) -> int:

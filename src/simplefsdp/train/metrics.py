@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "GPU_PEAK_BF16_FLOPS",
     "MMAP_THRESHOLD_BYTES",
+    "CompileWatch",
     "Heartbeat",
     "TrainSummary",
     "MetricsWriter",
@@ -143,6 +144,14 @@ class MetricsWriter:
             ``torch.utils.tensorboard`` can be imported (a warning otherwise).
         filename: name of the JSON lines file.
         run_id: written into every record (see Note: [One run per folder]).
+        wandb: also log every record's numbers to Weights & Biases (the
+            ``wandb`` package, ``pip install simplefsdp[wandb]``; a warning
+            where it is missing). ``WANDB_MODE=offline`` keeps the run on disk
+            (``<output_dir>/wandb``) for ``wandb sync`` later.
+        wandb_project: the W&B project.
+        wandb_run_name: the W&B run's name (default: ``run_id``); the W&B run
+            id is ``run_id``, so a resumed run continues the same W&B run.
+        config: the job configuration, stored with the W&B run.
     """
 
     def __init__(
@@ -152,6 +161,10 @@ class MetricsWriter:
         tensorboard: bool = False,
         filename: str = "metrics.jsonl",
         run_id: str = "",
+        wandb: bool = False,
+        wandb_project: str = "simplefsdp",
+        wandb_run_name: str = "",
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -159,6 +172,27 @@ class MetricsWriter:
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._tb = self._open_tensorboard() if tensorboard else None
         self.run_id = run_id
+        self._wandb = (
+            self._open_wandb(wandb_project, wandb_run_name or run_id, config) if wandb else None
+        )
+
+    def _open_wandb(self, project: str, name: str, config: dict[str, Any] | None) -> Any:
+        try:
+            import wandb
+        except ImportError:
+            logger.warning(
+                "metrics.wandb is on but wandb is not installed (pip install "
+                "'simplefsdp[wandb]'); writing JSON lines only"
+            )
+            return None
+        return wandb.init(
+            project=project,
+            name=name,
+            id=self.run_id or None,
+            resume="allow",
+            dir=str(self.output_dir),
+            config=config,
+        )
 
     def _open_tensorboard(self) -> Any:
         try:
@@ -184,10 +218,16 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps({k: _jsonable(v) for k, v in full.items()}) + "\n")
             self._file.flush()
+        numbers = {
+            key: value
+            for key, value in record.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None and numbers:
+            self._wandb.log(numbers, step=step)
 
     def close(self) -> None:
         """Flush and close the files."""
@@ -197,6 +237,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 @dataclass
@@ -291,6 +334,57 @@ class Heartbeat:
             self._thread.join()
 
 
+class CompileWatch:
+    """Whether torch is compiling at this moment, for the first step's heartbeat.
+
+    While the block runs, callbacks registered with dynamo's compile callback
+    handler (removed on exit: it is process-wide) count the compilations in
+    progress (dynamo's frames and AOTAutograd's lazily compiled backward), so
+    that a long first step says whether it is compiling or executing.
+    """
+
+    def __init__(self) -> None:
+        self.compiling = False
+        self.compiled_s = 0.0
+        self._started: float | None = None
+        self._handler: Any = None
+
+    def _start(self, *_: object) -> None:
+        self.compiling, self._started = True, time.perf_counter()
+
+    def _end(self, *_: object) -> None:
+        if self._started is not None:
+            self.compiled_s += time.perf_counter() - self._started
+        self.compiling, self._started = False, None
+
+    def message(self, elapsed_s: float) -> str:
+        """The heartbeat line after ``elapsed_s`` seconds of the step."""
+        if self._handler is None:  # no callbacks in this torch: cannot tell
+            return f"  still compiling or running the first step: {elapsed_s:.0f}s"
+        if self.compiling:
+            return f"  still compiling: {elapsed_s:.0f}s"
+        return (
+            f"  running the compiled step: {elapsed_s:.0f}s "
+            f"(compiling took {self.compiled_s:.0f}s of it)"
+        )
+
+    def __enter__(self) -> CompileWatch:
+        try:
+            from torch._dynamo.callback import callback_handler
+        except ImportError:
+            return self
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+        self._handler = callback_handler
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handler is not None:
+            self._handler.remove_start_callback(self._start)
+            self._handler.remove_end_callback(self._end)
+            self._handler = None
+
+
 def format_step_line(step: int, total_steps: int, record: dict[str, Any]) -> str:
     """One progress line: ``step 10/200 | loss 4.1234 | lr 5.0e-04 | ...``."""
     parts = [f"step {step:>{len(str(total_steps))}d}/{total_steps}"]
@@ -305,6 +399,10 @@ def format_step_line(step: int, total_steps: int, record: dict[str, Any]) -> str
     parts.append(f"mem {format_bytes(record.get('peak_memory_bytes'))}")
     if record.get("moe_imbalance") is not None:
         parts.append(f"moe imb {record['moe_imbalance']:.2f}")
+    if "checkpoint_blocking_s" in record:  # the time a save held up training
+        parts.append(f"save blocked {record['checkpoint_blocking_s']:.2f}s")
+    if record.get("checkpoint_staging_wait_s"):
+        parts.append(f"save copy wait {record['checkpoint_staging_wait_s']:.2f}s")
     return " | ".join(parts)
 
 

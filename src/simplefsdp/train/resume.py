@@ -13,6 +13,7 @@ complete checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from simplefsdp.train.runs import (
 __all__ = [
     "FIXED_ON_RESUME",
     "Resume",
+    "keep_global_batch",
     "output_folders",
     "resolve_resume",
     "run_config_text",
@@ -55,6 +57,7 @@ class Resume:
     step: int
     changes: tuple[str, ...] = ()
     unused: tuple[str, ...] = ()
+    given: tuple[str, ...] = ()  # the settings named on the command line
 
     def line(self) -> str:
         """``resuming run ID at step N (FOLDER)[; changed: a 1 -> 2, ...]``."""
@@ -102,7 +105,7 @@ def resolve_resume(
                 f"--resume {spec}: run {run.run_id} has no complete checkpoint in "
                 f"{run.checkpoint_folder} ({describe_runs(run.path.parent)})"
             )
-        return job, Resume(run, step, changes, unused)
+        return job, Resume(run, step, changes, unused, _given(overrides))
     found = newest_resumable_run(root)
     if found is None:
         if ck.resume and not _restarted():
@@ -117,7 +120,104 @@ def resolve_resume(
     job, changes = _restored(job, run, overrides)
     step = _resume_step(job, run)
     assert step is not None, "newest_resumable_run found a complete checkpoint"
-    return job, Resume(run, step, changes, unused)
+    return job, Resume(run, step, changes, unused, _given(overrides))
+
+
+def _given(overrides: list[str]) -> tuple[str, ...]:
+    return tuple(o.split("=", 1)[0].lstrip("-") for o in overrides if o.startswith("--"))
+
+
+def _saved_layout(resume: Resume) -> tuple[int, int, int, int] | None:
+    """``(world size, data-parallel ranks, batch size, accumulation)`` of the
+    checkpoint ``resume`` continues from (its ``manifest.json`` and
+    ``config.json``), or ``None`` where they do not say."""
+    folder = resume.run.checkpoint_folder / f"step-{resume.step}"
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        job = json.loads((folder / "config.json").read_text(encoding="utf-8"))["job"]
+        world = int(manifest["world_size"])
+        p = job["parallel"]
+        dp = world // (int(p.get("tp", 1)) * int(p.get("pp", 1)))
+        return world, dp, int(job["data"]["batch_size"]), int(job["training"]["grad_accum_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def keep_global_batch(
+    job: JobConfig, resume: Resume | None, world_size: int
+) -> tuple[JobConfig, Resume | None]:
+    """Keep the global batch of the checkpoint a run resumes from on ``world_size`` processes.
+
+    Note: [Global batch on resume]
+        The global batch (sequences per optimizer step: ``data.batch_size x
+        training.grad_accum_steps x`` data-parallel ranks) is part of the
+        optimisation: a resumed run on another number of processes (or
+        another ``parallel.tp``/``pp``) keeps it by changing the per-rank
+        batch (keeping the accumulation), else the accumulation (keeping the
+        batch), else both (the whole per-rank share in one batch). The data
+        position is counted in sequences of the data order, so the next step
+        reads the sequences the saving run would have read next. The
+        ``changed:`` line names the process count, the new per-rank batch or
+        accumulation and the kept global batch. Where the global batch does
+        not divide over the data-parallel ranks, resuming is refused in one
+        line naming ``--data.batch_size``, which accepts a new global batch,
+        as does naming either setting on the command line.
+
+    Args:
+        job: the configuration of the resumed run (saved config and overrides).
+        resume: the run it continues (``None``: a new run, nothing to do).
+        world_size: the processes of this run.
+
+    Returns:
+        ``(job, resume)``, the batch settings and the changes updated.
+
+    Raises:
+        ValueError: the global batch does not divide over this run's ranks.
+    """
+    if resume is None:
+        return job, resume
+    saved = _saved_layout(resume)
+    if saved is None:
+        return job, resume
+    saved_world, saved_dp, saved_bs, saved_accum = saved
+    global_batch = saved_dp * saved_bs * saved_accum
+    p, d, t = job.parallel, job.data, job.training
+    dp = max(1, world_size // (p.tp * p.pp))
+    changes = list(resume.changes)
+    if saved_world != world_size:
+        changes.append(f"processes {saved_world} -> {world_size}")
+    now = dp * d.batch_size * t.grad_accum_steps
+    chosen = {"data.batch_size", "training.grad_accum_steps"} & set(resume.given)
+    if now != global_batch and chosen:  # asked for: said, not undone
+        changes.append(f"global batch {global_batch} -> {now} sequences")
+    elif now != global_batch:
+        if global_batch % dp:
+            raise ValueError(
+                f"--resume: the global batch of {global_batch} sequences of run "
+                f"{resume.run.run_id} does not divide over {dp} data-parallel ranks "
+                f"({world_size} processes); pass --data.batch_size N to train on with "
+                f"{dp} x N sequences per step, or use a process count whose data-parallel "
+                f"ranks divide {global_batch}"
+            )
+        share = global_batch // dp
+        micro = p.microbatches or p.pp
+        if share % t.grad_accum_steps == 0 and (share // t.grad_accum_steps) % micro == 0:
+            batch, accum = share // t.grad_accum_steps, t.grad_accum_steps
+        elif share % d.batch_size == 0:
+            batch, accum = d.batch_size, share // d.batch_size
+        else:
+            batch, accum = share, 1
+        if batch != d.batch_size:
+            changes.append(f"data.batch_size {d.batch_size} -> {batch}")
+        if accum != t.grad_accum_steps:
+            changes.append(f"training.grad_accum_steps {t.grad_accum_steps} -> {accum}")
+        changes.append(f"global batch kept at {global_batch} sequences")
+        job = dataclasses.replace(
+            job,
+            data=dataclasses.replace(d, batch_size=batch),
+            training=dataclasses.replace(t, grad_accum_steps=accum),
+        )
+    return job, dataclasses.replace(resume, changes=tuple(changes))
 
 
 def _resume_step(job: JobConfig, run: RunInfo) -> int | None:

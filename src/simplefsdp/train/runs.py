@@ -71,6 +71,17 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
+def output_dir_for_model(output_dir: str, model: str, presets: tuple[str, ...]) -> str:
+    """``output_dir`` with a preset's folder name (``outputs/debug``) replaced by
+    ``model``'s (``outputs/moe_debug``) when ``--model`` trains another model
+    than the preset's, so that runs are filed under the model they train; any
+    other folder is kept."""
+    path = Path(output_dir)
+    if path.name in presets and path.name != model:
+        return str(path.with_name(model))
+    return output_dir
+
+
 def run_folder(output_dir: str | os.PathLike[str], run_id: str) -> Path:
     """``<output_dir>/<run id>`` (an id with unsafe characters has them replaced by ``_``)."""
     return Path(output_dir) / (_SAFE.sub("_", run_id) or "run")
@@ -141,6 +152,24 @@ class RunInfo:
         info = resume_checkpoint(self.checkpoint_folder, load_step)
         return None if info is None else info.step
 
+    def model(self) -> str:
+        """The ``model.name`` in the run's ``config.toml`` (``"?"`` where unreadable)."""
+        text = _read_text(self.path / CONFIG_FILE)
+        section = ""
+        for line in (text or "").splitlines():
+            line = line.strip()
+            if line.startswith("["):
+                section = line.strip("[] ")
+            elif section == "model" and re.match(r"name\s*=", line):
+                return line.split("=", 1)[1].strip().strip("\"'") or "?"
+        return "?"
+
+    def last_step(self) -> int | None:
+        """The last step the run reached: its last logged step or, when newer
+        (a stop between two log steps saves its step), its newest checkpoint."""
+        known = [s for s in (self.last_logged_step(), self.latest_step()) if s is not None]
+        return max(known) if known else None
+
     def last_logged_step(self) -> int | None:
         """The step of the last record in ``metrics.jsonl``, or ``None``."""
         path = self.path / "metrics.jsonl"
@@ -201,6 +230,13 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

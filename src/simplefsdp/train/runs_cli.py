@@ -24,24 +24,34 @@ __all__ = ["main"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    # --root and --config are accepted before and after the subcommand; after
+    # it they default to SUPPRESS, so that they do not reset the ones before.
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument(
+        "--root",
+        default=argparse.SUPPRESS,
+        help="folder of the runs (default: the config's metrics.output_dir)",
+    )
+    where.add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        help="config whose metrics.output_dir holds the runs (default: debug)",
+    )
     parser = argparse.ArgumentParser(
         prog="simplefsdp runs",
         description="List the runs of simplefsdp train (one folder each under "
         "metrics.output_dir); remove or prune them with --yes.",
         allow_abbrev=False,
-    )
-    parser.add_argument(
-        "--root", default=None, help="folder of the runs (default: the config's metrics.output_dir)"
-    )
-    parser.add_argument(
-        "--config", default="debug", help="config whose metrics.output_dir holds the runs"
+        parents=[where],
     )
     sub = parser.add_subparsers(dest="action", metavar="{list,remove,prune}")
-    sub.add_parser("list", help="list the runs (the default)")
-    remove = sub.add_parser("remove", help="remove runs (with --yes)")
+    sub.add_parser("list", help="list the runs (the default)", parents=[where])
+    remove = sub.add_parser("remove", help="remove runs (with --yes)", parents=[where])
     remove.add_argument("runs", nargs="+", metavar="RUN", help="run id or run folder")
     remove.add_argument("--yes", action="store_true", help="remove; without it, only print")
-    prune = sub.add_parser("prune", help="remove all but the newest runs (with --yes)")
+    prune = sub.add_parser(
+        "prune", help="remove all but the newest runs (with --yes)", parents=[where]
+    )
     prune.add_argument("--keep", type=int, required=True, help="newest runs to keep (>= 0)")
     prune.add_argument("--yes", action="store_true", help="remove; without it, only print")
     return parser
@@ -63,13 +73,16 @@ def _list(root: str, runs: list[RunInfo]) -> None:
     if not runs:
         print(f"no runs in {root}")
         return
-    print(f"{'run':<24} {'status':<9} {'steps':>6} {'checkpoint':>10} {'size':>10}  folder")
+    print(
+        f"{'run':<24} {'status':<9} {'step':>6} {'checkpoint':>10} {'model':<14} {'size':>10}  "
+        "folder"
+    )
     for run in runs:
-        logged, step = run.last_logged_step(), run.latest_step()
+        last, step = run.last_step(), run.latest_step()
         print(
-            f"{run.run_id:<24} {run.shown_status():<9} {'-' if logged is None else logged:>6} "
-            f"{'-' if step is None else f'step-{step}':>10} {_size(run.size_bytes()):>10}  "
-            f"{run.path}"
+            f"{run.run_id:<24} {run.shown_status():<9} {'-' if last is None else last:>6} "
+            f"{'-' if step is None else f'step-{step}':>10} {run.model():<14} "
+            f"{_size(run.size_bytes()):>10}  {run.path}"
         )
 
 
@@ -95,12 +108,12 @@ def _remove(runs: list[RunInfo], yes: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``simplefsdp runs``; returns the exit code (2 for bad input)."""
     args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    root = args.root
+    root = getattr(args, "root", None)
     try:
         if root is None:
             from simplefsdp.train.config import load_config
 
-            root = load_config(args.config).metrics.output_dir
+            root = load_config(getattr(args, "config", "debug")).metrics.output_dir
         runs = list_runs(root)
         if args.action in (None, "list"):
             _list(root, runs)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from simplefsdp._faults import maybe_kill_at_step
+from simplefsdp._faults import maybe_kill_at_step, maybe_sleep_after_step
 from simplefsdp.checkpoint import (
     Checkpointer,
     resume_checkpoint,
@@ -53,9 +53,16 @@ from simplefsdp.engines import (
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict
 from simplefsdp.train.config.schema import ModelConfig
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
-from simplefsdp.train.launch import ERROR_DIR_ENV, STOPPED_MARK, launcher_error_dir, note_step
+from simplefsdp.train.launch import (
+    ERROR_DIR_ENV,
+    STOPPED_MARK,
+    launcher_error_dir,
+    note_step,
+    note_stoppable,
+)
 from simplefsdp.train.metrics import (
     MMAP_THRESHOLD_BYTES,
+    CompileWatch,
     Heartbeat,
     MetricsWriter,
     ProgressDisplay,
@@ -144,6 +151,7 @@ class Trainer:
         self._writer: MetricsWriter | None = None
         self._progress: ProgressDisplay | None = None
         self._stop_agreement: StopAgreement | None = None
+        self._staging_wait_s = 0.0  # waited for asynchronous saves' copies since the last log
 
     # -- setup -------------------------------------------------------------
 
@@ -159,6 +167,7 @@ class Trainer:
         self.memory = MemoryProbe(self.device)
         self.memory.reset()
         self._build_model()
+        self._probe_float8()
         self._build_optimizer()
         resume_step = self._start_run()
         self._build_checkpointer()
@@ -321,6 +330,20 @@ class Trainer:
             self.flops_per_token,
         )
 
+    def _probe_float8(self) -> None:
+        """Say so when float8 matmuls are much slower than bf16 on this CPU
+        (Note: [Float8 on CPU] in simplefsdp.train.float8_probe)."""
+        if not (self.job.float8.enable and self.device.type == "cpu" and self.rank == 0):
+            return
+        from simplefsdp.train.float8_probe import float8_warning
+
+        dim = int(getattr(self.model_args, "dim", 0))
+        hidden = getattr(self.model_args, "ffn_hidden_dim", None)
+        hidden = int(hidden() if callable(hidden) else hidden or 4 * dim)
+        warning = float8_warning(dim, hidden) if dim else None
+        if warning is not None:
+            logger.warning("%s", warning)
+
     def _build_optimizer(self) -> None:
         t = self.job.training
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -338,13 +361,21 @@ class Trainer:
             keep_last=self.job.checkpoint.keep_last,
             config_hash=config_hash(self.job),
             config_json={"job": config_to_dict(self.job), "model_args": asdict(self.model_args)},
+            async_mode=self.job.checkpoint.async_mode,
         )
 
     def _build_metrics(self) -> None:
         if self.rank == 0:
             assert self.run_dir is not None
+            mt = self.job.metrics
             self._writer = MetricsWriter(
-                self.run_dir, tensorboard=self.job.metrics.tensorboard, run_id=self.run_id
+                self.run_dir,
+                tensorboard=mt.tensorboard,
+                run_id=self.run_id,
+                wandb=mt.wandb,
+                wandb_project=mt.wandb_project,
+                wandb_run_name=mt.wandb_run_name,
+                config=config_to_dict(self.job) if mt.wandb else None,
             )
             self.summary.metrics_path = str(self._writer.path)
             tb = self._writer.tensorboard_dir
@@ -458,6 +489,8 @@ class Trainer:
             if loss is not None and self._micro_trained != 0:
                 loss_sum += loss
         grad_norm = clip_grad_norm_(self.params, self.job.training.max_norm)
+        # A save copying the parameters in the background must finish copying first.
+        self._staging_wait_s += self.checkpointer.wait_staged()
         self.optimizer.step()
         self.parallel.after_optimizer_step()
         self.scheduler.step()
@@ -603,6 +636,15 @@ class Trainer:
             self.summary.final_val_loss = val
         if self._progress is not None:
             self._progress.update(step)  # the bar (on a terminal) moves every step
+        ck = self.job.checkpoint
+        if ck.enable and self._should(ck.interval, step):
+            path = self.checkpointer.save(step, self._trainer_state(step))
+            self.summary.checkpoint = str(path)
+            if record is not None:
+                record["checkpoint_blocking_s"] = self.checkpointer.last_blocking_s
+        if record is not None and self._staging_wait_s > 0:
+            record["checkpoint_staging_wait_s"] = self._staging_wait_s
+            self._staging_wait_s = 0.0
         if record is not None and self.rank == 0:
             assert self._writer is not None and self._progress is not None
             self._writer.write(record, step=step)
@@ -610,10 +652,6 @@ class Trainer:
             if "trained_tokens_pct" in record:  # chat data: the share trained on
                 line += f" | trained {record['trained_tokens_pct']:.0f}% of tokens"
             self._progress.line(line)
-        ck = self.job.checkpoint
-        if ck.enable and self._should(ck.interval, step):
-            path = self.checkpointer.save(step, self._trainer_state(step))
-            self.summary.checkpoint = str(path)
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {
@@ -639,6 +677,7 @@ class Trainer:
         run_start = time.perf_counter()
         window_steps, window_s, steady_s = 0, 0.0, 0.0
         with StopRequest() as stop:
+            note_stoppable()  # the launcher may pass signals on (Note: [Stops that save])
             for step in range(start_step + 1, total + 1):
                 note_step(step)  # for the launcher, should this rank die (Note: [Worker failures])
                 is_log = self._should(self.job.metrics.log_interval, step) or step == start_step + 1
@@ -647,6 +686,7 @@ class Trainer:
                     loss, grad_norm, lr = self.train_step()
                 # Test-only fault injection (SIMPLEFSDP_TEST_KILL_AT_STEP); a no-op otherwise.
                 maybe_kill_at_step(step, self.rank, self.world_size, self.job.metrics.output_dir)
+                maybe_sleep_after_step()  # test-only slow step (SIMPLEFSDP_TEST_STEP_SLEEP_S)
                 if is_log or self._validates_or_saves(step):
                     # Queued device work must land in this step's window, not in
                     # the validation/checkpoint that follows (on GPU).
@@ -663,6 +703,8 @@ class Trainer:
                 if agreed := self._stop_agreed(stop):
                     self._stop_cleanly(step, stop, agreed)
                     break
+            else:
+                self._finish_saves()
         self._finish_summary(time.perf_counter() - run_start, steady_s)
         return self.summary
 
@@ -679,7 +721,7 @@ class Trainer:
             "this takes a while on CPU"
         )
         start = time.perf_counter()
-        with Heartbeat(lambda s: f"  still compiling: {s:.0f}s", self._progress.line):
+        with CompileWatch() as watch, Heartbeat(watch.message, self._progress.line):
             yield
         self.summary.compile_s = time.perf_counter() - start
         cache = inductor_cache_counts()
@@ -703,6 +745,7 @@ class Trainer:
         saved = ck.enable and self._should(ck.interval, step)
         if ck.enable and not saved:
             self.summary.checkpoint = str(self.checkpointer.save(step, self._trainer_state(step)))
+        self._finish_saves()
         signal_name = self.summary.interrupted_by = stop.settle(agreed)
         self.exit_code = stop.exit_code
         if self.rank == 0:
@@ -718,6 +761,13 @@ class Trainer:
             error_dir = launcher_error_dir()
             if error_dir is not None:  # the stop was reported, and why
                 (error_dir / STOPPED_MARK).write_text(str(stop.signum), encoding="utf-8")
+
+    def _finish_saves(self) -> None:
+        """Wait for a checkpoint still being written in the background, saying so."""
+        pending = self.checkpointer.pending
+        if pending is not None and self._progress is not None:
+            self._progress.line(f"waiting for checkpoint {pending.name} to be written")
+        self.checkpointer.finish()
 
     def _record_summary(self, record: dict[str, Any]) -> None:
         if self.summary.first_loss is None:
@@ -754,6 +804,9 @@ class Trainer:
             self._progress.close()
         if self._writer is not None:
             self._writer.close()
+        checkpointer = self.__dict__.get("checkpointer")
+        if clean and checkpointer is not None:
+            checkpointer.close()
         if not dist.is_initialized():
             return
         # Let every rank finish its last collective before any rank tears down

@@ -60,6 +60,7 @@ __all__ = [
     "MetricsConfig",
     "Float8Config",
     "FLOAT8_RECIPES",
+    "CHECKPOINT_ASYNC_MODES",
     "JobConfig",
     "SECTIONS",
     "config_warnings",
@@ -78,6 +79,9 @@ PP_SCHEDULES = PIPELINE_SCHEDULES
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 #: Communication bucketing strategies of the compiler passes.
 BUCKETING_MODES = BUCKETINGS
+#: How checkpoints are written (``checkpoint.async_mode``); see Note:
+#: [Asynchronous checkpoints] in the ``simplefsdp.checkpoint`` package.
+CHECKPOINT_ASYNC_MODES: tuple[str, ...] = ("none", "async", "staged")
 #: torchao float8 recipes (``float8.recipe``).
 FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 
@@ -319,6 +323,13 @@ class CheckpointConfig:
             same architecture, else one line names the fields that differ);
             each rank reads only the slices of the tensors its shards hold.
             Resuming a run loads its own checkpoint instead.
+        async_mode: ``none``: a save blocks training until it is written;
+            ``async``: training waits only for the copy of the tensors to host
+            memory, the files are written in the background; ``staged``: the
+            copy runs in the background too (pinned memory on CUDA) and the
+            next optimizer step waits for it. A save being written when the
+            process dies never becomes the latest checkpoint; the run waits
+            for it before exiting.
     """
 
     enable: bool = True
@@ -329,6 +340,7 @@ class CheckpointConfig:
     resume_if_possible: bool = False
     load_step: int = -1
     init_from_hf: str | None = None
+    async_mode: str = field(default="none", metadata=_choices(CHECKPOINT_ASYNC_MODES))
 
 
 @dataclass
@@ -343,6 +355,11 @@ class MetricsConfig:
         tensorboard: Write TensorBoard events.
         val_interval: Validate every ``val_interval`` steps (``0`` disables).
         val_batches: Validation batches per evaluation.
+        wandb: Also log the metrics to Weights & Biases (``pip install
+            simplefsdp[wandb]``; ``WANDB_MODE=offline`` writes them locally,
+            without a network).
+        wandb_project: The W&B project.
+        wandb_run_name: The W&B run's name (empty: the run id).
     """
 
     log_interval: int = 10
@@ -350,6 +367,9 @@ class MetricsConfig:
     tensorboard: bool = False
     val_interval: int = 100
     val_batches: int = 10
+    wandb: bool = False
+    wandb_project: str = "simplefsdp"
+    wandb_run_name: str = ""
 
 
 @dataclass
