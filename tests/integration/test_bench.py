@@ -354,11 +354,11 @@ if sys.argv[1] == "import":
     worker._import_engine_code()
 overrides = json.loads(sys.argv[2])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-mesh = worker.build_mesh("simplefsdp", "fully_shard", "cpu", 1, tp=1, pp=1)
+mesh = worker.Layout().build("cpu", 1)
 spec = BenchSpec(get_workload("comm", model_overrides=overrides), nproc=1)
 before = set(sys.modules)
 for config in CONFIGS.values():
-    if config.engine != "comm":
+    if worker.get_engine(config.engine, bench=True).trains:
         model = worker.build_model(spec.workload, 0)
         worker._parallelize(config, spec, model, mesh, torch.device("cpu"))
 new = sorted(m for m in set(sys.modules) - before
@@ -419,7 +419,7 @@ def _measure_start_rank():
     from simplefsdp.bench.configs import BenchSpec, get_workload
 
     worker.MemoryProbe = _CountingProbe
-    mesh = worker.build_mesh("fsdp2", "fully_shard", "cpu", 1, tp=1, pp=1)
+    mesh = worker.Layout().build("cpu", 1)
     workload = get_workload("comm", model_overrides=TINY_MODEL, steps=2, warmup=1, seq_len=32)
     spec = BenchSpec(workload, nproc=1)
     flat = worker.build_batches(spec, 0, 1, 4)

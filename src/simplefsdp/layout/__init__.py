@@ -8,10 +8,20 @@ before any process starts. :meth:`Layout.build` makes the job's one
 ``DeviceMesh`` and hands out its views by role (:class:`Meshes`): the FSDP
 mesh, the ranks that read different batches, the loss mesh, and the TP, PP,
 EP and expert data-parallel meshes. Nothing else in simplefsdp constructs a
-device mesh.
+device mesh. ``import simplefsdp.layout`` does not import torch.
 """
 
+from typing import Any
+
 from simplefsdp.layout.layout import DIM_ORDER, Layout
-from simplefsdp.layout.meshes import Meshes, meshes_of
 
 __all__ = ["DIM_ORDER", "Layout", "Meshes", "meshes_of"]
+
+
+def __getattr__(name: str) -> Any:
+    # the meshes need torch; the degrees do not (a command line checks them first)
+    if name in ("Meshes", "meshes_of"):
+        from simplefsdp.layout import meshes
+
+        return getattr(meshes, name)
+    raise AttributeError(f"module 'simplefsdp.layout' has no attribute {name!r}")

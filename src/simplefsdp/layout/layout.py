@@ -161,9 +161,14 @@ class Layout:
         named = [k for k in ("pp", "dp_replicate", "cp", "tp") if getattr(self, k) > 1]
         product = " x ".join(f"{n[k]} {getattr(self, k)}" for k in named) or "1"
         if self.dp_shard == -1 and ws % fixed:
+            last, others = named[-1], named[:-1]
+            rest = 1
+            for k in others:
+                rest *= getattr(self, k)
+            with_others = " x ".join(f"{n[k]} {getattr(self, k)}" for k in others)
             errors.append(
-                f"{product} = {fixed} does not divide {n['world_size']} {ws}; "
-                f"the degrees must multiply to the world size"
+                f"{product} does not divide {n['world_size']} {ws}; valid {_WHAT[last]} "
+                f"sizes with {with_others}: {_join(_divisors(ws // rest))}"
             )
             return errors
         if self.dp_shard != -1 and fixed * self.dp_shard != ws:

@@ -80,13 +80,23 @@ def _flat_rank(mesh: DeviceMesh) -> int:
     return rank
 
 
-def _view(world: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
-    """``world`` restricted to ``dims`` (flattened to one dim ``name`` when several)."""
+def _view(
+    world: DeviceMesh,
+    dims: tuple[str, ...],
+    name: str,
+    cache: dict[tuple[str, ...], DeviceMesh],
+) -> DeviceMesh:
+    """``world`` restricted to ``dims`` (flattened to one dim ``name`` when several;
+    ``cache`` keeps one flattening per set of dims: each makes process groups)."""
+    if dims in cache:
+        return cache[dims]
     names = world.mesh_dim_names or ()
     if len(dims) == 1:
-        return world if names == dims else world[dims[0]]
-    sub = world if names == dims else world[dims]
-    return sub._flatten(name)
+        view = world if names == dims else world[dims[0]]
+    else:
+        view = (world if names == dims else world[dims])._flatten(name)
+    cache[dims] = view
+    return view
 
 
 def build_meshes(layout: Layout, device_type: str, world_size: int | None = None) -> Meshes:
@@ -146,7 +156,8 @@ def meshes_of(world: DeviceMesh, layout: Layout | None = None) -> Meshes:
         )
     fsdp_dims = (*shard, *cp)
     fsdp_name = "dp_shard_cp" if cp else "dp_shard"
-    fsdp = _view(world, fsdp_dims, fsdp_name)
+    cache: dict[tuple[str, ...], DeviceMesh] = {}
+    fsdp = _view(world, fsdp_dims, fsdp_name, cache)
     if replicate:
         if len(fsdp_dims) == 1:
             dims = (*replicate, *fsdp_dims)
@@ -155,14 +166,14 @@ def meshes_of(world: DeviceMesh, layout: Layout | None = None) -> Meshes:
             # HSDP over a flattened shard dim: (dp_replicate, dp_shard_cp)
             fsdp = world[(replicate[0], fsdp.mesh_dim_names[0])]
     batch_dims = (*replicate, *shard)
-    batch = _view(world, batch_dims, "batch")
-    loss = batch if not cp else _view(world, (*batch_dims, *cp), "loss")
+    batch = _view(world, batch_dims, "batch", cache)
+    loss = _view(world, (*batch_dims, *cp), "loss", cache)
     ep_mesh = expert_dp = None
     if "ep" in size and "dp_shard_mod_ep" in size:
         ep_mesh = world["ep"]
         expert_dp = world["dp_shard_mod_ep"]
     elif "dp_shard_in_ep" in size:
-        ep_mesh = _view(world, ("dp_shard_in_ep", "cp"), "ep")
+        ep_mesh = _view(world, ("dp_shard_in_ep", "cp"), "ep", cache)
         expert_dp = world["dp_shard_mod_ep"]
     return Meshes(
         layout=layout,
