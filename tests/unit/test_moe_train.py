@@ -13,15 +13,15 @@ from simplefsdp.parallel_dims import ParallelDims
     "argv, message",
     [
         (["--nproc", "4", "--parallel.ep", "3"],
-         "parallel.ep 3 does not divide the 4 data-parallel ranks (expert parallelism splits "
+         "parallel.ep 3 does not divide the 4 ranks of dp_shard 4 (expert parallelism splits "
          "them into groups of parallel.ep); valid: 1, 2, 4"),
         (["--nproc", "3", "--parallel.ep", "2"], "parallel.ep 2 does not divide the 3"),
         (["--nproc", "16", "--parallel.ep", "16"],
-         "parallel.ep 16 does not divide the 8 experts of model 'moe_debug' (each rank holds "
-         "num_experts / parallel.ep); valid: 1, 2, 4, 8"),
+         "ep 16 does not divide the 8 experts of the model (each rank holds "
+         "num_experts / ep); valid: 1, 2, 4, 8"),
         (["--nproc", "2", "--parallel.ep", "2", "--model.name", "debug"],
-         "parallel.ep 2: expert parallelism needs a model with experts and model 'debug' "
-         "has none"),
+         "parallel.ep 2: model 'debug' (family 'llama3') does not compose with expert "
+         "parallelism; use parallel.ep 1"),
         (["--nproc", "2", "--parallel.ep", "2", "--parallel.engine", "simplefsdp_eager"],
          "parallel.engine: invalid value 'simplefsdp_eager' with parallel.ep=2 (the eager "
          "executor gathers flat buffers of data-parallel shards only)"),
@@ -30,7 +30,8 @@ from simplefsdp.parallel_dims import ParallelDims
         (["--nproc", "4", "--parallel.ep", "2", "--parallel.mode", "hybrid_shard"],
          "parallel.mode: invalid value 'hybrid_shard' with parallel.ep=2"),
         (["--nproc", "4", "--parallel.tp", "2"],
-         "model.name: invalid value 'moe_debug' with parallel.tp=2"),
+         "parallel.tp 2: model 'moe_debug' (family 'moe') does not compose with tensor "
+         "parallelism"),
         (["--nproc", "2", "--model", "deepseek_v3_16b"],
          "model.name 'deepseek_v3_16b' uses multi-head latent attention"),
         (["--nproc", "2", "--parallel.ep", "0"], "parallel.ep: invalid value 0; must be >= 1"),

@@ -15,7 +15,7 @@ command line can check a job before it imports torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
     "ENGINE_CLASSES",
@@ -104,9 +104,18 @@ class SimpleFSDP(Engine):
     name = "simplefsdp"
     description = "simplefsdp: data_parallel, compiled with our passes or run eagerly"
     features = frozenset(
-        {"tp", "pp", "ep", "float8", "compile", "torch_passes", "group_reshard", "mixed_precision"}
+        {
+            "tp",
+            "pp",
+            "ep",
+            "cp",
+            "float8",
+            "compile",
+            "torch_passes",
+            "group_reshard",
+            "mixed_precision",
+        }
     )
-    why_not = {"cp": "no context-parallel attention yet"}
     ep_modes = ("fully_shard", "replicate")
     shards = True
     simplefsdp = True
@@ -124,7 +133,7 @@ class SimpleFSDPEager(Engine):
         "tp": "the eager executor gathers flat buffers of plain shards",
         "pp": "the eager executor gathers flat buffers of plain shards",
         "ep": "the eager executor gathers flat buffers of data-parallel shards only",
-        "cp": "no context-parallel attention yet",
+        "cp": "the eager executor gathers flat buffers of plain shards",
         "float8": "the eager executor gathers in the parameter dtype",
         "compile": "the eager executor is never compiled",
         "torch_passes": "the eager executor is never compiled",
@@ -139,9 +148,10 @@ class FSDP2(Engine):
 
     name = "fsdp2"
     description = "torch FSDP2 (fully_shard per block)"
-    features = frozenset({"tp", "pp", "ep", "float8", "compile", "group_reshard", "mixed_precision"})
+    features = frozenset(
+        {"tp", "pp", "ep", "cp", "float8", "compile", "group_reshard", "mixed_precision"}
+    )
     why_not = {
-        "cp": "no context-parallel attention yet",
         "torch_passes": "torch's passes are compared on simplefsdp's graphs",
     }
     ep_modes = ("fully_shard",)
@@ -162,7 +172,7 @@ class DDP(Engine):
         "tp": "use engine 'simplefsdp' with mode 'replicate' for DDP semantics",
         "pp": "use engine 'simplefsdp' with mode 'replicate' for DDP semantics",
         "ep": "DDP replicates every parameter",
-        "cp": "no context-parallel attention yet",
+        "cp": "DDP replicates every parameter",
         "float8": "DDP does not gather weights",
         "torch_passes": "torch's passes are compared on simplefsdp's graphs",
         "group_reshard": "DDP does not reshard",
@@ -247,7 +257,7 @@ def composition_errors(
     float8: bool = False,
     compile: bool = False,
     torch_passes: bool = False,
-    group_reshard: bool = False,
+    group_reshard: bool | int = False,
     mixed_precision: bool = False,
     names: Mapping[str, str] | None = None,
     bench: bool = False,
@@ -263,7 +273,8 @@ def composition_errors(
         engine: the engine or its name.
         mode: the data-parallel mode (``None``: not checked).
         tp, pp, ep, cp: the degrees (``> 1`` asks for that parallelism).
-        float8, torch_passes, group_reshard: the features asked for.
+        float8, torch_passes: the features asked for.
+        group_reshard: a reshard group size (an int >= 2, or ``True``).
         compile, mixed_precision: accepted by every engine (see above).
         names: how the caller spells each setting (e.g. ``{"engine":
             "parallel.engine", "tp": "parallel.tp"}``); default: the plain names.
@@ -287,9 +298,11 @@ def composition_errors(
         "cp": cp > 1,
         "float8": float8,
         "torch_passes": torch_passes,
-        "group_reshard": group_reshard,
+        "group_reshard": bool(group_reshard),
     }
-    values = {"tp": tp, "pp": pp, "ep": ep, "cp": cp}
+    values: dict[str, Any] = {"tp": tp, "pp": pp, "ep": ep, "cp": cp}
+    if not isinstance(group_reshard, bool):
+        values["group_reshard"] = group_reshard
     for feature, wanted in asked.items():
         if not wanted or e.supports(feature):
             continue

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from simplefsdp.parallel_dims import ParallelDims
 from simplefsdp.train.config import (
     SECTIONS,
     JobConfig,
@@ -137,7 +136,7 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
     Raises:
         ValueError: naming the problem and the valid choices.
     """
-    from simplefsdp.engines import mesh_shape_for
+    from simplefsdp.train.resolve import resolve
 
     path = job.data.path
     if path is not None:
@@ -162,16 +161,8 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         except ValueError as exc:
             raise ValueError(f"data.tokenizer {tok!r}: {_one_line(exc)}") from exc
     p = job.parallel
-    _check_layout(job, world_size)
-    mesh_shape_for(
-        p.engine,
-        p.mode,
-        world_size,
-        mesh_shape=p.mesh_shape,
-        local_world_size=local_world_size,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    _check_layout(job)
+    resolve(job, world_size, local_world_size)
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -213,23 +204,11 @@ def _check_data_files(path: str) -> None:
         )
 
 
-#: How ``simplefsdp train`` spells each degree of :class:`ParallelDims`.
-_LAYOUT_NAMES = {
-    "tp": "parallel.tp",
-    "pp": "parallel.pp",
-    "microbatches": "parallel.microbatches",
-    "ep": "parallel.ep",
-    "stages_per_rank": "parallel.pp_stages_per_rank",
-    "batch": "data.batch_size",
-    "seq_len": "data.seq_len",
-}
-
-
-def _check_layout(job: JobConfig, world_size: int) -> None:
-    """The parallel degrees against the world size and the model (:meth:`ParallelDims.validate`)."""
+def _check_layout(job: JobConfig) -> None:
+    """The model's attention is one train builds."""
     from simplefsdp.train.parallelism import model_config
 
-    m, p = job.model, job.parallel
+    m = job.model
     overrides = {
         key: value
         for key, value in (("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len))
@@ -245,26 +224,6 @@ def _check_layout(job: JobConfig, world_size: int) -> None:
             f"counts but train does not build; trainable mixture-of-experts models: "
             f"{', '.join(built)}"
         )
-    pipelined = p.pp > 1
-    dims = ParallelDims(
-        world_size,
-        tp=p.tp,
-        pp=p.pp,
-        ep=p.ep,
-        microbatches=p.microbatches if pipelined else 1,
-        pp_schedule=p.pp_schedule,
-        stages_per_rank=p.pp_stages_per_rank if pipelined else None,
-    )
-    dims.validate(
-        args,
-        batch=job.data.batch_size,
-        seq_len=job.data.seq_len,
-        sequence_parallel=p.sequence_parallel,
-        # the vocabulary is only known here when given (else it is the tokenizer's)
-        loss_parallel=m.vocab_size is not None and p.loss_parallel,
-        model_name=m.name,
-        names=_LAYOUT_NAMES,
-    )
 
 
 def _configure_logging(rank: int) -> None:
@@ -478,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         preflight(job, world_size=world, local_world_size=local)
     except ValueError as exc:
         if not worker or rank == 0:
+            lines = str(exc).splitlines()
+            if len(lines) > 1 and not lines[0].endswith(":"):
+                for line in lines[:-1]:  # every error of the resolve step, one line each
+                    _error(line)
+                return _error(lines[-1])
             return _error(_one_line(exc))
         return EXIT_CONFIG_ERROR
     if resume is not None and (not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV))):
