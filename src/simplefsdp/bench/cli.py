@@ -52,8 +52,11 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
+from simplefsdp.engines.kinds import get_engine
+from simplefsdp.engines.resolve import job_errors
+from simplefsdp.layout import Layout
 from simplefsdp.models import MOE_MODELS
-from simplefsdp.parallel_dims import ParallelDims, oversubscription_warning
+from simplefsdp.parallel_dims import oversubscription_warning
 
 EXIT_CONFIG_ERROR = 2
 # Variables of an enclosing torchrun that must not leak into the nested one.
@@ -254,7 +257,7 @@ def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> N
         raise ValueError(f"--ep: {e}") from None
 
 
-#: How ``simplefsdp bench`` spells each degree of :class:`ParallelDims`.
+#: How ``simplefsdp bench`` spells each setting in error messages.
 _LAYOUT_NAMES = {
     "world_size": "--nproc",
     "tp": "--tp",
@@ -268,32 +271,35 @@ _LAYOUT_NAMES = {
 def _check_layout(
     nproc: int, tp: int, pp: int, schedule: str, microbatches: int, workload: Any
 ) -> None:
-    """The degrees against the ranks and the workload's model (:meth:`ParallelDims.validate`).
+    """The degrees against the ranks and the workload's model: the one check of
+    train, bench and plan (:func:`simplefsdp.engines.resolve.job_errors`).
 
-    The bench runs the Llama 3 TP plan with sequence parallelism, and raises
-    the model's ``max_seq_len`` to the workload's sequence where it is shorter.
+    The bench runs the TP plan with sequence parallelism, and raises the
+    model's ``max_seq_len`` to the workload's sequence where it is shorter.
+
+    Raises:
+        ValueError: every error, one per line.
     """
-    from simplefsdp.models.llama3 import get_config
+    from simplefsdp.models.registry import resolve_flavor
 
-    args = get_config(workload.model, **workload.model_overrides)
+    spec, args = resolve_flavor(workload.model, **workload.model_overrides)
     if workload.seq_len > args.max_seq_len:  # as the workers' build_model does
         args = args.replace(max_seq_len=workload.seq_len)
-    pipelined = pp > 1
-    dims = ParallelDims(
-        nproc,
-        tp=tp,
-        pp=pp,
-        microbatches=microbatches if pipelined else 1,
-        pp_schedule=schedule,
-    )
-    dims.validate(
+    errors = job_errors(
+        spec,
         args,
-        batch=workload.batch_size,
+        Layout(tp=tp, pp=pp),
+        nproc,
         seq_len=workload.seq_len,
         sequence_parallel=True,
+        batch=workload.batch_size,
+        pp_schedule=schedule,
+        microbatches=microbatches if pp > 1 else None,
         model_name=workload.model,
         names=_LAYOUT_NAMES,
     )
+    if errors:
+        raise ValueError("\n".join(errors))
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
@@ -435,12 +441,12 @@ def _run_one(
     if error is None:
         try:
             ranks = _load_ranks(config.name, raw_dir, spec.nproc)
-            if config.engine == "comm":
+            if not get_engine(config.engine, bench=True).trains:
                 return merge_comm_only(ranks), None
             return merge_ranks(config, ranks, spec.workload), None
         except (FileNotFoundError, KeyError, ValueError) as exc:
             error = f"could not read results: {exc}"
-    if config.engine == "comm":
+    if not get_engine(config.engine, bench=True).trains:
         return None, error
     return failed_row(config, error), error
 
@@ -529,7 +535,7 @@ def run_bench(
         t0 = time.perf_counter()
         # Other processes on the machine slow every measurement: record it.
         load_avg_1m.append(round(os.getloadavg()[0], 2))
-        in_rounds = rounds > 1 and config.engine != "comm"
+        in_rounds = rounds > 1 and get_engine(config.engine, bench=True).trains
         label = config.name + (f" (round {r + 1}/{rounds})" if in_rounds else "")
         prefix = f"[{i + 1}/{len(launches)}] {label}:"
         print(f"{prefix} starting {spec.nproc} processes", flush=True)
@@ -542,7 +548,7 @@ def run_bench(
             round_dir,
             lambda text, prefix=prefix: print(f"{prefix} {text}", flush=True),
         )
-        if config.engine == "comm":
+        if not get_engine(config.engine, bench=True).trains:
             comm_only, comm_only_error = outcome, error
         else:
             outcome["load_avg_1m_before"] = load_avg_1m[-1]

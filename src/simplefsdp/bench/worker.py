@@ -49,7 +49,6 @@ from simplefsdp.bench.measure import (
 )
 from simplefsdp.bench.moe import is_moe_model
 from simplefsdp.bucket_plan import repeated_blocks
-from simplefsdp.layout import Layout, Meshes
 from simplefsdp.engines import (
     MemoryProbe,
     ParallelModel,
@@ -61,6 +60,7 @@ from simplefsdp.engines import (
     pick_device,
     teardown_process_group,
 )
+from simplefsdp.layout import Layout, Meshes
 
 logger = logging.getLogger(__name__)
 

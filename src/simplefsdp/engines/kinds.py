@@ -57,9 +57,10 @@ class Engine:
         ep_modes: the modes it runs expert parallelism with.
         shards: parameters are sharded DTensors (``data_parallel`` or FSDP2).
         simplefsdp: parameters are ``data_parallel``'s (our parametrization).
-        fused_buckets: our compiler fuses each bucket's collectives (the
-            planner's view); FSDP2 and the eager executor copy into flat
-            buffers per block.
+        fused_buckets: compiled by ``simplefsdp.compile``, whose passes fuse
+            each bucket's collectives (the planner's view; keep_gathered and
+            reshard groups apply); FSDP2 and the eager executor copy into
+            flat buffers per block.
         fsdp2_runtime: torch FSDP2's hooks and copy-in/copy-out buffers.
         replicate_on_2d: ``replicate`` runs as HSDP on a ``(dp, 1)`` mesh.
         trains: it runs a model (``False``: the bench's collectives-only baseline).
@@ -205,13 +206,21 @@ class CommOnly(Engine):
     name = "comm"
     description = "collectives only (no compute): the communication floor"
     modes = ("fully_shard",)
+    features = frozenset({"mixed_precision"})  # its collectives move param_dtype
     trains = False
     bench_only = True
-    why_not = {f: "it runs collectives only" for f in FEATURES}
+    why_not = {f: "it runs collectives only" for f in FEATURES if f != "mixed_precision"}
 
 
 #: Every engine class, in the order command lines list them.
-ENGINE_CLASSES: tuple[type[Engine], ...] = (SimpleFSDP, SimpleFSDPEager, FSDP2, DDP, Replica, CommOnly)
+ENGINE_CLASSES: tuple[type[Engine], ...] = (
+    SimpleFSDP,
+    SimpleFSDPEager,
+    FSDP2,
+    DDP,
+    Replica,
+    CommOnly,
+)
 
 
 def engine_names(*, bench: bool = False) -> tuple[str, ...]:

@@ -83,9 +83,7 @@ def job_errors(
     missing = [
         k
         for k in ("tp", "pp", "ep", "cp")
-        if isinstance(getattr(layout, k), int)
-        and getattr(layout, k) > 1
-        and not spec.supports(k)
+        if isinstance(getattr(layout, k), int) and getattr(layout, k) > 1 and not spec.supports(k)
     ]
     for key in missing:
         errors.append(
@@ -110,9 +108,7 @@ def job_errors(
             f"or {n['sequence_parallel']} false"
         )
     pp = layout.pp if isinstance(layout.pp, int) else 1
-    errors += pipeline_errors(
-        pp, pp_schedule, microbatches, stages_per_rank, batch=batch, names=n
-    )
+    errors += pipeline_errors(pp, pp_schedule, microbatches, stages_per_rank, batch=batch, names=n)
     n_layers = getattr(config, "n_layers", None)
     stages = num_stages(pp, pp_schedule, stages_per_rank)
     if pp > 1 and n_layers is not None and stages > n_layers:

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["INTERLEAVED_SCHEDULES", "PIPELINE_SCHEDULES", "num_stages", "pipeline_errors"]
+from simplefsdp.parallel_dims import INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES
 
-#: torch's GPipe, 1F1B and interleaved 1F1B schedules.
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
-#: Schedules that run several stages per rank (2 unless told otherwise).
-INTERLEAVED_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b",)
+__all__ = ["num_stages", "pipeline_errors"]
 
 _NAMES = {
     "pp": "pp",
@@ -41,11 +38,12 @@ def pipeline_errors(
     batch: int | None = None,
     names: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """Every error of a pipeline's settings, one line each (none for ``pp == 1``).
+    """Every error of a pipeline's settings, one line each.
 
     The rules: a known schedule; interleaved schedules hold >= 2 stages per
     rank, the others 1; 1F1B needs at least ``pp`` micro-batches; the
-    per-rank ``batch`` divides into ``microbatches`` (``None``: ``pp``).
+    per-rank ``batch`` divides into ``microbatches`` (``None``: ``pp``). With
+    ``pp == 1`` only the last (``microbatches``: batches accumulated per step).
 
     Args:
         pp: pipeline degree.
@@ -55,10 +53,12 @@ def pipeline_errors(
         batch: the per-rank batch (``None``: not checked).
         names: how the caller's user spells each setting (its flags).
     """
-    if pp <= 1:
-        return []
     n = {**_NAMES, **(names or {})}
-    errors = []
+    errors: list[str] = []
+    if pp <= 1:
+        if microbatches is not None and microbatches >= 1:
+            errors += _batch_errors(batch, microbatches, 1, n)
+        return errors
     if schedule not in PIPELINE_SCHEDULES:
         errors.append(
             f"{n['pp_schedule']}: unknown pipeline schedule {schedule!r}; valid: "
@@ -85,12 +85,16 @@ def pipeline_errors(
             f"{n['microbatches']} {micro} is below {n['pp']} {pp} (1F1B needs at least one "
             f"micro-batch per stage); valid: >= {pp}"
         )
-    if batch is not None and batch > 0 and batch % micro:
-        valid = [d for d in _divisors(batch) if d >= pp]
-        fix = (
-            f"valid {n['microbatches']}: {', '.join(map(str, valid))}"
-            if valid
-            else f"use a {n['batch']} that is a multiple of {micro}"
-        )
-        errors.append(f"{n['batch']} {batch} is not divisible by {n['microbatches']} {micro}; {fix}")
-    return errors
+    return errors + _batch_errors(batch, micro, pp, n)
+
+
+def _batch_errors(batch: int | None, micro: int, least: int, n: Mapping[str, str]) -> list[str]:
+    if batch is None or batch <= 0 or batch % micro == 0:
+        return []
+    valid = [d for d in _divisors(batch) if d >= least]
+    fix = (
+        f"valid {n['microbatches']}: {', '.join(map(str, valid))}"
+        if valid
+        else f"use a {n['batch']} that is a multiple of {micro}"
+    )
+    return [f"{n['batch']} {batch} is not divisible by {n['microbatches']} {micro}; {fix}"]

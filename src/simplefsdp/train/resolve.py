@@ -116,7 +116,7 @@ def job_errors(
         sequence_parallel=p.sequence_parallel,
         batch=d.batch_size,
         pp_schedule=p.pp_schedule,
-        microbatches=p.microbatches,
+        microbatches=p.microbatches if p.pp > 1 else None,
         stages_per_rank=p.pp_stages_per_rank,
         model_name=m.name,
         names=FLAGS,
@@ -126,9 +126,7 @@ def job_errors(
     return [], ResolvedJob(spec, config, layout.resolve(world_size), engine)
 
 
-def resolve(
-    job: JobConfig, world_size: int, local_world_size: int | None = None
-) -> ResolvedJob:
+def resolve(job: JobConfig, world_size: int, local_world_size: int | None = None) -> ResolvedJob:
     """``(spec, config, layout, engine)`` of ``job`` on ``world_size`` ranks.
 
     Raises:

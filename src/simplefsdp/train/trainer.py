@@ -516,8 +516,12 @@ class Trainer:
         or pipeline group share their batch (global tokens / world size)."""
         d = self.job.data
         batches = self.mesh.batch_size
-        return d.batch_size * d.seq_len * self.job.training.grad_accum_steps * batches / (
-            self.world_size
+        return (
+            d.batch_size
+            * d.seq_len
+            * self.job.training.grad_accum_steps
+            * batches
+            / (self.world_size)
         )
 
     def _sync(self) -> None:

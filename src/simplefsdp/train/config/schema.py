@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from simplefsdp.engines.kinds import composition_errors
+from simplefsdp.engines.kinds import composition_errors, get_engine
 from simplefsdp.models import LLAMA_MODELS, MOE_MODELS
 from simplefsdp.parallel_dims import (
     AC_MODES,
@@ -510,7 +510,7 @@ def validate_config(cfg: JobConfig) -> None:
             valid,
         )
     f8 = cfg.float8
-    if p.engine in ENGINES:
+    if not any(e.startswith("parallel.engine:") for e in errors):
         errors += composition_errors(
             p.engine,
             mode=p.mode,
@@ -655,7 +655,7 @@ def config_warnings(job: JobConfig) -> list[str]:
         )
     if (
         not isinstance(p.reshard_after_forward, bool)
-        and p.engine == "simplefsdp"
+        and get_engine(p.engine).fused_buckets
         and not (job.compile.enable)
     ):
         warnings.append(
@@ -670,7 +670,9 @@ def config_warnings(job: JobConfig) -> list[str]:
     if p.tp == 1 and p.loss_parallel:
         warnings.append("parallel.loss_parallel is only used with parallel.tp > 1")
     if job.compile.keep_gathered is not None and (
-        p.engine != "simplefsdp" or not job.compile.enable or not p.reshard_after_forward
+        not get_engine(p.engine).fused_buckets
+        or not job.compile.enable
+        or not p.reshard_after_forward
     ):
         warnings.append(
             "compile.keep_gathered is only used by engine 'simplefsdp' when compiled with "
