@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from simplefsdp.parallel_dims import ParallelDims
+from simplefsdp.layout import Layout
 
 
 @pytest.mark.parametrize(
@@ -47,17 +47,19 @@ def test_bad_moe_layout_is_one_line_before_any_process(argv, message, tmp_path, 
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
 
 
-def test_parallel_dims_checks_experts():
+def test_layout_and_spec_check_experts():
+    from simplefsdp.engines.resolve import job_errors
     from simplefsdp.models.moe import get_config
+    from simplefsdp.models.registry import get_spec
 
-    args = get_config("moe_debug")  # 8 experts
-    ParallelDims(8, ep=8).validate(args)
-    ParallelDims(4, ep=2).validate(args)
-    ParallelDims(4, ep=2).validate()  # no model: the degrees only
-    with pytest.raises(ValueError, match="ep 2 with tp 2, pp 1: expert parallelism composes"):
-        ParallelDims(4, tp=2, ep=2).validate(args)
-    with pytest.raises(ValueError, match="ep 4 does not divide the 6 data-parallel ranks"):
-        ParallelDims(6, ep=4).validate(args)
+    args, spec = get_config("moe_debug"), get_spec("moe")  # 8 experts
+    assert job_errors(spec, args, Layout(ep=8), 8) == []
+    assert job_errors(spec, args, Layout(ep=2), 4) == []
+    assert Layout(ep=2).validate(4) == []  # no model: the degrees only
+    (line,) = Layout(tp=2, ep=2).validate(4)
+    assert "ep 2 with tp 2: expert parallelism composes" in line
+    (line,) = Layout(ep=4).validate(6)
+    assert "ep 4 does not divide the 6 ranks of dp_shard 6" in line
 
 
 def test_schema_lists_every_moe_config():
@@ -135,7 +137,7 @@ def test_engine_spec_takes_ep_with_the_engines_that_compose():
     assert "fully_shard x ep 2" in EngineSpec(ep=2).describe()
     assert EngineSpec(engine="fsdp2", ep=2).ep == 2
     for engine in ("simplefsdp_eager", "ddp", "replica"):
-        with pytest.raises(ValueError, match=f"engine '{engine}' with tp=1 does not compose"):
+        with pytest.raises(ValueError, match=f"invalid value '{engine}' with ep=2"):
             EngineSpec(engine=engine, ep=2)
     with pytest.raises(ValueError, match="ep must be an int >= 1, got 0"):
         EngineSpec(ep=0)

@@ -11,17 +11,6 @@ EP and expert data-parallel meshes. Nothing else in simplefsdp constructs a
 device mesh. ``import simplefsdp.layout`` does not import torch.
 """
 
-from typing import Any
+from simplefsdp.layout.layout import DIM_ORDER, Layout, Meshes, build_meshes, meshes_of
 
-from simplefsdp.layout.layout import DIM_ORDER, Layout
-
-__all__ = ["DIM_ORDER", "Layout", "Meshes", "meshes_of"]
-
-
-def __getattr__(name: str) -> Any:
-    # the meshes need torch; the degrees do not (a command line checks them first)
-    if name in ("Meshes", "meshes_of"):
-        from simplefsdp.layout import meshes
-
-        return getattr(meshes, name)
-    raise AttributeError(f"module 'simplefsdp.layout' has no attribute {name!r}")
+__all__ = ["DIM_ORDER", "Layout", "Meshes", "build_meshes", "meshes_of"]
