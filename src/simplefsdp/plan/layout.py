@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from simplefsdp.engines.kinds import ENGINE_CLASSES, engine_names, get_engine
+from simplefsdp.engines.kinds import ENGINE_CLASSES, get_engine
 from simplefsdp.engines.resolve import job_errors
 from simplefsdp.layout import Layout as Degrees
 from simplefsdp.parallel_dims import AC_MODES, BUCKETINGS, ACMode, Bucketing, Engine
@@ -99,7 +99,11 @@ def validate(args: Any, layout: Layout) -> None:
     against them, the engine; a 1F1B pipeline, the TP plan with sequence
     parallelism).
     """
-    if not (layout.engine in engine_names() and get_engine(layout.engine).plannable):
+    try:
+        plannable = get_engine(layout.engine).plannable
+    except ValueError:
+        plannable = False
+    if not plannable:
         raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
     if layout.bucketing not in BUCKETINGS:
         raise ValueError(f"unknown bucketing {layout.bucketing!r}; valid: {', '.join(BUCKETINGS)}")
