@@ -17,7 +17,7 @@ from simplefsdp.layout import Layout
          "them into groups of parallel.ep); valid: 1, 2, 4"),
         (["--nproc", "3", "--parallel.ep", "2"], "parallel.ep 2 does not divide the 3"),
         (["--nproc", "16", "--parallel.ep", "16"],
-         "ep 16 does not divide the 8 experts of the model (each rank holds "
+         "parallel.ep 16 does not divide the 8 experts of the model (each rank holds "
          "num_experts / ep); valid: 1, 2, 4, 8"),
         (["--nproc", "2", "--parallel.ep", "2", "--model.name", "debug"],
          "parallel.ep 2: model 'debug' (family 'llama3') does not compose with expert "

@@ -100,7 +100,7 @@ def test_the_same_bad_tp_gets_the_same_words_from_train_bench_and_plan():
     from simplefsdp.train.config import load_config
 
     words = (
-        "tp 3 does not divide the n_heads 8, n_kv_heads 4 of the model; valid tensor-parallel "
+        " 3 does not divide the n_heads 8, n_kv_heads 4 of the model; valid tensor-parallel "
         "sizes for this model: [1, 2, 4]"
     )
     job = load_config(None, ["--parallel.tp", "3", "--data.seq_len", "96"])
@@ -110,7 +110,8 @@ def test_the_same_bad_tp_gets_the_same_words_from_train_bench_and_plan():
         build_spec(_build_parser().parse_args(["--nproc", "6", "--tp", "3", "--seq-len", "96"]))
     with pytest.raises(ValueError) as plan:
         validate(get_config("debug"), PlanLayout(gpus=6, batch=2, seq=96, tp=3))
-    assert str(train.value) == str(bench.value) == str(plan.value) == words
+    assert str(train.value) == "parallel.tp" + words
+    assert str(bench.value) == str(plan.value) == "--tp" + words
 
 
 def test_tp_split_sizes_with_loss_parallel():

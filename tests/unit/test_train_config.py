@@ -421,7 +421,9 @@ def test_bad_enum(override, value, choice):
 
 def test_engine_vocabulary():
     assert C.ENGINES == ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
-    assert set(C.REPLICATE_ONLY_ENGINES) == {"ddp", "replica"}
+    from simplefsdp.engines.kinds import get_engine
+
+    assert {e for e in C.ENGINES if get_engine(e).modes == ("replicate",)} == {"ddp", "replica"}
 
 
 @pytest.mark.parametrize("engine", ["simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica"])

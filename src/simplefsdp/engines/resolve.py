@@ -92,8 +92,12 @@ def job_errors(
         )
     if not layout_errors:
         for line in spec.validate(config, layout.resolve(world_size)):
-            if not any(line.startswith(f"{key} ") for key in missing):
-                errors.append(line)
+            key = line.split(" ", 1)[0]
+            if key in missing:
+                continue
+            if key in ("tp", "pp", "ep", "cp"):  # the family names a degree: the caller's flag
+                line = n[key] + line[len(key) :]
+            errors.append(line)
     max_seq_len = getattr(config, "max_seq_len", None)
     if seq_len is not None and max_seq_len is not None and seq_len > max_seq_len:
         errors.append(
@@ -108,7 +112,6 @@ def job_errors(
             f"or {n['sequence_parallel']} false"
         )
     pp = layout.pp if isinstance(layout.pp, int) else 1
-    errors += pipeline_errors(pp, pp_schedule, microbatches, stages_per_rank, batch=batch, names=n)
     n_layers = getattr(config, "n_layers", None)
     stages = num_stages(pp, pp_schedule, stages_per_rank)
     if pp > 1 and n_layers is not None and stages > n_layers:
@@ -116,4 +119,5 @@ def job_errors(
             f"{n['pp']} {pp} x {stages // pp} stages per rank = {stages} stages but {model} "
             f"has {n_layers} layers; use at most {n_layers} stages"
         )
+    errors += pipeline_errors(pp, pp_schedule, microbatches, stages_per_rank, batch=batch, names=n)
     return errors

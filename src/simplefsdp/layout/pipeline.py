@@ -56,7 +56,9 @@ def pipeline_errors(
     n = {**_NAMES, **(names or {})}
     errors: list[str] = []
     if pp <= 1:
-        if microbatches is not None and microbatches >= 1:
+        if microbatches is not None and microbatches < 1:
+            errors.append(f"{n['microbatches']} must be >= 1, got {microbatches}")
+        elif microbatches is not None:
             errors += _batch_errors(batch, microbatches, 1, n)
         return errors
     if schedule not in PIPELINE_SCHEDULES:

@@ -92,7 +92,7 @@ def _spec_of(args: Any) -> Any:
 
 
 def validate(args: Any, layout: Layout) -> None:
-    """``ValueError`` naming every bad value and what would be valid, one line each.
+    """One-line ``ValueError`` naming the first bad value and what would be valid.
 
     The options here, then the one check of train and bench
     (:func:`simplefsdp.engines.resolve.job_errors`: the degrees, the model
@@ -132,5 +132,5 @@ def validate(args: Any, layout: Layout) -> None:
         microbatches=layout.microbatches,
         names=_LAYOUT_NAMES,
     )
-    if errors:
-        raise ValueError("\n".join(errors))
+    if errors:  # the first, on one line: what plan prints
+        raise ValueError(errors[0])
