@@ -40,10 +40,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from simplefsdp.engines.adapters import EngineSpec, InitFn, TensorParallelFn, parallelize
 from simplefsdp.engines.distributed import pipeline_mesh, stage_mesh
 from simplefsdp.engines.kinds import composition_errors
 from simplefsdp.engines.parallel_model import ParallelModel, plain_loss
-from simplefsdp.engines.parallelize import EngineSpec, InitFn, TensorParallelFn, parallelize
 from simplefsdp.layout import Meshes
 from simplefsdp.parallel_dims import INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from simplefsdp.engines.adapters import EngineSpec, parallelize
 from simplefsdp.engines.parallel_model import ParallelModel
-from simplefsdp.engines.parallelize import EngineSpec, parallelize
 from simplefsdp.engines.pipeline import PipelinedModel, PipelineSpec, parallelize_pipeline
 from simplefsdp.layout import Meshes
 
