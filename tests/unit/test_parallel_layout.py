@@ -118,3 +118,48 @@ def test_experts_borrow_from_dp_shard_and_cp(fake_world):
     assert meshes.ep.size() == 4 and meshes.expert_dp.size() == 2
     assert meshes.fsdp.size() == 8 and meshes.batch.size() == 4
     assert sorted(dist.get_process_group_ranks(meshes.ep.get_group())) == [0, 1, 2, 3]
+
+
+def test_train_resolve_returns_every_error_at_once():
+    """``--parallel.tp 3`` on 3 ranks of the debug model: the heads and the sequence."""
+    from simplefsdp.train.config import load_config
+    from simplefsdp.train.resolve import job_errors, resolve
+
+    job = load_config(None, ["--parallel.tp", "3"])
+    errors, resolved = job_errors(job, 3)
+    assert resolved is None and len(errors) == 2, errors
+    assert errors[0].startswith("parallel.tp 3 does not divide the n_heads 8")
+    assert errors[1].startswith("data.seq_len 128 is not divisible by parallel.tp 3")
+    ok = resolve(load_config(None, ["--parallel.tp", "2"]), 4)
+    assert ok.layout == Layout(dp_shard=2, tp=2) and ok.engine.name == "simplefsdp"
+    assert ok.spec.family == "llama3" and ok.config.n_heads == 8
+
+
+def test_train_refuses_cp_in_one_line(tmp_path, capsys):
+    """No family declares context parallelism yet: one line, nothing started."""
+    from simplefsdp.train import cli
+
+    out = ["--metrics.output_dir", str(tmp_path / "runs")]
+    assert cli.main(["--nproc", "4", "--parallel.cp", "2", *out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "simplefsdp train: error: parallel.cp 2: model 'debug' (family 'llama3') does not "
+        "compose with context parallelism; use parallel.cp 1"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_engines_declare_what_composes():
+    from simplefsdp.engines.kinds import composition_errors, engines_with, get_engine
+
+    assert engines_with("tp") == engines_with("pp") == ("simplefsdp", "fsdp2")
+    assert get_engine("fsdp2").fsdp2_runtime and get_engine("simplefsdp").fused_buckets
+    assert not get_engine("comm", bench=True).trains
+    with pytest.raises(ValueError, match="unknown engine 'comm'"):
+        get_engine("comm")
+    errors = composition_errors("ddp", mode="fully_shard", tp=2, float8=True)
+    assert len(errors) == 3 and errors[0].startswith("mode: invalid value 'fully_shard'")
+    assert composition_errors("fsdp2", mode="replicate", ep=2) == [
+        "mode: invalid value 'replicate' with ep=2 and engine 'fsdp2'; valid choices with "
+        "expert parallelism: ['fully_shard']"
+    ]
