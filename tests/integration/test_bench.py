@@ -654,9 +654,9 @@ def test_moe_workload_configs_and_layout_errors(capsys):
     ]
     cases = [
         (["--configs", "simplefsdp-eager"], "'simplefsdp-eager' does not run a mixture-of-experts"),
-        (["--ep", "3"], "--ep: num_experts=8 is not divisible by ep=3; valid ep: 1, 2, 4, 8"),
-        (["--ep", "4", "--nproc", "2"], "--ep: ep=4 does not divide the 2 data-parallel ranks"),
-        (["--tp", "2", "--nproc", "4"], "runs with data and expert parallelism only"),
+        (["--ep", "3"], "--ep 3 does not divide the 2 ranks of dp_shard 2"),
+        (["--ep", "4", "--nproc", "2"], "--ep 4 does not divide the 2 ranks of dp_shard 2"),
+        (["--tp", "2", "--nproc", "4"], "does not compose with tensor parallelism; use --tp 1"),
     ]
     for extra, message in cases:
         assert cli.main(["--workload", "moe", *extra, "--out", "unused"]) == 2

@@ -235,26 +235,27 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
 
 
 def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> None:
-    """A mixture-of-experts workload's layout: data and expert parallelism only.
+    """A mixture-of-experts workload's layout: the one check of train, bench and
+    plan (:func:`simplefsdp.engines.resolve.job_errors`); the family composes
+    with data and expert parallelism only.
 
     Raises:
-        ValueError: ``--tp``/``--pp`` above 1, or an ``--ep`` that does not
-            divide the ranks and the experts (one line, the valid values).
+        ValueError: every error (the bad value and the valid ones), joined by "; ".
     """
-    from simplefsdp.frontend.expert_parallel import check_expert_parallel_layout
-
-    if tp > 1 or pp > 1:
-        raise ValueError(
-            f"--tp {tp} --pp {pp}: the mixture-of-experts workload runs with data and expert "
-            "parallelism only (--ep); use --tp 1 --pp 1"
-        )
     from simplefsdp.bench.moe import moe_args
+    from simplefsdp.models.registry import family_of, get_spec
 
     args = moe_args(workload.model, workload.model_overrides, workload.seq_len)
-    try:
-        check_expert_parallel_layout(args.num_experts, ep, nproc)
-    except ValueError as e:
-        raise ValueError(f"--ep: {e}") from None
+    errors = job_errors(
+        get_spec(family_of(workload.model)),
+        args,
+        Layout(tp=tp, pp=pp, ep=ep),
+        nproc,
+        model_name=workload.model,
+        names={**_LAYOUT_NAMES, "ep": "--ep"},
+    )
+    if errors:  # every error, on the bench's one error line
+        raise ValueError("; ".join(errors))
 
 
 #: How ``simplefsdp bench`` spells each setting in error messages.
@@ -278,7 +279,7 @@ def _check_layout(
     model's ``max_seq_len`` to the workload's sequence where it is shorter.
 
     Raises:
-        ValueError: every error, one per line.
+        ValueError: every error, joined by "; ".
     """
     from simplefsdp.models.registry import resolve_flavor
 
@@ -298,8 +299,8 @@ def _check_layout(
         model_name=workload.model,
         names=_LAYOUT_NAMES,
     )
-    if errors:
-        raise ValueError("\n".join(errors))
+    if errors:  # every error, on the bench's one error line
+        raise ValueError("; ".join(errors))
 
 
 def _worker_env(nproc: int) -> dict[str, str]:

@@ -161,7 +161,7 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         except ValueError as exc:
             raise ValueError(f"data.tokenizer {tok!r}: {_one_line(exc)}") from exc
     p = job.parallel
-    _check_layout(job)
+    _check_attention(job)
     resolve(job, world_size, local_world_size)
     import torch
 
@@ -204,7 +204,7 @@ def _check_data_files(path: str) -> None:
         )
 
 
-def _check_layout(job: JobConfig) -> None:
+def _check_attention(job: JobConfig) -> None:
     """The model's attention is one train builds."""
     from simplefsdp.train.parallelism import model_config
 
