@@ -351,3 +351,52 @@ def _bad_input_body() -> None:
 
 def test_bad_inputs_raise_clear_errors() -> None:
     run_distributed(_bad_input_body, 2)
+
+
+def _placement_fn_body() -> None:
+    """One parameter sharded on dim 1 by ``placement_fn`` trains as one process does."""
+    world = dist.get_world_size()
+    ref = build("mlp")
+    first = next(name for name, p in ref.named_parameters() if p.ndim == 2)
+
+    def placement_fn(fqn, param):
+        return Shard(1) if fqn == first else None
+
+    model = simplefsdp.data_parallel(
+        copy.deepcopy(ref), _mesh("fully_shard"), placement_fn=placement_fn
+    )
+    params = dict(model.named_parameters())
+    assert params[first].placements == (Shard(1),)
+    full = ref.get_parameter(first).shape
+    rows = torch.empty(full[1]).chunk(world)[dist.get_rank()].numel()
+    assert params[first].to_local().shape == (full[0], rows)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        inputs, targets = make_batch("mlp", step, LOCAL_BATCH * world)
+        loss = loss_fn("mlp", model(_local_slice(inputs)), _local_slice(targets))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn("mlp", ref(inputs), targets)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(_global_mean(loss), ref_loss, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.full_tensor(), ref.get_parameter(name), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_placement_fn_shards_one_parameter_on_dim_1() -> None:
+    run_distributed(_placement_fn_body, 2)
+
+
+def _bad_placement_body() -> None:
+    with pytest.raises(ValueError, match=r"placement_fn gave Shard\(dim=5\)"):
+        simplefsdp.data_parallel(build("mlp"), placement_fn=lambda fqn, p: Shard(5))
+
+
+def test_placement_fn_refuses_a_bad_placement() -> None:
+    run_distributed(_bad_placement_body, 2)

@@ -107,7 +107,7 @@ def test_engine_spec_rejects_bad_values():
         EngineSpec("fsdp")
     with pytest.raises(ValueError, match=r"unknown dtype 'bf16'; valid: float32, bfloat16"):
         EngineSpec(param_dtype="bf16")
-    with pytest.raises(ValueError, match="torch_passes applies to engine 'simplefsdp'"):
+    with pytest.raises(ValueError, match=r"valid choices with torch's own Inductor passes"):
         EngineSpec("fsdp2", torch_passes=True)
 
 

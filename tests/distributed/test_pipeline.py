@@ -128,7 +128,7 @@ def _engine_case(schedule: str, engine: str, backend: str | None, accum: int, tp
     torch.manual_seed(0)
     ref = Transformer(get_config("debug", dim=32, n_layers=4, n_heads=4, n_kv_heads=2))
     mesh = build_mesh(engine, "fully_shard", "cpu", 4, pp=2, tp=tp)
-    assert mesh.mesh_dim_names == (("pp", "dp", "tp") if tp > 1 else ("pp", "dp"))
+    assert mesh.mesh_dim_names == (("pp", "dp_shard", "tp") if tp > 1 else ("pp", "dp_shard"))
     spec = EngineSpec(engine, compile=backend is not None, backend=backend or "inductor", tp=tp)
     pipe = PipelineSpec(2, schedule, microbatches=MICRO)
     model = parallelize_pipeline(
@@ -145,8 +145,8 @@ def _engine_case(schedule: str, engine: str, backend: str | None, accum: int, tp
     opt = torch.optim.SGD(params, lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(1)
-    dp = mesh["dp"].get_local_rank()
-    rows = BATCH // mesh["dp"].size()
+    dp = mesh["dp_shard"].get_local_rank()
+    rows = BATCH // mesh["dp_shard"].size()
     reduce_scatters = []
     for _ in range(STEPS):
         comm = CountReduceScatters()

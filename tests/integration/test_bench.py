@@ -355,11 +355,11 @@ if sys.argv[1] == "import":
     worker._import_engine_code()
 overrides = json.loads(sys.argv[2])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-mesh = worker.build_mesh("simplefsdp", "fully_shard", "cpu", 1, tp=1, pp=1)
+mesh = worker.Layout().build("cpu", 1)
 spec = BenchSpec(get_workload("comm", model_overrides=overrides), nproc=1)
 before = set(sys.modules)
 for config in CONFIGS.values():
-    if config.engine != "comm":
+    if worker.get_engine(config.engine, bench=True).trains:
         model = worker.build_model(spec.workload, 0)
         worker._parallelize(config, spec, model, mesh, torch.device("cpu"))
 new = sorted(m for m in set(sys.modules) - before
@@ -420,7 +420,7 @@ def _measure_start_rank():
     from simplefsdp.bench.configs import BenchSpec, get_workload
 
     worker.MemoryProbe = _CountingProbe
-    mesh = worker.build_mesh("fsdp2", "fully_shard", "cpu", 1, tp=1, pp=1)
+    mesh = worker.Layout().build("cpu", 1)
     workload = get_workload("comm", model_overrides=TINY_MODEL, steps=2, warmup=1, seq_len=32)
     spec = BenchSpec(workload, nproc=1)
     flat = worker.build_batches(spec, 0, 1, 4)
@@ -656,9 +656,9 @@ def test_moe_workload_configs_and_layout_errors(capsys):
     ]
     cases = [
         (["--configs", "simplefsdp-eager"], "'simplefsdp-eager' does not run a mixture-of-experts"),
-        (["--ep", "3"], "--ep: num_experts=8 is not divisible by ep=3; valid ep: 1, 2, 4, 8"),
-        (["--ep", "4", "--nproc", "2"], "--ep: ep=4 does not divide the 2 data-parallel ranks"),
-        (["--tp", "2", "--nproc", "4"], "runs with data and expert parallelism only"),
+        (["--ep", "3"], "--ep 3 does not divide the 2 ranks of dp_shard 2"),
+        (["--ep", "4", "--nproc", "2"], "--ep 4 does not divide the 2 ranks of dp_shard 2"),
+        (["--tp", "2", "--nproc", "4"], "does not compose with tensor parallelism; use --tp 1"),
     ]
     for extra, message in cases:
         assert cli.main(["--workload", "moe", *extra, "--out", "unused"]) == 2

@@ -167,7 +167,7 @@ def test_hybrid_shard_replicates_across_two_nodes(workdir):
 
 def test_fully_shard_trains_on_two_nodes(workdir, fully_shard):
     output = "".join(out for _, out in fully_shard)
-    assert "mesh ('dp',) (2,)" in output, output
+    assert "mesh ('dp_shard',) (2,)" in output, output
     _check_trained(workdir, "fsdp")
 
 

@@ -211,3 +211,67 @@ def test_no_private_names_across_packages():
                 a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")
             ]
             assert not private, f"{path.relative_to(SRC)} imports {private} from {node.module}"
+
+
+#: Files that still compare engine names, left to the planner (their API:
+#: ``simplefsdp.engines.get_engine(name).fused_buckets``, ``.fsdp2_runtime``,
+#: ``.plannable``).
+_ENGINE_TESTS_PENDING = {"plan/predict.py", "plan/moe.py"}
+
+
+def _compares_engine(node: ast.AST) -> bool:
+    """``engine == ...``, ``x.engine in (...)`` and the like."""
+    if not isinstance(node, ast.Compare):
+        return False
+    sides = [node.left, *node.comparators]
+    named = any(
+        (isinstance(s, ast.Name) and s.id == "engine")
+        or (isinstance(s, ast.Attribute) and s.attr == "engine")
+        for s in sides
+    )
+    return named and any(isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops)
+
+
+def test_only_the_engines_compare_engines():
+    """Apps ask an engine's declared properties (``simplefsdp.engines.kinds``)."""
+    found = []
+    for path in SOURCES:
+        rel = str(path.relative_to(SRC))
+        if _package_of(path) == "engines" or rel in _ENGINE_TESTS_PENDING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if _compares_engine(node):
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, f"engine names compared outside simplefsdp.engines: {found}"
+
+
+def test_the_engine_check_finds_a_comparison():
+    assert _compares_engine(ast.parse("config.engine == 'comm'").body[0].value)
+    assert _compares_engine(ast.parse("engine not in ('ddp',)").body[0].value)
+    assert not _compares_engine(ast.parse("engine.name == 'x'").body[0].value)
+
+
+#: Meshes built outside the layout object: a user's unnamed hybrid mesh gets a
+#: named twin (``data_parallel``), and the planner's traces (pending).
+_MESH_BUILDERS_ALLOWED = {"frontend/data_parallel.py", "plan/trace.py", "plan/calibrate.py"}
+
+
+def _builds_mesh(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+    return name in ("init_device_mesh", "DeviceMesh", "_flatten", "from_group")
+
+
+def test_meshes_come_only_from_the_layout():
+    """``DeviceMesh``/``init_device_mesh``/``_flatten`` only in ``simplefsdp.layout``."""
+    found = []
+    for path in SOURCES:
+        rel = str(path.relative_to(SRC))
+        if _package_of(path) == "layout" or rel in _MESH_BUILDERS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if _builds_mesh(node):
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, f"meshes built outside simplefsdp.layout: {found}"

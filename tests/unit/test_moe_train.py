@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import pytest
 
-from simplefsdp.parallel_dims import ParallelDims
+from simplefsdp.layout import Layout
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--nproc", "4", "--parallel.ep", "3"],
-         "parallel.ep 3 does not divide the 4 data-parallel ranks (expert parallelism splits "
+         "parallel.ep 3 does not divide the 4 ranks of dp_shard 4 (expert parallelism splits "
          "them into groups of parallel.ep); valid: 1, 2, 4"),
         (["--nproc", "3", "--parallel.ep", "2"], "parallel.ep 2 does not divide the 3"),
         (["--nproc", "16", "--parallel.ep", "16"],
-         "parallel.ep 16 does not divide the 8 experts of model 'moe_debug' (each rank holds "
-         "num_experts / parallel.ep); valid: 1, 2, 4, 8"),
+         "parallel.ep 16 does not divide the 8 experts of the model (each rank holds "
+         "num_experts / ep); valid: 1, 2, 4, 8"),
         (["--nproc", "2", "--parallel.ep", "2", "--model.name", "debug"],
-         "parallel.ep 2: expert parallelism needs a model with experts and model 'debug' "
-         "has none"),
+         "parallel.ep 2: model 'debug' (family 'llama3') does not compose with expert "
+         "parallelism; use parallel.ep 1"),
         (["--nproc", "2", "--parallel.ep", "2", "--parallel.engine", "simplefsdp_eager"],
          "parallel.engine: invalid value 'simplefsdp_eager' with parallel.ep=2 (the eager "
          "executor gathers flat buffers of data-parallel shards only)"),
@@ -30,7 +30,8 @@ from simplefsdp.parallel_dims import ParallelDims
         (["--nproc", "4", "--parallel.ep", "2", "--parallel.mode", "hybrid_shard"],
          "parallel.mode: invalid value 'hybrid_shard' with parallel.ep=2"),
         (["--nproc", "4", "--parallel.tp", "2"],
-         "model.name: invalid value 'moe_debug' with parallel.tp=2"),
+         "parallel.tp 2: model 'moe_debug' (family 'moe') does not compose with tensor "
+         "parallelism"),
         (["--nproc", "2", "--model", "deepseek_v3_16b"],
          "model.name 'deepseek_v3_16b' uses multi-head latent attention"),
         (["--nproc", "2", "--parallel.ep", "0"], "parallel.ep: invalid value 0; must be >= 1"),
@@ -46,17 +47,19 @@ def test_bad_moe_layout_is_one_line_before_any_process(argv, message, tmp_path, 
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
 
 
-def test_parallel_dims_checks_experts():
+def test_layout_and_spec_check_experts():
+    from simplefsdp.engines.resolve import job_errors
     from simplefsdp.models.moe import get_config
+    from simplefsdp.models.registry import get_spec
 
-    args = get_config("moe_debug")  # 8 experts
-    ParallelDims(8, ep=8).validate(args)
-    ParallelDims(4, ep=2).validate(args)
-    ParallelDims(4, ep=2).validate()  # no model: the degrees only
-    with pytest.raises(ValueError, match="ep 2 with tp 2, pp 1: expert parallelism composes"):
-        ParallelDims(4, tp=2, ep=2).validate(args)
-    with pytest.raises(ValueError, match="ep 4 does not divide the 6 data-parallel ranks"):
-        ParallelDims(6, ep=4).validate(args)
+    args, spec = get_config("moe_debug"), get_spec("moe")  # 8 experts
+    assert job_errors(spec, args, Layout(ep=8), 8) == []
+    assert job_errors(spec, args, Layout(ep=2), 4) == []
+    assert Layout(ep=2).validate(4) == []  # no model: the degrees only
+    (line,) = Layout(tp=2, ep=2).validate(4)
+    assert "ep 2 with tp 2: expert parallelism composes" in line
+    (line,) = Layout(ep=4).validate(6)
+    assert "ep 4 does not divide the 6 ranks of dp_shard 6" in line
 
 
 def test_schema_lists_every_moe_config():
@@ -134,7 +137,7 @@ def test_engine_spec_takes_ep_with_the_engines_that_compose():
     assert "fully_shard x ep 2" in EngineSpec(ep=2).describe()
     assert EngineSpec(engine="fsdp2", ep=2).ep == 2
     for engine in ("simplefsdp_eager", "ddp", "replica"):
-        with pytest.raises(ValueError, match=f"engine '{engine}' with tp=1 does not compose"):
+        with pytest.raises(ValueError, match=f"invalid value '{engine}' with ep=2"):
             EngineSpec(engine=engine, ep=2)
     with pytest.raises(ValueError, match="ep must be an int >= 1, got 0"):
         EngineSpec(ep=0)

@@ -50,9 +50,11 @@ def test_train_config_pipeline_rules():
         load_config(
             None, ["--parallel.pp", "2", "--parallel.engine", "ddp", "--parallel.mode", "replicate"]
         )
-    with pytest.raises(ValueError, match=r"data.batch_size: invalid value 6 .* multiple of 4"):
-        load_config(None, ["--parallel.pp", "2", "--parallel.microbatches", "4",
-                           "--data.batch_size", "6"])  # fmt: skip
+    from simplefsdp.train.resolve import resolve
+
+    with pytest.raises(ValueError, match=r"data.batch_size 6 is not divisible by parallel.micro"):
+        resolve(load_config(None, ["--parallel.pp", "2", "--parallel.microbatches", "4",
+                                   "--data.batch_size", "6"]), 2)  # fmt: skip
     with pytest.raises(ValueError, match=r"parallel.pp_schedule: invalid value 'zb'"):
         load_config(None, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb"])
     with pytest.raises(ValueError, match=r"parallel.pp_stages_per_rank: invalid value 1"):
@@ -102,7 +104,7 @@ def test_stage_view_merges_layers_and_refuses_overlaps():
 def test_parallelize_pipeline_refuses_other_engines_and_meshes():
     from simplefsdp.engines import EngineSpec, PipelineSpec, parallelize_pipeline
 
-    with pytest.raises(ValueError, match="valid engines with pp > 1: simplefsdp, fsdp2"):
+    with pytest.raises(ValueError, match=r"with pipeline parallelism: \['simplefsdp', 'fsdp2'\]"):
         parallelize_pipeline(
             nn.Linear(2, 2),
             EngineSpec("ddp", mode="replicate"),

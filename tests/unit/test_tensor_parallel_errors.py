@@ -152,7 +152,7 @@ def test_engine_spec_and_mesh_shape_errors():
     from simplefsdp.engines import EngineSpec, mesh_shape_for
 
     for engine in ("ddp", "replica", "simplefsdp_eager"):
-        with pytest.raises(ValueError, match="engines with tp > 1: simplefsdp, fsdp2"):
+        with pytest.raises(ValueError, match=r"with tensor parallelism: \['simplefsdp', 'fsdp2'\]"):
             EngineSpec(engine, mode="replicate", tp=2)
     with pytest.raises(ValueError, match=r"valid tensor-parallel sizes for 6 ranks: 1, 2, 3, 6"):
         mesh_shape_for("simplefsdp", "fully_shard", 6, tp=4)
@@ -171,8 +171,10 @@ def test_train_config_tp_rules():
         load_config(
             None, ["--parallel.tp", "2", "--parallel.engine", "ddp", "--parallel.mode", "replicate"]
         )
-    with pytest.raises(ValueError, match=r"data.seq_len: invalid value 255 .* multiple of 2"):
-        load_config(None, ["--parallel.tp", "2", "--data.seq_len", "255"])
+    from simplefsdp.train.resolve import resolve
+
+    with pytest.raises(ValueError, match=r"data.seq_len 255 is not divisible by parallel.tp 2"):
+        resolve(load_config(None, ["--parallel.tp", "2", "--data.seq_len", "255"]), 2)
     ok = load_config(
         None,
         ["--parallel.tp", "2", "--data.seq_len", "255", "--parallel.sequence_parallel", "false"],

@@ -299,7 +299,7 @@ def test_reshard_after_forward_is_a_bool_or_a_group_size(raw, expected):
         (["--parallel.reshard_after_forward", "x"], "'x' as a bool or an int"),
         (["--parallel.reshard_after_forward", "-2"], "true, false or a group size >= 2"),
         (["--parallel.reshard_after_forward", "2", "--parallel.engine", "ddp",
-          "--parallel.mode", "replicate"], "a group size needs engine 'simplefsdp' or 'fsdp2'"),
+          "--parallel.mode", "replicate"], "valid choices with a reshard group size: \\['simplefsdp', 'fsdp2'\\]"),
     ],
 )  # fmt: skip
 def test_reshard_after_forward_errors(override, match):
@@ -421,7 +421,9 @@ def test_bad_enum(override, value, choice):
 
 def test_engine_vocabulary():
     assert C.ENGINES == ("simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica")
-    assert set(C.REPLICATE_ONLY_ENGINES) == {"ddp", "replica"}
+    from simplefsdp.engines.kinds import get_engine
+
+    assert {e for e in C.ENGINES if get_engine(e).modes == ("replicate",)} == {"ddp", "replica"}
 
 
 @pytest.mark.parametrize("engine", ["simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica"])

@@ -453,7 +453,7 @@ def test_print_config_shows_overrides(capsys, tmp_path, monkeypatch):
         (["--training.learning_rate", "1"], "'learning_rate' in section [training]. Did you mean 'lr'?"),
         (["--resume", "--checkpoint.load_step", "4"], "no run in outputs/debug has a complete"),
         (["--nproc", "3", "--parallel.tp", "3", "--parallel.sequence_parallel", "false"],
-         "parallel.tp 3 does not divide the n_heads 8, n_kv_heads 4 of model 'debug'; valid"),
+         "parallel.tp 3 does not divide the n_heads 8, n_kv_heads 4 of the model; valid"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
@@ -520,12 +520,11 @@ def test_one_engine_vocabulary():
 
 def test_one_pipeline_vocabulary():
     """The config (no torch) and the engine layer name the same schedules and engines."""
-    from simplefsdp.engines import PIPELINE_SCHEDULES, PP_ENGINES, TP_ENGINES
+    from simplefsdp.engines import PIPELINE_SCHEDULES, engines_with
     from simplefsdp.train import config as C
 
     assert set(C.PP_SCHEDULES) == set(PIPELINE_SCHEDULES)
-    assert set(C.PP_ENGINES) == set(PP_ENGINES)
-    assert set(C.TP_ENGINES) == set(TP_ENGINES)
+    assert set(engines_with("pp")) == set(engines_with("tp")) == {"simplefsdp", "fsdp2"}
 
 
 def test_worker_errors_under_torchrun_name_their_rank(monkeypatch, capsys):

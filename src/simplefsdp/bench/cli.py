@@ -53,8 +53,11 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
+from simplefsdp.engines.kinds import get_engine
+from simplefsdp.engines.resolve import job_errors
+from simplefsdp.layout import Layout
 from simplefsdp.models import MOE_MODELS
-from simplefsdp.parallel_dims import ParallelDims, oversubscription_warning
+from simplefsdp.parallel_dims import oversubscription_warning
 
 EXIT_CONFIG_ERROR = 2
 # Variables of an enclosing torchrun that must not leak into the nested one.
@@ -233,29 +236,30 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
 
 
 def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> None:
-    """A mixture-of-experts workload's layout: data and expert parallelism only.
+    """A mixture-of-experts workload's layout: the one check of train, bench and
+    plan (:func:`simplefsdp.engines.resolve.job_errors`); the family composes
+    with data and expert parallelism only.
 
     Raises:
-        ValueError: ``--tp``/``--pp`` above 1, or an ``--ep`` that does not
-            divide the ranks and the experts (one line, the valid values).
+        ValueError: every error (the bad value and the valid ones), joined by "; ".
     """
-    from simplefsdp.frontend.expert_parallel import check_expert_parallel_layout
-
-    if tp > 1 or pp > 1:
-        raise ValueError(
-            f"--tp {tp} --pp {pp}: the mixture-of-experts workload runs with data and expert "
-            "parallelism only (--ep); use --tp 1 --pp 1"
-        )
     from simplefsdp.bench.moe import moe_args
+    from simplefsdp.models.registry import family_of, get_spec
 
     args = moe_args(workload.model, workload.model_overrides, workload.seq_len)
-    try:
-        check_expert_parallel_layout(args.num_experts, ep, nproc)
-    except ValueError as e:
-        raise ValueError(f"--ep: {e}") from None
+    errors = job_errors(
+        get_spec(family_of(workload.model)),
+        args,
+        Layout(tp=tp, pp=pp, ep=ep),
+        nproc,
+        model_name=workload.model,
+        names={**_LAYOUT_NAMES, "ep": "--ep"},
+    )
+    if errors:  # every error, on the bench's one error line
+        raise ValueError("; ".join(errors))
 
 
-#: How ``simplefsdp bench`` spells each degree of :class:`ParallelDims`.
+#: How ``simplefsdp bench`` spells each setting in error messages.
 _LAYOUT_NAMES = {
     "world_size": "--nproc",
     "tp": "--tp",
@@ -269,32 +273,35 @@ _LAYOUT_NAMES = {
 def _check_layout(
     nproc: int, tp: int, pp: int, schedule: str, microbatches: int, workload: Any
 ) -> None:
-    """The degrees against the ranks and the workload's model (:meth:`ParallelDims.validate`).
+    """The degrees against the ranks and the workload's model: the one check of
+    train, bench and plan (:func:`simplefsdp.engines.resolve.job_errors`).
 
-    The bench runs the Llama 3 TP plan with sequence parallelism, and raises
-    the model's ``max_seq_len`` to the workload's sequence where it is shorter.
+    The bench runs the TP plan with sequence parallelism, and raises the
+    model's ``max_seq_len`` to the workload's sequence where it is shorter.
+
+    Raises:
+        ValueError: every error, joined by "; ".
     """
-    from simplefsdp.models.llama3 import get_config
+    from simplefsdp.models.registry import resolve_flavor
 
-    args = get_config(workload.model, **workload.model_overrides)
+    spec, args = resolve_flavor(workload.model, **workload.model_overrides)
     if workload.seq_len > args.max_seq_len:  # as the workers' build_model does
         args = args.replace(max_seq_len=workload.seq_len)
-    pipelined = pp > 1
-    dims = ParallelDims(
-        nproc,
-        tp=tp,
-        pp=pp,
-        microbatches=microbatches if pipelined else 1,
-        pp_schedule=schedule,
-    )
-    dims.validate(
+    errors = job_errors(
+        spec,
         args,
-        batch=workload.batch_size,
+        Layout(tp=tp, pp=pp),
+        nproc,
         seq_len=workload.seq_len,
         sequence_parallel=True,
+        batch=workload.batch_size,
+        pp_schedule=schedule,
+        microbatches=microbatches if pp > 1 else None,
         model_name=workload.model,
         names=_LAYOUT_NAMES,
     )
+    if errors:  # every error, on the bench's one error line
+        raise ValueError("; ".join(errors))
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
@@ -462,12 +469,12 @@ def _run_one(
     if error is None:
         try:
             ranks = _load_ranks(config.name, raw_dir, spec.nproc)
-            if config.engine == "comm":
+            if not get_engine(config.engine, bench=True).trains:
                 return merge_comm_only(ranks), None
             return merge_ranks(config, ranks, spec.workload), None
         except (FileNotFoundError, KeyError, ValueError) as exc:
             error = f"could not read results: {exc}"
-    if config.engine == "comm":
+    if not get_engine(config.engine, bench=True).trains:
         return None, error
     return failed_row(config, error), error
 
@@ -556,7 +563,7 @@ def run_bench(
         t0 = time.perf_counter()
         # Other processes on the machine slow every measurement: record it.
         load_avg_1m.append(round(os.getloadavg()[0], 2))
-        in_rounds = rounds > 1 and config.engine != "comm"
+        in_rounds = rounds > 1 and get_engine(config.engine, bench=True).trains
         label = config.name + (f" (round {r + 1}/{rounds})" if in_rounds else "")
         prefix = f"[{i + 1}/{len(launches)}] {label}:"
         print(f"{prefix} starting {spec.nproc} processes", flush=True)
@@ -569,7 +576,7 @@ def run_bench(
             round_dir,
             lambda text, prefix=prefix: print(f"{prefix} {text}", flush=True),
         )
-        if config.engine == "comm":
+        if not get_engine(config.engine, bench=True).trains:
             comm_only, comm_only_error = outcome, error
         else:
             outcome["load_avg_1m_before"] = load_avg_1m[-1]

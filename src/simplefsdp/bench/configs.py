@@ -14,8 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from simplefsdp.parallel_dims import ENGINES as ENGINE_NAMES
-from simplefsdp.parallel_dims import TP_ENGINES
+from simplefsdp.engines.kinds import engine_names, engines_with, get_engine
 
 __all__ = [
     "COMM_ONLY",
@@ -33,9 +32,9 @@ __all__ = [
     "resolve_configs",
 ]
 
-#: The engine layer's engines (:data:`simplefsdp.parallel_dims.ENGINES`) and
-#: ``"comm"`` (collectives only).
-ENGINES: tuple[str, ...] = (*ENGINE_NAMES, "comm")
+#: The engine layer's engines and the bench-only baselines (``"comm"``:
+#: collectives only), as :mod:`simplefsdp.engines.kinds` declares them.
+ENGINES: tuple[str, ...] = engine_names(bench=True)
 
 
 #: Suffix of the file (``<config><suffix>`` in the raw folder) where a
@@ -84,9 +83,8 @@ class BenchConfig:
     float8: bool = False
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
-        if self.float8 and self.engine not in FLOAT8_ENGINES:
+        engine = get_engine(self.engine, bench=True)
+        if self.float8 and not engine.supports("float8"):
             raise ValueError(
                 f"float8 runs with engines {', '.join(FLOAT8_ENGINES)}, not {self.engine!r}"
             )
@@ -94,7 +92,7 @@ class BenchConfig:
     @property
     def supports_tp(self) -> bool:
         """Whether the configuration runs with ``--tp > 1`` (and ``--pp > 1``)."""
-        return self.engine in TP_ENGINES
+        return get_engine(self.engine, bench=True).supports("tp")
 
     def numerics(self, param_dtype: str | None = None) -> str:
         """What the losses of this configuration are compared within: the
@@ -102,7 +100,8 @@ class BenchConfig:
         precision; ddp and replica ignore ``param_dtype``), with ``+float8``
         for float8 configurations. Only rows of the same numerics must agree
         on the loss."""
-        dtype = param_dtype if param_dtype and self.engine not in ("ddp", "replica") else None
+        mixed = get_engine(self.engine, bench=True).supports("mixed_precision")
+        dtype = param_dtype if param_dtype and mixed else None
         return (dtype or "float32") + ("+float8" if self.float8 else "")
 
     def engine_spec(self, tp: int = 1, param_dtype: str | None = None) -> Any:
@@ -113,7 +112,7 @@ class BenchConfig:
         """
         from simplefsdp.engines import EngineSpec
 
-        mixed = param_dtype is not None and self.engine not in ("ddp", "replica")
+        mixed = param_dtype is not None and get_engine(self.engine).supports("mixed_precision")
         return EngineSpec(
             tp=tp,
             engine=self.engine,
@@ -132,7 +131,7 @@ class BenchConfig:
 
 
 #: Engines that train torchao float8 models (as ``simplefsdp train --float8.enable``).
-FLOAT8_ENGINES: tuple[str, ...] = ("simplefsdp", "fsdp2")
+FLOAT8_ENGINES: tuple[str, ...] = engines_with("float8")
 
 CONFIGS: dict[str, BenchConfig] = {
     c.name: c

@@ -4,10 +4,11 @@ Note: [Bench MoE recipes]
     The model is a ``simplefsdp.models.moe`` config (``moe_debug`` by
     default), built with real weights under the seed on every rank. With
     ``--ep`` ranks per expert-parallel group, the ranks form the 2-D mesh
-    ``(dp_shard_mod_ep, ep)`` (:func:`~simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh`)
-    and every experts module gets :class:`~simplefsdp.frontend.expert_parallel.ExpertParallel`
-    over ``ep`` (``ep`` 1: one rank per group, tokens stay on their rank).
-    Then, as torchtitan parallelises its MoE models:
+    ``(dp_shard_mod_ep, ep)`` of ``Layout(ep=...)`` and every experts module
+    gets :class:`~simplefsdp.frontend.expert_parallel.ExpertParallel` over
+    ``ep`` (``ep`` 1: one rank per group, tokens stay on their rank). Then the
+    one recipe (:func:`simplefsdp.engines.parallelize_model`) parallelises it,
+    as torchtitan parallelises its MoE models:
 
     - ``simplefsdp``: ``data_parallel`` with the dense parameters over all
       data-parallel ranks and the experts over ``dp_shard_mod_ep``
@@ -81,70 +82,32 @@ def build_moe_model(model: str, overrides: dict[str, Any], seq_len: int, seed: i
     return Transformer(args)
 
 
-def parallelize_moe(config: Any, model: nn.Module, ep: int, device: torch.device, param_dtype):
-    """``config``'s engine applied to the MoE ``model`` (Note: [Bench MoE recipes]).
+def parallelize_moe(config: Any, model: nn.Module, meshes: Any, device: torch.device, param_dtype):
+    """``config``'s engine applied to the MoE ``model`` by the one recipe
+    (:func:`simplefsdp.engines.parallelize_model` on ``meshes``, the job's
+    ``Layout(ep=...)``; Note: [Bench MoE recipes]).
 
     Returns:
-        A :class:`simplefsdp.engines.ParallelModel` stepping with the Llama
-        cross-entropy, its ``notes`` naming the layout.
+        A :class:`simplefsdp.engines.ParallelModel` stepping with the MoE
+        spec's loss, its ``notes`` naming the layout.
+
+    Raises:
+        ValueError: a configuration whose engine has no expert parallelism.
     """
-    import torch.distributed as dist
+    import dataclasses
 
-    from simplefsdp.engines import ParallelModel
-    from simplefsdp.engines.parallelize import dtype_from_name
-    from simplefsdp.frontend.expert_parallel import (
-        apply_expert_parallel,
-        build_expert_parallel_mesh,
-    )
-    from simplefsdp.models.llama3.parallelize import cross_entropy
+    from simplefsdp.engines import get_engine, parallelize_model
+    from simplefsdp.models.moe.spec import SPEC
 
-    world = dist.get_world_size()
-    mesh, dp_mesh = build_expert_parallel_mesh(device.type, world, ep, model.args.num_experts)
-    model.to(device)
-    apply_expert_parallel(model, mesh["ep"])
-    dtype = dtype_from_name(param_dtype)
-    reduce_dtype = torch.float32 if dtype is not None else None
-    notes = [f"experts: ep {ep} x dp_shard_mod_ep {world // ep}; dense: dp {world}"]
-    if config.engine == "simplefsdp":
-        import simplefsdp
-
-        simplefsdp.data_parallel(
-            model,
-            dp_mesh,
-            expert_mesh=mesh["dp_shard_mod_ep"],
-            mp_policy=simplefsdp.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype),
-        )
-        forward: Any = model
-        if config.compiled:
-            forward = simplefsdp.compile(
-                model,
-                backend="inductor",
-                bucketing=config.bucketing or "auto",
-                reorder=config.reorder,
-                keep_gathered=config.keep_gathered,
-                fullgraph=False,
-            )
-    elif config.engine == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
-        for block in model.layers.values():
-            if config.compiled:
-                block.compile(backend="inductor", fullgraph=False)
-            if block.moe_enabled:
-                fully_shard(block.moe.experts, mesh=mesh["dp_shard_mod_ep"], mp_policy=policy)
-            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
-        forward = model
-    else:
+    if config.name not in MOE_BENCH_CONFIGS or not get_engine(config.engine).supports("ep"):
         raise ValueError(
             f"configuration {config.name!r} does not run the MoE workload; valid: "
             f"{', '.join(MOE_BENCH_CONFIGS)}"
         )
-    parallel = ParallelModel(
-        model, forward, config.engine, dp_mesh, compiled=config.compiled, notes=notes
-    )
-    parallel.loss_fn = cross_entropy
+    ep, world = meshes.layout.ep, meshes.layout.world_size
+    engine = dataclasses.replace(config.engine_spec(1, param_dtype), ep=ep)
+    parallel = parallelize_model(model, SPEC, meshes, engine, device)
+    parallel.notes.append(f"experts: ep {ep} x dp_shard_mod_ep {world // ep}; dense: dp {world}")
     return parallel
 
 

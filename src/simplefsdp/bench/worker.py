@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.bench.configs import (
     COMM_ONLY,
@@ -55,13 +54,13 @@ from simplefsdp.engines import (
     ParallelModel,
     PipelinedModel,
     PipelineSpec,
-    build_mesh,
-    data_parallel_rank,
+    get_engine,
     init_distributed,
     lower_mmap_threshold,
     pick_device,
     teardown_process_group,
 )
+from simplefsdp.layout import Layout, Meshes
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +181,7 @@ def _train_step(
 
 
 def _parallelize(
-    config: BenchConfig, spec: BenchSpec, model: nn.Module, mesh: DeviceMesh, device
+    config: BenchConfig, spec: BenchSpec, model: nn.Module, mesh: Meshes, device
 ) -> ParallelModel | PipelinedModel:
     """The Llama 3 recipe of ``simplefsdp train`` (sequence parallel on, loss
     parallel off), or for a mixture of experts Note: [Bench MoE recipes]."""
@@ -190,7 +189,7 @@ def _parallelize(
     from simplefsdp.models.llama3.parallelize import parallelize_llama
 
     if is_moe_model(spec.workload.model):
-        return parallelize_moe(config, model, spec.ep, device, spec.param_dtype)
+        return parallelize_moe(config, model, mesh, device, spec.param_dtype)
 
     pipeline = None
     if spec.pp > 1:
@@ -210,7 +209,7 @@ def _parallelize(
 def _run_training(
     config: BenchConfig,
     spec: BenchSpec,
-    mesh: DeviceMesh,
+    mesh: Meshes,
     device: torch.device,
     batches: list[list[Batch]],
 ) -> dict:
@@ -335,6 +334,7 @@ def _import_engine_code() -> None:
     import simplefsdp.compiler.backend  # noqa: F401
     import simplefsdp.compiler.entry_points  # noqa: F401
     import simplefsdp.eager_executor.api  # noqa: F401
+    import simplefsdp.engines.recipe  # noqa: F401
     import simplefsdp.frontend.accumulation  # noqa: F401
     import simplefsdp.frontend.data_parallel  # noqa: F401
 
@@ -343,7 +343,8 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
     """Run ``config`` on this rank (process group from torchrun's environment)."""
     device = pick_device()
     rank, world_size = init_distributed(device, datetime.timedelta(seconds=spec.timeout_s))
-    mesh = build_mesh("simplefsdp", "fully_shard", device.type, world_size, tp=spec.tp, pp=spec.pp)
+    layout = Layout(tp=spec.tp, pp=spec.pp, ep=spec.ep if is_moe_model(spec.workload.model) else 1)
+    mesh = layout.build(device.type, world_size)
     result = {
         "config": config.name,
         "rank": rank,
@@ -356,14 +357,14 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
         "device": str(device),
     }
     try:
-        if config.engine == "comm":
+        if not get_engine(config.engine, bench=True).trains:
             result.update(_run_comm_only(spec, device))
         else:
             _import_engine_code()
 
             workload = spec.workload
             # The ranks of a tensor-parallel group and of a pipeline read the same batches.
-            dp_rank, dp_size = data_parallel_rank(mesh)
+            dp_rank, dp_size = mesh.batch_rank, mesh.batch_size
             count = (workload.warmup + workload.steps + 1) * spec.grad_accum
             flat = build_batches(spec, dp_rank, dp_size, count)
             accum = spec.grad_accum

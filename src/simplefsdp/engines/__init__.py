@@ -1,86 +1,82 @@
 """The engine layer: one place that makes a model data parallel, for train and bench.
 
-It owns the :class:`ParallelModel` (what a training step calls, with gradient
-sync control), one adapter per engine (:data:`ENGINES`: simplefsdp compiled or
-not, simplefsdp with the eager executor, torch FSDP2, DDP, and the replica
-limit) behind :func:`parallelize`, activation checkpointing, the global
-gradient clip, device / process-group / mesh set-up, and the one memory probe.
+It owns the engines as classes with declared capabilities (:mod:`.kinds`:
+simplefsdp compiled or not, simplefsdp with the eager executor, torch FSDP2,
+DDP, the replica limit, and the bench's collectives-only baseline;
+:func:`composition_errors` decides what composes), the one parallelize recipe
+(:func:`parallelize_model`: pipeline split, TP/EP, activation checkpointing,
+data parallelism, compilation), the :class:`ParallelModel` a training step
+calls, the global gradient clip, device / process-group set-up, and the one
+memory probe. Names load on first use: ``import simplefsdp.engines.kinds``
+does not import torch.
 
 Example::
 
     device = pick_device()
     init_distributed(device)
-    mesh = build_mesh("simplefsdp", "fully_shard", device.type, dist.get_world_size())
+    meshes = Layout().build(device.type)
     with torch.device("meta"):
-        model = Transformer(args)
-    parallel = parallelize(model, EngineSpec("simplefsdp", compile=True), mesh, device,
-                           init_fn=lambda m: m.init_weights())
-    loss_fn(parallel.forward(batch)).backward()
+        model = spec.build(config)
+    parallel = parallelize_model(model, spec, meshes, EngineSpec("simplefsdp", compile=True),
+                                 device)
+    parallel.step(inputs, targets)
 """
 
-from simplefsdp.engines.activation import AC_MODES, apply_activation_checkpointing
-from simplefsdp.engines.clip import clip_grad_norm_
-from simplefsdp.engines.distributed import (
-    build_mesh,
-    comm_device,
-    data_parallel_rank,
-    default_nproc,
-    init_distributed,
-    mesh_shape_for,
-    pick_device,
-    pipeline_mesh,
-    split_mesh,
-    stage_mesh,
-    teardown_process_group,
-)
-from simplefsdp.engines.memory import MemoryProbe, lower_mmap_threshold
-from simplefsdp.engines.parallel_model import COLLECTIVE_KINDS, LossFn, ParallelModel, plain_loss
-from simplefsdp.engines.parallelize import (
-    ENGINES,
-    TP_ENGINES,
-    EngineSpec,
-    parallelize,
-    torch_passes_patches,
-)
-from simplefsdp.engines.pipeline import (
-    PIPELINE_SCHEDULES,
-    PP_ENGINES,
-    PipelinedModel,
-    PipelineSpec,
-    parallelize_pipeline,
-    stage_view,
-)
+from __future__ import annotations
 
-__all__ = [
-    "AC_MODES",
-    "COLLECTIVE_KINDS",
-    "ENGINES",
-    "PIPELINE_SCHEDULES",
-    "PP_ENGINES",
-    "TP_ENGINES",
-    "EngineSpec",
-    "MemoryProbe",
-    "LossFn",
-    "ParallelModel",
-    "PipelineSpec",
-    "PipelinedModel",
-    "apply_activation_checkpointing",
-    "build_mesh",
-    "clip_grad_norm_",
-    "comm_device",
-    "data_parallel_rank",
-    "default_nproc",
-    "init_distributed",
-    "lower_mmap_threshold",
-    "mesh_shape_for",
-    "parallelize",
-    "parallelize_pipeline",
-    "pick_device",
-    "pipeline_mesh",
-    "plain_loss",
-    "split_mesh",
-    "stage_mesh",
-    "stage_view",
-    "teardown_process_group",
-    "torch_passes_patches",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AC_MODES": "activation",
+    "apply_activation_checkpointing": "activation",
+    "clip_grad_norm_": "clip",
+    "build_mesh": "distributed",
+    "comm_device": "distributed",
+    "data_parallel_rank": "distributed",
+    "default_nproc": "distributed",
+    "init_distributed": "distributed",
+    "mesh_shape_for": "distributed",
+    "pick_device": "distributed",
+    "pipeline_mesh": "distributed",
+    "split_mesh": "distributed",
+    "stage_mesh": "distributed",
+    "teardown_process_group": "distributed",
+    "MemoryProbe": "memory",
+    "lower_mmap_threshold": "memory",
+    "COLLECTIVE_KINDS": "parallel_model",
+    "LossFn": "parallel_model",
+    "ParallelModel": "parallel_model",
+    "plain_loss": "parallel_model",
+    "ENGINES": "adapters",
+    "EngineSpec": "adapters",
+    "parallelize": "adapters",
+    "torch_passes_patches": "adapters",
+    "PIPELINE_SCHEDULES": "pipeline",
+    "PipelinedModel": "pipeline",
+    "PipelineSpec": "pipeline",
+    "parallelize_pipeline": "pipeline",
+    "stage_view": "pipeline",
+    "Engine": "kinds",
+    "composition_errors": "kinds",
+    "engine_names": "kinds",
+    "engines_with": "kinds",
+    "get_engine": "kinds",
+    "parallelize_model": "recipe",
+    "RecipeOptions": "recipe",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'simplefsdp.engines' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"simplefsdp.engines.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -3,8 +3,8 @@
 The trainer and the benchmark workers set up their process the same way:
 :func:`pick_device` (``cuda:LOCAL_RANK`` or ``cpu``), :func:`init_distributed`
 (NCCL on CUDA, gloo on CPU; a one-process group without a launcher's
-environment), then :func:`build_mesh` with the shape :func:`mesh_shape_for`
-decides. ``mesh_shape_for`` and :func:`default_nproc` are pure enough for a
+environment), then the job's meshes from :class:`simplefsdp.layout.Layout`
+(:func:`build_mesh` is the world mesh of a data-parallel mode's layout). ``mesh_shape_for`` and :func:`default_nproc` are pure enough for a
 command line to call before it starts any process.
 """
 
@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from simplefsdp.parallel_dims import ParallelDims
+from simplefsdp.engines.kinds import get_engine
+from simplefsdp.layout import Layout, meshes_of
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,6 @@ __all__ = [
     "split_mesh",
     "stage_mesh",
 ]
-
-#: The name of the tensor-parallel mesh dim (always the last, innermost dim).
-TP_DIM = "tp"
-#: The name of the pipeline-parallel mesh dim (always the first, outermost dim).
-PP_DIM = "pp"
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -154,6 +150,32 @@ def _per_attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
     return {"store": prefixed, "rank": rank, "world_size": world_size}
 
 
+def _layout_for(
+    engine: str,
+    mode: str,
+    world_size: int,
+    *,
+    mesh_shape: Sequence[int] | None,
+    local_world_size: int | None,
+    tp: int,
+    pp: int,
+    cp: int = 1,
+    ep: int = 1,
+) -> Layout:
+    layout = Layout.for_data_parallel(
+        mode,
+        world_size,
+        mesh_shape=mesh_shape,
+        local_world_size=local_world_size,
+        replicate_on_2d=get_engine(engine, bench=True).replicate_on_2d,
+        cp=cp,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+    )
+    return layout.resolve(world_size)
+
+
 def mesh_shape_for(
     engine: str,
     mode: str,
@@ -166,51 +188,27 @@ def mesh_shape_for(
 ) -> tuple[int, ...]:
     """The mesh shape for ``engine``/``mode`` on ``world_size`` ranks.
 
-    The data-parallel part: ``replicate``/``fully_shard`` use a 1-D mesh of
-    all data-parallel ranks (FSDP2's ``replicate`` is HSDP on ``(dp, 1)``).
-    ``hybrid_shard`` uses ``mesh_shape`` ``[replicate, shard]`` or, when
-    unset, ``[dp // local, local]`` (replicate across hosts, shard within a
-    host; ``local`` is the data-parallel ranks per host). With ``tp > 1`` a
-    last (innermost) dim of ``tp`` ranks is added for tensor parallelism, so
-    a tensor-parallel group stays within a host where it can; with ``pp > 1``
-    a first (outermost) dim of ``pp`` pipeline stages. The data-parallel part
-    covers ``world_size // (pp * tp)`` ranks.
+    The shape of :meth:`simplefsdp.layout.Layout.build`'s world mesh for
+    :meth:`~simplefsdp.layout.Layout.for_data_parallel`: ``replicate`` and
+    ``fully_shard`` shard over all data-parallel ranks (engines that run
+    ``replicate`` as HSDP, FSDP2, on ``(dp, 1)``); ``hybrid_shard`` uses
+    ``mesh_shape`` ``[replicate, shard]`` or ``[dp // local, local]``; ``pp``
+    is the first dim and ``tp`` the last when above 1.
 
     Raises:
         ValueError: the shape cannot be built from ``world_size`` ranks; the
             message lists the valid ones.
     """
-    ParallelDims(world_size, tp=tp, pp=pp).validate()
-    dp = world_size // (tp * pp)
-    head = (pp,) if pp > 1 else ()
-    tail = (tp,) if tp > 1 else ()
-    if mode != "hybrid_shard":
-        if engine == "fsdp2" and mode == "replicate":
-            return (*head, dp, 1, *tail)
-        return (*head, dp, *tail)
-    if mesh_shape is not None:
-        shape = tuple(int(x) for x in mesh_shape)
-    else:
-        local = max((local_world_size or world_size) // tp, 1)
-        if dp % local:
-            local = dp
-        shape = (dp // local, local)
-    if len(shape) != 2 or shape[0] * shape[1] != dp:
-        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-        valid = ", ".join(f"[{d}, {dp // d}]" for d in divisors)
-        needs = f"needs {shape[0] * shape[1]} ranks" if len(shape) == 2 else "is not 2-D"
-        if tp > 1 or pp > 1:
-            have = (
-                f"there are {dp} data-parallel ranks "
-                f"(world size {world_size} / (pp {pp} x tp {tp}))"
-            )
-        else:
-            have = f"the world size is {world_size}"
-        raise ValueError(
-            f"parallel.mesh_shape {list(shape)} {needs} but {have}; "
-            f"valid shapes for {dp} ranks: {valid}"
-        )
-    return (*head, *shape, *tail)
+    layout = _layout_for(
+        engine,
+        mode,
+        world_size,
+        mesh_shape=mesh_shape,
+        local_world_size=local_world_size,
+        tp=tp,
+        pp=pp,
+    )
+    return layout.mesh_dims()[1]
 
 
 def build_mesh(
@@ -224,16 +222,17 @@ def build_mesh(
     tp: int = 1,
     pp: int = 1,
 ) -> DeviceMesh:
-    """The job's ``DeviceMesh`` (shape from :func:`mesh_shape_for`).
+    """The job's world ``DeviceMesh``: ``Layout.build(device_type).world`` for the
+    layout of ``engine``/``mode`` (shape from :func:`mesh_shape_for`).
 
-    Dimension names: ``"pp"`` first when ``pp > 1``, then ``("dp",)`` for a
-    1-D data-parallel mesh or ``("dp_replicate", "dp_shard")`` for a 2-D one,
-    then ``"tp"`` when ``tp > 1``. :func:`split_mesh` gives the data-parallel
-    and tensor-parallel parts, :func:`pipeline_mesh` the pipeline part.
+    Dimension names: ``"pp"`` first when ``pp > 1``, then ``"dp_replicate"``
+    (replicas), ``"dp_shard"``, then ``"tp"`` when ``tp > 1``.
+    :func:`simplefsdp.layout.meshes_of` gives its views by role;
+    :func:`split_mesh` the data-parallel and tensor-parallel parts.
     """
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    shape = mesh_shape_for(
+    layout = _layout_for(
         engine,
         mode,
         world_size,
@@ -242,58 +241,35 @@ def build_mesh(
         tp=tp,
         pp=pp,
     )
-    dp_ndim = len(shape) - (1 if tp > 1 else 0) - (1 if pp > 1 else 0)
-    names: tuple[str, ...] = ("dp_replicate", "dp_shard") if dp_ndim == 2 else ("dp",)
-    if tp > 1:
-        names = (*names, TP_DIM)
-    if pp > 1:
-        names = (PP_DIM, *names)
-    logger.info("mesh %s %s on %s", names, shape, device_type)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return layout.build(device_type, world_size).world
 
 
 def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """``(data-parallel mesh, tensor-parallel mesh or None)`` of a job's mesh.
-
-    The tensor-parallel dim is the one named ``"tp"`` (see :func:`build_mesh`);
-    the pipeline dim ``"pp"`` is neither; the other dims are data parallel.
-    """
-    names = mesh.mesh_dim_names or ()
-    if TP_DIM not in names and PP_DIM not in names:
-        return mesh, None
-    dp_names = tuple(n for n in names if n not in (TP_DIM, PP_DIM))
-    if not dp_names:
-        raise ValueError(f"mesh {names} has no data-parallel dim besides {TP_DIM!r}/{PP_DIM!r}")
-    dp_mesh = mesh[dp_names] if dp_names != names else mesh
-    return dp_mesh, (mesh[TP_DIM] if TP_DIM in names else None)
+    """``(FSDP mesh, tensor-parallel mesh or None)`` of a job's mesh (its roles
+    ``fsdp`` and ``tp``: :func:`simplefsdp.layout.meshes_of`)."""
+    meshes = meshes_of(mesh)
+    return meshes.fsdp, meshes.tp
 
 
 def pipeline_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The pipeline-parallel dim of a job's mesh (named ``"pp"``), or ``None``."""
     names = mesh.mesh_dim_names or ()
-    return mesh[PP_DIM] if PP_DIM in names else None
+    return mesh["pp"] if "pp" in names else None
 
 
 def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """A job's mesh without its pipeline dim: what each pipeline stage is sharded on."""
     names = mesh.mesh_dim_names or ()
-    if PP_DIM not in names:
+    if "pp" not in names:
         return mesh
-    rest = tuple(n for n in names if n != PP_DIM)
-    return mesh[rest]
+    return mesh[tuple(n for n in names if n != "pp")]
 
 
 def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
-    """``(rank, size)`` of this process among the data-parallel replicas of ``mesh``.
+    """``(rank, size)`` of this process among the ranks that read different batches.
 
-    Ranks of one tensor-parallel group share a data-parallel rank (they must
-    read the same batch); without tensor parallelism it is the global rank.
+    The ``batch`` role of :func:`simplefsdp.layout.meshes_of`: ranks of one
+    tensor-parallel, context-parallel or pipeline group share a batch.
     """
-    dp_mesh, _ = split_mesh(mesh)
-    coordinate = dp_mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError("this process is not part of the mesh")
-    rank = 0
-    for dim, index in enumerate(coordinate):
-        rank = rank * dp_mesh.size(dim) + index
-    return rank, dp_mesh.size()
+    meshes = meshes_of(mesh)
+    return meshes.batch_rank, meshes.batch_size

@@ -40,14 +40,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from simplefsdp.engines.adapters import EngineSpec, InitFn, TensorParallelFn, parallelize
 from simplefsdp.engines.distributed import pipeline_mesh, stage_mesh
+from simplefsdp.engines.kinds import composition_errors
 from simplefsdp.engines.parallel_model import ParallelModel, plain_loss
-from simplefsdp.engines.parallelize import EngineSpec, InitFn, TensorParallelFn, parallelize
-from simplefsdp.parallel_dims import INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES, PP_ENGINES
+from simplefsdp.layout import Meshes
+from simplefsdp.parallel_dims import INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES
 
 __all__ = [
     "PIPELINE_SCHEDULES",
-    "PP_ENGINES",
     "PipelineSpec",
     "PipelineTimes",
     "PipelinedModel",
@@ -381,7 +382,7 @@ def parallelize_pipeline(
     model: nn.Module,
     spec: EngineSpec,
     pipeline: PipelineSpec,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | Meshes,
     device: torch.device,
     *,
     split_fn: SplitFn,
@@ -394,10 +395,10 @@ def parallelize_pipeline(
 
     Args:
         model: the whole model, best on the meta device (each stage is a copy).
-        spec: the engine spec each stage gets (engines :data:`PP_ENGINES`).
+        spec: the engine spec each stage gets (an engine with the ``"pp"`` capability).
         pipeline: the schedule, micro-batches and stages per rank.
-        mesh: the job's mesh with a ``"pp"`` dim of size ``pipeline.pp``
-            (``simplefsdp.engines.build_mesh(..., pp=...)``).
+        mesh: the job's meshes with a ``pp`` role of size ``pipeline.pp``
+            (``Layout(pp=...).build(...)``), or its world mesh.
         device: the training device.
         split_fn: ``split_fn(model, stage_ids, num_stages)``, one module per
             stage id (e.g. :func:`simplefsdp.models.llama3.pipeline_split`).
@@ -409,25 +410,24 @@ def parallelize_pipeline(
         ValueError: an engine that cannot be pipelined, or a mesh whose
             ``"pp"`` dim does not match ``pipeline.pp``.
     """
-    if spec.engine not in PP_ENGINES:
-        raise ValueError(
-            f"engine {spec.engine!r} does not compose with pipeline parallelism; "
-            f"valid engines with pp > 1: {', '.join(PP_ENGINES)}"
-        )
-    pp_mesh = pipeline_mesh(mesh)
+    errors = composition_errors(spec.engine, pp=pipeline.pp)
+    if errors:
+        raise ValueError(errors[0])
+    world = mesh.world if isinstance(mesh, Meshes) else mesh
+    pp_mesh = mesh.pp if isinstance(mesh, Meshes) else pipeline_mesh(mesh)
     pp_size = pp_mesh.size() if pp_mesh is not None else 1
     if pp_mesh is None or pp_size != pipeline.pp:
         raise ValueError(
-            f"the mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} has a pipeline size of "
+            f"the mesh {world.mesh_dim_names} {tuple(world.shape)} has a pipeline size of "
             f"{pp_size} but pipeline.pp is {pipeline.pp}; build it with "
-            f"build_mesh(..., pp={pipeline.pp})"
+            f"Layout(pp={pipeline.pp})"
         )
     assert pipeline.stages_per_rank is not None
     # torch's "loop" placement, as simplefsdp.models.llama3.stage_ids_for_rank
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = [pp_rank + k * pipeline.pp for k in range(pipeline.stages_per_rank)]
     modules = split_fn(model, stage_ids, pipeline.num_stages)
-    rest = stage_mesh(mesh)
+    rest = mesh if isinstance(mesh, Meshes) else stage_mesh(mesh)
     parts = [
         parallelize(module, spec, rest, device, init_fn=init_fn, tp_fn=tp_fn) for module in modules
     ]

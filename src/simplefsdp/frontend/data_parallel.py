@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,37 @@ def _placements_for(param: torch.Tensor, mode: str, shard_dim: int) -> tuple[Pla
     if mode == "hybrid_shard":
         return (Replicate(), shard)
     return (shard,)
+
+
+PlacementFn = Callable[[str, nn.Parameter], Placement | None]
+"""``placement_fn(fqn, param) -> Shard(d) | Replicate() | None`` (see :func:`data_parallel`)."""
+
+
+def _chosen_placements(
+    placement_fn: PlacementFn,
+    fqn: str,
+    param: nn.Parameter,
+    mode: str,
+    default: tuple[Placement, ...],
+) -> tuple[Placement, ...]:
+    """The placements ``placement_fn`` chooses for ``param`` (``default`` for ``None``)."""
+    chosen = placement_fn(fqn, param)
+    if chosen is None:
+        return default
+    ok = isinstance(chosen, Replicate) or (
+        isinstance(chosen, Shard) and type(chosen) is Shard and 0 <= chosen.dim < param.ndim
+    )
+    if not ok:
+        raise ValueError(
+            f"placement_fn gave {chosen!r} for parameter {fqn!r} of shape {tuple(param.shape)}; "
+            f"valid: Shard(d) with 0 <= d < {param.ndim}, Replicate() or None"
+        )
+    if mode == "replicate" and not isinstance(chosen, Replicate):
+        raise ValueError(
+            f"placement_fn gave {chosen!r} for parameter {fqn!r} with mode='replicate'; "
+            "valid: Replicate() or None (use mode='fully_shard' to shard)"
+        )
+    return (Replicate(), chosen) if mode == "hybrid_shard" else (chosen,)
 
 
 def _stored_tp_placements(
@@ -400,6 +432,7 @@ def data_parallel(
     reduce_op: str = "avg",
     check_ranks: bool = True,
     expert_mesh: DeviceMesh | None = None,
+    placement_fn: PlacementFn | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` as DTensors, in place.
 
@@ -476,6 +509,12 @@ def data_parallel(
         expert_mesh: 1-D data-parallel mesh of the parameters that
             ``ExpertParallel`` sharded (required when there are some);
             ``mesh`` and the ep mesh must be slices of one named mesh.
+        placement_fn: per-parameter placement, as FSDP2's
+            ``fully_shard(shard_placement_fn=...)``: ``placement_fn(fqn,
+            param)`` returns the placement of a plain (not tensor- or
+            expert-parallel) parameter on the shard dim of ``mesh``,
+            ``Shard(d)`` or ``Replicate()``, or ``None`` for the default
+            (``Shard(shard_dim)``; ``Replicate()`` in mode ``"replicate"``).
 
     Returns:
         ``module`` itself, wrapped.
@@ -545,6 +584,10 @@ def data_parallel(
                     )
                 else:
                     placements = _placements_for(param, mode, shard_dim)
+                    if placement_fn is not None:
+                        placements = _chosen_placements(
+                            placement_fn, fqn_of[key], param, mode, placements
+                        )
                     new_params[key] = _to_dtensor_param(param, mesh, placements)
                 is_sharded = (tp_layout.dp_placements if tp_layout else placements)[-1].is_shard()
                 spec_of[key] = ParamSpec(

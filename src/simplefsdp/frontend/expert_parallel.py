@@ -61,7 +61,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -249,7 +249,8 @@ def _dispatch_compute_combine(
 def build_expert_parallel_mesh(
     device_type: str, dp: int, ep: int, num_experts: int
 ) -> tuple[DeviceMesh, DeviceMesh]:
-    """The ``(dp_shard_mod_ep, ep)`` mesh over ``dp`` ranks and its flattening.
+    """The ``(dp_shard_mod_ep, ep)`` mesh over ``dp`` ranks and its flattening: a
+    convenience over ``simplefsdp.layout.Layout(dp_shard=dp, ep=ep).build()``.
 
     Consecutive ranks form an EP group (they exchange tokens by all-to-all);
     rank ``r`` holds experts ``(r % ep) * E / ep`` onwards.
@@ -261,17 +262,20 @@ def build_expert_parallel_mesh(
         num_experts: routed experts per MoE layer.
 
     Returns:
-        ``(mesh, dp_mesh)``: the 2-D mesh (``mesh["ep"]``,
-        ``mesh["dp_shard_mod_ep"]``) and the 1-D mesh ``"dp"`` over all its ranks.
+        ``(mesh, dp_mesh)``: the layout's world mesh (``mesh["ep"]``,
+        ``mesh["dp_shard_mod_ep"]``) and its FSDP mesh over all its ranks.
 
     Raises:
         ValueError: a bad layout (see :func:`check_expert_parallel_layout`),
             checked before any process group is made.
     """
+    from simplefsdp.layout import Layout
+
     check_expert_parallel_layout(num_experts, ep, dp)
-    mesh = init_device_mesh(device_type, (dp // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
-    dp_mesh = mesh[("dp_shard_mod_ep", "ep")]._flatten("dp")
-    return mesh, dp_mesh
+    if ep == 1:
+        raise ValueError("ep=1 needs no expert-parallel mesh; use Layout(dp_shard=dp).build()")
+    meshes = Layout(dp_shard=dp, ep=ep).build(device_type, dp)
+    return meshes.world, meshes.fsdp
 
 
 def apply_expert_parallel(

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.policies import MESH_NDIM_FOR_MODE
 
@@ -46,7 +46,8 @@ def resolve_mesh(
 ) -> DeviceMesh:
     """Return the mesh to place parameters on, or raise a clear error.
 
-    ``None`` builds a 1-D mesh over the default process group on
+    ``None`` builds the FSDP mesh of ``Layout()`` (1-D, every rank of the
+    default process group) on
     :func:`default_device_type` (the parameters' device where the backend
     serves it; else ``cuda`` for NCCL, ``cpu`` for gloo).
     """
@@ -63,8 +64,10 @@ def resolve_mesh(
                 f"mode={mode!r} needs a {want_ndim}-D mesh (replicate dim, shard dim); "
                 "pass mesh=init_device_mesh(device_type, (num_replicas, shard_size))"
             )
+        from simplefsdp.layout import Layout
+
         device_type = default_device_type(param_device_types)
-        return init_device_mesh(device_type, (dist.get_world_size(),))
+        return Layout().build(device_type).fsdp
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got "

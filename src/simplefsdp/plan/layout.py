@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from simplefsdp.models.llama3 import ModelArgs
-from simplefsdp.parallel_dims import AC_MODES, BUCKETINGS, ACMode, Bucketing, Engine, ParallelDims
+from simplefsdp.engines.kinds import ENGINE_CLASSES, get_engine
+from simplefsdp.engines.resolve import job_errors
+from simplefsdp.layout import Layout as Degrees
+from simplefsdp.parallel_dims import AC_MODES, BUCKETINGS, ACMode, Bucketing, Engine
 
-#: The engines whose step ``simplefsdp plan`` predicts.
-ENGINES: tuple[Engine, ...] = ("simplefsdp", "fsdp2")
+#: The engines whose step ``simplefsdp plan`` predicts (those declared ``plannable``).
+ENGINES: tuple[Engine, ...] = tuple(c.name for c in ENGINE_CLASSES if c.plannable)  # type: ignore[misc]
 DTYPES = ("bf16", "fp32")
 
 __all__ = ["AC_MODES", "BUCKETINGS", "DTYPES", "ENGINES", "Layout", "validate"]
 
-#: How ``simplefsdp plan`` spells each degree of :class:`ParallelDims`.
+#: How ``simplefsdp plan`` spells each setting in error messages.
 _LAYOUT_NAMES = {
     "world_size": "--gpus",
+    "engine": "--engine",
     "tp": "--tp",
     "pp": "--pp",
     "microbatches": "--microbatches",
     "batch": "--batch",
     "seq_len": "--seq",
+    "float8": "--float8",
 }
 
 
@@ -50,6 +55,11 @@ class Layout:
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
 
+    @property
+    def degrees(self) -> Degrees:
+        """The degrees as the job's :class:`simplefsdp.layout.Layout` (dp_shard: the rest)."""
+        return Degrees(tp=self.tp, pp=self.pp)
+
     def describe(self) -> str:
         parts = [f"dp{self.dp}"]
         if self.dtype != "bf16":
@@ -64,19 +74,36 @@ class Layout:
             parts.append(f"accum{self.microbatches}")
         parts += [
             f"ac={self.ac}",
-            "per_block" if self.engine == "fsdp2" else self.bucketing,
+            "per_block" if get_engine(self.engine).fsdp2_runtime else self.bucketing,
             "reshard" if self.reshard_after_forward else "no-reshard",
         ]
         return " ".join(parts)
 
 
-def validate(args: ModelArgs, layout: Layout) -> None:
-    """One-line ``ValueError`` naming the bad value and what would be valid.
+def _spec_of(args: Any) -> Any:
+    """The model family whose configuration ``args`` is."""
+    from simplefsdp.models.registry import family_names, get_spec
 
-    The options here, the degrees in :meth:`ParallelDims.validate` (a 1F1B
-    pipeline, the Llama 3 TP plan with sequence parallelism).
+    for family in family_names():
+        spec = get_spec(family)
+        if isinstance(args, spec.config_type):
+            return spec
+    raise ValueError(f"no model family has the configuration type {type(args).__name__}")
+
+
+def validate(args: Any, layout: Layout) -> None:
+    """One-line ``ValueError`` naming the first bad value and what would be valid.
+
+    The options here, then the one check of train and bench
+    (:func:`simplefsdp.engines.resolve.job_errors`: the degrees, the model
+    against them, the engine; a 1F1B pipeline, the TP plan with sequence
+    parallelism).
     """
-    if layout.engine not in ENGINES:
+    try:
+        plannable = get_engine(layout.engine).plannable
+    except ValueError:
+        plannable = False
+    if not plannable:
         raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
     if layout.bucketing not in BUCKETINGS:
         raise ValueError(f"unknown bucketing {layout.bucketing!r}; valid: {', '.join(BUCKETINGS)}")
@@ -92,12 +119,18 @@ def validate(args: ModelArgs, layout: Layout) -> None:
     for name, value in (("--batch", layout.batch), ("--seq", layout.seq)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    dims = ParallelDims(layout.gpus, tp=layout.tp, pp=layout.pp, microbatches=layout.microbatches)
-    dims.validate(
+    errors = job_errors(
+        _spec_of(args),
         args,
-        batch=layout.batch,
+        layout.degrees,
+        layout.gpus,
+        layout.engine,
+        float8=layout.float8,
         seq_len=layout.seq,
         sequence_parallel=True,
-        loss_parallel=layout.loss_parallel and layout.tp > 1,
+        batch=layout.batch,
+        microbatches=layout.microbatches,
         names=_LAYOUT_NAMES,
     )
+    if errors:  # the first, on one line: what plan prints
+        raise ValueError(errors[0])

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from simplefsdp.parallel_dims import ParallelDims
 from simplefsdp.train.config import (
     SECTIONS,
     JobConfig,
@@ -146,8 +145,8 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         ValueError: naming the problem and the valid choices
             (:class:`~simplefsdp.train.preflight.InputErrors`: one line per problem).
     """
-    from simplefsdp.engines import mesh_shape_for
     from simplefsdp.train.preflight import check_inputs
+    from simplefsdp.train.resolve import resolve
 
     # data, tokenizer, Hugging Face folder, vocabulary: every problem, one line each
     notes = check_inputs(job)
@@ -157,16 +156,8 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         for note in notes:
             print(f"simplefsdp train: note: {note}", file=sys.stderr)
     p = job.parallel
-    _check_layout(job, world_size)
-    mesh_shape_for(
-        p.engine,
-        p.mode,
-        world_size,
-        mesh_shape=p.mesh_shape,
-        local_world_size=local_world_size,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    _check_attention(job)
+    resolve(job, world_size, local_world_size)
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -184,23 +175,11 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         )
 
 
-#: How ``simplefsdp train`` spells each degree of :class:`ParallelDims`.
-_LAYOUT_NAMES = {
-    "tp": "parallel.tp",
-    "pp": "parallel.pp",
-    "microbatches": "parallel.microbatches",
-    "ep": "parallel.ep",
-    "stages_per_rank": "parallel.pp_stages_per_rank",
-    "batch": "data.batch_size",
-    "seq_len": "data.seq_len",
-}
-
-
-def _check_layout(job: JobConfig, world_size: int) -> None:
-    """The parallel degrees against the world size and the model (:meth:`ParallelDims.validate`)."""
+def _check_attention(job: JobConfig) -> None:
+    """The model's attention is one train builds."""
     from simplefsdp.train.parallelism import model_config
 
-    m, p = job.model, job.parallel
+    m = job.model
     overrides = {
         key: value
         for key, value in (("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len))
@@ -216,26 +195,6 @@ def _check_layout(job: JobConfig, world_size: int) -> None:
             f"counts but train does not build; trainable mixture-of-experts models: "
             f"{', '.join(built)}"
         )
-    pipelined = p.pp > 1
-    dims = ParallelDims(
-        world_size,
-        tp=p.tp,
-        pp=p.pp,
-        ep=p.ep,
-        microbatches=p.microbatches if pipelined else 1,
-        pp_schedule=p.pp_schedule,
-        stages_per_rank=p.pp_stages_per_rank if pipelined else None,
-    )
-    dims.validate(
-        args,
-        batch=job.data.batch_size,
-        seq_len=job.data.seq_len,
-        sequence_parallel=p.sequence_parallel,
-        # the vocabulary is only known here when given (else it is the tokenizer's)
-        loss_parallel=m.vocab_size is not None and p.loss_parallel,
-        model_name=m.name,
-        names=_LAYOUT_NAMES,
-    )
 
 
 def _configure_logging(rank: int) -> None:
@@ -455,7 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         preflight(job, world_size=world, local_world_size=local)
     except ValueError as exc:
         if not worker or rank == 0:
-            for line in getattr(exc, "errors", None) or [_one_line(exc)]:
+            lines = getattr(exc, "errors", None)  # the input checks: one line per problem
+            if not lines:
+                lines = str(exc).splitlines()
+                if len(lines) < 2 or lines[0].endswith(":"):
+                    lines = [_one_line(exc)]  # else every error of the resolve step
+            for line in lines:
                 _error(line)
         return EXIT_CONFIG_ERROR
     if resume is not None and (not worker or (rank == 0 and not os.environ.get(ERROR_DIR_ENV))):

@@ -1,20 +1,16 @@
-"""How a training job maps onto the engine layer: its mesh, spec and model.
+"""How a training job maps onto the engine layer: its layout, meshes, engine and model.
 
-``simplefsdp train``'s parallel, compile and activation-checkpoint sections
-become one :class:`~simplefsdp.engines.EngineSpec`; ``parallel.tp > 1`` adds
-the Llama 3 tensor-parallel plan, ``parallel.pp > 1`` splits the model into
-pipeline stages (:func:`simplefsdp.models.llama3.pipeline_split`) run by
-torch's schedules (:class:`~simplefsdp.engines.PipelinedModel`): the one
-Llama 3 recipe, :func:`simplefsdp.models.llama3.parallelize.parallelize_llama`,
-which the benchmark runs too. A mixture-of-experts model (``model.name`` in
-:data:`~simplefsdp.train.config.schema.MOE_MODELS`) takes
-:func:`simplefsdp.models.moe.parallelize.parallelize_moe` instead, with
-``parallel.ep > 1`` on the ``("dp_shard_mod_ep", "ep")`` mesh of
-:func:`simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh`.
+``simplefsdp train``'s parallel section becomes a :class:`~simplefsdp.layout.Layout`
+(:func:`job_layout`; its meshes by role: :func:`job_mesh`) and, with the
+compile and activation-checkpoint sections, one
+:class:`~simplefsdp.engines.EngineSpec`; :func:`parallelize_job` runs the one
+recipe, :func:`simplefsdp.engines.parallelize_model`, with the model
+family's spec (the benchmark runs it too).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -26,14 +22,17 @@ from simplefsdp.engines import (
     ParallelModel,
     PipelinedModel,
     PipelineSpec,
-    build_mesh,
+    get_engine,
 )
+from simplefsdp.engines.recipe import RecipeOptions, parallelize_model
+from simplefsdp.layout import Layout, Meshes
 from simplefsdp.train.config import JobConfig
 from simplefsdp.train.config.schema import MOE_MODELS
 
 __all__ = [
     "engine_spec",
     "is_moe",
+    "job_layout",
     "job_mesh",
     "keep_gathered_option",
     "model_config",
@@ -86,30 +85,36 @@ def pipeline_spec(job: JobConfig) -> PipelineSpec:
     )
 
 
-def job_mesh(job: JobConfig, device: torch.device) -> DeviceMesh:
-    """The job's mesh over the default process group: ``pp``, data-parallel dims, ``tp``.
+def job_layout(job: JobConfig, world_size: int) -> Layout:
+    """The degrees of ``job`` on ``world_size`` ranks (``dp_shard`` resolved).
 
-    With ``parallel.ep > 1``: the flattened ``"dp"`` mesh of the
-    ``("dp_shard_mod_ep", "ep")`` mesh over all ranks (its root holds both).
+    ``parallel.mode`` ``hybrid_shard`` takes ``parallel.mesh_shape`` (or
+    replicas across hosts, ``LOCAL_WORLD_SIZE`` ranks per host); the others
+    shard over every data-parallel rank (FSDP2's ``replicate``: HSDP on
+    ``(dp, 1)``).
+
+    Raises:
+        ValueError: the degrees do not fit ``world_size`` (every error, one per line).
     """
     p = job.parallel
-    if p.ep > 1:
-        from simplefsdp.frontend.expert_parallel import build_expert_parallel_mesh
-
-        num_experts = model_config(job).num_experts
-        _, dp_mesh = build_expert_parallel_mesh(
-            device.type, dist.get_world_size(), p.ep, num_experts
-        )
-        return dp_mesh
-    return build_mesh(
-        p.engine,
+    layout = Layout.for_data_parallel(
         p.mode,
-        device.type,
-        dist.get_world_size(),
+        world_size,
         mesh_shape=p.mesh_shape,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        replicate_on_2d=get_engine(p.engine).replicate_on_2d,
+        cp=getattr(p, "cp", 1),
         tp=p.tp,
         pp=p.pp,
+        ep=p.ep,
     )
+    return layout.resolve(world_size)
+
+
+def job_mesh(job: JobConfig, device: torch.device) -> Meshes:
+    """The job's meshes over the default process group, by role (:meth:`Layout.build`)."""
+    world = dist.get_world_size()
+    return job_layout(job, world).build(device.type, world)
 
 
 def convert_to_float8(model: torch.nn.Module, job: JobConfig) -> torch.nn.Module:
@@ -161,32 +166,30 @@ def parallelize_job(
     model: torch.nn.Module,
     job: JobConfig,
     device: torch.device,
-    mesh: DeviceMesh | None = None,
+    mesh: Meshes | DeviceMesh | None = None,
 ) -> ParallelModel | PipelinedModel:
-    """Parallelise a Llama 3 or MoE model built on the meta device as ``job`` says.
+    """Parallelise a model built on the meta device (or CPU) as ``job`` says.
 
-    :func:`simplefsdp.models.llama3.parallelize.parallelize_llama` with
+    :func:`simplefsdp.engines.parallelize_model` with the family's spec,
     ``mesh`` (default: :func:`job_mesh`), :func:`engine_spec` and, with
-    ``parallel.pp > 1``, :func:`pipeline_spec`; the weights are initialised
-    with the model's ``init_weights`` under the current RNG state.
+    ``parallel.pp > 1``, :func:`pipeline_spec`; a meta model's weights are
+    initialised with the spec's ``init_weights`` under the current RNG state.
     """
-    from simplefsdp.models.llama3.parallelize import parallelize_llama
+    from simplefsdp.models.registry import family_of, get_spec
 
     p = job.parallel
-    if is_moe(job):
-        from simplefsdp.models.moe.parallelize import parallelize_moe
-
-        return parallelize_moe(
-            model, engine_spec(job), mesh if mesh is not None else job_mesh(job, device), device
-        )
     if job.float8.enable:
         convert_to_float8(model, job)
-    return parallelize_llama(
-        model,
-        engine_spec(job),
-        mesh if mesh is not None else job_mesh(job, device),
-        device,
-        pipeline=pipeline_spec(job) if p.pp > 1 else None,
+    options = RecipeOptions(
+        pipeline_spec(job) if p.pp > 1 else None,
         sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel,
+    )
+    return parallelize_model(
+        model,
+        get_spec(family_of(job.model.name)),
+        mesh if mesh is not None else job_mesh(job, device),
+        engine_spec(job),
+        device,
+        options,
     )

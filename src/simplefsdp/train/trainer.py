@@ -44,7 +44,6 @@ from simplefsdp.engines import (
     PipelinedModel,
     clip_grad_norm_,
     comm_device,
-    data_parallel_rank,
     init_distributed,
     lower_mmap_threshold,
     pick_device,
@@ -159,7 +158,7 @@ class Trainer:
         """Build everything; resume from the latest checkpoint if asked to."""
         self.rank, self.world_size = init_distributed(self.device)
         self.mesh = job_mesh(self.job, self.device)
-        self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
+        self.dp_rank, self.dp_size = self.mesh.batch_rank, self.mesh.batch_size
         self._seed()
         self._build_data()
         if self.device.type == "cpu":
@@ -582,10 +581,17 @@ class Trainer:
     # -- the loop ----------------------------------------------------------
 
     def _tokens_per_step(self) -> float:
-        """Tokens per step per rank: a tensor-parallel group's and a pipeline's
-        ranks share their batch (global tokens / world size)."""
-        d, p = self.job.data, self.job.parallel
-        return d.batch_size * d.seq_len * self.job.training.grad_accum_steps / (p.tp * p.pp)
+        """Tokens per step per rank: the ranks of a tensor-parallel, context-parallel
+        or pipeline group share their batch (global tokens / world size)."""
+        d = self.job.data
+        batches = self.mesh.batch_size
+        return (
+            d.batch_size
+            * d.seq_len
+            * self.job.training.grad_accum_steps
+            * batches
+            / (self.world_size)
+        )
 
     def _sync(self) -> None:
         """Wait for queued device work, so wall-clock windows measure it."""

@@ -1,8 +1,12 @@
 """The sections of a ``simplefsdp train`` job config, their choices and :func:`validate_config`.
 
 Pure data and checks: this module imports neither torch nor the rest of
-simplefsdp but the torch-free vocabulary of :mod:`simplefsdp.parallel_dims`,
-so a config can be validated before anything heavy is loaded.
+simplefsdp but the torch-free vocabulary of :mod:`simplefsdp.parallel_dims`
+and the engines' declarations (:mod:`simplefsdp.engines.kinds`), so a config
+can be validated before anything heavy is loaded. The schema owns types and
+ranges and asks the engines what composes; the degrees against the world,
+the model against the layout and the pipeline settings are checked by
+:func:`simplefsdp.train.resolve.resolve` before any process starts.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from simplefsdp.engines.kinds import composition_errors, get_engine
 from simplefsdp.models import LLAMA_MODELS, MOE_MODELS
 from simplefsdp.parallel_dims import (
     AC_MODES,
@@ -22,11 +27,7 @@ from simplefsdp.parallel_dims import (
     COMPILE_BACKENDS,
     DATA_PARALLEL_MODES,
     ENGINES,
-    EP_ENGINES,
     PIPELINE_SCHEDULES,
-    PP_ENGINES,
-    REPLICATE_ONLY_ENGINES,
-    TP_ENGINES,
     ACMode,
     Bucketing,
     CompileBackend,
@@ -41,10 +42,7 @@ __all__ = [
     "MOE_MODELS",
     "LOAD_BALANCE_MODES",
     "ENGINES",
-    "REPLICATE_ONLY_ENGINES",
-    "PP_ENGINES",
     "PP_SCHEDULES",
-    "TP_ENGINES",
     "PARALLEL_MODES",
     "DTYPES",
     "COMPILE_BACKENDS",
@@ -244,6 +242,10 @@ class ParallelConfig:
             others over all ranks. Must divide the data-parallel ranks and
             ``num_experts``; engines ``simplefsdp`` and ``fsdp2``, modes
             ``fully_shard`` and ``replicate``, without ``tp``/``pp``.
+        cp: Context-parallel size: groups of ``cp`` ranks split each
+            sequence; they read the same batch and shard the parameters with
+            the data-parallel ranks (``dp_shard x cp``). Refused above 1 until
+            a model family declares context-parallel attention.
     """
 
     engine: Engine = field(default="simplefsdp", metadata=_choices(ENGINES))
@@ -261,6 +263,7 @@ class ParallelConfig:
     pp_stages_per_rank: int | None = None
     check_ranks: bool = True
     ep: int = 1
+    cp: int = 1
 
 
 @dataclass
@@ -512,36 +515,11 @@ def validate_config(cfg: JobConfig) -> None:
         p.reshard_after_forward,
         "true, false or a group size >= 2",
     )
-    if partial and p.engine not in ("simplefsdp", "fsdp2"):
-        errors.append(
-            f"parallel.reshard_after_forward: invalid value {p.reshard_after_forward!r} with "
-            f"parallel.engine={p.engine!r}; a group size needs engine 'simplefsdp' or 'fsdp2'"
-        )
     check(p.tp >= 1, "parallel.tp", p.tp, ">= 1")
-    if p.tp > 1 and p.engine not in TP_ENGINES:
-        errors.append(
-            f"parallel.engine: invalid value {p.engine!r} with parallel.tp={p.tp}; "
-            f"valid choices with tensor parallelism: {list(TP_ENGINES)}"
-        )
-    if p.tp > 1 and p.sequence_parallel and d.seq_len > 0 and d.seq_len % p.tp:
-        errors.append(
-            f"data.seq_len: invalid value {d.seq_len!r} with parallel.tp={p.tp} and "
-            f"sequence parallelism; must be a multiple of {p.tp} (or set "
-            "parallel.sequence_parallel false)"
-        )
     check(p.pp >= 1, "parallel.pp", p.pp, ">= 1")
-    if p.pp > 1 and p.engine not in PP_ENGINES:
-        errors.append(
-            f"parallel.engine: invalid value {p.engine!r} with parallel.pp={p.pp}; "
-            f"valid choices with pipeline parallelism: {list(PP_ENGINES)}"
-        )
+    check(p.cp >= 1, "parallel.cp", p.cp, ">= 1")
     micro = p.microbatches if p.microbatches is not None else p.pp
     check(micro >= 1, "parallel.microbatches", p.microbatches, ">= 1")
-    if p.pp > 1 and micro >= 1 and d.batch_size > 0 and d.batch_size % micro:
-        errors.append(
-            f"data.batch_size: invalid value {d.batch_size!r} with parallel.microbatches={micro}; "
-            f"must be a multiple of {micro} (each micro-batch gets batch_size / microbatches rows)"
-        )
     interleaved = p.pp_schedule == "interleaved_1f1b"
     if p.pp_stages_per_rank is not None:
         valid = ">= 2 for 'interleaved_1f1b'" if interleaved else f"1 for {p.pp_schedule!r}"
@@ -551,18 +529,19 @@ def validate_config(cfg: JobConfig) -> None:
             p.pp_stages_per_rank,
             valid,
         )
-    if p.engine in REPLICATE_ONLY_ENGINES and p.mode != "replicate":
-        errors.append(
-            f"parallel.mode: invalid value {p.mode!r} for engine {p.engine!r}; "
-            "valid choices: ['replicate']"
+    f8 = cfg.float8
+    if not any(e.startswith("parallel.engine:") for e in errors):
+        errors += composition_errors(
+            p.engine,
+            mode=p.mode,
+            tp=max(p.tp, 1),
+            pp=max(p.pp, 1),
+            ep=max(p.ep, 1),
+            float8=f8.enable,
+            group_reshard=p.reshard_after_forward if partial else False,
+            names=_ENGINE_FLAGS,
         )
 
-    f8 = cfg.float8
-    if f8.enable and p.engine not in ("simplefsdp", "fsdp2"):
-        errors.append(
-            f"parallel.engine: invalid value {p.engine!r} with float8.enable=true; "
-            "valid choices with float8: ['simplefsdp', 'fsdp2']"
-        )
     if f8.enable and importlib.util.find_spec("torchao") is None:
         errors.append(
             'float8.enable: invalid value True without torchao; install it with pip install -e ".[float8]"'
@@ -601,37 +580,26 @@ def validate_config(cfg: JobConfig) -> None:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
 
 
+#: How the schema's messages name the settings the engines check.
+_ENGINE_FLAGS = {
+    "engine": "parallel.engine",
+    "mode": "parallel.mode",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "ep": "parallel.ep",
+    "float8": "float8.enable",
+    "group_reshard": "parallel.reshard_after_forward",
+}
+
+
 def _expert_parallel_errors(cfg: JobConfig) -> list[str]:
     """The mixture-of-experts rules of :func:`validate_config`, one line each
-    (the degrees against the world size are :class:`~simplefsdp.parallel_dims.ParallelDims`')."""
+    (the degrees and the model against the layout: :func:`simplefsdp.train.resolve.resolve`)."""
     m, p = cfg.model, cfg.parallel
     moe = m.name in MOE_MODELS
     errors = []
     if p.ep < 1:
         errors.append(f"parallel.ep: invalid value {p.ep!r}; must be >= 1")
-    # ep > 1 with a model without experts: ParallelDims.validate, on the
-    # configuration a resumed run ends up with (its model, not the default).
-    if p.ep > 1 and p.engine in ENGINES and p.engine not in EP_ENGINES:
-        why = {
-            "simplefsdp_eager": "the eager executor gathers flat buffers of data-parallel shards only",
-            "ddp": "DDP replicates every parameter",
-            "replica": "each rank trains a full copy",
-        }.get(p.engine, "")
-        errors.append(
-            f"parallel.engine: invalid value {p.engine!r} with parallel.ep={p.ep} ({why}); "
-            f"valid choices with expert parallelism: {list(EP_ENGINES)}"
-        )
-    ep_modes = ["fully_shard"] if p.engine == "fsdp2" else ["fully_shard", "replicate"]
-    if p.ep > 1 and p.mode not in ep_modes:
-        errors.append(
-            f"parallel.mode: invalid value {p.mode!r} with parallel.ep={p.ep} and engine "
-            f"{p.engine!r}; valid choices with expert parallelism: {ep_modes}"
-        )
-    if moe and (p.tp > 1 or p.pp > 1):
-        errors.append(
-            f"model.name: invalid value {m.name!r} with parallel.tp={p.tp}, parallel.pp={p.pp}; "
-            "mixture-of-experts models train with data and expert parallelism (tp = pp = 1)"
-        )
     if moe and cfg.checkpoint.init_from_hf is not None:
         errors.append(
             f"checkpoint.init_from_hf: invalid value {cfg.checkpoint.init_from_hf!r} with "
@@ -707,7 +675,7 @@ def config_warnings(job: JobConfig) -> list[str]:
         )
     if (
         not isinstance(p.reshard_after_forward, bool)
-        and p.engine == "simplefsdp"
+        and get_engine(p.engine).fused_buckets
         and not (job.compile.enable)
     ):
         warnings.append(
@@ -722,7 +690,9 @@ def config_warnings(job: JobConfig) -> list[str]:
     if p.tp == 1 and p.loss_parallel:
         warnings.append("parallel.loss_parallel is only used with parallel.tp > 1")
     if job.compile.keep_gathered is not None and (
-        p.engine != "simplefsdp" or not job.compile.enable or not p.reshard_after_forward
+        not get_engine(p.engine).fused_buckets
+        or not job.compile.enable
+        or not p.reshard_after_forward
     ):
         warnings.append(
             "compile.keep_gathered is only used by engine 'simplefsdp' when compiled with "

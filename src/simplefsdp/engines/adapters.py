@@ -36,6 +36,7 @@ in order (as torchtitan's ``parallelize_*`` functions do):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import warnings
@@ -49,13 +50,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines.activation import apply_activation_checkpointing
-from simplefsdp.engines.distributed import split_mesh
+from simplefsdp.engines.kinds import composition_errors, engine_names, get_engine
 from simplefsdp.engines.parallel_model import LossFn, ParallelModel
-from simplefsdp.parallel_dims import ENGINES, EP_ENGINES, TP_ENGINES
+from simplefsdp.layout import Layout, Meshes, meshes_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINES", "TP_ENGINES", "EngineSpec", "parallelize", "torch_passes_patches"]
+__all__ = ["ENGINES", "EngineSpec", "parallelize", "torch_passes_patches"]
+
+#: The training engines' names (:func:`simplefsdp.engines.kinds.engine_names`).
+ENGINES: tuple[str, ...] = engine_names()
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,16 +113,14 @@ class EngineSpec:
             buffers are synced at construction either way.
         tp: tensor-parallel size (1: none). The mesh then needs a ``"tp"``
             dim of this size and :func:`parallelize` a ``tp_fn``; engines
-            :data:`TP_ENGINES` only.
+            with the ``"tp"`` capability only.
         check_ranks: ``data_parallel``'s rank divergence check (simplefsdp
             engines; it runs where a forward is not one compiled graph).
-        ep: expert-parallel size (1: none). The data-parallel mesh given to
-            :func:`parallelize` is then the flattened ``"dp"`` of a
-            ``("dp_shard_mod_ep", "ep")`` mesh
-            (:func:`simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh`):
-            the model's ``experts`` modules get ``ExpertParallel`` on ``"ep"``
-            and their parameters are sharded over ``"dp_shard_mod_ep"``;
-            engines :data:`EP_ENGINES` only.
+        ep: expert-parallel size (1: none). The meshes given to
+            :func:`parallelize` then have an ``ep`` role (``Layout(ep=...)``):
+            the model's ``experts`` modules get ``ExpertParallel`` on it and
+            their parameters are sharded over ``expert_dp``; engines with
+            the ``"ep"`` capability only (:mod:`simplefsdp.engines.kinds`).
         fullgraph: compile each graph whole; ``False`` lets ``torch.compile``
             break the graph (data-dependent token counts of a
             mixture-of-experts layer: its split sizes are read to the host).
@@ -143,32 +145,24 @@ class EngineSpec:
     fullgraph: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"tp must be an int >= 1, got {self.tp!r}")
-        if self.tp > 1 and self.engine not in TP_ENGINES:
-            why = {
-                "simplefsdp_eager": "the eager executor gathers flat buffers of plain shards",
-                "ddp": "use engine 'simplefsdp' with mode 'replicate' for DDP semantics",
-                "replica": "the replica limit trains one full copy per rank",
-            }[self.engine]
-            raise ValueError(
-                f"engine {self.engine!r} does not compose with tensor parallelism (tp={self.tp}; "
-                f"{why}); engines with tp > 1: {', '.join(TP_ENGINES)}"
-            )
-        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
-            raise ValueError(f"ep must be an int >= 1, got {self.ep!r}")
-        if self.ep > 1 and (self.engine not in EP_ENGINES or self.tp > 1):
-            raise ValueError(
-                f"engine {self.engine!r} with tp={self.tp} does not compose with expert "
-                f"parallelism (ep={self.ep}); engines with ep > 1: {', '.join(EP_ENGINES)}, "
-                "tp 1"
-            )
+        get_engine(self.engine)
+        for key in ("tp", "ep"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+        errors = composition_errors(
+            self.engine,
+            tp=self.tp,
+            ep=self.ep,
+            torch_passes=self.torch_passes,
+            group_reshard=not isinstance(self.reshard_after_forward, bool),
+        )
+        if self.ep > 1:
+            errors += Layout(tp=self.tp, ep=self.ep).validate(self.tp * self.ep)
+        if errors:
+            raise ValueError("; ".join(errors) if len(errors) > 1 else errors[0])
         dtype_from_name(self.param_dtype)
         dtype_from_name(self.reduce_dtype)
-        if self.torch_passes and self.engine != "simplefsdp":
-            raise ValueError(f"torch_passes applies to engine 'simplefsdp', not {self.engine!r}")
 
     def describe(self) -> str:
         """One line for logs: engine, mode and compilation."""
@@ -429,33 +423,30 @@ _ADAPTERS = {
 }
 
 
-def _apply_expert_parallel(model: nn.Module, dp_mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """``ExpertParallel`` on the ``"ep"`` dim of ``dp_mesh``'s root for every
-    ``experts`` module of ``model``; returns the experts' data-parallel mesh."""
-    from simplefsdp._compat import root_mesh
-    from simplefsdp.frontend.expert_parallel import apply_expert_parallel
+def _meshes(mesh: DeviceMesh | Meshes, ep: int) -> Meshes:
+    """The roles of ``mesh``; a flattened data-parallel mesh of an expert-parallel
+    ``("dp_shard_mod_ep", "ep")`` mesh reads its experts' meshes from its root."""
+    if isinstance(mesh, Meshes):
+        return mesh
+    meshes = meshes_of(mesh)
+    if ep > 1 and meshes.ep is None:
+        from simplefsdp._compat import root_mesh
 
-    root = root_mesh(dp_mesh)
-    names = root.mesh_dim_names or ()
-    if "ep" not in names or "dp_shard_mod_ep" not in names or root["ep"].size() != ep:
-        raise ValueError(
-            f"spec.ep={ep} needs the 'dp' mesh of build_expert_parallel_mesh(..., ep={ep}); "
-            f"got a mesh whose root is {names} {tuple(root.shape)}"
-        )
-    applied = apply_expert_parallel(model, root["ep"])
-    if not applied:
-        raise ValueError(
-            f"spec.ep={ep} but {type(model).__name__} has no submodule named 'experts' to "
-            "shard over the expert-parallel ranks"
-        )
-    logger.info("expert parallelism (ep %d) on %d experts modules", ep, len(applied))
-    return root["dp_shard_mod_ep"]
+        root = root_mesh(mesh)
+        names = root.mesh_dim_names or ()
+        if "ep" not in names or "dp_shard_mod_ep" not in names:
+            raise ValueError(
+                f"spec.ep={ep} needs a mesh with expert-parallel dims (Layout(ep={ep}).build()); "
+                f"got a mesh whose root is {names} {tuple(root.shape)}"
+            )
+        meshes = dataclasses.replace(meshes, ep=root["ep"], expert_dp=root["dp_shard_mod_ep"])
+    return meshes
 
 
 def parallelize(
     model: nn.Module,
     spec: EngineSpec,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | Meshes,
     device: torch.device,
     *,
     init_fn: InitFn | None = None,
@@ -467,10 +458,10 @@ def parallelize(
     Args:
         model: any module; on the meta device or with real tensors.
         spec: what to apply.
-        mesh: the job's mesh (``simplefsdp.engines.build_mesh``): data-parallel
-            dims, then a ``"tp"`` dim when ``spec.tp > 1``; with ``spec.ep > 1``
-            the flattened ``"dp"`` mesh of
-            ``simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh``.
+        mesh: the job's meshes (``Layout(...).build(device_type)``), or its
+            world mesh (roles read by :func:`simplefsdp.layout.meshes_of`):
+            parameters are sharded over ``fsdp``, TP applied on ``tp``, the
+            experts parallelised over ``ep`` and sharded over ``expert_dp``.
         device: the training device.
         init_fn: initialises a meta-device model in place after sharding
             (e.g. ``lambda m: m.init_weights()``); required for meta models.
@@ -486,12 +477,21 @@ def parallelize(
             ``spec.ep > 1`` on a model without ``experts`` modules, or invalid
             settings (the engines' own errors).
     """
-    dp_mesh, tp_mesh = split_mesh(mesh)
+    meshes = _meshes(mesh, spec.ep)
+    tp_mesh = meshes.tp
     tp_size = tp_mesh.size() if tp_mesh is not None else 1
     if tp_size != spec.tp:
         raise ValueError(
-            f"the mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} has a tensor-parallel size of "
-            f"{tp_size} but spec.tp is {spec.tp}; build it with build_mesh(..., tp={spec.tp})"
+            f"the mesh {meshes.world.mesh_dim_names} {tuple(meshes.world.shape)} has a "
+            f"tensor-parallel size of {tp_size} but spec.tp is {spec.tp}; build it with "
+            f"Layout(tp={spec.tp})"
+        )
+    ep_size = meshes.ep.size() if meshes.ep is not None else 1
+    if ep_size != spec.ep:
+        raise ValueError(
+            f"the mesh {meshes.world.mesh_dim_names} {tuple(meshes.world.shape)} has an "
+            f"expert-parallel size of {ep_size} but spec.ep is {spec.ep}; build it with "
+            f"Layout(ep={spec.ep})"
         )
     if spec.tp > 1 and tp_fn is None:
         raise ValueError(
@@ -504,12 +504,21 @@ def parallelize(
         tp_fn(model, tp_mesh)
     expert_mesh = None
     if spec.ep > 1:
-        expert_mesh = _apply_expert_parallel(model, dp_mesh, spec.ep)
+        from simplefsdp.frontend.expert_parallel import apply_expert_parallel
+
+        applied = apply_expert_parallel(model, meshes.ep)
+        if not applied:
+            raise ValueError(
+                f"spec.ep={spec.ep} but {type(model).__name__} has no submodule named 'experts' "
+                "to shard over the expert-parallel ranks"
+            )
+        logger.info("expert parallelism (ep %d) on %d experts modules", spec.ep, len(applied))
+        expert_mesh = meshes.expert_dp
     apply_activation_checkpointing(model, spec.activation_checkpoint)
     if expert_mesh is not None:
-        parallel = _ADAPTERS[spec.engine](model, spec, dp_mesh, device, init_fn, expert_mesh)
+        parallel = _ADAPTERS[spec.engine](model, spec, meshes.fsdp, device, init_fn, expert_mesh)
     else:
-        parallel = _ADAPTERS[spec.engine](model, spec, dp_mesh, device, init_fn)
+        parallel = _ADAPTERS[spec.engine](model, spec, meshes.fsdp, device, init_fn)
     parallel.tp_mesh = tp_mesh
     parallel.loss_fn = loss_fn
     logger.info("parallelized with %s", spec.describe())
