@@ -68,8 +68,11 @@ def test_for_data_parallel_modes():
         dp_replicate=4, dp_shard=1
     )
     assert Layout.for_data_parallel("hybrid_shard", 8, local_world_size=4) == Layout(
-        dp_replicate=2, dp_shard=4
+        dp_replicate=2, dp_shard=4, hybrid=True
     )
+    # one replica still gets its dim: hybrid sharding runs on a 2-D mesh
+    one = Layout.for_data_parallel("hybrid_shard", 2, mesh_shape=[1, 2])
+    assert one.mesh_dims() == (("dp_replicate", "dp_shard"), (1, 2))
     with pytest.raises(ValueError, match=r"mesh_shape \[2, 2\] needs 4 ranks"):
         Layout.for_data_parallel("hybrid_shard", 8, mesh_shape=[2, 2])
 

@@ -63,6 +63,8 @@ class Layout:
         tp: tensor-parallel degree (innermost).
         pp: pipeline-parallel degree (outermost).
         ep: expert-parallel degree, borrowed from ``dp_shard x cp``.
+        hybrid: hybrid sharding was asked for: the world mesh keeps its
+            ``dp_replicate`` dim (and the FSDP mesh is 2-D) even at one replica.
     """
 
     dp_replicate: int = 1
@@ -71,6 +73,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    hybrid: bool = False
 
     # ------------------------------------------------------------------ derived sizes
 
@@ -278,7 +281,7 @@ class Layout:
                 f"parallel.mesh_shape {list(shape)} {needs} but {have}; "
                 f"valid shapes for {dp} ranks: {valid}"
             )
-        return cls(dp_replicate=shape[0], dp_shard=shape[1], **degrees)
+        return cls(dp_replicate=shape[0], dp_shard=shape[1], hybrid=True, **degrees)
 
     def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The names and sizes of the world mesh's dims (resolved layouts only).
@@ -297,7 +300,7 @@ class Layout:
 
         if self.pp > 1:
             add("pp", self.pp)
-        if self.dp_replicate > 1:
+        if self.dp_replicate > 1 or self.hybrid:
             add("dp_replicate", self.dp_replicate)
         if self.ep > 1:
             inner = self.ep // self.cp

@@ -111,7 +111,10 @@ def job_errors(
         engine,
         mode=p.mode,
         float8=job.float8.enable,
-        group_reshard=p.reshard_after_forward,
+        # an int N regathers over groups of N ranks; true/false is not a group size
+        group_reshard=(
+            False if isinstance(p.reshard_after_forward, bool) else p.reshard_after_forward
+        ),
         seq_len=d.seq_len,
         sequence_parallel=p.sequence_parallel,
         batch=d.batch_size,
