@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from simplefsdp.models.llama3 import BYTE_VOCAB_SIZE
+from simplefsdp.models.llama3.configs import BYTE_VOCAB_SIZE
 
 from .args import MoEArgs
 
