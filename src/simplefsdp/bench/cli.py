@@ -52,7 +52,6 @@ from simplefsdp.bench.report import (
     write_json,
     write_png,
 )
-from simplefsdp.models import MOE_MODELS
 from simplefsdp.parallel_dims import ParallelDims, oversubscription_warning
 
 EXIT_CONFIG_ERROR = 2
@@ -204,12 +203,12 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     if args.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     microbatches = args.microbatches if args.microbatches is not None else args.pp
-    if workload.model in MOE_MODELS:
+    if _has_experts(workload.model):
         _check_moe_layout(nproc, args.tp, args.pp, args.ep, workload)
     else:
-        from simplefsdp.models.llama3 import get_config
+        from simplefsdp.models.registry import resolve_flavor
 
-        get_config(workload.model, **workload.model_overrides)  # validates names and fields
+        resolve_flavor(workload.model, **workload.model_overrides)  # validates names and fields
         if args.ep != 1:
             raise ValueError(
                 f"--ep {args.ep} applies to mixture-of-experts models (--workload moe); "
@@ -229,6 +228,17 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         param_dtype=None if args.param_dtype in (None, "float32") else args.param_dtype,
         ep=args.ep,
     )
+
+
+def _has_experts(flavor: str) -> bool:
+    """Flavor ``flavor``'s family has expert parallelism (a mixture of experts).
+
+    Raises:
+        ValueError: an unknown flavor (one line, did-you-mean).
+    """
+    from simplefsdp.models.registry import spec_of
+
+    return spec_of(flavor).supports("ep")
 
 
 def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> None:
@@ -270,12 +280,13 @@ def _check_layout(
 ) -> None:
     """The degrees against the ranks and the workload's model (:meth:`ParallelDims.validate`).
 
-    The bench runs the Llama 3 TP plan with sequence parallelism, and raises
-    the model's ``max_seq_len`` to the workload's sequence where it is shorter.
+    The model's rules are its spec's ``validate``. The bench runs the TP plan
+    with sequence parallelism, and raises the model's ``max_seq_len`` to the
+    workload's sequence where it is shorter.
     """
-    from simplefsdp.models.llama3 import get_config
+    from simplefsdp.models.registry import resolve_flavor
 
-    args = get_config(workload.model, **workload.model_overrides)
+    model_spec, args = resolve_flavor(workload.model, **workload.model_overrides)
     if workload.seq_len > args.max_seq_len:  # as the workers' build_model does
         args = args.replace(max_seq_len=workload.seq_len)
     pipelined = pp > 1
@@ -286,14 +297,17 @@ def _check_layout(
         microbatches=microbatches if pipelined else 1,
         pp_schedule=schedule,
     )
-    dims.validate(
+    dims.validate(None, batch=workload.batch_size, names=_LAYOUT_NAMES)
+    errors = model_spec.validate(
         args,
-        batch=workload.batch_size,
+        dims,
         seq_len=workload.seq_len,
         sequence_parallel=True,
         model_name=workload.model,
         names=_LAYOUT_NAMES,
     )
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
@@ -471,7 +485,7 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
         "tp": spec.tp,
         "pp": spec.pp,
         "ep": spec.ep,
-        "moe": workload.model in MOE_MODELS,
+        "moe": _has_experts(workload.model),
         "pp_schedule": spec.pp_schedule if spec.pp > 1 else None,
         "microbatches": spec.microbatches if spec.pp > 1 else None,
         "grad_accum": spec.grad_accum,
@@ -519,7 +533,7 @@ def run_bench(
     # The comm-only replay models data-parallel flat buffers over all ranks;
     # with tensor or pipeline parallelism that is not the step's communication.
     # Nor, for a mixture of experts, expert parameters on their own mesh.
-    plain = spec.tp == 1 and spec.pp == 1 and spec.workload.model not in MOE_MODELS
+    plain = spec.tp == 1 and spec.pp == 1 and not _has_experts(spec.workload.model)
     extra = [(0, COMM_ONLY)] if plain else []
     launches = [*_launch_order(configs, rounds), *extra]
     failed: set[str] = set()
@@ -592,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The configurations first: their errors need no torch.
         model = args.model or get_workload(args.workload).model
-        configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp, moe=model in MOE_MODELS)
+        configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp, moe=_has_experts(model))
         spec = build_spec(args)
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")

@@ -48,7 +48,6 @@ from simplefsdp.bench.measure import (
     state_bytes,
     timed,
 )
-from simplefsdp.bench.moe import is_moe_model
 from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines import (
     MemoryProbe,
@@ -108,21 +107,28 @@ def build_model(workload: Workload, seed: int, *, float8: bool = False) -> nn.Mo
     all-gathers, the output layer left out), after the initialisation, so
     the float8 model starts from the same weights as the others.
     """
-    from simplefsdp.bench.moe import build_moe_model
-    from simplefsdp.models.llama3 import Transformer, get_config
+    from simplefsdp.models.registry import resolve_flavor
 
-    if is_moe_model(workload.model):
-        return build_moe_model(workload.model, workload.model_overrides, workload.seq_len, seed)
     overrides = dict(workload.model_overrides)
-    if workload.seq_len > get_config(workload.model, **overrides).max_seq_len:
-        overrides["max_seq_len"] = workload.seq_len
+    model_spec, config = resolve_flavor(workload.model, **overrides)
+    if workload.seq_len > config.max_seq_len:
+        config = config.replace(max_seq_len=workload.seq_len)
     torch.manual_seed(seed)
-    model = Transformer(get_config(workload.model, **overrides))
+    model = model_spec.build(config)
     if float8:
         from simplefsdp.frontend.float8 import convert_linears_to_float8
 
-        convert_linears_to_float8(model)
+        convert_linears_to_float8(
+            model, filter_fqns=",".join(["output", *model_spec.float8_skip_fqns])
+        )
     return model
+
+
+def _has_experts(flavor: str) -> bool:
+    """The flavor's family has expert parallelism (a mixture of experts)."""
+    from simplefsdp.models.registry import spec_of
+
+    return spec_of(flavor).supports("ep")
 
 
 def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> list[Batch]:
@@ -189,7 +195,7 @@ def _parallelize(
     from simplefsdp.bench.moe import parallelize_moe
     from simplefsdp.models.llama3.parallelize import parallelize_llama
 
-    if is_moe_model(spec.workload.model):
+    if _has_experts(spec.workload.model):
         return parallelize_moe(config, model, spec.ep, device, spec.param_dtype)
 
     pipeline = None
@@ -235,7 +241,7 @@ def _run_training(
     pipe = parallel if isinstance(parallel, PipelinedModel) else None  # for its bubble times
     forward_backward = functools.partial(_forward_backward, parallel, device=device)
     after = parallel.after_optimizer_step  # FSDP2's float8 scales
-    if is_moe_model(workload.model):
+    if _has_experts(workload.model):
         from simplefsdp.bench.moe import update_routing
 
         def after() -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "flavor_names",
     "get_spec",
     "resolve_flavor",
+    "spec_for_config",
     "spec_of",
 ]
 
@@ -126,6 +127,23 @@ def get_spec(family: str) -> ModelSpec:
 def spec_of(flavor: str) -> ModelSpec:
     """The :class:`~simplefsdp.models.spec.ModelSpec` of flavor ``flavor``'s family."""
     return get_spec(family_of(flavor))
+
+
+def spec_for_config(config: Any) -> ModelSpec:
+    """The :class:`~simplefsdp.models.spec.ModelSpec` whose ``config_type`` is
+    the type of ``config`` (imports every family).
+
+    Raises:
+        ValueError: no family has that configuration type.
+    """
+    for family in _FAMILIES:
+        spec = get_spec(family)
+        if type(config) is spec.config_type:
+            return spec
+    raise ValueError(
+        f"no model family has configuration type {type(config).__name__}; "
+        f"families: {', '.join(_FAMILIES)}"
+    )
 
 
 def resolve_flavor(flavor: str, **overrides: Any) -> tuple[ModelSpec, Any]:

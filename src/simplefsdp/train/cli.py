@@ -226,8 +226,10 @@ _LAYOUT_NAMES = {
 
 
 def _check_layout(job: JobConfig, world_size: int) -> None:
-    """The parallel degrees against the world size and the model (:meth:`ParallelDims.validate`)."""
-    from simplefsdp.train.parallelism import model_config
+    """The parallel degrees against the world size (:meth:`ParallelDims.validate`)
+    and the model against them and the job's features (its spec's
+    ``validate`` and capabilities), every model error at once."""
+    from simplefsdp.train.parallelism import model_config, model_spec
 
     m, p = job.model, job.parallel
     overrides = {
@@ -235,16 +237,7 @@ def _check_layout(job: JobConfig, world_size: int) -> None:
         for key, value in (("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len))
         if value is not None
     }
-    args = model_config(job, **overrides)
-    if getattr(args, "attention", "gqa") != "gqa":
-        from simplefsdp.models.moe import MOE_CONFIGS
-
-        built = [name for name, a in MOE_CONFIGS.items() if a.attention == "gqa"]
-        raise ValueError(
-            f"model.name {m.name!r} uses multi-head latent attention, which simplefsdp plan "
-            f"counts but train does not build; trainable mixture-of-experts models: "
-            f"{', '.join(built)}"
-        )
+    spec, args = model_spec(job), model_config(job, **overrides)
     pipelined = p.pp > 1
     dims = ParallelDims(
         world_size,
@@ -255,9 +248,10 @@ def _check_layout(job: JobConfig, world_size: int) -> None:
         pp_schedule=p.pp_schedule,
         stages_per_rank=p.pp_stages_per_rank if pipelined else None,
     )
-    dims.validate(
+    dims.validate(None, batch=job.data.batch_size, names=_LAYOUT_NAMES)
+    errors = spec.validate(
         args,
-        batch=job.data.batch_size,
+        dims,
         seq_len=job.data.seq_len,
         sequence_parallel=p.sequence_parallel,
         # the vocabulary is only known here when given (else it is the tokenizer's)
@@ -265,6 +259,21 @@ def _check_layout(job: JobConfig, world_size: int) -> None:
         model_name=m.name,
         names=_LAYOUT_NAMES,
     )
+    used = {
+        "tp": ("parallel.tp", p.tp > 1),
+        "pp": ("parallel.pp", p.pp > 1),
+        "ep": ("parallel.ep", p.ep > 1),
+        "float8": ("float8.enable", job.float8.enable),
+        "hf": ("checkpoint.init_from_hf", job.checkpoint.init_from_hf is not None),
+    }
+    for capability, (key, on) in used.items():
+        if on and not spec.supports(capability):
+            errors.append(
+                f"{key} is not supported by the {spec.family!r} model family of model.name "
+                f"{m.name!r} (it supports: {', '.join(sorted(spec.capabilities)) or 'none'})"
+            )
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
 def _configure_logging(rank: int) -> None:

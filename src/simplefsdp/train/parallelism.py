@@ -1,16 +1,15 @@
 """How a training job maps onto the engine layer: its mesh, spec and model.
 
 ``simplefsdp train``'s parallel, compile and activation-checkpoint sections
-become one :class:`~simplefsdp.engines.EngineSpec`; ``parallel.tp > 1`` adds
-the Llama 3 tensor-parallel plan, ``parallel.pp > 1`` splits the model into
-pipeline stages (:func:`simplefsdp.models.llama3.pipeline_split`) run by
-torch's schedules (:class:`~simplefsdp.engines.PipelinedModel`): the one
-Llama 3 recipe, :func:`simplefsdp.models.llama3.parallelize.parallelize_llama`,
-which the benchmark runs too. A mixture-of-experts model (``model.name`` in
-:data:`~simplefsdp.train.config.schema.MOE_MODELS`) takes
-:func:`simplefsdp.models.moe.parallelize.parallelize_moe` instead, with
-``parallel.ep > 1`` on the ``("dp_shard_mod_ep", "ep")`` mesh of
-:func:`simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh`.
+become one :class:`~simplefsdp.engines.EngineSpec`; what is the model's comes
+from its family's :class:`~simplefsdp.models.spec.ModelSpec` (found from
+``model.name`` through :mod:`simplefsdp.models.registry`): ``parallel.tp > 1``
+applies ``spec.tensor_parallel``, ``parallel.pp > 1`` splits the model with
+``spec.pipeline_split`` into stages run by torch's schedules
+(:class:`~simplefsdp.engines.PipelinedModel`), ``parallel.ep > 1`` shards the
+``experts`` modules on the ``("dp_shard_mod_ep", "ep")`` mesh of
+:func:`simplefsdp.frontend.expert_parallel.build_expert_parallel_mesh`, and
+``spec.loss``/``spec.init_weights``/``spec.fullgraph`` fill in the rest.
 """
 
 from __future__ import annotations
@@ -29,11 +28,10 @@ from simplefsdp.engines import (
     build_mesh,
 )
 from simplefsdp.train.config import JobConfig
-from simplefsdp.train.config.schema import MOE_MODELS
 
 __all__ = [
     "engine_spec",
-    "is_moe",
+    "model_spec",
     "job_mesh",
     "keep_gathered_option",
     "model_config",
@@ -112,49 +110,56 @@ def job_mesh(job: JobConfig, device: torch.device) -> DeviceMesh:
     )
 
 
-def convert_to_float8(model: torch.nn.Module, job: JobConfig) -> torch.nn.Module:
+def convert_to_float8(
+    model: torch.nn.Module, job: JobConfig, skip: tuple[str, ...] = ()
+) -> torch.nn.Module:
     """Swap ``model``'s linear layers for torchao ``Float8Linear`` as ``job.float8`` says.
 
     ``tensorwise``: dynamic tensorwise scaling with float8 all-gathers
     (Note: [Float8 all-gather]); ``rowwise``: torchao's rowwise recipe (the
     weights gather in ``param_dtype``, as under FSDP2). Skipped: modules whose
-    name contains one of ``float8.filter_fqns`` and layers whose dims are not
-    multiples of 16 (torchtitan's filter). Works on a meta-device model.
+    name contains one of ``float8.filter_fqns`` or of ``skip`` (the model
+    family's ``float8_skip_fqns``) and layers whose dims are not multiples of
+    16 (torchtitan's filter). Works on a meta-device model.
 
     Raises:
         ValueError: torchao is not installed (one line naming the extra).
     """
     from simplefsdp import convert_linears_to_float8
 
-    return convert_linears_to_float8(model, job.float8.recipe, job.float8.filter_fqns)
+    filter_fqns = ",".join([job.float8.filter_fqns, *skip])
+    return convert_linears_to_float8(model, job.float8.recipe, filter_fqns)
 
 
-# --------------------------------------------------------------------------- MoE models
+# --------------------------------------------------------------------------- the model
 
 
-def is_moe(job: JobConfig) -> bool:
-    """``model.name`` is a mixture-of-experts configuration."""
-    return job.model.name in MOE_MODELS
+def model_spec(job: JobConfig) -> Any:
+    """The :class:`~simplefsdp.models.spec.ModelSpec` of ``model.name``'s family."""
+    from simplefsdp.models.registry import spec_of
+
+    return spec_of(job.model.name)
 
 
 def model_config(job: JobConfig, **overrides: Any) -> Any:
-    """The model arguments ``model.name`` names (Llama 3 ``ModelArgs`` or ``MoEArgs``).
+    """The configuration ``model.name`` names (its family's config type).
 
     Args:
-        job: the job (``model.name``; ``model.load_balance`` for MoE models).
+        job: the job (``model.name``; ``model.load_balance`` where the
+            configuration has that field).
         **overrides: fields to replace (``vocab_size``, ``max_seq_len``).
 
     Raises:
         ValueError: an invalid resulting configuration.
     """
-    if not is_moe(job):
-        from simplefsdp.models.llama3 import get_config
+    import dataclasses
 
-        return get_config(job.model.name, **overrides)
-    from simplefsdp.models.moe import get_config as moe_config
+    from simplefsdp.models.registry import resolve_flavor
 
-    overrides.setdefault("load_balance", job.model.load_balance)
-    return moe_config(job.model.name, **overrides)
+    spec = model_spec(job)
+    if "load_balance" in {f.name for f in dataclasses.fields(spec.config_type)}:
+        overrides.setdefault("load_balance", job.model.load_balance)
+    return resolve_flavor(job.model.name, **overrides)[1]
 
 
 def parallelize_job(
@@ -163,30 +168,42 @@ def parallelize_job(
     device: torch.device,
     mesh: DeviceMesh | None = None,
 ) -> ParallelModel | PipelinedModel:
-    """Parallelise a Llama 3 or MoE model built on the meta device as ``job`` says.
+    """Parallelise a model built on the meta device as ``job`` says.
 
-    :func:`simplefsdp.models.llama3.parallelize.parallelize_llama` with
-    ``mesh`` (default: :func:`job_mesh`), :func:`engine_spec` and, with
-    ``parallel.pp > 1``, :func:`pipeline_spec`; the weights are initialised
-    with the model's ``init_weights`` under the current RNG state.
+    The model's family spec supplies the tensor-parallel plan, the pipeline
+    split, the initialisation, the loss and whether a compiled forward is
+    one graph; ``mesh`` defaults to :func:`job_mesh`, the engine spec to
+    :func:`engine_spec` and, with ``parallel.pp > 1``, the pipeline to
+    :func:`pipeline_spec`. The weights are initialised with the spec's
+    ``init_weights`` under the current RNG state.
     """
-    from simplefsdp.models.llama3.parallelize import parallelize_llama
+    import dataclasses
+    import functools
+
+    from simplefsdp.engines import parallelize, parallelize_pipeline
 
     p = job.parallel
-    if is_moe(job):
-        from simplefsdp.models.moe.parallelize import parallelize_moe
-
-        return parallelize_moe(
-            model, engine_spec(job), mesh if mesh is not None else job_mesh(job, device), device
-        )
+    spec = model_spec(job)
+    engine = engine_spec(job)
+    if not spec.fullgraph:
+        engine = dataclasses.replace(engine, fullgraph=False)
     if job.float8.enable:
-        convert_to_float8(model, job)
-    return parallelize_llama(
-        model,
-        engine_spec(job),
-        mesh if mesh is not None else job_mesh(job, device),
-        device,
-        pipeline=pipeline_spec(job) if p.pp > 1 else None,
-        sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel,
-    )
+        convert_to_float8(model, job, skip=spec.float8_skip_fqns)
+    tp_fn = None
+    if p.tp > 1:
+        tp_fn = functools.partial(
+            spec.tensor_parallel,
+            sequence_parallel=p.sequence_parallel,
+            loss_parallel=p.loss_parallel,
+        )
+    kwargs = {
+        "init_fn": lambda m: spec.init_weights(m, device),
+        "tp_fn": tp_fn,
+        "loss_fn": spec.loss,
+    }
+    mesh = mesh if mesh is not None else job_mesh(job, device)
+    if p.pp > 1:
+        return parallelize_pipeline(
+            model, engine, pipeline_spec(job), mesh, device, split_fn=spec.pipeline_split, **kwargs
+        )
+    return parallelize(model, engine, mesh, device, **kwargs)

@@ -10,14 +10,16 @@ rank applies the same update and the buffers stay replicated.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from .moe import MoE
 
-__all__ = ["ExpertLoad", "expert_load", "update_expert_bias"]
+__all__ = ["ExpertLoad", "expert_load", "expert_load_metrics", "update_expert_bias"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,22 @@ def expert_load(model: nn.Module, process_group=None) -> list[ExpertLoad]:
     return [
         ExpertLoad(name, tuple(c.tolist())) for (name, _), c in zip(layers, counts, strict=True)
     ]
+
+
+def expert_load_metrics(loads: Sequence[ExpertLoad]) -> dict[str, Any]:
+    """The metrics of one step's expert loads (one ``ExpertLoad`` per MoE layer).
+
+    Returns:
+        ``moe_imbalance``: the largest ``max / mean`` tokens per expert over
+        the layers (1.0: balanced), and ``moe_layers``: per layer name,
+        ``tokens_per_expert`` (a list) and its ``imbalance``.
+    """
+    layers = {
+        load.name: {
+            "tokens_per_expert": [int(c) for c in load.tokens_per_expert],
+            "imbalance": round(load.imbalance, 4),
+        }
+        for load in loads
+    }
+    worst = max((entry["imbalance"] for entry in layers.values()), default=None)
+    return {"moe_imbalance": worst, "moe_layers": layers}

@@ -2,6 +2,11 @@
 implementation (:mod:`simplefsdp.models.common.load_balance`) under the
 family's name."""
 
-from simplefsdp.models.common.load_balance import ExpertLoad, expert_load, update_expert_bias
+from simplefsdp.models.common.load_balance import (
+    ExpertLoad,
+    expert_load,
+    expert_load_metrics,
+    update_expert_bias,
+)
 
-__all__ = ["ExpertLoad", "expert_load", "update_expert_bias"]
+__all__ = ["ExpertLoad", "expert_load", "expert_load_metrics", "update_expert_bias"]
