@@ -30,9 +30,12 @@ from simplefsdp.parallel_dims import ParallelDims
         (["--nproc", "4", "--parallel.ep", "2", "--parallel.mode", "hybrid_shard"],
          "parallel.mode: invalid value 'hybrid_shard' with parallel.ep=2"),
         (["--nproc", "4", "--parallel.tp", "2"],
-         "model.name: invalid value 'moe_debug' with parallel.tp=2"),
+         "parallel.tp 2 with compile.enable true: model.name 'moe_debug' compiles with graph "
+         "breaks"),
+        (["--nproc", "4", "--parallel.tp", "2", "--parallel.ep", "2"],
+         "parallel.ep 2 with parallel.tp 2, parallel.pp 1: expert parallelism composes"),
         (["--nproc", "2", "--model", "deepseek_v3_16b"],
-         "model.name 'deepseek_v3_16b' uses multi-head latent attention"),
+         "model 'deepseek_v3_16b' uses attention='mla' (multi-head latent attention)"),
         (["--nproc", "2", "--parallel.ep", "0"], "parallel.ep: invalid value 0; must be >= 1"),
     ],
 )  # fmt: skip

@@ -272,6 +272,14 @@ def _check_layout(job: JobConfig, world_size: int) -> None:
                 f"{key} is not supported by the {spec.family!r} model family of model.name "
                 f"{m.name!r} (it supports: {', '.join(sorted(spec.capabilities)) or 'none'})"
             )
+    if p.tp > 1 and job.compile.enable and not spec.fullgraph:
+        # Note: a DTensor graph split by graph breaks fails in AOTAutograd
+        # ("Mixing fake modes"); tensor parallelism of such a model runs eager.
+        errors.append(
+            f"parallel.tp {p.tp} with compile.enable true: model.name {m.name!r} compiles with "
+            "graph breaks, which tensor parallelism does not support; use compile.enable false "
+            "or parallel.tp 1"
+        )
     if errors:
         raise ValueError("; ".join(errors))
 
