@@ -291,7 +291,7 @@ class ParallelDims:
         if args is not None and not num_experts:
             raise ValueError(
                 f"{n['ep']} {ep}: expert parallelism needs a model with experts and {model} has "
-                "none; valid: 1, or a mixture-of-experts model (e.g. moe_debug)"
+                "none; valid: 1, or a mixture-of-experts model"
             )
         if self.tp > 1 or self.pp > 1:
             raise ValueError(

@@ -24,8 +24,8 @@ from simplefsdp.checkpoint.hf import (
     model_args_from_hf_config,
     save_hf_checkpoint,
 )
-from simplefsdp.models.llama3.hf_adapter import from_hf_name, to_hf_name
 from simplefsdp.models.llama3 import ModelArgs, RopeScaling, Transformer
+from simplefsdp.models.llama3.hf_adapter import from_hf_name, to_hf_name
 
 ARGS = ModelArgs(
     dim=32,

@@ -124,8 +124,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=None,
-        help="llama3 config name (debug, small, ...) or, with --workload moe, a moe one "
-        "(moe_debug, moe_small)",
+        help="the model flavor (default: the workload's; simplefsdp.models.registry lists "
+        "them); a mixture of experts with --workload moe",
     )
     parser.add_argument(
         "--model-override",

@@ -190,27 +190,41 @@ def _train_step(
 def _parallelize(
     config: BenchConfig, spec: BenchSpec, model: nn.Module, mesh: DeviceMesh, device
 ) -> ParallelModel | PipelinedModel:
-    """The Llama 3 recipe of ``simplefsdp train`` (sequence parallel on, loss
-    parallel off), or for a mixture of experts Note: [Bench MoE recipes]."""
+    """The recipe of ``simplefsdp train`` with the model spec's hooks (sequence
+    parallel on, loss parallel off), or for a mixture of experts Note: [Bench
+    MoE recipes]."""
+    import functools
+
     from simplefsdp.bench.moe import parallelize_moe
-    from simplefsdp.models.llama3.parallelize import parallelize_llama
+    from simplefsdp.engines import parallelize, parallelize_pipeline
+    from simplefsdp.models.registry import spec_of
 
     if _has_experts(spec.workload.model):
         return parallelize_moe(config, model, spec.ep, device, spec.param_dtype)
-
-    pipeline = None
+    model_spec = spec_of(spec.workload.model)
+    engine = config.engine_spec(spec.tp, spec.param_dtype)
+    kwargs = {
+        "init_fn": lambda m: model_spec.init_weights(m, device),
+        "tp_fn": functools.partial(model_spec.tensor_parallel, sequence_parallel=True)
+        if spec.tp > 1
+        else None,
+        "loss_fn": model_spec.loss,
+    }
     if spec.pp > 1:
         pipeline = PipelineSpec(
             spec.pp, spec.pp_schedule, microbatches=spec.microbatches or spec.pp
         )
-    return parallelize_llama(
-        model,
-        config.engine_spec(spec.tp, spec.param_dtype),
-        mesh,
-        device,
-        pipeline=pipeline,
-        measure_times=True,
-    )
+        return parallelize_pipeline(
+            model,
+            engine,
+            pipeline,
+            mesh,
+            device,
+            split_fn=model_spec.pipeline_split,
+            measure_times=True,
+            **kwargs,
+        )
+    return parallelize(model, engine, mesh, device, **kwargs)
 
 
 def _run_training(

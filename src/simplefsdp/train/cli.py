@@ -86,8 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         metavar="NAME",
-        help="the model to train: --model.name NAME (a Llama 3 or mixture-of-experts "
-        "configuration, e.g. debug, moe_debug)",
+        help="the model to train: --model.name NAME (a flavor of a registered model "
+        "family; see --print-config for the valid names)",
     )
     parser.add_argument(
         "--nproc",
