@@ -10,6 +10,7 @@ rank applies the same update and the buffers stay replicated.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,16 +48,50 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def _global_counts(layers: list[tuple[str, MoE]], process_group) -> list[torch.Tensor]:
-    """Each layer's counts, summed over ``process_group`` in one all-reduce."""
-    if not layers:
-        return []
-    stacked = torch.stack([m.tokens_per_expert.detach().float() for _, m in layers])  # (L, E)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _decoder_args(model: nn.Module) -> Any:
+    """The configuration of the decoder (or of a pipeline stage) in ``model``."""
+    for module in model.modules():
+        args = getattr(module, "args", None)
+        if hasattr(args, "num_experts") and hasattr(args, "n_layers"):
+            return args
+    return None
+
+
+def _global_counts(
+    model: nn.Module, layers: list[tuple[str, MoE]], process_group
+) -> list[torch.Tensor]:
+    """Each layer's counts, summed over ``process_group`` in one all-reduce.
+
+    Note: [Counts of pipeline stages]: ranks of different pipeline stages hold
+    different MoE layers (or none), yet all of them join the one all-reduce:
+    each writes its layers' counts into the row of their layer index of an
+    ``(n_layers, num_experts)`` table, zeros elsewhere, so every rank reduces
+    the same shape and reads back the rows of its own layers.
+    """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(stacked, group=process_group)
-    return list(stacked.unbind(0))
+    distributed = (
+        dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+    )
+    args = _decoder_args(model)
+    rows = [_LAYER_INDEX.search(name) for name, _ in layers]
+    if not distributed or args is None or not all(rows):
+        if not layers:
+            return []
+        stacked = torch.stack([m.tokens_per_expert.detach().float() for _, m in layers])  # (L, E)
+        if distributed:
+            dist.all_reduce(stacked, group=process_group)
+        return list(stacked.unbind(0))
+    device = next(iter(model.buffers()), torch.empty(0)).device
+    table = torch.zeros(args.n_layers, args.num_experts, device=device)  # (n_layers, E)
+    index = [int(row.group(1)) for row in rows]
+    for i, (_, moe) in zip(index, layers, strict=True):
+        table[i] = moe.tokens_per_expert.detach().float()
+    dist.all_reduce(table, group=process_group)
+    return [table[i] for i in index]
 
 
 @torch.no_grad()
@@ -78,7 +113,9 @@ def update_expert_bias(model: nn.Module, process_group=None) -> list[ExpertLoad]
     """
     layers = _moe_layers(model)
     loads = []
-    for (name, moe), counts in zip(layers, _global_counts(layers, process_group), strict=True):
+    for (name, moe), counts in zip(
+        layers, _global_counts(model, layers, process_group), strict=True
+    ):
         loads.append(ExpertLoad(name, tuple(counts.tolist())))
         if moe.expert_bias is not None:
             delta = moe.bias_update_rate * torch.sign(counts.mean() - counts)
@@ -95,7 +132,7 @@ def expert_load(model: nn.Module, process_group=None) -> list[ExpertLoad]:
         process_group: as in :func:`update_expert_bias`.
     """
     layers = _moe_layers(model)
-    counts = _global_counts(layers, process_group)
+    counts = _global_counts(model, layers, process_group)
     return [
         ExpertLoad(name, tuple(c.tolist())) for (name, _), c in zip(layers, counts, strict=True)
     ]
