@@ -204,6 +204,15 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     microbatches = args.microbatches if args.microbatches is not None else args.pp
     if _has_experts(workload.model):
+        from types import SimpleNamespace
+
+        from simplefsdp.models.registry import resolve_flavor
+
+        model_spec, config = resolve_flavor(workload.model, **workload.model_overrides)
+        # what the family cannot build (the layout is checked just below)
+        errors = model_spec.validate(config, SimpleNamespace(), model_name=workload.model)
+        if errors:
+            raise ValueError("; ".join(errors))
         _check_moe_layout(nproc, args.tp, args.pp, args.ep, workload)
     else:
         from simplefsdp.models.registry import resolve_flavor
