@@ -195,11 +195,12 @@ def _parallelize(
     MoE recipes]."""
     import functools
 
-    from simplefsdp.bench.moe import parallelize_moe
     from simplefsdp.engines import parallelize, parallelize_pipeline
     from simplefsdp.models.registry import spec_of
 
     if _has_experts(spec.workload.model):
+        from simplefsdp.bench.moe import parallelize_moe
+
         return parallelize_moe(config, model, spec.ep, device, spec.param_dtype)
     model_spec = spec_of(spec.workload.model)
     engine = config.engine_spec(spec.tp, spec.param_dtype)
