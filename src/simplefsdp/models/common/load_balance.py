@@ -10,6 +10,7 @@ rank applies the same update and the buffers stay replicated.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,43 +52,40 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _decoder_args(model: nn.Module) -> Any:
-    """The configuration of the decoder (or of a pipeline stage) in ``model``."""
-    for module in model.modules():
-        args = getattr(module, "args", None)
-        if hasattr(args, "num_experts") and hasattr(args, "n_layers"):
-            return args
-    return None
-
-
 def _global_counts(
     model: nn.Module, layers: list[tuple[str, MoE]], process_group
 ) -> list[torch.Tensor]:
-    """Each layer's counts, summed over ``process_group`` in one all-reduce.
+    """Each layer's counts, summed over ``process_group``.
 
     Note: [Counts of pipeline stages]: ranks of different pipeline stages hold
-    different MoE layers (or none), yet all of them join the one all-reduce:
-    each writes its layers' counts into the row of their layer index of an
-    ``(n_layers, num_experts)`` table, zeros elsewhere, so every rank reduces
-    the same shape and reads back the rows of its own layers.
+    different MoE layers (or none), yet all of them must join the same
+    all-reduces: a first, tiny one agrees on the table's shape (the largest
+    layer index and expert count, ``MAX``), then each rank writes its layers'
+    counts into the rows of their layer index of an ``(n_layers,
+    num_experts)`` table, zeros elsewhere, and one all-reduce sums it; each
+    rank reads back the rows of its own layers.
     """
     import torch.distributed as dist
 
     distributed = (
         dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
     )
-    args = _decoder_args(model)
-    rows = [_LAYER_INDEX.search(name) for name, _ in layers]
-    if not distributed or args is None or not all(rows):
-        if not layers:
-            return []
-        stacked = torch.stack([m.tokens_per_expert.detach().float() for _, m in layers])  # (L, E)
-        if distributed:
-            dist.all_reduce(stacked, group=process_group)
+    if not distributed:
+        return [m.tokens_per_expert.detach().float() for _, m in layers]
+    matches = [_LAYER_INDEX.search(name) for name, _ in layers]
+    if not all(matches):  # not a decoder's layers: every rank holds the same ones
+        stacked = torch.stack([m.tokens_per_expert.detach().float() for _, m in layers])
+        dist.all_reduce(stacked, group=process_group)  # (L, E)
         return list(stacked.unbind(0))
-    device = next(iter(model.buffers()), torch.empty(0)).device
-    table = torch.zeros(args.n_layers, args.num_experts, device=device)  # (n_layers, E)
-    index = [int(row.group(1)) for row in rows]
+    index = [int(match.group(1)) for match in matches]
+    tensors = itertools.chain(model.buffers(), model.parameters())
+    device = next(tensors, torch.empty(0)).device
+    shape = torch.tensor(
+        [max(index, default=-1) + 1, max((m.num_experts for _, m in layers), default=0)],
+        device=device,
+    )
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=process_group)
+    table = torch.zeros(*shape.tolist(), device=device)  # (n_layers, E)
     for i, (_, moe) in zip(index, layers, strict=True):
         table[i] = moe.tokens_per_expert.detach().float()
     dist.all_reduce(table, group=process_group)
