@@ -18,15 +18,14 @@ import torch
 
 from simplefsdp.checkpoint.hf import (
     HFCheckpoint,
-    from_hf_name,
     hf_config_from_model_args,
     load_hf_weights,
     model_args_differences,
     model_args_from_hf_config,
     save_hf_checkpoint,
-    to_hf_name,
 )
 from simplefsdp.models.llama3 import ModelArgs, RopeScaling, Transformer
+from simplefsdp.models.llama3.hf_adapter import from_hf_name, to_hf_name
 
 ARGS = ModelArgs(
     dim=32,

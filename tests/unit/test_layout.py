@@ -275,3 +275,69 @@ def test_meshes_come_only_from_the_layout():
             if _builds_mesh(node):
                 found.append(f"{rel}:{node.lineno}")
     assert not found, f"meshes built outside simplefsdp.layout: {found}"
+
+
+# Files outside models/ allowed to name a model flavor, and why.
+_NAMES_FLAVORS = {
+    # the workload presets name the model each runs: data, like train/presets/*.toml
+    "bench/configs.py",
+    # being replaced by the one parallelize recipe
+    "bench/moe.py",
+}
+
+
+def _family_patterns() -> re.Pattern:
+    from simplefsdp.models.registry import family_names, flavor_names
+
+    modules = "|".join(family_names())
+    flavors = "|".join(flavor_names())
+    return re.compile(
+        rf"models[./](?:{modules})\b|\b(?:LLAMA_MODELS|MOE_MODELS|is_moe\w*)\b|\b(?:{flavors})\b"
+    )
+
+
+def test_no_family_or_flavor_name_outside_models():
+    """Only ``models/`` (the families and the registry) names a family or a
+    flavor; apps ask the registry and the spec (``plan/`` is not converted yet)."""
+    pattern = _family_patterns()
+    # A job preset may share a flavor's name: ``--config llama3_8b`` names the preset.
+    presets = {p.stem for p in (SRC / "train" / "presets").glob("*.toml")}
+    found = []
+    for path in SOURCES:
+        relative = path.relative_to(SRC).as_posix()
+        if _package_of(path) in ("models", "plan") or relative in _NAMES_FLAVORS:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            names = [m.group(0) for m in pattern.finditer(line)]
+            if "--config" in line:
+                names = [n for n in names if n not in presets]
+            if names:
+                found.append(f"{relative}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_family_pattern_finds_names():
+    pattern = _family_patterns()
+    for line in (
+        "from simplefsdp.models.llama3 import get_config",
+        "if name in MOE_MODELS:",
+        'model = "moe_debug"',
+        "see models/moe/spec.py",
+    ):
+        assert pattern.search(line), line
+    assert not pattern.search("from simplefsdp.models.registry import spec_of")
+
+
+def test_registry_names_equal_spec_flavors():
+    from simplefsdp.models.registry import ALIASES, family_names, flavor_names, get_spec
+
+    for family in family_names():
+        spec = get_spec(family)
+        assert spec.family == family
+        assert tuple(spec.flavors) == flavor_names(family), family
+    canonical = flavor_names()
+    assert len(set(canonical)) == len(canonical)
+    for family in family_names():  # canonical names carry a family-specific prefix
+        assert all(not name[0].isdigit() for name in flavor_names(family))
+    assert set(ALIASES.values()) <= set(canonical)
+    assert not set(ALIASES) & set(canonical)

@@ -56,7 +56,6 @@ from simplefsdp.bench.report import (
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.engines.resolve import job_errors
 from simplefsdp.layout import Layout
-from simplefsdp.models import MOE_MODELS
 from simplefsdp.parallel_dims import oversubscription_warning
 
 EXIT_CONFIG_ERROR = 2
@@ -129,8 +128,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=None,
-        help="llama3 config name (debug, small, ...) or, with --workload moe, a moe one "
-        "(moe_debug, moe_small)",
+        help="the model flavor (default: the workload's; simplefsdp.models.registry lists "
+        "them); a mixture of experts with --workload moe",
     )
     parser.add_argument(
         "--model-override",
@@ -208,12 +207,21 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     if args.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     microbatches = args.microbatches if args.microbatches is not None else args.pp
-    if workload.model in MOE_MODELS:
+    if _has_experts(workload.model):
+        from types import SimpleNamespace
+
+        from simplefsdp.models.registry import resolve_flavor
+
+        model_spec, config = resolve_flavor(workload.model, **workload.model_overrides)
+        # what the family cannot build (the layout is checked just below)
+        errors = model_spec.validate(config, SimpleNamespace(), model_name=workload.model)
+        if errors:
+            raise ValueError("; ".join(errors))
         _check_moe_layout(nproc, args.tp, args.pp, args.ep, workload)
     else:
-        from simplefsdp.models.llama3 import get_config
+        from simplefsdp.models.registry import resolve_flavor
 
-        get_config(workload.model, **workload.model_overrides)  # validates names and fields
+        resolve_flavor(workload.model, **workload.model_overrides)  # validates names and fields
         if args.ep != 1:
             raise ValueError(
                 f"--ep {args.ep} applies to mixture-of-experts models (--workload moe); "
@@ -235,6 +243,17 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     )
 
 
+def _has_experts(flavor: str) -> bool:
+    """Flavor ``flavor``'s family has expert parallelism (a mixture of experts).
+
+    Raises:
+        ValueError: an unknown flavor (one line, did-you-mean).
+    """
+    from simplefsdp.models.registry import spec_of
+
+    return spec_of(flavor).supports("ep")
+
+
 def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> None:
     """A mixture-of-experts workload's layout: the one check of train, bench and
     plan (:func:`simplefsdp.engines.resolve.job_errors`); the family composes
@@ -243,12 +262,13 @@ def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> N
     Raises:
         ValueError: every error (the bad value and the valid ones), joined by "; ".
     """
-    from simplefsdp.bench.moe import moe_args
-    from simplefsdp.models.registry import family_of, get_spec
+    from simplefsdp.models.registry import resolve_flavor
 
-    args = moe_args(workload.model, workload.model_overrides, workload.seq_len)
+    spec, args = resolve_flavor(workload.model, **workload.model_overrides)
+    if workload.seq_len > args.max_seq_len:  # as the workers' build_model does
+        args = args.replace(max_seq_len=workload.seq_len)
     errors = job_errors(
-        get_spec(family_of(workload.model)),
+        spec,
         args,
         Layout(tp=tp, pp=pp, ep=ep),
         nproc,
@@ -505,7 +525,7 @@ def _env(spec: BenchSpec, rows: list[dict], wall_s: float) -> dict[str, Any]:
         "tp": spec.tp,
         "pp": spec.pp,
         "ep": spec.ep,
-        "moe": workload.model in MOE_MODELS,
+        "moe": _has_experts(workload.model),
         "pp_schedule": spec.pp_schedule if spec.pp > 1 else None,
         "microbatches": spec.microbatches if spec.pp > 1 else None,
         "grad_accum": spec.grad_accum,
@@ -553,7 +573,7 @@ def run_bench(
     # The comm-only replay models data-parallel flat buffers over all ranks;
     # with tensor or pipeline parallelism that is not the step's communication.
     # Nor, for a mixture of experts, expert parameters on their own mesh.
-    plain = spec.tp == 1 and spec.pp == 1 and spec.workload.model not in MOE_MODELS
+    plain = spec.tp == 1 and spec.pp == 1 and not _has_experts(spec.workload.model)
     extra = [(0, COMM_ONLY)] if plain else []
     launches = [*_launch_order(configs, rounds), *extra]
     failed: set[str] = set()
@@ -626,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The configurations first: their errors need no torch.
         model = args.model or get_workload(args.workload).model
-        configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp, moe=model in MOE_MODELS)
+        configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp, moe=_has_experts(model))
         spec = build_spec(args)
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")

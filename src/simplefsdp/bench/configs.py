@@ -340,8 +340,7 @@ class Workload:
 
     Attributes:
         name: preset name (``compute``, ``comm``, ``memory``, ``moe``).
-        model: a ``simplefsdp.models.llama3`` or ``simplefsdp.models.moe``
-            config name.
+        model: a flavor name of ``simplefsdp.models.registry``.
         batch_size: per-rank micro-batch.
         seq_len: tokens per sequence.
         steps: measured steps.
@@ -427,7 +426,7 @@ class BenchSpec:
         timeout_s: per-configuration time limit (also the process-group timeout).
         tp: tensor-parallel size (the Llama 3 plan with sequence parallelism);
             the data-parallel ranks are ``nproc // (tp * pp)``.
-        pp: pipeline-parallel size (``simplefsdp.models.llama3.pipeline_split``
+        pp: pipeline-parallel size (the model spec's ``pipeline_split``
             stages run by torch's schedules).
         pp_schedule: the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``).
         microbatches: micro-batches per pipeline step (``None``: ``pp``).

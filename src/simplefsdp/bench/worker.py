@@ -47,7 +47,6 @@ from simplefsdp.bench.measure import (
     state_bytes,
     timed,
 )
-from simplefsdp.bench.moe import is_moe_model
 from simplefsdp.bucket_plan import repeated_blocks
 from simplefsdp.engines import (
     MemoryProbe,
@@ -107,21 +106,28 @@ def build_model(workload: Workload, seed: int, *, float8: bool = False) -> nn.Mo
     all-gathers, the output layer left out), after the initialisation, so
     the float8 model starts from the same weights as the others.
     """
-    from simplefsdp.bench.moe import build_moe_model
-    from simplefsdp.models.llama3 import Transformer, get_config
+    from simplefsdp.models.registry import resolve_flavor
 
-    if is_moe_model(workload.model):
-        return build_moe_model(workload.model, workload.model_overrides, workload.seq_len, seed)
     overrides = dict(workload.model_overrides)
-    if workload.seq_len > get_config(workload.model, **overrides).max_seq_len:
-        overrides["max_seq_len"] = workload.seq_len
+    model_spec, config = resolve_flavor(workload.model, **overrides)
+    if workload.seq_len > config.max_seq_len:
+        config = config.replace(max_seq_len=workload.seq_len)
     torch.manual_seed(seed)
-    model = Transformer(get_config(workload.model, **overrides))
+    model = model_spec.build(config)
     if float8:
         from simplefsdp.frontend.float8 import convert_linears_to_float8
 
-        convert_linears_to_float8(model)
+        convert_linears_to_float8(
+            model, filter_fqns=",".join(["output", *model_spec.float8_skip_fqns])
+        )
     return model
+
+
+def _has_experts(flavor: str) -> bool:
+    """The flavor's family has expert parallelism (a mixture of experts)."""
+    from simplefsdp.models.registry import spec_of
+
+    return spec_of(flavor).supports("ep")
 
 
 def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> list[Batch]:
@@ -183,26 +189,30 @@ def _train_step(
 def _parallelize(
     config: BenchConfig, spec: BenchSpec, model: nn.Module, mesh: Meshes, device
 ) -> ParallelModel | PipelinedModel:
-    """The Llama 3 recipe of ``simplefsdp train`` (sequence parallel on, loss
-    parallel off), or for a mixture of experts Note: [Bench MoE recipes]."""
-    from simplefsdp.bench.moe import parallelize_moe
-    from simplefsdp.models.llama3.parallelize import parallelize_llama
+    """The one recipe of ``simplefsdp train`` with the workload model's spec
+    (sequence parallel on, loss parallel off), or for a mixture of experts
+    Note: [Bench MoE recipes]."""
+    from simplefsdp.engines import RecipeOptions, parallelize_model
+    from simplefsdp.models.registry import spec_of
 
-    if is_moe_model(spec.workload.model):
-        return parallelize_moe(config, model, mesh, device, spec.param_dtype)
+    if _has_experts(spec.workload.model):
+        from simplefsdp.bench.moe import parallelize_moe
 
+        return parallelize_moe(
+            config, model, spec_of(spec.workload.model), mesh, device, spec.param_dtype
+        )
     pipeline = None
     if spec.pp > 1:
         pipeline = PipelineSpec(
             spec.pp, spec.pp_schedule, microbatches=spec.microbatches or spec.pp
         )
-    return parallelize_llama(
+    return parallelize_model(
         model,
-        config.engine_spec(spec.tp, spec.param_dtype),
+        spec_of(spec.workload.model),
         mesh,
+        config.engine_spec(spec.tp, spec.param_dtype),
         device,
-        pipeline=pipeline,
-        measure_times=True,
+        RecipeOptions(pipeline, sequence_parallel=True, measure_times=True),
     )
 
 
@@ -234,12 +244,14 @@ def _run_training(
     pipe = parallel if isinstance(parallel, PipelinedModel) else None  # for its bubble times
     forward_backward = functools.partial(_forward_backward, parallel, device=device)
     after = parallel.after_optimizer_step  # FSDP2's float8 scales
-    if is_moe_model(workload.model):
-        from simplefsdp.bench.moe import update_routing
+    from simplefsdp.models.registry import spec_of
+
+    model_after = spec_of(workload.model).after_optimizer_step  # a MoE's routing update
+    if model_after is not None:
 
         def after() -> None:
             parallel.after_optimizer_step()
-            update_routing(parallel.module)
+            model_after(parallel.module)
 
     step_fn = functools.partial(_train_step, forward_backward, optimizer, after=after)
     warmup_s, step_s, losses, bubbles = [], [], [], []
@@ -343,7 +355,7 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
     """Run ``config`` on this rank (process group from torchrun's environment)."""
     device = pick_device()
     rank, world_size = init_distributed(device, datetime.timedelta(seconds=spec.timeout_s))
-    layout = Layout(tp=spec.tp, pp=spec.pp, ep=spec.ep if is_moe_model(spec.workload.model) else 1)
+    layout = Layout(tp=spec.tp, pp=spec.pp, ep=spec.ep if _has_experts(spec.workload.model) else 1)
     mesh = layout.build(device.type, world_size)
     result = {
         "config": config.name,

@@ -1,8 +1,9 @@
 """``simplefsdp export``: a checkpoint's full (unsharded) weights in one safetensors file.
 
-``--format hf`` writes a Hugging Face Llama folder instead (``config.json``,
+``--format hf`` writes a Hugging Face folder instead (``config.json``,
 sharded safetensors and ``model.safetensors.index.json``, loadable with
-``LlamaForCausalLM.from_pretrained``): see :mod:`simplefsdp.checkpoint.hf`.
+``transformers``' ``from_pretrained``) for a family with a Hugging Face
+adapter: see :mod:`simplefsdp.checkpoint.hf`.
 
 Example::
 
@@ -11,8 +12,8 @@ Example::
 (the newest run's newest complete checkpoint; see :mod:`simplefsdp.train.export_cli`
 for what ``--checkpoint`` takes) writes ``model.safetensors`` (every model tensor under its plain state-dict
 name, e.g. ``layers.0.attention.wq.weight``, full shape) and
-``model.config.json`` (the model's ``ModelArgs``, the training job config and
-the step), both with the mode a new file gets (``0o666 & ~umask``). The
+``model.config.json`` (the model's family, flavor and configuration, the
+training job config and the step), both with the mode a new file gets (``0o666 & ~umask``). The
 checkpoint is read in this single process with ``torch.distributed.checkpoint``
 (``no_dist=True``): no process group, GPU or original world size is needed, and
 only the model's tensors are read (not the optimizer state). Loading the result
@@ -20,7 +21,8 @@ back (``examples/load_exported_model.py`` also generates text)::
 
     from safetensors.torch import load_file
     config = json.load(open("model.config.json"))
-    model = Transformer(model_args_from_config(config))
+    spec, model_config = model_from_record(config)  # simplefsdp.models.record
+    model = spec.build(model_config)
     model.load_state_dict(load_file("model.safetensors"))
 """
 
@@ -75,19 +77,11 @@ def _require_safetensors() -> Any:
 
 
 def model_args_from_config(config: dict[str, Any]) -> Any:
-    """The model arguments stored in a checkpoint's (or an export's) config JSON:
-    a Llama 3 ``ModelArgs``, or a ``MoEArgs`` for a mixture-of-experts model
-    (``num_experts`` among them; build it with ``simplefsdp.models.moe.Transformer``)."""
-    from simplefsdp.models.llama3 import ModelArgs, RopeScaling
+    """The model configuration a checkpoint's (or an export's) config JSON
+    records (build it with the family's spec: :func:`model_from_record`)."""
+    from simplefsdp.models.record import model_from_record
 
-    fields = dict(config["model_args"])
-    if isinstance(fields.get("rope_scaling"), dict):
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    if "num_experts" in fields:
-        from simplefsdp.models.moe import MoEArgs
-
-        return MoEArgs(**fields)
-    return ModelArgs(**fields)
+    return model_from_record(config)[1]
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:

@@ -1,35 +1,25 @@
-"""Hugging Face Llama checkpoints in and out.
+"""Hugging Face checkpoints in and out: generic sliced safetensors I/O.
 
-A Hugging Face Llama checkpoint is a folder with ``config.json`` and the
-weights in ``model.safetensors`` or in shards ``model-0000i-of-0000n.safetensors``
-listed by ``model.safetensors.index.json``. This module converts in both
-directions:
+A Hugging Face checkpoint is a folder with ``config.json`` and the weights in
+``model.safetensors`` or in shards ``model-0000i-of-0000n.safetensors`` listed
+by ``model.safetensors.index.json``. What is a family's (tensor names, layout
+permutations, ``config.json`` fields) is its adapter's,
+``ModelSpec.hf_adapter`` (a family's ``hf_adapter.py``); the family is
+found from ``config.json``'s ``model_type`` when reading and from the
+configuration's type when writing. This module:
 
-* :func:`model_args_from_hf_config` / :func:`hf_config_from_model_args`: the
-  ``config.json`` of a ``LlamaForCausalLM`` and our
-  :class:`~simplefsdp.models.llama3.ModelArgs`;
+* :func:`model_args_from_hf_config` / :func:`hf_config_from_model_args`: a
+  ``config.json`` and our configuration, through the adapter;
 * :func:`load_hf_weights`: fills a (possibly sharded, DTensor) model from such
   a folder; each rank reads only the parts of the tensors its shards hold
   (``safe_open(...).get_slice``), never a whole file;
 * :func:`save_hf_checkpoint`: writes full tensors (from
   ``simplefsdp export --format hf``) as ``config.json``, shards and the index,
-  loadable with ``LlamaForCausalLM.from_pretrained``.
+  loadable with ``transformers``' ``from_pretrained``.
 
-Note: [Hugging Face names and the q/k layout]
-    Names map one to one (``model.layers.{i}.self_attn.q_proj.weight`` is our
-    ``layers.{i}.attention.wq.weight``, ``mlp.gate_proj``/``down_proj``/``up_proj``
-    are ``feed_forward.w1``/``w2``/``w3``, ``input_layernorm`` and
-    ``post_attention_layernorm`` are ``attention_norm`` and ``ffn_norm``,
-    ``model.embed_tokens``, ``model.norm`` and ``lm_head`` are
-    ``tok_embeddings``, ``norm`` and ``output``). Our rotary embedding rotates
-    adjacent channel pairs ``(2i, 2i + 1)`` of each head (Meta's layout);
-    Hugging Face's rotates channel ``i`` with ``i + head_dim / 2``. The rows of
-    ``wq`` and ``wk`` are therefore permuted within each head: our row
-    ``2i + j`` of a head is Hugging Face's row ``j * head_dim / 2 + i``. The
-    permutation stays inside a head, so a shard that covers part of the heads
-    reads only the heads it overlaps. A checkpoint with tied embeddings
-    (``tie_word_embeddings``, or no ``lm_head.weight``) fills ``output`` from
-    the embedding; exports are untied (our model has its own ``output``).
+A checkpoint whose output projection is tied to the embedding
+(``tie_word_embeddings``, or no output tensor) fills ours from the tensor the
+adapter's ``tied`` names; exports are untied.
 """
 
 from __future__ import annotations
@@ -48,13 +38,12 @@ from torch import nn
 __all__ = [
     "HFCheckpoint",
     "export_hf_checkpoint",
-    "from_hf_name",
+    "hf_adapter_for",
     "hf_config_from_model_args",
     "load_hf_weights",
     "model_args_differences",
     "model_args_from_hf_config",
     "save_hf_checkpoint",
-    "to_hf_name",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,246 +52,72 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_FROM_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_FROM_TOP = {v: k for k, v in _TOP_NAMES.items()}
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-# (multiple_of, ffn_dim_multiplier) pairs of published Llama models, tried first
-# so that a converted config reads like the original one.
-_FFN_CANDIDATES = ((1024, 1.3), (4096, 1.3), (256, None), (1024, None), (256, 1.3), (1024, 1.5))
+def _adapter_of_hf_config(config: Mapping[str, Any], source: str) -> Any:
+    """The Hugging Face adapter of the family that reads ``config``'s ``model_type``."""
+    from simplefsdp.models.registry import family_names, get_spec
+
+    model_type = config.get("model_type")
+    readable = {}
+    for family in family_names():
+        adapter = get_spec(family).hf_adapter
+        if adapter is not None:
+            readable.update(dict.fromkeys(adapter.model_types, adapter))
+    if model_type is None and len(set(readable.values())) == 1:
+        return next(iter(readable.values()))  # an old config.json without model_type
+    if model_type not in readable:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported; valid: "
+            f"{', '.join(repr(t) for t in readable)}"
+        )
+    return readable[model_type]
 
 
-def to_hf_name(name: str) -> str:
-    """Our state-dict name -> the Hugging Face ``LlamaForCausalLM`` name.
+def hf_adapter_for(args: Any) -> Any:
+    """The Hugging Face adapter (``ModelSpec.hf_adapter``) of the family of
+    configuration ``args``.
 
     Raises:
-        ValueError: ``name`` is not a Llama 3 parameter name.
+        ValueError: the family has no Hugging Face format (one line).
     """
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _OURS_LAYER.match(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"no Hugging Face name for parameter {name!r}")
+    from simplefsdp.models.registry import spec_for_config
 
-
-def from_hf_name(name: str) -> str:
-    """A Hugging Face ``LlamaForCausalLM`` name -> our state-dict name.
-
-    Raises:
-        ValueError: ``name`` is not a Llama parameter name.
-    """
-    if name in _FROM_TOP:
-        return _FROM_TOP[name]
-    match = _HF_LAYER.match(name)
-    if match and match.group(2) in _FROM_LAYER:
-        return f"layers.{match.group(1)}.{_FROM_LAYER[match.group(2)]}"
-    raise ValueError(f"unknown Hugging Face Llama tensor {name!r}")
-
-
-def _heads_of(name: str, args: Any) -> int | None:
-    """Number of heads whose rows are permuted in tensor ``name`` (ours), or None."""
-    if name.endswith("attention.wq.weight"):
-        return args.n_heads
-    if name.endswith("attention.wk.weight"):
-        return args.n_kv_heads
-    return None
-
-
-def _hf_rows_to_ours(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of whole heads in Hugging Face's rotary layout -> ours (see the note)."""
-    rows, cols = w.shape
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, 2, half, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _our_rows_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of whole heads in our rotary layout -> Hugging Face's (see the note)."""
-    rows, cols = w.shape
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-# --------------------------------------------------------------------------- config
-
-
-def _ffn_args(dim: int, intermediate: int) -> tuple[int, float | None]:
-    """``(multiple_of, ffn_dim_multiplier)`` giving the hidden size ``intermediate``."""
-    from simplefsdp.models.llama3 import ffn_hidden_dim
-
-    for multiple_of, multiplier in _FFN_CANDIDATES:
-        if ffn_hidden_dim(dim, multiple_of, multiplier) == intermediate:
-            return multiple_of, multiplier
-    base = int(2 * (4 * dim) / 3)
-    # multiple_of == intermediate rounds any hidden size in (0, intermediate] up to it.
-    multiplier = None if base <= intermediate else intermediate / base
-    if ffn_hidden_dim(dim, intermediate, multiplier) != intermediate:  # pragma: no cover
-        raise ValueError(f"cannot express intermediate_size={intermediate} for dim={dim}")
-    return intermediate, multiplier
+    spec = spec_for_config(args)
+    if spec.hf_adapter is None:
+        raise ValueError(
+            f"the {spec.family!r} model family has no Hugging Face format (no adapter); "
+            "export it with --format simplefsdp (the default)"
+        )
+    return spec.hf_adapter
 
 
 def model_args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) -> Any:
-    """Our ``ModelArgs`` from the ``config.json`` of a Hugging Face Llama model.
-
-    Args:
-        config: the parsed ``config.json``.
-        source: the file's name, for error messages.
-
-    Returns:
-        A :class:`~simplefsdp.models.llama3.ModelArgs`; ``max_seq_len`` is
-        ``max_position_embeddings``.
+    """Our model configuration from a Hugging Face ``config.json``, by the
+    adapter of the family whose ``model_type`` it is.
 
     Raises:
-        ValueError: not a Llama model, or one with a feature our model lacks
-            (biases, another activation, a head size other than
-            ``hidden_size / num_attention_heads``, an unknown rope type); the
-            message names the key and its value.
+        ValueError: an unsupported ``model_type`` or feature (one line naming
+            the key and its value).
     """
-    from simplefsdp.models.llama3 import ModelArgs, RopeScaling
-
-    def get(key: str, default: Any = None) -> Any:
-        return config.get(key, default)
-
-    model_type = get("model_type", "llama")
-    if model_type != "llama":
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported (only 'llama')")
-    for key in ("attention_bias", "mlp_bias"):
-        if get(key, False):
-            raise ValueError(f"{source}: {key}=true is not supported (the model has no biases)")
-    act = get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
-    dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    head_dim = get("head_dim")
-    if head_dim is not None and n_heads and int(head_dim) * n_heads != dim:
-        raise ValueError(
-            f"{source}: head_dim {head_dim} is not hidden_size/num_attention_heads "
-            f"({dim}/{n_heads}); such models are not supported"
-        )
-    rope = dict(get("rope_parameters") or {})
-    scaling_cfg = get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
-    theta = get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_type = (scaling_cfg or rope).get("rope_type", (scaling_cfg or rope).get("type"))
-    scaling = None
-    if scaling_cfg:
-        if rope_type != "llama3":
-            raise ValueError(
-                f"{source}: rope_scaling type {rope_type!r} is not supported "
-                "(only 'llama3' or none)"
-            )
-        scaling = RopeScaling(
-            factor=float(scaling_cfg["factor"]),
-            low_freq_factor=float(scaling_cfg["low_freq_factor"]),
-            high_freq_factor=float(scaling_cfg["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling_cfg["original_max_position_embeddings"]),
-        )
-    elif rope_type not in (None, "default"):
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported")
-    intermediate = int(get("intermediate_size", 0)) or None
-    multiple_of, multiplier = (256, None) if intermediate is None else _ffn_args(dim, intermediate)
-    return ModelArgs(
-        dim=dim,
-        n_layers=int(config["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(get("num_key_value_heads") or n_heads),
-        vocab_size=int(config["vocab_size"]),
-        multiple_of=multiple_of,
-        ffn_dim_multiplier=multiplier,
-        norm_eps=float(get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
-        max_seq_len=int(get("max_position_embeddings", 2048)),
-    )
+    return _adapter_of_hf_config(config, source).config_from_hf(config, source)
 
 
 def hf_config_from_model_args(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The ``config.json`` of a ``LlamaForCausalLM`` equal to our model with ``args``.
-
-    Args:
-        args: our :class:`~simplefsdp.models.llama3.ModelArgs`.
-        dtype: the dtype the weights are stored in.
-    """
-    scaling = args.rope_scaling
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None
-        if scaling is None
-        else {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        },
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    """The Hugging Face ``config.json`` of our model with configuration ``args``."""
+    return hf_adapter_for(args).config_to_hf(args, dtype)
 
 
 def model_args_differences(ours: Any, theirs: Any) -> list[str]:
-    """``field=ours vs theirs`` for each architecture field in which two ModelArgs differ.
-
-    ``max_seq_len`` is left out: it sizes the rotary table only.
-    """
-    fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta")
-    out = [
-        f"{f}={getattr(ours, f)!r} vs {getattr(theirs, f)!r}"
-        for f in fields
-        if getattr(ours, f) != getattr(theirs, f)
-    ]
-    if ours.ffn_hidden_dim != theirs.ffn_hidden_dim:
-        out.append(f"ffn_hidden_dim={ours.ffn_hidden_dim} vs {theirs.ffn_hidden_dim}")
-    if ours.rope_scaling != theirs.rope_scaling:
-        out.append(f"rope_scaling={ours.rope_scaling!r} vs {theirs.rope_scaling!r}")
-    return out
+    """``field=ours vs theirs`` for each architecture field in which two
+    configurations of one family differ."""
+    return hf_adapter_for(ours).config_differences(ours, theirs)
 
 
 # --------------------------------------------------------------------------- reading
 
 
 class HFCheckpoint:
-    """A Hugging Face Llama checkpoint folder, read tensor by tensor and slice by slice.
+    """A Hugging Face checkpoint folder, read tensor by tensor and slice by slice.
 
     Args:
         folder: holds ``config.json`` and ``model.safetensors`` or
@@ -318,7 +133,9 @@ class HFCheckpoint:
         if not self.folder.is_dir():
             raise ValueError(f"Hugging Face checkpoint {str(folder)!r} is not a folder")
         self.config = _read_json(self.folder / CONFIG_FILE)
-        self.args = model_args_from_hf_config(self.config, str(self.folder / CONFIG_FILE))
+        source = str(self.folder / CONFIG_FILE)
+        self.adapter = _adapter_of_hf_config(self.config, source)
+        self.args = self.adapter.config_from_hf(self.config, source)
         index = self.folder / INDEX_FILE
         if index.is_file():
             weight_map = _read_json(index).get("weight_map")
@@ -336,8 +153,8 @@ class HFCheckpoint:
         for file in sorted(set(self.weight_map.values())):
             if not (self.folder / file).is_file():
                 raise ValueError(f"{self.folder / file} (named by {INDEX_FILE}) does not exist")
-        self.tied = bool(self.config.get("tie_word_embeddings", False)) or (
-            "lm_head.weight" not in self.weight_map
+        self.tied = bool(self.config.get("tie_word_embeddings", False)) or any(
+            self.adapter.to_hf_name(ours) not in self.weight_map for ours in self.adapter.tied
         )
         self._handles: dict[str, Any] = {}
 
@@ -370,16 +187,16 @@ class HFCheckpoint:
     ) -> torch.Tensor:
         """The region ``offsets``/``sizes`` (whole tensor when None) of our tensor ``name``.
 
-        Only that region is read from the file (for ``wq``/``wk``: the whole
-        heads it overlaps, see [Hugging Face names and the q/k layout]).
+        Only the region the family's adapter names is read from the file
+        (for example whole heads where the layouts differ within a head).
 
         Raises:
             ValueError: the checkpoint lacks the tensor, or its shape is not
                 the one ``config.json`` implies.
         """
-        hf_name = to_hf_name(name)
-        if name == "output.weight" and self.tied:
-            hf_name = "model.embed_tokens.weight"
+        hf_name = self.adapter.to_hf_name(name)
+        if self.tied and name in self.adapter.tied:
+            hf_name = self.adapter.tied[name]
         shape = self.hf_shape(hf_name) if hf_name in self.weight_map else None
         if shape is None:
             raise ValueError(f"{self.folder} has no tensor {hf_name!r}")
@@ -390,17 +207,9 @@ class HFCheckpoint:
                 f"{hf_name}: shape {shape} does not hold the region offsets={offsets} "
                 f"sizes={sizes} the model needs (does config.json match the weights?)"
             )
-        heads = _heads_of(name, self.args)
-        if heads is None or len(shape) != 2:
-            region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
-            return self._slice(hf_name, region)
-        head_dim = shape[0] // heads
-        first, last = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
-        rows = slice(first * head_dim, last * head_dim)
-        block = self._slice(hf_name, (rows, slice(offsets[1], offsets[1] + sizes[1])))
-        block = _hf_rows_to_ours(block, last - first)
-        start = offsets[0] - first * head_dim
-        return block[start : start + sizes[0]]
+        hf_offsets, hf_sizes, convert = self.adapter.hf_region(name, offsets, sizes, self.args)
+        region = tuple(slice(o, o + s) for o, s in zip(hf_offsets, hf_sizes, strict=True))
+        return convert(self._slice(hf_name, region))
 
     def close(self) -> None:
         """Release the open files."""
@@ -526,7 +335,8 @@ def save_hf_checkpoint(
     max_shard_size: str | int = "5GB",
     metadata: Mapping[str, str] | None = None,
 ) -> list[Path]:
-    """Write our full state dict as a Hugging Face Llama checkpoint folder.
+    """Write our full state dict as a Hugging Face checkpoint folder (through
+    the adapter of ``args``'s family).
 
     ``config.json``, ``model-0000i-of-0000n.safetensors`` (each at most
     ``max_shard_size`` unless one tensor is larger) and
@@ -535,7 +345,7 @@ def save_hf_checkpoint(
 
     Args:
         state: our full (unsharded) tensors by our names.
-        args: the model's ``ModelArgs``.
+        args: the model's configuration.
         out: the folder to write (created; files of an earlier export in it
             are replaced).
         max_shard_size: bytes, or a size like ``"5GB"``.
@@ -545,21 +355,22 @@ def save_hf_checkpoint(
         The files written.
 
     Raises:
-        ValueError: a tensor name is not a Llama 3 name, or a bad size.
+        ValueError: the family has no adapter, a tensor name it cannot
+            convert, or a bad size.
     """
     import safetensors.torch as st
 
     limit = _parse_size(max_shard_size)
+    adapter = hf_adapter_for(args)
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        heads = _heads_of(name, args)
-        value = tensor if heads is None else _our_rows_to_hf(tensor, heads)
-        hf[to_hf_name(name)] = value.contiguous()
+        hf_name, value = adapter.to_hf(name, tensor, args)
+        hf[hf_name] = value.contiguous()
     dtypes = {t.dtype for t in hf.values() if t.is_floating_point()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name in sorted(hf, key=_hf_order):
+    for name in sorted(hf, key=adapter.hf_sort_key):
         nbytes = hf[name].numel() * hf[name].element_size()
         if shards[-1] and size + nbytes > limit:
             shards.append({})
@@ -588,18 +399,10 @@ def save_hf_checkpoint(
             weight_map[name] = file
             total += tensor.numel() * tensor.element_size()
     config_path = folder / CONFIG_FILE
-    _write_json(config_path, hf_config_from_model_args(args, dtype), mode)
+    _write_json(config_path, adapter.config_to_hf(args, dtype), mode)
     index_path = folder / INDEX_FILE
     _write_json(index_path, {"metadata": {"total_size": total}, "weight_map": weight_map}, mode)
     return [config_path, *written, index_path]
-
-
-def _hf_order(name: str) -> tuple[int, str]:
-    """Sort key: embeddings, then layer by layer, then the final norm and head."""
-    match = _HF_LAYER.match(name)
-    if match:
-        return int(match.group(1)) + 1, match.group(2)
-    return (0 if "embed_tokens" in name else 1 << 30), name
 
 
 def _write_json(path: Path, data: Any, mode: int) -> None:
@@ -638,7 +441,7 @@ def export_hf_checkpoint(
     dtype: str | None = None,
     max_shard_size: str | int = "5GB",
 ) -> list[Path]:
-    """``simplefsdp export --format hf``: a checkpoint as a Hugging Face Llama folder.
+    """``simplefsdp export --format hf``: a checkpoint as a Hugging Face folder.
 
     Args:
         checkpoint: a checkpoint folder or a run's checkpoint folder (latest).
@@ -665,11 +468,10 @@ def export_hf_checkpoint(
     _parse_size(max_shard_size)  # a bad size fails before the checkpoint is read
     folder = resolve_checkpoint(checkpoint)
     args = model_args_from_config(read_json(folder / CONFIG_NAME))
-    if hasattr(args, "num_experts"):
-        raise ValueError(
-            f"checkpoint {str(folder)!r} holds a mixture-of-experts model; --format hf writes "
-            "Llama models only: export it with --format simplefsdp (the default)"
-        )
+    try:
+        hf_adapter_for(args)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {str(folder)!r}: {exc}") from None
     tensors = load_full_model_state(folder)
     if dtype is not None:
         cast = _DTYPES[dtype]

@@ -5,7 +5,7 @@ The trainer and the benchmark describe *how* to parallelise with an
 in order (as torchtitan's ``parallelize_*`` functions do):
 
 1. tensor parallelism, when ``spec.tp > 1``: the caller's ``tp_fn(model,
-   tp_mesh)`` (e.g. :func:`simplefsdp.models.llama3.apply_tensor_parallel`)
+   tp_mesh)`` (a model spec's ``tensor_parallel``)
    on the mesh's ``"tp"`` dim; the engine then shards the data-parallel dims
    (engines ``simplefsdp`` and ``fsdp2`` only);
 2. activation checkpointing of each repeated block, before sharding;
@@ -466,7 +466,7 @@ def parallelize(
         init_fn: initialises a meta-device model in place after sharding
             (e.g. ``lambda m: m.init_weights()``); required for meta models.
         tp_fn: applies tensor parallelism in place, ``tp_fn(model, tp_mesh)``
-            (e.g. ``simplefsdp.models.llama3.apply_tensor_parallel``);
+            (e.g. a model spec's ``tensor_parallel``);
             required when ``spec.tp > 1``.
         loss_fn: ``loss_fn(output, targets)``, for :meth:`ParallelModel.step`
             and :meth:`ParallelModel.eval_loss`.
@@ -496,7 +496,7 @@ def parallelize(
     if spec.tp > 1 and tp_fn is None:
         raise ValueError(
             f"spec.tp={spec.tp} needs tp_fn(model, tp_mesh) to apply tensor parallelism "
-            "(e.g. simplefsdp.models.llama3.apply_tensor_parallel)"
+            "(e.g. the model spec's tensor_parallel)"
         )
     if not _is_meta(model):
         model.to(device)

@@ -2,7 +2,7 @@
 by an engine and run by torch's own schedules (``torch.distributed.pipelining``).
 
 :func:`parallelize_pipeline` splits a model into stages with a user
-``split_fn`` (for Llama 3, :func:`simplefsdp.models.llama3.pipeline_split`),
+``split_fn`` (a model spec's ``pipeline_split``),
 parallelises each stage of this rank with :func:`~.parallelize.parallelize` on
 the job's mesh without its ``"pp"`` dim, and builds the schedule. The
 :class:`PipelinedModel` it returns runs one step (:meth:`PipelinedModel.step`)
@@ -401,7 +401,7 @@ def parallelize_pipeline(
             (``Layout(pp=...).build(...)``), or its world mesh.
         device: the training device.
         split_fn: ``split_fn(model, stage_ids, num_stages)``, one module per
-            stage id (e.g. :func:`simplefsdp.models.llama3.pipeline_split`).
+            stage id (e.g. a model spec's ``pipeline_split``).
         loss_fn: ``loss_fn(output, target)`` of one micro-batch, a mean.
         init_fn / tp_fn: as for :func:`~.parallelize.parallelize`, per stage.
         measure_times: record :attr:`PipelinedModel.times` each step.
@@ -423,7 +423,7 @@ def parallelize_pipeline(
             f"Layout(pp={pipeline.pp})"
         )
     assert pipeline.stages_per_rank is not None
-    # torch's "loop" placement, as simplefsdp.models.llama3.stage_ids_for_rank
+    # torch's "loop" placement, as simplefsdp.models.common.stages.stage_ids_for_rank
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = [pp_rank + k * pipeline.pp for k in range(pipeline.stages_per_rank)]
     modules = split_fn(model, stage_ids, pipeline.num_stages)

@@ -11,6 +11,7 @@ engine (:func:`simplefsdp.engines.kinds.composition_errors`). Torch-free.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from simplefsdp.engines.kinds import FEATURES, composition_errors
@@ -25,7 +26,13 @@ _NAMES = {
     "seq_len": "seq_len",
     "sequence_parallel": "sequence_parallel",
     "model": "model",
+    "float8": "float8",
+    "hf": "init_from_hf",
+    "compile": "compile",
 }
+
+#: How messages name a capability a family may lack.
+_CAPABILITY_WORDS = {**FEATURES, "hf": "Hugging Face weights"}
 
 
 def job_errors(
@@ -44,6 +51,10 @@ def job_errors(
     pp_schedule: str = "1f1b",
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    loss_parallel: bool = False,
+    hf_weights: bool = False,
+    compile: bool = False,
+    build: bool = True,
     model_name: str | None = None,
     names: Mapping[str, str] | None = None,
 ) -> list[str]:
@@ -60,6 +71,11 @@ def job_errors(
             with ``sequence_parallel`` a multiple of ``tp``).
         batch: the per-rank batch, split into ``microbatches``.
         pp_schedule / microbatches / stages_per_rank: the pipeline's settings.
+        loss_parallel: the TP plan splits the output over the vocabulary.
+        hf_weights: the job starts from Hugging Face weights.
+        compile: the model is compiled.
+        build: the model is built (``False``: planned only, so flavors the
+            family cannot build yet pass).
         model_name: the model's name, for the messages.
         names: how the caller's user spells each setting (its flags).
     """
@@ -80,44 +96,51 @@ def job_errors(
         )
     layout_errors = layout.validate(world_size, names=n)
     errors += layout_errors
+    features = {
+        **{k: getattr(layout, k) for k in ("tp", "pp", "ep", "cp")},
+        "float8": float8,
+        "hf": hf_weights,
+    }
     missing = [
         k
-        for k in ("tp", "pp", "ep", "cp")
-        if isinstance(getattr(layout, k), int) and getattr(layout, k) > 1 and not spec.supports(k)
+        for k, value in features.items()
+        if value and (isinstance(value, bool) or value > 1) and not spec.supports(k)
     ]
     for key in missing:
+        what = f"{n[key]} {features[key]}" if key in ("tp", "pp", "ep", "cp") else n[key]
         errors.append(
-            f"{n[key]} {getattr(layout, key)}: {model} (family {spec.family!r}) does not "
-            f"compose with {FEATURES[key]}; use {n[key]} 1"
+            f"{what}: {model} (family {spec.family!r}) does not compose with "
+            f"{_CAPABILITY_WORDS[key]}; it supports: "
+            f"{', '.join(sorted(spec.capabilities)) or 'none of tp, pp, ep, cp, float8, hf'}"
         )
     if not layout_errors:
-        for line in spec.validate(config, layout.resolve(world_size)):
-            key = line.split(" ", 1)[0]
-            if key in missing:
-                continue
-            if key in ("tp", "pp", "ep", "cp"):  # the family names a degree: the caller's flag
-                line = n[key] + line[len(key) :]
-            errors.append(line)
-    max_seq_len = getattr(config, "max_seq_len", None)
-    if seq_len is not None and max_seq_len is not None and seq_len > max_seq_len:
-        errors.append(
-            f"{n['seq_len']} {seq_len} exceeds max_seq_len {max_seq_len} of {model}; "
-            f"use {n['seq_len']} <= {max_seq_len}"
+        degrees = layout.resolve(world_size)
+        # the degrees and the pipeline's stage count, which the family checks its layers against
+        view = SimpleNamespace(
+            **degrees.degrees(),
+            num_stages=num_stages(degrees.pp, pp_schedule, stages_per_rank),
         )
+        for line in spec.validate(
+            config,
+            view,
+            seq_len=seq_len,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            build=build,
+            model_name=model_name,
+            names=n,
+        ):
+            if not any(line.startswith(f"{n[k]} ") for k in missing if k in n):
+                errors.append(line)
     tp = layout.tp if isinstance(layout.tp, int) else 1
-    if tp > 1 and sequence_parallel and seq_len is not None and seq_len % tp:
+    if tp > 1 and compile and not spec.fullgraph:
+        # A DTensor graph split by graph breaks fails in AOTAutograd ("Mixing
+        # fake modes"): tensor parallelism of such a model runs uncompiled.
         errors.append(
-            f"{n['seq_len']} {seq_len} is not divisible by {n['tp']} {tp} (sequence "
-            f"parallelism shards the sequence over the TP ranks); use a multiple of {tp} "
-            f"or {n['sequence_parallel']} false"
+            f"{n['tp']} {tp} with {n.get('compile', 'compile')} true: {model} compiles with "
+            f"graph breaks, which tensor parallelism does not support; use "
+            f"{n.get('compile', 'compile')} false or {n['tp']} 1"
         )
     pp = layout.pp if isinstance(layout.pp, int) else 1
-    n_layers = getattr(config, "n_layers", None)
-    stages = num_stages(pp, pp_schedule, stages_per_rank)
-    if pp > 1 and n_layers is not None and stages > n_layers:
-        errors.append(
-            f"{n['pp']} {pp} x {stages // pp} stages per rank = {stages} stages but {model} "
-            f"has {n_layers} layers; use at most {n_layers} stages"
-        )
     errors += pipeline_errors(pp, pp_schedule, microbatches, stages_per_rank, batch=batch, names=n)
     return errors

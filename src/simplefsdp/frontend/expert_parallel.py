@@ -7,7 +7,7 @@ parameter of ``experts`` on its dim 0 (the experts dim) over the 1-D
 DTensors ``Shard(0)``. The module's forward must take ``(tokens sorted by
 expert (R, D), num_tokens_per_expert (E,))`` and use the local tensors of its
 parameters (``.to_local()``), the convention of torchtitan's
-``GroupedExperts`` (and of :class:`simplefsdp.models.moe.GroupedExperts`).
+``GroupedExperts`` (and of :class:`simplefsdp.models.common.moe.GroupedExperts`).
 
 Around that forward the style
 

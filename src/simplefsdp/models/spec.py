@@ -34,7 +34,7 @@ class LayoutDegrees(Protocol):
     ep: int
 
 
-def _no_errors(config: Any, layout: Any) -> list[str]:
+def _no_errors(config: Any, layout: Any, **inputs: Any) -> list[str]:
     return []
 
 
@@ -58,9 +58,21 @@ class ModelSpec:
             experts); defaults to ``num_params``.
         flops_per_token: ``flops_per_token(config, seq_len) -> int``,
             training FLOPs (forward and backward) per token.
-        validate: ``validate(config, layout) -> list[str]``: the model
-            against the layout's degrees (heads vs tp, experts vs ep,
-            sequence vs cp), one line per problem.
+        validate: ``validate(config, layout, *, seq_len=None,
+            sequence_parallel=False, loss_parallel=False, build=True,
+            model_name=None, names=None) -> list[str]``: every rule of the
+            model against the layout, one line per problem: ``seq_len`` vs
+            ``max_seq_len``; heads, kv-heads, feed-forward sizes (and with
+            ``loss_parallel`` the vocabulary) vs ``layout.tp``; ``seq_len``
+            vs tp with ``sequence_parallel``; layers vs pipeline stages
+            (``layout.num_stages`` where the layout has it, else
+            ``layout.pp``); experts vs ``layout.ep``; and, with ``build``
+            (train, bench; ``False`` for plan, which only counts), a
+            configuration that cannot be built (e.g. multi-head latent
+            attention). ``layout`` is anything with the degrees of
+            :class:`LayoutDegrees` (missing ones count as 1); ``model_name``
+            and ``names`` (how the caller spells each degree: its flags)
+            only shape the messages.
         capabilities: what it composes with (:data:`CAPABILITIES`); a
             layout using a missing one is refused by the resolve step.
         tensor_parallel: ``tensor_parallel(model, tp_mesh, *,
@@ -69,11 +81,27 @@ class ModelSpec:
             list[nn.Module]``, copies of the model keeping each stage's part.
         fullgraph: a compiled forward is one graph (``False``: a MoE layer
             reads its token counts to the host).
-        after_optimizer_step: called with the model after each optimizer
-            step (e.g. the routing-bias update); returns metrics to log
-            (``name -> float``) or ``None``.
+        after_optimizer_step: ``after_optimizer_step(model, *,
+            process_group=None)``, called after each optimizer step (the
+            routing-bias update from the tokens each expert received, summed
+            over ``process_group``: the ranks that read different data);
+            returns the metrics to log (``name -> value``; MoE:
+            ``moe_imbalance`` and per-layer ``moe_layers``) or ``None``.
+        discard_step_state: ``discard_step_state(model)`` forgets what
+            forward passes accumulated since the last optimizer step (MoE:
+            the routed-token counts), for forwards that must not count, such
+            as a validation pass in training mode; ``None``: nothing to do.
+        float8_skip_fqns: module-name fragments float8 conversion leaves
+            alone (besides the user's filter), e.g. a router that computes
+            in float32.
         hf_adapter: converts to and from Hugging Face checkpoints (``None``:
-            no Hugging Face format).
+            no Hugging Face format): an object with ``model_types``,
+            ``tied``, ``to_hf_name``/``from_hf_name``, ``to_hf`` (name and
+            full tensor), ``hf_region`` (the region of a Hugging Face tensor
+            holding a region of ours, and its conversion),
+            ``config_from_hf``/``config_to_hf``, ``config_differences`` and
+            ``hf_sort_key``; see
+            :class:`simplefsdp.models.llama3.hf_adapter.LlamaHFAdapter`.
     """
 
     family: str
@@ -86,13 +114,15 @@ class ModelSpec:
     num_params: Callable[..., int]
     flops_per_token: Callable[[Any, int], int]
     num_active_params: Callable[..., int] | None = None
-    validate: Callable[[Any, Any], list[str]] = _no_errors
+    validate: Callable[..., list[str]] = _no_errors
     capabilities: frozenset[Capability] = field(default_factory=frozenset)
     tensor_parallel: Callable[..., None] | None = None
     pipeline_split: Callable[..., list[Any]] | None = None
     fullgraph: bool = True
-    after_optimizer_step: Callable[[Any], Mapping[str, float] | None] | None = None
+    after_optimizer_step: Callable[..., Mapping[str, Any] | None] | None = None
     hf_adapter: Any = None
+    discard_step_state: Callable[[Any], None] | None = None
+    float8_skip_fqns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.capabilities) - set(CAPABILITIES))

@@ -92,8 +92,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         metavar="NAME",
-        help="the model to train: --model.name NAME (a Llama 3 or mixture-of-experts "
-        "configuration, e.g. debug, moe_debug)",
+        help="the model to train: --model.name NAME (a flavor of a registered model "
+        "family; see --print-config for the valid names)",
     )
     parser.add_argument(
         "--nproc",
@@ -156,7 +156,6 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
         for note in notes:
             print(f"simplefsdp train: note: {note}", file=sys.stderr)
     p = job.parallel
-    _check_attention(job)
     resolve(job, world_size, local_world_size)
     import torch
 
@@ -172,28 +171,6 @@ def preflight(job: JobConfig, *, world_size: int, local_world_size: int) -> None
             "float8.recipe 'tensorwise' with parallel.tp > 1 and parallel.sequence_parallel true "
             "needs GPUs (gloo cannot all-gather float8 activations); on CPU use "
             "--parallel.sequence_parallel false"
-        )
-
-
-def _check_attention(job: JobConfig) -> None:
-    """The model's attention is one train builds."""
-    from simplefsdp.train.parallelism import model_config
-
-    m = job.model
-    overrides = {
-        key: value
-        for key, value in (("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len))
-        if value is not None
-    }
-    args = model_config(job, **overrides)
-    if getattr(args, "attention", "gqa") != "gqa":
-        from simplefsdp.models.moe import MOE_CONFIGS
-
-        built = [name for name, a in MOE_CONFIGS.items() if a.attention == "gqa"]
-        raise ValueError(
-            f"model.name {m.name!r} uses multi-head latent attention, which simplefsdp plan "
-            f"counts but train does not build; trainable mixture-of-experts models: "
-            f"{', '.join(built)}"
         )
 
 
@@ -330,7 +307,7 @@ def _parse(
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from exc
     if args.model is not None and not any(o.startswith("--metrics.output_dir") for o in overrides):
-        # runs are filed under the model they train (outputs/moe_debug, not outputs/debug)
+        # runs are filed under the model they train, not under the preset's model
         job.metrics.output_dir = output_dir_for_model(
             job.metrics.output_dir, job.model.name, VALID_MODELS
         )

@@ -39,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -56,7 +56,6 @@ __all__ = [
     "TrainSummary",
     "MetricsWriter",
     "ProgressDisplay",
-    "expert_load_metrics",
     "format_bytes",
     "format_step_line",
     "mfu",
@@ -404,30 +403,6 @@ def format_step_line(step: int, total_steps: int, record: dict[str, Any]) -> str
     if record.get("checkpoint_staging_wait_s"):
         parts.append(f"save copy wait {record['checkpoint_staging_wait_s']:.2f}s")
     return " | ".join(parts)
-
-
-def expert_load_metrics(loads: Sequence[Any]) -> dict[str, Any]:
-    """The metrics record's expert-load entries of one step.
-
-    Args:
-        loads: one :class:`simplefsdp.models.moe.ExpertLoad` per MoE layer
-            (global token counts of the step, all ranks and micro-batches).
-
-    Returns:
-        ``moe_imbalance``: the largest ``max / mean`` tokens per expert over
-        the layers (1.0: balanced; the step line's ``moe imb``), and
-        ``moe_layers``: per layer name, ``tokens_per_expert`` (a list) and
-        its ``imbalance``.
-    """
-    layers = {
-        load.name: {
-            "tokens_per_expert": [int(c) for c in load.tokens_per_expert],
-            "imbalance": round(load.imbalance, 4),
-        }
-        for load in loads
-    }
-    worst = max((entry["imbalance"] for entry in layers.values()), default=None)
-    return {"moe_imbalance": worst, "moe_layers": layers}
 
 
 @dataclass

@@ -27,12 +27,11 @@ from simplefsdp.engines import (
 from simplefsdp.engines.recipe import RecipeOptions, parallelize_model
 from simplefsdp.layout import Layout, Meshes
 from simplefsdp.train.config import JobConfig
-from simplefsdp.train.config.schema import MOE_MODELS
 
 __all__ = [
     "engine_spec",
-    "is_moe",
     "job_layout",
+    "model_spec",
     "job_mesh",
     "keep_gathered_option",
     "model_config",
@@ -117,49 +116,56 @@ def job_mesh(job: JobConfig, device: torch.device) -> Meshes:
     return job_layout(job, world).build(device.type, world)
 
 
-def convert_to_float8(model: torch.nn.Module, job: JobConfig) -> torch.nn.Module:
+def convert_to_float8(
+    model: torch.nn.Module, job: JobConfig, skip: tuple[str, ...] = ()
+) -> torch.nn.Module:
     """Swap ``model``'s linear layers for torchao ``Float8Linear`` as ``job.float8`` says.
 
     ``tensorwise``: dynamic tensorwise scaling with float8 all-gathers
     (Note: [Float8 all-gather]); ``rowwise``: torchao's rowwise recipe (the
     weights gather in ``param_dtype``, as under FSDP2). Skipped: modules whose
-    name contains one of ``float8.filter_fqns`` and layers whose dims are not
-    multiples of 16 (torchtitan's filter). Works on a meta-device model.
+    name contains one of ``float8.filter_fqns`` or of ``skip`` (the model
+    family's ``float8_skip_fqns``) and layers whose dims are not multiples of
+    16 (torchtitan's filter). Works on a meta-device model.
 
     Raises:
         ValueError: torchao is not installed (one line naming the extra).
     """
     from simplefsdp import convert_linears_to_float8
 
-    return convert_linears_to_float8(model, job.float8.recipe, job.float8.filter_fqns)
+    filter_fqns = ",".join([job.float8.filter_fqns, *skip])
+    return convert_linears_to_float8(model, job.float8.recipe, filter_fqns)
 
 
-# --------------------------------------------------------------------------- MoE models
+# --------------------------------------------------------------------------- the model
 
 
-def is_moe(job: JobConfig) -> bool:
-    """``model.name`` is a mixture-of-experts configuration."""
-    return job.model.name in MOE_MODELS
+def model_spec(job: JobConfig) -> Any:
+    """The :class:`~simplefsdp.models.spec.ModelSpec` of ``model.name``'s family."""
+    from simplefsdp.models.registry import spec_of
+
+    return spec_of(job.model.name)
 
 
 def model_config(job: JobConfig, **overrides: Any) -> Any:
-    """The model arguments ``model.name`` names (Llama 3 ``ModelArgs`` or ``MoEArgs``).
+    """The configuration ``model.name`` names (its family's config type).
 
     Args:
-        job: the job (``model.name``; ``model.load_balance`` for MoE models).
+        job: the job (``model.name``; ``model.load_balance`` where the
+            configuration has that field).
         **overrides: fields to replace (``vocab_size``, ``max_seq_len``).
 
     Raises:
         ValueError: an invalid resulting configuration.
     """
-    if not is_moe(job):
-        from simplefsdp.models.llama3 import get_config
+    import dataclasses
 
-        return get_config(job.model.name, **overrides)
-    from simplefsdp.models.moe import get_config as moe_config
+    from simplefsdp.models.registry import resolve_flavor
 
-    overrides.setdefault("load_balance", job.model.load_balance)
-    return moe_config(job.model.name, **overrides)
+    spec = model_spec(job)
+    if "load_balance" in {f.name for f in dataclasses.fields(spec.config_type)}:
+        overrides.setdefault("load_balance", job.model.load_balance)
+    return resolve_flavor(job.model.name, **overrides)[1]
 
 
 def parallelize_job(
@@ -175,11 +181,10 @@ def parallelize_job(
     ``parallel.pp > 1``, :func:`pipeline_spec`; a meta model's weights are
     initialised with the spec's ``init_weights`` under the current RNG state.
     """
-    from simplefsdp.models.registry import family_of, get_spec
-
     p = job.parallel
+    spec = model_spec(job)
     if job.float8.enable:
-        convert_to_float8(model, job)
+        convert_to_float8(model, job, skip=spec.float8_skip_fqns)
     options = RecipeOptions(
         pipeline_spec(job) if p.pp > 1 else None,
         sequence_parallel=p.sequence_parallel,
@@ -187,7 +192,7 @@ def parallelize_job(
     )
     return parallelize_model(
         model,
-        get_spec(family_of(job.model.name)),
+        spec,
         mesh if mesh is not None else job_mesh(job, device),
         engine_spec(job),
         device,

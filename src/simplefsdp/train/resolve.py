@@ -38,6 +38,8 @@ FLAGS = {
     "seq_len": "data.seq_len",
     "sequence_parallel": "--parallel.sequence_parallel",
     "float8": "float8.enable",
+    "hf": "checkpoint.init_from_hf",
+    "compile": "compile.enable",
     "group_reshard": "parallel.reshard_after_forward",
 }
 
@@ -54,8 +56,7 @@ class ResolvedJob:
 
 
 def _model(job: JobConfig) -> tuple[Any, Any]:
-    from simplefsdp.models.registry import family_of, get_spec
-    from simplefsdp.train.parallelism import model_config
+    from simplefsdp.train.parallelism import model_config, model_spec
 
     m = job.model
     overrides = {
@@ -63,7 +64,7 @@ def _model(job: JobConfig) -> tuple[Any, Any]:
         for key, value in (("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len))
         if value is not None
     }
-    return get_spec(family_of(m.name)), model_config(job, **overrides)
+    return model_spec(job), model_config(job, **overrides)
 
 
 def job_errors(
@@ -121,6 +122,10 @@ def job_errors(
         pp_schedule=p.pp_schedule,
         microbatches=p.microbatches if p.pp > 1 else None,
         stages_per_rank=p.pp_stages_per_rank,
+        # the vocabulary is only known here when given (else it is the tokenizer's)
+        loss_parallel=m.vocab_size is not None and p.loss_parallel,
+        hf_weights=job.checkpoint.init_from_hf is not None,
+        compile=job.compile.enable,
         model_name=m.name,
         names=FLAGS,
     )

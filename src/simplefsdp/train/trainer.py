@@ -49,6 +49,7 @@ from simplefsdp.engines import (
     pick_device,
     teardown_process_group,
 )
+from simplefsdp.models.record import model_record
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict
 from simplefsdp.train.config.schema import ModelConfig
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
@@ -66,16 +67,15 @@ from simplefsdp.train.metrics import (
     MetricsWriter,
     ProgressDisplay,
     TrainSummary,
-    expert_load_metrics,
     format_step_line,
     mfu,
     peak_flops_for,
 )
 from simplefsdp.train.parallelism import (
     engine_spec,
-    is_moe,
     job_mesh,
     model_config,
+    model_spec,
     parallelize_job,
 )
 from simplefsdp.train.resume import start_run_files
@@ -115,16 +115,6 @@ def _compile_errors() -> Iterator[None]:
         raise TrainingError(message) from exc
 
 
-def _moe_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token of a MoE model: the Llama formula
-    (:func:`simplefsdp.models.llama3.flops_per_token`) on the parameters one
-    token uses (``top_k`` routed experts per layer, torchtitan's count)."""
-    from simplefsdp.models.moe import num_active_params
-
-    n = num_active_params(args, exclude_embeddings=True)
-    return 6 * n + 12 * args.n_layers * args.dim * seq_len
-
-
 class TrainingError(RuntimeError):
     """A failure the user can act on, reported as one line (exit code 1)."""
 
@@ -133,7 +123,7 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    """Trains a Llama 3 or mixture-of-experts model per a validated :class:`JobConfig` on this rank.
+    """Trains a model of any registered family per a validated :class:`JobConfig` on this rank.
 
     Args:
         job: the job configuration (already validated by ``load_config``).
@@ -242,7 +232,7 @@ class Trainer:
             model_args_differences,
             model_args_from_hf_config,
         )
-        from simplefsdp.models.llama3 import get_config
+        from simplefsdp.models.registry import resolve_flavor
 
         m, folder = self.job.model, Path(self.job.checkpoint.init_from_hf or "")
         source = str(folder / CONFIG_FILE)
@@ -254,7 +244,7 @@ class Trainer:
         if m.max_seq_len is not None:
             args = args.replace(max_seq_len=m.max_seq_len)
         if m.name != ModelConfig.name:  # a named model must be the checkpoint's
-            named = get_config(m.name, vocab_size=m.vocab_size or args.vocab_size)
+            named = resolve_flavor(m.name, vocab_size=m.vocab_size or args.vocab_size)[1]
             differ = model_args_differences(named, args)
             if differ:
                 raise ValueError(
@@ -294,16 +284,9 @@ class Trainer:
         )
 
     def _build_model(self) -> None:
-        from simplefsdp.models.llama3 import Transformer, flops_per_token, num_params
-
         self.model_args = self._model_args()
-        self.moe = is_moe(self.job)
-        self._expert_loads: list[Any] = []
-        if self.moe:
-            from simplefsdp.models import moe
-
-            Transformer, num_params = moe.Transformer, moe.num_params  # noqa: N806
-            flops_per_token = _moe_flops_per_token  # noqa: N806
+        self.spec = model_spec(self.job)
+        self._step_metrics: dict[str, Any] = {}
         # Note: [Weights on CPU]: a CPU mesh initialises each shard of a meta
         # model from this rank's generator, the same on every rank (CUDA
         # meshes use DTensor's offset-based RNG tracker), so one rank's rows
@@ -313,19 +296,19 @@ class Trainer:
         # initialisation, which the parallel layout scatters, as in one process.
         build_on = "cpu" if self.device.type == "cpu" else "meta"
         with torch.device(build_on):
-            model = Transformer(self.model_args)
+            model = self.spec.build(self.model_args)
         self.parallel: ParallelModel | PipelinedModel = parallelize_job(
             model, self.job, self.device, self.mesh
         )
         # A pipeline's loss exists on its last stage only: see _global_mean.
         self._loss_weight = 1.0 if self.parallel.has_loss else 0.0
         self.model = self.parallel.module
-        self.flops_per_token = flops_per_token(self.model_args, self.job.data.seq_len)
+        self.flops_per_token = self.spec.flops_per_token(self.model_args, self.job.data.seq_len)
         self.peak_flops = peak_flops_for(self.device)
         logger.info(
             "model %s: %.2fM parameters, %.3g FLOPs/token",
             self.job.checkpoint.init_from_hf or self.job.model.name,
-            num_params(self.model_args) / 1e6,
+            self.spec.num_params(self.model_args) / 1e6,
             self.flops_per_token,
         )
 
@@ -343,6 +326,14 @@ class Trainer:
         if warning is not None:
             logger.warning("%s", warning)
 
+    def _flavor(self) -> str | None:
+        """The canonical flavor name, ``None`` for a model from a Hugging Face folder."""
+        from simplefsdp.models.registry import canonical_flavor
+
+        if self.job.checkpoint.init_from_hf is not None:
+            return None
+        return canonical_flavor(self.job.model.name)
+
     def _build_optimizer(self) -> None:
         t = self.job.training
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -359,7 +350,11 @@ class Trainer:
             device=self.device,
             keep_last=self.job.checkpoint.keep_last,
             config_hash=config_hash(self.job),
-            config_json={"job": config_to_dict(self.job), "model_args": asdict(self.model_args)},
+            config_json={
+                "job": config_to_dict(self.job),
+                "model_args": asdict(self.model_args),
+                "model": model_record(self.spec, self.model_args, self._flavor()),
+            },
             async_mode=self.job.checkpoint.async_mode,
         )
 
@@ -457,10 +452,12 @@ class Trainer:
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: torch's ``loss_parallel`` when on."""
-        from simplefsdp.models.llama3 import loss_parallel_context
-
         p = self.job.parallel
-        return loss_parallel_context(p.tp > 1 and p.loss_parallel)
+        if not (p.tp > 1 and p.loss_parallel):
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over ``grad_accum_steps`` micro-batches.
@@ -493,8 +490,10 @@ class Trainer:
         self.optimizer.step()
         self.parallel.after_optimizer_step()
         self.scheduler.step()
-        if self.moe:
-            self._balance_experts()
+        if self.spec.after_optimizer_step is not None:
+            # The model's own update (e.g. MoE routing biases from the tokens
+            # each expert received on all ranks), and its metrics.
+            self._step_metrics = dict(self.spec.after_optimizer_step(self.model) or {})
         return loss_sum, grad_norm, float(lr)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -510,22 +509,6 @@ class Trainer:
             self._micro_trained = int((targets != IGNORE_INDEX).sum())
             self._trained_in_window += self._micro_trained
         return inputs, targets
-
-    def _balance_experts(self) -> None:
-        """After the optimizer step: the routing-bias update from the tokens each
-        expert received on all ranks (one all-reduce; every MoE layer reports
-        its load whatever its ``load_balance``), kept for the metrics."""
-        from simplefsdp.models.moe import update_expert_bias
-
-        self._expert_loads = update_expert_bias(self.model)
-
-    def _drop_expert_counts(self) -> None:
-        """Forget the tokens the MoE layers counted since the last bias update."""
-        from simplefsdp.models.moe import MoE
-
-        for module in self.model.modules():
-            if isinstance(module, MoE):
-                module.tokens_per_expert.zero_()
 
     def _global_mean(self, value: torch.Tensor) -> float:
         """The mean of ``value`` over the ranks that hold a loss (a pipeline's
@@ -572,8 +555,8 @@ class Trainer:
                 count += 1
         except DataError as exc:  # a damaged validation shard
             raise TrainingError(str(exc)) from None
-        if self.moe:  # the model ran in training mode: its routing counted these tokens
-            self._drop_expert_counts()
+        if self.spec.discard_step_state is not None:  # training mode: these forwards counted
+            self.spec.discard_step_state(self.model)
         if count == 0:
             return None
         return self._global_mean(total / count)
@@ -612,8 +595,7 @@ class Trainer:
             "mfu_pct": mfu(tps, self.flops_per_token, self.peak_flops),
             "peak_memory_bytes": int(self._global_max(self.memory.peak_bytes() or 0)),
         }
-        if self._expert_loads:
-            record.update(expert_load_metrics(self._expert_loads))
+        record.update(self._step_metrics)
         if self._trained_tokens is not None:  # chat data: the assistant's tokens
             trained = self._trained_in_window / (self.job.parallel.tp * self.job.parallel.pp)
             self._trained_tokens += self._trained_in_window

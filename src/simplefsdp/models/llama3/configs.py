@@ -1,19 +1,22 @@
 """Named Llama 3 configurations.
 
-* ``debug``: about 3.3M parameters with a byte-level vocabulary (256 bytes plus
+* ``llama3_debug``: about 3.3M parameters with a byte-level vocabulary (256 bytes plus
   4 special tokens). Small enough to train on a CPU.
-* ``small``: about 101M parameters (dim 768, 16 layers, 12 query heads, 4 KV
+* ``llama3_small``: about 101M parameters (dim 768, 16 layers, 12 query heads, 4 KV
   heads) with the same 260-token byte-level vocabulary, so nearly all
   parameters are in the transformer blocks rather than in the embeddings.
-* ``8B``, ``70B``, ``405B``: the published Llama 3.1 shapes (vocabulary 128256,
+* ``llama3_8b``, ``llama3_70b``, ``llama3_405b``: the published Llama 3.1 shapes (vocabulary 128256,
   rope theta 500000, Llama 3.1 rope scaling), with ``max_seq_len`` 8192.
 
+The short names ``debug``, ``small``, ``8B``, ``70B`` and ``405B`` are
+accepted aliases (:func:`simplefsdp.models.registry.canonical_flavor`).
 Use :func:`get_config` to fetch one, optionally with field overrides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .args import ModelArgs, RopeScaling
@@ -28,8 +31,8 @@ LLAMA31_ROPE_SCALING = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
 
-LLAMA3_CONFIGS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(
+_CONFIGS: dict[str, ModelArgs] = {
+    "llama3_debug": ModelArgs(
         dim=256,
         n_layers=4,
         n_heads=8,
@@ -39,7 +42,7 @@ LLAMA3_CONFIGS: dict[str, ModelArgs] = {
         rope_theta=500000.0,
         max_seq_len=512,
     ),
-    "small": ModelArgs(
+    "llama3_small": ModelArgs(
         dim=768,
         n_layers=16,
         n_heads=12,
@@ -49,7 +52,7 @@ LLAMA3_CONFIGS: dict[str, ModelArgs] = {
         rope_theta=500000.0,
         max_seq_len=2048,
     ),
-    "8B": ModelArgs(
+    "llama3_8b": ModelArgs(
         dim=4096,
         n_layers=32,
         n_heads=32,
@@ -62,7 +65,7 @@ LLAMA3_CONFIGS: dict[str, ModelArgs] = {
         rope_scaling=LLAMA31_ROPE_SCALING,
         max_seq_len=8192,
     ),
-    "70B": ModelArgs(
+    "llama3_70b": ModelArgs(
         dim=8192,
         n_layers=80,
         n_heads=64,
@@ -75,7 +78,7 @@ LLAMA3_CONFIGS: dict[str, ModelArgs] = {
         rope_scaling=LLAMA31_ROPE_SCALING,
         max_seq_len=8192,
     ),
-    "405B": ModelArgs(
+    "llama3_405b": ModelArgs(
         dim=16384,
         n_layers=126,
         n_heads=128,
@@ -91,11 +94,36 @@ LLAMA3_CONFIGS: dict[str, ModelArgs] = {
 }
 
 
+class _FlavorTable(Mapping):
+    """A read-only ``name -> config`` table whose lookups also accept the
+    registry's aliases (``"debug"`` finds ``"llama3_debug"``); iteration
+    lists the canonical names only."""
+
+    def __init__(self, configs: dict[str, ModelArgs]) -> None:
+        self._configs = configs
+
+    def __getitem__(self, name: str) -> ModelArgs:
+        from simplefsdp.models.registry import ALIASES
+
+        return self._configs[ALIASES.get(name, name)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._configs)
+
+    def __len__(self) -> int:
+        return len(self._configs)
+
+
+#: The Llama 3 flavors by canonical name (lookups accept the short aliases).
+LLAMA3_CONFIGS: Mapping[str, ModelArgs] = _FlavorTable(_CONFIGS)
+
+
 def get_config(name: str, **overrides: Any) -> ModelArgs:
     """Return the named configuration, optionally with fields overridden.
 
     Args:
-        name: One of the keys of :data:`LLAMA3_CONFIGS`.
+        name: One of the keys of :data:`LLAMA3_CONFIGS`, or its short alias
+            (``"debug"`` for ``"llama3_debug"``).
         **overrides: :class:`ModelArgs` fields to replace, e.g.
             ``get_config("debug", vocab_size=300, max_seq_len=256)``.
 

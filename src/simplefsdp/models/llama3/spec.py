@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import functools
-import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from simplefsdp.models.common.stages import pipeline_split
+from simplefsdp.models.common.validate import decoder_errors, flag_names
 from simplefsdp.models.llama3.args import ModelArgs, flops_per_token, num_params
 from simplefsdp.models.llama3.configs import LLAMA3_CONFIGS
+from simplefsdp.models.llama3.hf_adapter import LLAMA3_HF_ADAPTER
 from simplefsdp.models.llama3.model import Transformer
-from simplefsdp.models.llama3.stages import pipeline_split
-from simplefsdp.models.llama3.tensor_parallel import apply_tensor_parallel, tp_split_sizes
 from simplefsdp.models.spec import ModelSpec
 
-__all__ = ["SPEC", "cross_entropy"]
+__all__ = ["SPEC", "cross_entropy", "validate"]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -28,28 +28,59 @@ def _init_weights(model: Any, buffer_device: Any = None) -> None:
     model.init_weights(buffer_device=buffer_device)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _tensor_parallel(
+    model: Any, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> None:
+    from simplefsdp.models.llama3.tensor_parallel import apply_tensor_parallel
+
+    apply_tensor_parallel(
+        model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
 
 
-def validate(config: ModelArgs, layout: Any) -> list[str]:
-    """Llama 3 against the layout: heads and hidden sizes vs tp, layers vs stages."""
-    errors = []
-    tp = getattr(layout, "tp", 1)
-    if tp > 1:
-        sizes = tp_split_sizes(config)
-        bad = {name: size for name, size in sizes.items() if size % tp}
-        if bad:
-            found = ", ".join(f"{name} {size}" for name, size in bad.items())
-            valid = _divisors(math.gcd(*sizes.values()))
-            errors.append(
-                f"tp {tp} does not divide the {found} of the model; "
-                f"valid tensor-parallel sizes for this model: {valid}"
-            )
-    if getattr(layout, "ep", 1) > 1:
+def tp_split_sizes(config: ModelArgs, *, loss_parallel: bool = False) -> dict[str, int]:
+    """The sizes the Llama 3 TP plan splits over the TP ranks."""
+    sizes = {
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.n_kv_heads,
+        "feed-forward hidden dim": config.ffn_hidden_dim,
+    }
+    if loss_parallel:
+        sizes["vocab_size"] = config.vocab_size
+    return sizes
+
+
+def validate(
+    config: ModelArgs,
+    layout: Any,
+    *,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    build: bool = True,
+    model_name: str | None = None,
+    names: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Llama 3 against the layout: sequence vs ``max_seq_len``, heads and
+    hidden sizes vs tp, layers vs stages, no experts for ep.
+
+    See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
+    """
+    errors = decoder_errors(
+        config,
+        layout,
+        tp_sizes=tp_split_sizes(config, loss_parallel=loss_parallel),
+        seq_len=seq_len,
+        sequence_parallel=sequence_parallel,
+        model_name=model_name,
+        names=names,
+    )
+    ep = getattr(layout, "ep", 1)
+    if ep > 1:
+        model = f"model {model_name!r}" if model_name else "this Llama 3 model"
         errors.append(
-            f"ep {layout.ep}: expert parallelism needs a model with experts and this Llama 3 "
-            "model has none; valid: 1, or a mixture-of-experts model (e.g. moe_debug)"
+            f"{flag_names(names)['ep']} {ep}: expert parallelism needs a model with experts "
+            f"and {model} has none; valid: 1, or a mixture-of-experts model (e.g. moe_debug)"
         )
     return errors
 
@@ -66,6 +97,7 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     validate=validate,
     capabilities=frozenset({"tp", "pp", "float8", "hf"}),
-    tensor_parallel=functools.partial(apply_tensor_parallel),
+    tensor_parallel=_tensor_parallel,
     pipeline_split=pipeline_split,
+    hf_adapter=LLAMA3_HF_ADAPTER,
 )

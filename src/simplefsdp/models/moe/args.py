@@ -6,14 +6,19 @@ No tensors are built here; :mod:`.model` builds the module from a
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from torch import nn
 
-from simplefsdp.models.llama3 import ModelArgs, RopeScaling, ffn_hidden_dim
-from simplefsdp.models.llama3.args import _check_positive_int, _check_positive_number
+from simplefsdp.models.common.config import (
+    DecoderArgs,
+    attention_params,
+    check_positive_int,
+    check_positive_number,
+    count_params,
+)
+from simplefsdp.models.common.feed_forward import ffn_hidden_dim
 
 __all__ = ["MoEArgs", "num_active_params", "num_params"]
 
@@ -23,8 +28,11 @@ ATTENTION_KINDS = ("gqa", "mla")
 
 
 @dataclass(frozen=True)
-class MoEArgs:
-    """Hyper-parameters of a mixture-of-experts decoder.
+class MoEArgs(DecoderArgs):
+    """Hyper-parameters of a mixture-of-experts decoder: the shared decoder
+    fields (:class:`~simplefsdp.models.common.DecoderArgs`: ``dim``,
+    ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``, ``norm_eps``,
+    ``rope_theta``, ``rope_scaling``, ``max_seq_len``) plus the experts'.
 
     Blocks ``0 .. n_dense_layers - 1`` use a dense SwiGLU feed-forward network
     of width ``dense_hidden_dim``; every later block uses a :class:`~.model.MoE`
@@ -33,8 +41,6 @@ class MoEArgs:
     ``num_shared_experts`` shared experts that every token uses.
 
     Attributes:
-        dim, n_layers, n_heads, n_kv_heads, vocab_size, norm_eps, rope_theta,
-        rope_scaling, max_seq_len: as in :class:`simplefsdp.models.llama3.ModelArgs`.
         n_dense_layers: leading blocks with a dense feed-forward network.
         dense_hidden_dim: hidden size of those; ``None`` computes it the Llama
             way from ``dim`` (``multiple_of`` 256).
@@ -63,15 +69,6 @@ class MoEArgs:
         ValueError: from ``__post_init__`` naming the offending value.
     """
 
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int | None = None
-    vocab_size: int = 260
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 512
     n_dense_layers: int = 1
     dense_hidden_dim: int | None = None
     num_experts: int = 8
@@ -93,22 +90,12 @@ class MoEArgs:
 
     def __post_init__(self) -> None:
         """Resolve defaults and validate the configuration."""
-        for name in (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "vocab_size",
-            "max_seq_len",
-            "num_experts",
-            "top_k",
-            "moe_hidden_dim",
-        ):
-            _check_positive_int(name, getattr(self, name))
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        super().__post_init__()
+        for name in ("num_experts", "top_k", "moe_hidden_dim"):
+            check_positive_int(name, getattr(self, name))
         if self.dense_hidden_dim is None:
             object.__setattr__(self, "dense_hidden_dim", ffn_hidden_dim(self.dim, 256, None))
-        _check_positive_int("dense_hidden_dim", self.dense_hidden_dim)
+        check_positive_int("dense_hidden_dim", self.dense_hidden_dim)
         for name in ("n_dense_layers", "num_shared_experts", "q_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -127,41 +114,18 @@ class MoEArgs:
             )
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
-        for name in ("route_scale", "bias_update_rate", "aux_loss_coeff", "norm_eps"):
-            _check_positive_number(name, getattr(self, name))
-        if self.attention == "gqa":
-            # Validates heads, head_dim and rope scaling the Llama way.
-            self.attention_args()
+        for name in ("route_scale", "bias_update_rate", "aux_loss_coeff"):
+            check_positive_number(name, getattr(self, name))
 
     @property
     def n_moe_layers(self) -> int:
         """Number of blocks with a MoE layer."""
         return self.n_layers - self.n_dense_layers
 
-    def attention_args(self) -> ModelArgs:
-        """The Llama :class:`ModelArgs` the (grouped-query) attention is built from."""
-        return ModelArgs(
-            dim=self.dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            vocab_size=self.vocab_size,
-            norm_eps=self.norm_eps,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            max_seq_len=self.max_seq_len,
-        )
-
-    def replace(self, **overrides: Any) -> MoEArgs:
-        """Return a copy with ``overrides`` applied (validated again)."""
-        return dataclasses.replace(self, **overrides)
-
 
 def _attention_params(args: MoEArgs) -> int:
     if args.attention == "gqa":
-        head_dim = args.dim // args.n_heads
-        kv_dim = args.n_kv_heads * head_dim
-        return 2 * args.dim * args.dim + 2 * args.dim * kv_dim
+        return attention_params(args)
     qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
     if args.q_lora_rank == 0:
         query = args.dim * args.n_heads * qk_head_dim
@@ -209,9 +173,7 @@ def num_params(model_or_args: nn.Module | MoEArgs, exclude_embeddings: bool = Fa
     """
     if isinstance(model_or_args, MoEArgs):
         return _count(model_or_args, model_or_args.num_experts, exclude_embeddings)
-    from simplefsdp.models.llama3 import num_params as count_module
-
-    return count_module(model_or_args, exclude_embeddings)
+    return count_params(model_or_args, exclude_embeddings)
 
 
 def num_active_params(args: MoEArgs, exclude_embeddings: bool = False) -> int:

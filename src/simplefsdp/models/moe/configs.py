@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from simplefsdp.models.llama3 import BYTE_VOCAB_SIZE
+from simplefsdp.models.llama3.configs import BYTE_VOCAB_SIZE
 
 from .args import MoEArgs
 
@@ -136,8 +136,10 @@ def get_config(name: str, **overrides: Any) -> MoEArgs:
         ValueError: unknown ``name`` or field (the message lists the valid
             ones), or an invalid resulting configuration.
     """
+    from simplefsdp.models.registry import ALIASES
+
     try:
-        base = MOE_CONFIGS[name]
+        base = MOE_CONFIGS[ALIASES.get(name, name)]
     except KeyError:
         valid = ", ".join(repr(k) for k in MOE_CONFIGS)
         raise ValueError(f"unknown MoE config {name!r}; valid names: {valid}") from None

@@ -1,99 +1,12 @@
-"""Load balancing and expert-load metrics for :class:`~.model.MoE` layers.
+"""Load balancing and expert-load metrics of MoE layers: the shared
+implementation (:mod:`simplefsdp.models.common.load_balance`) under the
+family's name."""
 
-The auxiliary-loss-free balancing of DeepSeek-V3 keeps a per-expert routing
-bias that is raised for under-loaded experts and lowered for over-loaded ones
-after every optimizer step: ``bias += rate * sign(mean(load) - load)``
-(centred to mean zero). The load is the count of tokens routed to each
-expert since the last update, summed over all data-parallel ranks so every
-rank applies the same update and the buffers stay replicated.
-"""
+from simplefsdp.models.common.load_balance import (
+    ExpertLoad,
+    expert_load,
+    expert_load_metrics,
+    update_expert_bias,
+)
 
-from __future__ import annotations
-
-from dataclasses import dataclass
-
-import torch
-from torch import nn
-
-from .model import MoE
-
-__all__ = ["ExpertLoad", "expert_load", "update_expert_bias"]
-
-
-@dataclass(frozen=True)
-class ExpertLoad:
-    """Tokens routed to each expert of one MoE layer since the last update.
-
-    Attributes:
-        name: the layer's module name, e.g. ``"layers.1.moe"``.
-        tokens_per_expert: global token counts, one per expert.
-    """
-
-    name: str
-    tokens_per_expert: tuple[float, ...]
-
-    @property
-    def imbalance(self) -> float:
-        """``max / mean`` of the counts (1.0 is perfectly balanced; 0 tokens gives 0.0)."""
-        total = sum(self.tokens_per_expert)
-        if total == 0:
-            return 0.0
-        return max(self.tokens_per_expert) * len(self.tokens_per_expert) / total
-
-
-def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
-
-
-def _global_counts(layers: list[tuple[str, MoE]], process_group) -> list[torch.Tensor]:
-    """Each layer's counts, summed over ``process_group`` in one all-reduce."""
-    if not layers:
-        return []
-    stacked = torch.stack([m.tokens_per_expert.detach().float() for _, m in layers])  # (L, E)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(stacked, group=process_group)
-    return list(stacked.unbind(0))
-
-
-@torch.no_grad()
-def update_expert_bias(model: nn.Module, process_group=None) -> list[ExpertLoad]:
-    """Update every MoE layer's routing bias from its load, then reset the counts.
-
-    Call after each optimizer step (after all gradient-accumulation
-    micro-batches). Layers with ``load_balance`` other than ``"bias"`` only
-    report their load and reset their counts.
-
-    Args:
-        model: a module containing :class:`~.model.MoE` layers (wrapped or not).
-        process_group: the group whose token counts are summed (all
-            data-parallel ranks); ``None`` is the default group when
-            ``torch.distributed`` is initialised, else no reduction.
-
-    Returns:
-        The load each layer had, for metrics.
-    """
-    layers = _moe_layers(model)
-    loads = []
-    for (name, moe), counts in zip(layers, _global_counts(layers, process_group), strict=True):
-        loads.append(ExpertLoad(name, tuple(counts.tolist())))
-        if moe.expert_bias is not None:
-            delta = moe.bias_update_rate * torch.sign(counts.mean() - counts)
-            moe.expert_bias.add_((delta - delta.mean()).to(moe.expert_bias))
-        moe.tokens_per_expert.zero_()
-    return loads
-
-
-def expert_load(model: nn.Module, process_group=None) -> list[ExpertLoad]:
-    """The load of each MoE layer since the last reset, without changing anything.
-
-    Args:
-        model: a module containing :class:`~.model.MoE` layers.
-        process_group: as in :func:`update_expert_bias`.
-    """
-    layers = _moe_layers(model)
-    counts = _global_counts(layers, process_group)
-    return [
-        ExpertLoad(name, tuple(c.tolist())) for (name, _), c in zip(layers, counts, strict=True)
-    ]
+__all__ = ["ExpertLoad", "expert_load", "expert_load_metrics", "update_expert_bias"]

@@ -1,12 +1,11 @@
 """Mixture-of-experts decoder as a plain ``nn.Module``.
 
-Blocks reuse Llama 3's attention, RMSNorm and SwiGLU feed-forward network;
-the feed-forward network of blocks ``n_dense_layers ..`` is a :class:`MoE`
-layer. There is no parallelism code here: expert parallelism is applied from
-the outside to :class:`GroupedExperts` (see
-:mod:`simplefsdp.models.moe.expert_parallel`), whose forward takes tokens
-sorted by expert and the token count of each expert, the convention of
-torchtitan's ``GroupedExperts``.
+The shared decoder (:mod:`simplefsdp.models.common`) with the feed-forward
+network of blocks ``n_dense_layers ..`` replaced by a
+:class:`~simplefsdp.models.common.moe.MoE` layer (token-choice router,
+grouped routed experts, shared experts). There is no parallelism code here:
+expert parallelism is applied from the outside to the ``experts`` modules
+(:mod:`simplefsdp.frontend.expert_parallel`).
 
 Parameter FQNs follow torchtitan: ``layers.1.moe.router.gate.weight``,
 ``layers.1.moe.experts.w1`` (3-D, ``(num_experts, hidden, dim)``),
@@ -15,17 +14,12 @@ Parameter FQNs follow torchtitan: ``layers.1.moe.router.gate.weight``,
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor
-
-from simplefsdp.models.llama3.model import (
-    Attention,
-    FeedForward,
-    RMSNorm,
-    _trunc_normal_,
-    precompute_freqs_cis,
+from simplefsdp.models.common.decoder import Decoder, DecoderBlock
+from simplefsdp.models.common.moe import (
+    GroupedExperts,
+    MoE,
+    TokenChoiceRouter,
+    grouped_mm_supported,
 )
 
 from .args import MoEArgs
@@ -40,375 +34,40 @@ __all__ = [
 ]
 
 
-def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs ``x`` against these expert weights.
+class TransformerBlock(DecoderBlock):
+    """Pre-norm block: attention, then a dense feed-forward network of width
+    ``dense_hidden_dim`` (``layer_id < n_dense_layers``) or a MoE layer.
 
-    It needs the op (torch >= 2.8), row strides that are multiples of 16
-    bytes, and bfloat16 on CUDA or under ``torch.compile`` (whose shape
-    function of the op accepts bfloat16 only, although the CPU kernel runs
-    float32); otherwise :class:`GroupedExperts` loops over the experts.
+    Raises:
+        ValueError: ``attention`` other than ``"gqa"`` (multi-head latent
+            attention is counted for planning, not built).
     """
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    bf16_only = x.device.type == "cuda" or torch.compiler.is_compiling()
-    if bf16_only and x.dtype != torch.bfloat16:
-        return False
-    if x.device.type not in ("cpu", "cuda"):
-        return False
-    align = 16 // x.element_size()
-    return all(w.shape[-1] % align == 0 and w.shape[-2] % align == 0 for w in weights)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous
-    (``torch._grouped_mm``'s backward rejects expanded gradients)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-def _as_local(weight: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor weight (expert parallelism shards the
-    experts dim; token counts are data-dependent, so the math is local)."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
-class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts stored as 3-D parameters.
-
-    ``w1``, ``w3``: ``(num_experts, hidden_dim, dim)``; ``w2``:
-    ``(num_experts, dim, hidden_dim)``. All experts run as one grouped matmul
-    (``torch._grouped_mm``) where supported (see
-    :func:`grouped_mm_supported`), else as a loop over experts; both give the
-    same result.
-
-    Args:
-        dim: model width.
-        hidden_dim: hidden size of one expert.
-        num_experts: number of experts.
-        use_grouped_mm: ``None`` picks automatically; ``False`` forces the loop.
-    """
-
-    def __init__(
-        self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool | None = None
-    ) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.use_grouped_mm = use_grouped_mm
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-
-    def init_weights(self, init_std: float) -> None:
-        """Initialise in place: ``w1`` with std 0.02, ``w2``/``w3`` with ``init_std``."""
-        _trunc_normal_(self.w1, 0.02)
-        _trunc_normal_(self.w2, init_std)
-        _trunc_normal_(self.w3, init_std)
-
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """Run each expert on its contiguous run of tokens.
-
-        Args:
-            x: tokens sorted by expert, ``(R, dim)``.
-            num_tokens_per_expert: ``(num_local_experts,)`` integer counts
-                summing to ``R``; an expert may receive none.
-
-        Returns:
-            ``(R, dim)``: expert ``e``'s output for each of its tokens.
-        """
-        w1, w2, w3 = _as_local(self.w1), _as_local(self.w2), _as_local(self.w3)
-        use_grouped = self.use_grouped_mm
-        if use_grouped is None:
-            use_grouped = grouped_mm_supported(x, w1, w2)
-        if use_grouped:
-            offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-            x = _ContiguousGrad.apply(x)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))  # (R, F)
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)  # (R, F)
-            out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (R, D)
-            return _ContiguousGrad.apply(out)
-        return _expert_loop(x, num_tokens_per_expert, w1, w2, w3)
-
-
-# Compiled, the loop's split sizes would be traced as this step's values and
-# recompile per step; the loop runs uncompiled (Note: [Expert parallelism
-# under torch.compile] in simplefsdp/frontend/expert_parallel.py).
-@torch.compiler.disable
-def _expert_loop(
-    x: torch.Tensor,
-    num_tokens_per_expert: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w3: torch.Tensor,
-) -> torch.Tensor:
-    """:class:`GroupedExperts` as a loop over experts: ``(R, dim) -> (R, dim)``."""
-    outputs = []
-    counts = num_tokens_per_expert.tolist()
-    for expert, chunk in enumerate(torch.split(x, counts, dim=0)):
-        h = F.silu(chunk @ w1[expert].T) * (chunk @ w3[expert].T)  # (r, F)
-        outputs.append(h @ w2[expert].T)  # (r, D)
-    return torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, x.shape[-1])
-
-
-class TokenChoiceRouter(nn.Module):
-    """Token-choice top-k router: each token picks its ``top_k`` experts.
-
-    Scores are ``softmax`` or ``sigmoid`` of a linear gate computed in
-    float32. An optional per-expert bias (auxiliary-loss-free balancing) is
-    added for the choice only; the gating weights are the unbiased scores,
-    optionally renormalised over the chosen experts and scaled.
-
-    Args:
-        dim: model width.
-        num_experts: routed experts.
-        top_k: experts per token.
-        score_func: ``"softmax"`` or ``"sigmoid"``.
-        route_norm: renormalise the chosen scores to sum to one.
-        route_scale: multiplier on the gating weights.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        num_experts: int,
-        top_k: int,
-        score_func: str = "sigmoid",
-        route_norm: bool = True,
-        route_scale: float = 1.0,
-    ) -> None:
-        super().__init__()
-        self.gate = nn.Linear(dim, num_experts, bias=False)
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.score_func = score_func
-        self.route_norm = route_norm
-        self.route_scale = route_scale
-
-    def forward(
-        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route ``x`` of shape ``(N, dim)``.
-
-        Returns:
-            ``(top_scores (N, K) float32, top_experts (N, K) int64, scores (N, E) float32)``.
-        """
-        logits = F.linear(x.float(), self.gate.weight.float())  # (N, E)
-        if self.score_func == "softmax":
-            scores = F.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-        choice = scores if expert_bias is None else scores + expert_bias
-        _, top_experts = torch.topk(choice, k=self.top_k, dim=-1)  # (N, K)
-        top_scores = scores.gather(-1, top_experts)  # (N, K)
-        if self.route_norm:
-            top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
-        return top_scores * self.route_scale, top_experts, scores
-
-
-class _AddAuxLoss(torch.autograd.Function):
-    """Returns ``x``; backward also sends gradient 1 into ``aux_loss`` so the
-    auxiliary loss trains the router without changing the model's output."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (aux_loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(aux_loss)
-
-
-class MoE(nn.Module):
-    """Routed experts plus shared experts, with load balancing.
-
-    Buffers:
-        expert_bias: ``(E,)`` float32 routing bias (persistent; only with
-            ``load_balance="bias"``), changed only by
-            :func:`~.load_balance.update_expert_bias`.
-        tokens_per_expert: ``(E,)`` float32 tokens routed to each expert since
-            the last bias update (not persistent), counted in training.
-
-    Args:
-        args: model arguments.
-    """
-
-    def __init__(self, args: MoEArgs) -> None:
-        super().__init__()
-        self.num_experts = args.num_experts
-        self.top_k = args.top_k
-        self.load_balance = args.load_balance
-        self.bias_update_rate = args.bias_update_rate
-        self.aux_loss_coeff = args.aux_loss_coeff
-        self.router = TokenChoiceRouter(
-            args.dim,
-            args.num_experts,
-            args.top_k,
-            args.score_func,
-            args.route_norm,
-            args.route_scale,
-        )
-        self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts)
-        self.shared_experts = (
-            FeedForward(args.dim, args.moe_hidden_dim * args.num_shared_experts)
-            if args.num_shared_experts
-            else None
-        )
-        bias = torch.zeros(args.num_experts) if args.load_balance == "bias" else None
-        self.register_buffer("expert_bias", bias, persistent=True)
-        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
-
-    def init_weights(self, init_std: float, buffer_device: torch.device | str | None) -> None:
-        """Initialise parameters in place and zero the buffers."""
-        _trunc_normal_(self.router.gate.weight, init_std)
-        self.experts.init_weights(init_std)
-        if self.shared_experts is not None:
-            self.shared_experts.init_weights(init_std)
-        device = self.tokens_per_expert.device if buffer_device is None else buffer_device
-        self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
-        if self.expert_bias is not None:
-            self.expert_bias = torch.zeros(self.num_experts, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer to ``x`` of shape ``(B, T, D)``; returns ``(B, T, D)``."""
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])  # (N, D)
-        top_scores, top_experts, scores = self.router(tokens, self.expert_bias)
-        flat_experts = top_experts.reshape(-1)  # (N*K,)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts = counts.scatter_add(0, flat_experts, torch.ones_like(flat_experts))  # (E,)
-        if self.training:
-            with torch.no_grad():
-                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
-        # Sort the (token, choice) pairs by expert; ties keep token order.
-        order = torch.argsort(flat_experts, stable=True)  # (N*K,)
-        token_index = order // self.top_k  # (N*K,)
-        routed = tokens[token_index]  # (N*K, D), sorted by expert
-        out = self.experts(routed, counts)  # (N*K, D)
-        weights = top_scores.reshape(-1)[order].unsqueeze(-1)  # (N*K, 1)
-        out = (out.float() * weights).to(tokens.dtype)
-        combined = torch.zeros_like(tokens).index_add(0, token_index, out)  # (N, D)
-        if self.shared_experts is not None:
-            combined = combined + self.shared_experts(tokens)
-        if self.load_balance == "aux_loss" and self.training:
-            combined = _AddAuxLoss.apply(combined, self._aux_loss(scores, counts))
-        return combined.reshape(shape)
-
-    def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Switch-style balance loss ``coeff * E * sum_e f_e * p_e`` over this batch:
-        ``f_e`` the fraction of routed slots, ``p_e`` the mean normalised score."""
-        probs = scores / scores.sum(dim=-1, keepdim=True)  # (N, E)
-        fraction = counts.float() / counts.sum().clamp(min=1)  # (E,)
-        return self.aux_loss_coeff * self.num_experts * (fraction * probs.mean(dim=0)).sum()
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm block: attention, then a dense feed-forward network
-    (``layer_id < n_dense_layers``) or a :class:`MoE` layer."""
 
     def __init__(self, layer_id: int, args: MoEArgs) -> None:
-        super().__init__()
         if args.attention != "gqa":
             raise ValueError(
                 f"attention={args.attention!r} is counted for planning but not built; "
                 "valid for a model: 'gqa'"
             )
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args.attention_args())
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe_enabled = layer_id >= args.n_dense_layers
-        if self.moe_enabled:
-            self.moe = MoE(args)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.dense_hidden_dim)
-        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
-
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Initialise the block in place (Llama's depth-scaled scheme)."""
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        if self.moe_enabled:
-            self.moe.init_weights(self.weight_init_std, buffer_device)
-        else:
-            self.feed_forward.init_weights(self.weight_init_std)
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """``(B, T, D) -> (B, T, D)``."""
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        super().__init__(
+            layer_id,
+            args,
+            ffn_hidden_dim=args.dense_hidden_dim,
+            moe=layer_id >= args.n_dense_layers,
+        )
 
 
-class Transformer(nn.Module):
-    """Mixture-of-experts decoder-only language model.
+class Transformer(Decoder):
+    """Mixture-of-experts decoder-only language model (the shared
+    :class:`~simplefsdp.models.common.Decoder` over :class:`TransformerBlock`
+    layers).
 
     Builds on the meta device like :class:`simplefsdp.models.llama3.Transformer`
-    (``to_empty`` then :meth:`init_weights`).
+    (``to_empty`` then :meth:`init_weights`); ``init_weights`` also restarts
+    the routing bias and token counts at zero.
 
     Args:
         args: model arguments.
     """
 
-    freqs_cis: torch.Tensor
-
-    def __init__(self, args: MoEArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.vocab_size = args.vocab_size
-        self.n_layers = args.n_layers
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", self._precompute_freqs_cis(None), persistent=False)
-        self.init_weights()
-
-    def _precompute_freqs_cis(self, device: torch.device | str | None) -> torch.Tensor:
-        return precompute_freqs_cis(
-            self.args.dim // self.args.n_heads,
-            self.args.max_seq_len,
-            self.args.rope_theta,
-            self.args.rope_scaling,
-            device=device,
-        )
-
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """(Re)initialise parameters in place and recompute the buffers.
-
-        As Llama 3 (:meth:`simplefsdp.models.llama3.Transformer.init_weights`);
-        router gates and experts use the block's depth-scaled std (``w1``
-        0.02); the routing bias and token counts restart at zero.
-        """
-        device = self.freqs_cis.device if buffer_device is None else buffer_device
-        self.freqs_cis = self._precompute_freqs_cis(device)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-        for layer in self.layers.values():
-            layer.init_weights(device)
-        self.norm.reset_parameters()
-        _trunc_normal_(self.output.weight, self.args.dim**-0.5)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-token logits ``(B, T, vocab_size)`` for token ids ``(B, T)``.
-
-        Raises:
-            ValueError: ``T`` exceeds ``max_seq_len``.
-        """
-        seqlen = tokens.shape[1]
-        if seqlen > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {seqlen} exceeds max_seq_len={self.args.max_seq_len}"
-            )
-        h = self.tok_embeddings(tokens)  # (B, T, D)
-        for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
-        return self.output(self.norm(h))  # (B, T, V)
+    block_type = TransformerBlock

@@ -1,17 +1,29 @@
-"""The mixture-of-experts family's :class:`~simplefsdp.models.spec.ModelSpec`."""
+"""The mixture-of-experts family's :class:`~simplefsdp.models.spec.ModelSpec`.
+
+Composes like Llama 3: tensor parallelism (attention, dense feed-forward
+layers and shared experts split over tp; the router and the routed experts
+replicated over tp), pipeline stages (the shared decoder split), float8 for
+the dense linears (the router gate and the grouped routed experts stay in
+high precision) and expert parallelism (the ``experts`` modules over ep).
+Expert and tensor parallelism together are refused.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from simplefsdp.models.common.load_balance import expert_load_metrics, update_expert_bias
+from simplefsdp.models.common.moe import MoE
+from simplefsdp.models.common.stages import pipeline_split
+from simplefsdp.models.common.validate import decoder_errors, divisors, flag_names
 from simplefsdp.models.llama3.spec import cross_entropy
 from simplefsdp.models.moe.args import MoEArgs, num_active_params, num_params
 from simplefsdp.models.moe.configs import MOE_CONFIGS
-from simplefsdp.models.moe.load_balance import update_expert_bias
 from simplefsdp.models.moe.model import Transformer
 from simplefsdp.models.spec import ModelSpec
 
-__all__ = ["SPEC", "flops_per_token"]
+__all__ = ["SPEC", "flops_per_token", "tp_split_sizes", "validate"]
 
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> int:
@@ -25,23 +37,90 @@ def _init_weights(model: Any, buffer_device: Any = None) -> None:
     model.init_weights(buffer_device=buffer_device)
 
 
-def _after_optimizer_step(model: Any) -> dict[str, float]:
-    loads = update_expert_bias(model)
-    if not loads:
-        return {}
-    return {"expert_imbalance": max(load.imbalance for load in loads)}
+def _after_optimizer_step(model: Any, *, process_group: Any = None) -> dict[str, Any]:
+    loads = update_expert_bias(model, process_group)
+    return expert_load_metrics(loads) if loads else {}
 
 
-def validate(config: MoEArgs, layout: Any) -> list[str]:
-    """Experts against ep."""
-    ep = getattr(layout, "ep", 1)
+def _discard_step_state(model: Any) -> None:
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.tokens_per_expert.zero_()
+
+
+def _tensor_parallel(
+    model: Any, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> None:
+    from simplefsdp.models.common.tensor_parallel import apply_decoder_tp
+
+    apply_decoder_tp(
+        model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
+
+
+def tp_split_sizes(config: MoEArgs, *, loss_parallel: bool = False) -> dict[str, int]:
+    """The sizes the TP plan splits over the TP ranks: heads, the dense
+    feed-forward hidden dim (if any dense block), the shared experts' hidden
+    dim (if any), and with ``loss_parallel`` the vocabulary."""
+    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads}
+    if config.n_dense_layers:
+        sizes["feed-forward hidden dim"] = config.dense_hidden_dim
+    if config.num_shared_experts and config.n_moe_layers:
+        sizes["shared-experts hidden dim"] = config.moe_hidden_dim * config.num_shared_experts
+    if loss_parallel:
+        sizes["vocab_size"] = config.vocab_size
+    return sizes
+
+
+def validate(
+    config: MoEArgs,
+    layout: Any,
+    *,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    build: bool = True,
+    model_name: str | None = None,
+    names: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The MoE model against the layout: the decoder's rules, experts vs ep,
+    ep with tp (refused), and (with ``build``) attention that is not built.
+
+    See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
+    """
+    n = flag_names(names)
+    model = f"model {model_name!r}" if model_name else "the model"
+    errors = []
+    if build and config.attention != "gqa":
+        built = [name for name, c in MOE_CONFIGS.items() if c.attention == "gqa"]
+        errors.append(
+            f"{model} uses attention={config.attention!r} (multi-head latent attention), "
+            f"which simplefsdp plan counts but train and bench do not build; buildable "
+            f"mixture-of-experts models: {', '.join(built)}"
+        )
+    errors += decoder_errors(
+        config,
+        layout,
+        tp_sizes=tp_split_sizes(config, loss_parallel=loss_parallel),
+        seq_len=seq_len,
+        sequence_parallel=sequence_parallel,
+        model_name=model_name,
+        names=names,
+    )
+    ep, tp = getattr(layout, "ep", 1), getattr(layout, "tp", 1)
     if ep > 1 and config.num_experts % ep:
-        valid = [d for d in range(1, config.num_experts + 1) if config.num_experts % d == 0]
-        return [
-            f"ep {ep} does not divide the {config.num_experts} experts of the model (each "
-            f"rank holds num_experts / ep); valid: {', '.join(map(str, valid))}"
-        ]
-    return []
+        valid = divisors(config.num_experts)
+        errors.append(
+            f"{n['ep']} {ep} does not divide the {config.num_experts} experts of {model} (each "
+            f"rank holds num_experts / {n['ep']}); valid: {', '.join(map(str, valid))}"
+        )
+    if ep > 1 and tp > 1:
+        errors.append(
+            f"{n['ep']} {ep} with {n['tp']} {tp}: expert and tensor parallelism do not compose "
+            f"for mixture-of-experts models (routed experts are replicated over tp); use "
+            f"{n['ep']} 1 or {n['tp']} 1"
+        )
+    return errors
 
 
 SPEC = ModelSpec(
@@ -56,7 +135,11 @@ SPEC = ModelSpec(
     num_active_params=num_active_params,
     flops_per_token=flops_per_token,
     validate=validate,
-    capabilities=frozenset({"ep"}),
+    capabilities=frozenset({"tp", "pp", "ep", "float8"}),
+    tensor_parallel=_tensor_parallel,
+    pipeline_split=pipeline_split,
     fullgraph=False,
     after_optimizer_step=_after_optimizer_step,
+    discard_step_state=_discard_step_state,
+    float8_skip_fqns=("router.gate",),
 )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from simplefsdp.engines.kinds import composition_errors, get_engine
-from simplefsdp.models import LLAMA_MODELS, MOE_MODELS
+from simplefsdp.models.registry import flavor_names
 from simplefsdp.parallel_dims import (
     AC_MODES,
     BUCKETINGS,
@@ -38,8 +38,6 @@ from simplefsdp.parallel_dims import (
 
 __all__ = [
     "VALID_MODELS",
-    "LLAMA_MODELS",
-    "MOE_MODELS",
     "LOAD_BALANCE_MODES",
     "ENGINES",
     "PP_SCHEDULES",
@@ -65,8 +63,9 @@ __all__ = [
     "validate_config",
 ]
 
-#: Names of the model configurations ``model.name`` may refer to.
-VALID_MODELS: tuple[str, ...] = (*LLAMA_MODELS, *MOE_MODELS)
+#: Names of the model flavors ``model.name`` may refer to (canonical names,
+#: then the accepted aliases; :mod:`simplefsdp.models.registry`).
+VALID_MODELS: tuple[str, ...] = flavor_names(aliases=True)
 #: Load balancing of a mixture-of-experts model (``model.load_balance``).
 LOAD_BALANCE_MODES: tuple[str, ...] = ("bias", "aux_loss", "none")
 #: Data-parallel sharding modes (``parallel.mode``).
@@ -100,13 +99,13 @@ def suggest(name: str, candidates: list[str]) -> str:
 
 @dataclass
 class ModelConfig:
-    """Which model to train: a Llama 3 or a mixture-of-experts configuration.
+    """Which model to train: a flavor of a registered model family.
 
     Attributes:
-        name: One of :data:`VALID_MODELS`: the Llama 3 models
-            :data:`LLAMA_MODELS` or the mixture-of-experts models
-            :data:`MOE_MODELS` (``deepseek_v3_*`` use multi-head latent
-            attention, which ``simplefsdp plan`` counts and ``train`` does not build).
+        name: One of :data:`VALID_MODELS` (a flavor of
+            :mod:`simplefsdp.models.registry`); flavors whose family cannot
+            build them (multi-head latent attention) are refused before any
+            process starts.
         vocab_size: Overrides the model's vocabulary size (``None``: use the
             tokenizer's / model's own).
         max_seq_len: Overrides the model's maximum sequence length.
@@ -210,8 +209,8 @@ class ParallelConfig:
         param_dtype: Compute dtype of parameters (``None``: unchanged).
         reduce_dtype: Gradient reduction dtype (``None``: the ``param_dtype``).
         tp: Tensor-parallel size: each group of ``tp`` ranks splits every
-            block's attention heads and feed-forward (the Llama 3 plan of
-            :mod:`simplefsdp.models.llama3.tensor_parallel`); the data-parallel
+            block's attention heads and feed-forward (the model family's
+            tensor-parallel plan, ``ModelSpec.tensor_parallel``); the data-parallel
             dims cover ``world_size / tp`` ranks. Engines ``simplefsdp`` and
             ``fsdp2`` only.
         sequence_parallel: With ``tp > 1``, shard the norms' activations along
@@ -592,24 +591,26 @@ _ENGINE_FLAGS = {
 }
 
 
+def _has_field(flavor: str, field_name: str) -> bool:
+    """Flavor ``flavor``'s configuration has field ``field_name`` (imports its family)."""
+    import dataclasses
+
+    from simplefsdp.models.registry import spec_of
+
+    try:
+        config_type = spec_of(flavor).config_type
+    except ValueError:  # an unknown name: reported by validate_config
+        return True
+    return field_name in {f.name for f in dataclasses.fields(config_type)}
+
+
 def _expert_parallel_errors(cfg: JobConfig) -> list[str]:
     """The mixture-of-experts rules of :func:`validate_config`, one line each
     (the degrees and the model against the layout: :func:`simplefsdp.train.resolve.resolve`)."""
-    m, p = cfg.model, cfg.parallel
-    moe = m.name in MOE_MODELS
+    p = cfg.parallel
     errors = []
     if p.ep < 1:
         errors.append(f"parallel.ep: invalid value {p.ep!r}; must be >= 1")
-    if moe and cfg.checkpoint.init_from_hf is not None:
-        errors.append(
-            f"checkpoint.init_from_hf: invalid value {cfg.checkpoint.init_from_hf!r} with "
-            f"model.name={m.name!r}; Hugging Face checkpoints load into the Llama 3 models"
-        )
-    if moe and cfg.float8.enable:
-        errors.append(
-            f"float8.enable: invalid value True with model.name={m.name!r}; float8 training "
-            f"covers the Llama 3 models {list(LLAMA_MODELS)}"
-        )
     return errors
 
 
@@ -682,7 +683,7 @@ def config_warnings(job: JobConfig) -> list[str]:
             f"parallel.reshard_after_forward={p.reshard_after_forward} needs compile.enable "
             "true; uncompiled, simplefsdp regathers over the whole shard group"
         )
-    if job.model.load_balance != "bias" and job.model.name not in MOE_MODELS:
+    if job.model.load_balance != "bias" and not _has_field(job.model.name, "load_balance"):
         warnings.append(
             f"model.load_balance is only used by the mixture-of-experts models "
             f"(model.name is {job.model.name!r})"

@@ -1,0 +1,45 @@
+"""Components every model family builds on.
+
+* :mod:`.config`: :class:`DecoderArgs` (the shared configuration fields),
+  :class:`RopeScaling`, parameter counting;
+* :mod:`.norms` (RMSNorm), :mod:`.rotary` (RoPE with Llama 3.1 scaling),
+  :mod:`.attention` (grouped-query attention), :mod:`.feed_forward` (SwiGLU),
+  :mod:`.moe` (router, grouped experts, shared experts) and
+  :mod:`.load_balance` (routing-bias update, expert-load metrics);
+* :mod:`.decoder`: :class:`Decoder` (embeddings, ``layers`` as an
+  ``nn.ModuleDict``, norm, output) and :class:`DecoderBlock`;
+* :mod:`.stages`: the pipeline split of a decoder;
+* :mod:`.tensor_parallel`: per-component tensor-parallel plans (imports
+  ``torch.distributed``; not loaded by this package).
+
+A family is a folder ``simplefsdp/models/<family>/`` that subclasses these
+(see "Adding a model family" in ``docs/design.md``).
+"""
+
+from .attention import Attention, repeat_kv
+from .config import DecoderArgs, RopeScaling, count_params
+from .decoder import Decoder, DecoderBlock
+from .feed_forward import FeedForward, ffn_hidden_dim
+from .moe import GroupedExperts, MoE, TokenChoiceRouter, grouped_mm_supported
+from .norms import RMSNorm
+from .stages import layer_ranges, pipeline_split, stage_ids_for_rank
+
+__all__ = [
+    "Attention",
+    "Decoder",
+    "DecoderArgs",
+    "DecoderBlock",
+    "FeedForward",
+    "GroupedExperts",
+    "MoE",
+    "RMSNorm",
+    "RopeScaling",
+    "TokenChoiceRouter",
+    "count_params",
+    "ffn_hidden_dim",
+    "grouped_mm_supported",
+    "layer_ranges",
+    "pipeline_split",
+    "repeat_kv",
+    "stage_ids_for_rank",
+]

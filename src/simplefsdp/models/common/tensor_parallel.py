@@ -1,0 +1,431 @@
+"""Tensor-parallel (TP) plans of the shared components, and of a whole decoder.
+
+The plan lives beside the model, not in it: the model stays a plain
+``nn.Module`` and this file describes, as plain data, how torch's own
+:func:`torch.distributed.tensor.parallel.parallelize_module` should shard it
+over a 1-D ``DeviceMesh`` (Megatron-style, as torchtitan's Llama 3 ``apply_tp``).
+One function per component (:func:`attention_plan`, :func:`feed_forward_plan`,
+:func:`moe_plan`), composed by :func:`decoder_plan`:
+
+* ``tok_embeddings``: :class:`RowwiseParallel` -- a vocabulary-parallel
+  embedding (the table is ``Shard(0)``; each rank looks up the ids it owns and
+  the partial results are summed). Token ids come in replicated; the output is
+  ``Shard(1)`` (a reduce-scatter onto the sequence dim) with sequence
+  parallelism, else ``Replicate`` (an all-reduce).
+* ``layers.*.attention_norm``, ``layers.*.ffn_norm``, ``norm``:
+  :class:`SequenceParallel` with sequence parallelism (each rank normalises its
+  slice of the sequence; the weights are replicated DTensors). Without it they
+  are left alone (plain replicated parameters, replicated activations).
+* ``layers.*.attention`` / ``layers.*.feed_forward``:
+  :class:`PrepareModuleInput` turns the ``Shard(1)`` activation into a
+  ``Replicate`` one (an all-gather) once per module, with sequence
+  parallelism; without it the replicated input is only wrapped, so the
+  backward all-reduces the input gradient once rather than once per
+  projection. ``attention`` also gets ``freqs_cis`` as its second positional
+  input, a plain tensor that is passed through (``None`` in the layouts).
+* ``wq``/``wk``/``wv``/``w1``/``w3``: :class:`ColwiseParallel` (heads and the
+  SwiGLU hidden dim are split across ranks; the attention reshapes with ``-1``
+  head counts, so local heads just work). ``wo``/``w2``:
+  :class:`RowwiseParallel` whose partial output is reduce-scattered to
+  ``Shard(1)`` (sequence parallel) or all-reduced to ``Replicate``.
+* Float8: a block whose projections are torchao ``Float8Linear`` layers with
+  tensorwise dynamic scaling (``convert_to_float8_training`` before TP, as
+  torchtitan) gets torchao's float8 styles instead (``Float8ColwiseParallel``,
+  ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``): the activation is
+  cast to float8 before its sequence all-gather (half the bytes), the scales
+  are the whole tensors' amaxes, and the output gradients are cast to float8
+  in backward. Rowwise-scaled and unconverted layers keep the plain styles
+  (the ``Float8Linear`` then casts its DTensor inputs itself).
+* ``layers.*.moe`` (a mixture-of-experts layer): the input is all-gathered
+  to the whole sequence and the output split back onto it
+  (:class:`PrepareModuleInputOutput`); the router gate and the routed
+  experts stay plain tensors, replicated over the TP ranks (each rank routes
+  and runs every token: expert parallelism, not TP, splits the experts); the
+  shared experts are sharded like a dense feed-forward network and their
+  output all-reduced.
+* ``output``: :class:`ColwiseParallel` over the vocabulary. With loss
+  parallelism the logits stay a ``Shard(-1)`` DTensor
+  (``use_local_output=False``) and must be consumed by ``F.cross_entropy``
+  inside :func:`loss_parallel_context`; otherwise they are all-gathered to a
+  plain replicated ``(B, T, vocab_size)`` tensor.
+
+Constraints (checked by :func:`apply_decoder_tp` where possible):
+``n_heads``, ``n_kv_heads`` and the SwiGLU hidden dims (dense and shared
+experts) must be divisible by the TP size, and ``vocab_size`` too when ``loss_parallel`` is on (an uneven
+vocabulary is otherwise fine: DTensor shards it unevenly). With
+``sequence_parallel`` the sequence length of every batch must be divisible by
+the TP size -- only known at run time, so :func:`apply_decoder_tp`
+registers a forward pre-hook that raises ``ValueError`` otherwise (the bare
+plan does not: an uneven split aborts or hangs the process group).
+
+Example::
+
+    mesh = init_device_mesh("cuda", (tp,))
+    model = apply_decoder_tp(Transformer(args), mesh, loss_parallel=True)
+    with loss_parallel_context(True):
+        logits = model(tokens[:, :-1])                   # DTensor, Shard(-1)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "apply_decoder_tp",
+    "attention_plan",
+    "built_split_sizes",
+    "decoder_plan",
+    "feed_forward_plan",
+    "is_float8_tensorwise",
+    "loss_parallel_context",
+    "moe_plan",
+]
+
+
+def attention_plan(
+    prefix: str, attention: nn.Module, seq: Placement, styles: Any
+) -> dict[str, ParallelStyle]:
+    """TP plan of one :class:`~.attention.Attention` at FQN ``prefix``.
+
+    Heads are split (``wq``/``wk``/``wv`` colwise, ``wo`` rowwise); the
+    input arrives in layout ``seq`` and is replicated once for the three
+    projections; the output leaves in layout ``seq``. ``styles`` is
+    ``(colwise, rowwise, prepare)`` from :func:`_styles_for`.
+    """
+    colwise, rowwise, prepare = styles
+    plan: dict[str, ParallelStyle] = {
+        prefix: prepare(attention, ("wq", "wk", "wv"))(
+            input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+        )
+    }
+    for name in ("wq", "wk", "wv"):
+        plan[f"{prefix}.{name}"] = colwise(attention, name)()
+    plan[f"{prefix}.wo"] = rowwise(attention, "wo")(output_layouts=seq)
+    return plan
+
+
+def feed_forward_plan(
+    prefix: str,
+    ffn: nn.Module,
+    seq: Placement,
+    styles: Any,
+    *,
+    output_layout: Placement | None = None,
+) -> dict[str, ParallelStyle]:
+    """TP plan of one SwiGLU :class:`~.feed_forward.FeedForward` at FQN ``prefix``.
+
+    The hidden dim is split (``w1``/``w3`` colwise, ``w2`` rowwise); the
+    input arrives in layout ``seq`` and leaves in ``output_layout``
+    (default ``seq``).
+    """
+    colwise, rowwise, prepare = styles
+    plan: dict[str, ParallelStyle] = {
+        prefix: prepare(ffn, ("w1", "w3"))(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+        )
+    }
+    for name in ("w1", "w3"):
+        plan[f"{prefix}.{name}"] = colwise(ffn, name)()
+    plan[f"{prefix}.w2"] = rowwise(ffn, "w2")(
+        output_layouts=seq if output_layout is None else output_layout
+    )
+    return plan
+
+
+def moe_plan(prefix: str, moe: nn.Module, seq: Placement, styles: Any) -> dict[str, ParallelStyle]:
+    """TP plan of one :class:`~.moe.MoE` layer at FQN ``prefix``.
+
+    The layer sees the whole sequence (its input gathered from ``seq``, its
+    output split back to ``seq``); the router gate and the routed
+    ``experts`` are left plain, replicated over the TP ranks (every rank
+    routes and runs all tokens; expert parallelism is what splits experts);
+    the shared experts are a feed-forward network split over TP whose output
+    is all-reduced to the whole tensor.
+    """
+    plan: dict[str, ParallelStyle] = {
+        prefix: PrepareModuleInputOutput(
+            input_layouts=(seq,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(seq,),
+            use_local_output=True,
+        )
+    }
+    if getattr(moe, "shared_experts", None) is not None:
+        plan.update(
+            feed_forward_plan(
+                f"{prefix}.shared_experts",
+                moe.shared_experts,
+                Replicate(),
+                styles,
+                output_layout=Replicate(),
+            )
+        )
+    return plan
+
+
+def decoder_plan(
+    model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of a :class:`~.decoder.Decoder`: FQN -> style.
+
+    The result is plain data: inspect or modify it, then pass it to
+    ``parallelize_module(model, tp_mesh, plan)`` (or use
+    :func:`apply_decoder_tp`, which also validates the model and mesh).
+    See the module docstring for what each entry does. A pipeline stage's
+    missing embedding or head (``None``) is left out.
+
+    Args:
+        model: The (unsharded) decoder or pipeline stage.
+        sequence_parallel: Shard activations outside attention / feed-forward
+            (norms, residual stream) on the sequence dim. Requires every
+            batch's sequence length to be divisible by the TP size.
+        loss_parallel: Leave the logits sharded on the vocabulary dim (a
+            ``Shard(-1)`` DTensor) for :func:`loss_parallel_context`.
+
+    Returns:
+        A new dict mapping module FQNs (e.g. ``"layers.0.attention.wq"``) to
+        ``ParallelStyle`` objects.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    styles = _styles_for(model)
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "output", None) is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if sequence_parallel and getattr(model, "norm", None) is not None:
+        plan["norm"] = SequenceParallel()
+    for key, block in model.layers.items():
+        prefix = f"layers.{key}."
+        if sequence_parallel:
+            plan[prefix + "attention_norm"] = SequenceParallel()
+            plan[prefix + "ffn_norm"] = SequenceParallel()
+        plan.update(attention_plan(prefix + "attention", block.attention, seq, styles))
+        if getattr(block, "moe_enabled", False):
+            plan.update(moe_plan(prefix + "moe", block.moe, seq, styles))
+        else:
+            plan.update(feed_forward_plan(prefix + "feed_forward", block.feed_forward, seq, styles))
+    return plan
+
+
+def built_split_sizes(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, int]:
+    """The sizes of a built decoder that its TP plan splits over the TP ranks.
+
+    ``n_heads``, ``n_kv_heads``, the first dense block's feed-forward hidden
+    dim, the first MoE block's shared-experts hidden dim, and with
+    ``loss_parallel`` the vocabulary; each must divide by the TP size.
+    """
+    args = model.args
+    sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads}
+    for block in model.layers.values():
+        if getattr(block, "moe_enabled", False):
+            shared = block.moe.shared_experts
+            if shared is not None:
+                sizes.setdefault("shared-experts hidden dim", shared.w1.out_features)
+        else:
+            sizes.setdefault("feed-forward hidden dim", block.feed_forward.w1.out_features)
+    if loss_parallel:
+        sizes["vocab_size"] = args.vocab_size
+    return sizes
+
+
+def is_float8_tensorwise(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear`` with dynamic tensorwise
+    scaling of its input, weight and output gradient: the layers torchao's
+    float8 TP styles serve (rowwise recipes are not)."""
+    if type(module).__name__ != "Float8Linear":
+        return False
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    casts = (
+        module.config.cast_config_input,
+        module.config.cast_config_weight,
+        module.config.cast_config_grad_output,
+    )
+    return all(
+        c.scaling_type == ScalingType.DYNAMIC
+        and c.scaling_granularity == ScalingGranularity.TENSORWISE
+        for c in casts
+    )
+
+
+def _styles_for(model: nn.Module):
+    """``(colwise, rowwise, prepare)``: functions of (parent module, child
+    name(s)) giving the style class for that projection (or the module input
+    shared by those projections): torchao's float8 style where every one of
+    them :func:`is_float8_tensorwise`, else torch's."""
+    if not any(is_float8_tensorwise(m) for m in model.modules()):
+        plain = (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+        return tuple((lambda *_, s=style: s) for style in plain)
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def float8(parent: nn.Module, names) -> bool:
+        names = (names,) if isinstance(names, str) else names
+        return all(is_float8_tensorwise(getattr(parent, name)) for name in names)
+
+    return (
+        lambda p, n: Float8ColwiseParallel if float8(p, n) else ColwiseParallel,
+        lambda p, n: Float8RowwiseParallel if float8(p, n) else RowwiseParallel,
+        lambda p, n: PrepareFloat8ModuleInput if float8(p, n) else PrepareModuleInput,
+    )
+
+
+def _check_divisible(name: str, value: int, tp: int, why: str = "") -> None:
+    if value % tp != 0:
+        divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
+        raise ValueError(
+            f"tensor parallel: {name}={value} is not divisible by the TP size {tp}{why}; "
+            f"valid TP sizes divide {value} (e.g. {divisors})"
+        )
+
+
+def _validate(model: nn.Module, tp_mesh: Any, loss_parallel: bool) -> None:
+    if not isinstance(tp_mesh, DeviceMesh):
+        raise ValueError(
+            f"tensor parallel: tp_mesh must be a 1-D DeviceMesh, got {type(tp_mesh).__name__}"
+        )
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"tensor parallel: tp_mesh must be a 1-D DeviceMesh, got a {tp_mesh.ndim}-D mesh "
+            f"of shape {tuple(tp_mesh.shape)}; pass its TP dim, e.g. mesh['tp']"
+        )
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"tensor parallel: parameter {name!r} is already a DTensor "
+                f"(placements {param.placements}); apply tensor parallelism to a model "
+                "of plain tensors, before any other parallelism wraps it"
+            )
+    args = getattr(model, "args", None)
+    if args is None or not isinstance(getattr(model, "layers", None), nn.ModuleDict):
+        raise ValueError(
+            f"tensor parallel: expected a decoder (with .args and .layers), "
+            f"got {type(model).__name__}"
+        )
+    tp = tp_mesh.size()
+    sizes = built_split_sizes(model, loss_parallel=loss_parallel)
+    labels = {
+        "feed-forward hidden dim": "ffn hidden dim (feed_forward.w1.out_features)",
+        "shared-experts hidden dim": "shared experts hidden dim "
+        "(moe.shared_experts.w1.out_features)",
+    }
+    why = {"vocab_size": " (required with loss_parallel=True)"}
+    for name, value in sizes.items():
+        _check_divisible(labels.get(name, name), value, tp, why.get(name, ""))
+
+
+def apply_decoder_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Shard a decoder over ``tp_mesh`` with :func:`decoder_plan`.
+
+    Parameters are replaced, in place, by DTensors (``nn.Module``s are kept).
+    Apply TP before any data-parallel wrapping, on a model of plain tensors.
+    All ranks must hold the same initial weights (``parallelize_module``
+    distributes from rank 0's values by default).
+
+    With ``sequence_parallel`` every batch's sequence length must be divisible
+    by the TP size (the residual stream is split on the sequence dim). That is
+    only known at run time: a forward pre-hook on ``model`` raises
+    ``ValueError`` for such a batch (left to torch, the ranks' collectives
+    would disagree in size and abort or hang the process group). With
+    ``loss_parallel`` the model returns a ``Shard(-1)`` DTensor of logits;
+    compute the cross-entropy and its backward inside
+    :func:`loss_parallel_context`.
+
+    Args:
+        model: A decoder (or pipeline stage) with plain-tensor parameters.
+        tp_mesh: A 1-D ``DeviceMesh`` (the TP group).
+        sequence_parallel: See :func:`decoder_plan`.
+        loss_parallel: See :func:`decoder_plan`.
+
+    Returns:
+        ``model``, parallelized in place.
+
+    Raises:
+        ValueError: a tensorwise float8 model with ``sequence_parallel`` on a
+            CPU mesh (gloo has no float8 all-gather); ``tp_mesh`` is not a
+            1-D ``DeviceMesh``; a parameter is already a DTensor; a size of
+            :func:`built_split_sizes` is not divisible by the TP size. The
+            message names the value. (Later, from ``model(tokens)``: an
+            uneven sequence split with ``sequence_parallel``.)
+    """
+    _validate(model, tp_mesh, loss_parallel)
+    if sequence_parallel and tp_mesh.device_type == "cpu":
+        float8 = next((n for n, m in model.named_modules() if is_float8_tensorwise(m)), None)
+        if float8 is not None:
+            raise ValueError(
+                f"tensor parallel: float8 layer {float8!r} with sequence_parallel=True on a CPU "
+                "mesh: gloo cannot all-gather float8 activations; use sequence_parallel=False "
+                "on CPU (GPUs gather them in float8)"
+            )
+    plan = decoder_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:
+        model.register_forward_pre_hook(_SequenceLengthCheck(tp_mesh.size()), with_kwargs=True)
+    return model
+
+
+class _SequenceLengthCheck:
+    """Forward pre-hook: with sequence parallelism an uneven sequence split
+    makes the ranks' all-gathers disagree in size, which aborts or hangs the
+    process group instead of raising; refuse such a batch up front."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens = args[0] if args else kwargs.get("tokens")
+        seqlen = getattr(tokens, "shape", (0, 0))[1]
+        if seqlen % self.tp != 0:
+            raise ValueError(
+                f"tensor parallel: sequence length {seqlen} is not divisible by the TP size "
+                f"{self.tp}, which sequence_parallel=True requires; use a multiple of {self.tp} "
+                "(or sequence_parallel=False)"
+            )
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """torch's ``loss_parallel()`` when ``enabled``, else a no-op context.
+
+    torch's rule: with loss parallelism both ``F.cross_entropy`` on the
+    vocabulary-sharded logits AND the ``backward()`` of that loss must run
+    inside this context (the custom log-softmax / NLL ops and their gradients
+    are only registered while it is active). The logits must be a DTensor
+    sharded on the class dim (what the model returns with
+    ``loss_parallel=True``); targets are class indices (a plain tensor is fine
+    on a 1-D mesh); ``label_smoothing`` is not supported.
+    """
+    return _torch_loss_parallel() if enabled else contextlib.nullcontext()

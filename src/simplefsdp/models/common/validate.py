@@ -1,0 +1,84 @@
+"""The model-against-layout rules every decoder shares (torch-free).
+
+A family's ``validate(config, layout, **inputs)`` (see
+:class:`~simplefsdp.models.spec.ModelSpec`) returns :func:`decoder_errors`
+plus its own rules. Each error is one line naming the value, the flag that set
+it and what would be valid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["decoder_errors", "divisors", "flag_names"]
+
+#: How a degree or input is spelled in messages by default; a command line
+#: passes its own flags (``names={"tp": "--tp"}``).
+_NAMES = {"tp": "tp", "pp": "pp", "ep": "ep", "seq_len": "seq_len"}
+
+
+def flag_names(names: Mapping[str, str] | None) -> dict[str, str]:
+    """The default spellings overridden by ``names``."""
+    return {**_NAMES, **(names or {})}
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def decoder_errors(
+    config: Any,
+    layout: Any,
+    *,
+    tp_sizes: Mapping[str, int],
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+    model_name: str | None = None,
+    names: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Sequence length, tensor-parallel splits and pipeline stages of a decoder.
+
+    Args:
+        config: the model's configuration (``max_seq_len``, ``n_layers``).
+        layout: the degrees (``tp``, ``pp``; ``num_stages`` if it has one,
+            else ``pp``).
+        tp_sizes: the model sizes the family's TP plan splits over ``tp``.
+        seq_len: the training sequence length, if known.
+        sequence_parallel: the TP plan shards the sequence over ``tp``.
+        model_name: the flavor's name, for the messages.
+        names: how the caller spells each degree (its flags).
+    """
+    n = flag_names(names)
+    model = f"model {model_name!r}" if model_name else "the model"
+    errors = []
+    if seq_len is not None and seq_len > config.max_seq_len:
+        errors.append(
+            f"{n['seq_len']} {seq_len} exceeds max_seq_len {config.max_seq_len} of {model}; "
+            f"use {n['seq_len']} <= {config.max_seq_len}"
+        )
+    tp = getattr(layout, "tp", 1)
+    if tp > 1:
+        bad = {name: size for name, size in tp_sizes.items() if size % tp}
+        if bad:
+            found = ", ".join(f"{name} {size}" for name, size in bad.items())
+            valid = divisors(math.gcd(*tp_sizes.values()))
+            errors.append(
+                f"{n['tp']} {tp} does not divide the {found} of {model}; "
+                f"valid tensor-parallel sizes for this model: {valid}"
+            )
+        if sequence_parallel and seq_len is not None and seq_len % tp:
+            errors.append(
+                f"{n['seq_len']} {seq_len} is not divisible by {n['tp']} {tp} "
+                "(sequence parallelism shards the sequence over the TP ranks)"
+            )
+    pp = getattr(layout, "pp", 1)
+    stages = getattr(layout, "num_stages", None) or pp
+    if pp > 1 and stages > config.n_layers:
+        errors.append(
+            f"{n['pp']} {pp} x {stages // pp} stages per rank = {stages} stages but "
+            f"{model} has {config.n_layers} layers; use at most {config.n_layers} stages"
+        )
+    return errors
