@@ -72,8 +72,8 @@ def new_run_id() -> str:
 
 
 def output_dir_for_model(output_dir: str, model: str, presets: tuple[str, ...]) -> str:
-    """``output_dir`` with a preset's folder name (``outputs/debug``) replaced by
-    ``model``'s (``outputs/moe_debug``) when ``--model`` trains another model
+    """``output_dir`` with a preset's folder name (``outputs/<preset model>``)
+    replaced by ``model``'s (``outputs/<model>``) when ``--model`` trains another model
     than the preset's, so that runs are filed under the model they train; any
     other folder is kept."""
     path = Path(output_dir)
