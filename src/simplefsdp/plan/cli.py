@@ -2,7 +2,7 @@
 
 Examples::
 
-    simplefsdp plan --model llama3_8b                 # torchtitan's 8B layout: 8 GPUs
+    simplefsdp plan --model llama3_8b                 # its published layout: 8 GPUs
     simplefsdp plan --model llama3_70b                # 64 GPUs, TP 8, full AC
     simplefsdp plan --model llama3_8b --gpus 8 --hardware h100 --batch 2 --seq 8192
     simplefsdp plan --model llama3_405b --gpus 512 --tp 8 --pp 8 --microbatches 8 \\
@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         "--gpus",
         type=int,
         default=None,
-        help="default: the flavor's published layout's (Llama 3 8B: 8, 70B: 64, 405B: 128), else 8",
+        help="default: the flavor's published layout's where it has one (docs/scale.md), else 8",
     )
     p.add_argument(
         "--hardware", default="h100", help=f"{', '.join(profile_names())} or a .json profile"
@@ -172,8 +172,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="per data-parallel rank, per step (default: the published layout's local batch, "
-        "Llama 3 8B: 1, 70B: 8, 405B: 2, else 2, or 1 for models planned from their "
-        "shapes; lowered to the largest that fits)",
+        "else 2, or 1 for models planned from their shapes; lowered to the largest that fits)",
     )
     p.add_argument(
         "--seq",
@@ -185,15 +184,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ac",
         default=None,
-        help="none, selective, full (default: the published layout's, Llama 3 8B: "
-        "selective, 70B and 405B: full; else selective)",
+        help="none, selective, full (default: the published layout's, else selective)",
     )
     p.add_argument(
         "--tp",
         type=int,
         default=None,
-        help="tensor-parallel degree (default: the published layout's, Llama 3 70B and "
-        "405B: 8, else 1)",
+        help="tensor-parallel degree (default: the published layout's, else 1)",
     )
     p.add_argument("--pp", type=int, default=1)
     p.add_argument(
