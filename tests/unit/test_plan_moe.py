@@ -166,19 +166,28 @@ def test_mfu_counts_the_specs_flops_per_token() -> None:
 
 
 def test_one_prediction_record_for_both_plan_methods(capsys) -> None:
-    # The analytic plan reports parameters and no bucket plan; the traced
-    # one a bucket plan; the same record otherwise.
-    argv = ["--gpus", "2", "--batch", "1", "--seq", "64", "--hardware", "cpu-gloo", "--json"]
-    assert plan_cli.main(["--model", "moe_debug", *argv]) == 0
-    analytic = json.loads(capsys.readouterr().out)["predictions"][0]
-    assert plan_cli.main(["--model", "debug", *argv]) == 0
-    traced = json.loads(capsys.readouterr().out)["predictions"][0]
-    assert "parameters" in analytic and "buckets" not in analytic
-    assert "parameters" not in traced and "num_buckets" in traced
-    common = set(analytic) & set(traced)
-    assert common >= {"layout", "fits", "peak_bytes", "memory_bytes", "time_s", "mfu", "notes"}
-    assert set(analytic["memory_bytes"]) == set(traced["memory_bytes"])
-    assert not any("Note:" in note for note in analytic["notes"] + traced["notes"])
+    # One record: the analytic plan adds its parameter counts and has no
+    # bucket plan, the traced one has a bucket plan and no counts.
+    from simplefsdp.plan import Prediction
+    from simplefsdp.plan.predict import Layout
+
+    parts = dict(memory={"parameters": 1.0}, peak_bytes=1.0, usable_bytes=2.0, time={})
+    parts |= dict(step_s=1.0, tokens_per_s_per_gpu=1.0, mfu=0.5, hardware="h100")
+    traced = Prediction(layout=Layout(gpus=2, batch=1, seq=8), buckets=[["w"]], **parts)
+    analytic = Prediction(
+        layout=MoELayout(gpus=2, batch=1, seq=8), buckets=None, params={"total": 3}, **parts
+    )
+    common = ["layout", "hardware", "fits", "peak_bytes", "usable_bytes", "memory_bytes"]
+    common += ["time_s", "step_s", "tokens_per_s_per_gpu", "mfu"]
+    assert list(traced.to_dict()) == [*common, "num_buckets", "buckets", "kept_gathered", "notes"]
+    assert list(analytic.to_dict()) == [*common[:2], "parameters", *common[2:], "notes"]
+    assert analytic.to_dict()["layout"]["ep"] == 1 and traced.to_dict()["layout"]["dp"] == 2
+    # The analytic plan's notes say what it leaves out in words.
+    argv = ["--model", "moe_debug", "--gpus", "2", "--hardware", "cpu-gloo", "--json"]
+    assert plan_cli.main(argv) == 0
+    notes = json.loads(capsys.readouterr().out)["predictions"][0]["notes"]
+    assert any("not modelled" in note for note in notes)
+    assert not any("Note:" in note for note in notes)
 
 
 def test_plan_names_no_family_and_every_plan_method_is_known() -> None:
@@ -193,4 +202,5 @@ def test_plan_names_no_family_and_every_plan_method_is_known() -> None:
     for family in family_names():
         spec = get_spec(family)
         assert spec.plan_method in plan_cli.METHOD_FLAGS
-        assert set(spec.reference_layouts) <= set(spec.flavors), family
+        for flavor in spec.reference_layouts:
+            assert spec.flavors.get(flavor) is not None, (family, flavor)
