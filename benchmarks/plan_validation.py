@@ -86,7 +86,7 @@ def profile(calibrations: list[dict]):
 
 def predict_run(env: dict, config: str, hw) -> tuple[float, int]:
     """The plan's step time and peak bytes for the bench's job under ``hw``."""
-    from simplefsdp.plan.cli import model_args
+    from simplefsdp.models.registry import resolve_flavor
     from simplefsdp.plan.predict import Layout, predict
 
     layout = Layout(
@@ -102,7 +102,7 @@ def predict_run(env: dict, config: str, hw) -> tuple[float, int]:
         engine=ENGINES[config],
         dtype="fp32",
     )
-    pred = predict(model_args(env["model"], None), layout, hw)
+    pred = predict(*resolve_flavor(env["model"]), layout, hw)
     return pred.step_s, pred.peak_bytes
 
 

@@ -17,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import plan_profiles
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.models.llama3 import get_config, num_params
+from simplefsdp.models.registry import get_spec
 from simplefsdp.plan import cli as plan_cli
 from simplefsdp.plan.hardware import PROFILES, HardwareProfile, get_profile
 from simplefsdp.plan.predict import (
@@ -30,6 +31,8 @@ from simplefsdp.plan.predict import (
     validate,
 )
 from simplefsdp.plan.trace import TraceKey
+
+LLAMA = get_spec("llama3")
 
 GiB = 2**30
 
@@ -268,12 +271,12 @@ def test_calibration_profile_carries_the_attention_share() -> None:
 
 
 def _key(n_layers: int, dp: int = 2, ac: str = "selective", **kw) -> TraceKey:
-    return TraceKey(_debug(n_layers=n_layers), dp, kw.get("tp", 1), 2, 64, ac)
+    return TraceKey("llama3", _debug(n_layers=n_layers), dp, kw.get("tp", 1), 2, 64, ac)
 
 
 def test_parameter_gradient_optimizer_bytes_are_exact() -> None:
     args = _debug()
-    pred = predict(args, Layout(gpus=2, batch=2, seq=64), FIXED)
+    pred = predict(LLAMA, args, Layout(gpus=2, batch=2, seq=64), FIXED)
     shard = 4 * num_params(args) / 2  # fp32, evenly sharded over 2 ranks
     assert pred.memory["parameters"] == shard
     assert pred.memory["gradients"] == shard
@@ -297,7 +300,7 @@ def test_step_time_adds_up_by_hand() -> None:
     # 28 bytes per fp32 parameter at 0.5 * 1e11 B/s plus the gradient-norm
     # all-reduce of one number (intra-node: 10 us + 2 * 1/2 * 4 B / 1e10 B/s).
     args = _debug()
-    pred = predict(args, Layout(gpus=2, batch=2, seq=64), FIXED)
+    pred = predict(LLAMA, args, Layout(gpus=2, batch=2, seq=64), FIXED)
     optimizer_s = num_params(args) / 2 * ADAMW_BYTES_PER_PARAM / (0.5 * 1e11)
     optimizer_s += 1e-5 + 4 / 1e10
     assert pred.time["optimizer"] == pytest.approx(optimizer_s)
@@ -312,8 +315,8 @@ def test_step_time_adds_up_by_hand() -> None:
 def test_a_measured_adamw_rate_replaces_the_bandwidth_estimate() -> None:
     args = _debug()
     layout = Layout(gpus=2, batch=2, seq=64)
-    base = predict(args, layout, FIXED)
-    measured = predict(args, layout, dataclasses.replace(FIXED, adamw_s_per_param=3e-9))
+    base = predict(LLAMA, args, layout, FIXED)
+    measured = predict(LLAMA, args, layout, dataclasses.replace(FIXED, adamw_s_per_param=3e-9))
     norm_s = 1e-5 + 4 / 1e10  # the gradient norm's all-reduce, as above
     assert measured.time["optimizer"] == pytest.approx(num_params(args) / 2 * 3e-9 + norm_s)
     assert measured.step_s - base.step_s == pytest.approx(
@@ -326,20 +329,23 @@ def test_eager_fsdp2_pays_its_hooks_per_group_and_the_compiled_engine_does_not()
     hooked = dataclasses.replace(FIXED, fsdp2_group_s=1e-3)
     for gpus in (1, 2):
         layout = Layout(gpus=gpus, batch=2, seq=64, engine="fsdp2")
-        base, pred = predict(args, layout, FIXED), predict(args, layout, hooked)
+        base, pred = predict(LLAMA, args, layout, FIXED), predict(LLAMA, args, layout, hooked)
         assert base.time["hooks"] == 0
         assert pred.time["hooks"] == pytest.approx(5e-3)
         assert pred.time["compute"] - base.time["compute"] == pytest.approx(5e-3)
         assert pred.step_s - base.step_s == pytest.approx(5e-3)
     compiled = Layout(gpus=2, batch=2, seq=64, engine="simplefsdp")
-    assert predict(args, compiled, hooked).time["hooks"] == 0
-    assert predict(args, compiled, hooked).step_s == predict(args, compiled, FIXED).step_s
+    assert predict(LLAMA, args, compiled, hooked).time["hooks"] == 0
+    assert (
+        predict(LLAMA, args, compiled, hooked).step_s
+        == predict(LLAMA, args, compiled, FIXED).step_s
+    )
 
 
 def test_full_ac_recomputes_and_saves_less() -> None:
     layout = Layout(gpus=2, batch=2, seq=64)
     preds = {
-        ac: predict(_debug(), dataclasses.replace(layout, ac=ac), FIXED)
+        ac: predict(LLAMA, _debug(), dataclasses.replace(layout, ac=ac), FIXED)
         for ac in ("selective", "full")
     }
     assert preds["full"].memory["activations"] < preds["selective"].memory["activations"]
@@ -353,7 +359,7 @@ def test_eager_saved_activations_match_eager_autograd() -> None:
     from simplefsdp.models.llama3 import Transformer
 
     args = _debug(n_layers=2)
-    t = traced(TraceKey(args, 2, 1, 2, 64, "none", True, "fp32"))
+    t = traced(TraceKey("llama3", args, 2, 1, 2, 64, "none", True, "fp32"))
     torch.manual_seed(0)
     model = Transformer(args)
     tokens = torch.randint(0, args.vocab_size, (2, 64))
@@ -376,10 +382,11 @@ def test_eager_saved_activations_match_eager_autograd() -> None:
 
 def test_eager_engine_holds_eager_autograds_activations() -> None:
     args, layout = _debug(), Layout(gpus=2, batch=2, seq=64, ac="none", dtype="fp32")
-    ours = predict(args, dataclasses.replace(layout, bucketing="per_block"), FIXED)
-    eager = predict(args, dataclasses.replace(layout, engine="fsdp2"), FIXED)
+    ours = predict(LLAMA, args, dataclasses.replace(layout, bucketing="per_block"), FIXED)
+    eager = predict(LLAMA, args, dataclasses.replace(layout, engine="fsdp2"), FIXED)
     t1, t2 = (
-        traced(TraceKey(_debug(n_layers=n), 2, 1, 2, 64, "none", True, "fp32")) for n in (1, 2)
+        traced(TraceKey("llama3", _debug(n_layers=n), 2, 1, 2, 64, "none", True, "fp32"))
+        for n in (1, 2)
     )
     extra1, extra2 = (t.eager_saved_bytes - t.compiled_saved_bytes for t in (t1, t2))
     extra = extra1 + (args.n_layers - 1) * (extra2 - extra1)
@@ -395,19 +402,19 @@ def test_compiled_engine_keeps_what_the_compiler_keeps_for_free() -> None:
     # block); eager FSDP2 and a plan without resharding keep nothing.
     args = _debug()
     layout = Layout(gpus=2, batch=2, seq=64, ac="none", dtype="fp32")
-    ours = predict(args, layout, FIXED)
+    ours = predict(LLAMA, args, layout, FIXED)
     last = f"model.layers.{args.n_layers - 1}."
     assert {"model.norm.weight", "model.output.weight"} <= set(ours.kept)
     assert any(f.startswith(last) for f in ours.kept)
     assert not any(f.startswith("model.layers.0.") for f in ours.kept)
     assert ours.to_dict()["kept_gathered"] == ours.kept
-    assert predict(args, dataclasses.replace(layout, engine="fsdp2"), FIXED).kept == []
+    assert predict(LLAMA, args, dataclasses.replace(layout, engine="fsdp2"), FIXED).kept == []
     no_reshard = dataclasses.replace(layout, reshard_after_forward=False)
-    assert predict(args, no_reshard, FIXED).kept == []
+    assert predict(LLAMA, args, no_reshard, FIXED).kept == []
 
 
 def test_pipeline_bubble_is_pp_minus_one_microbatch_slots() -> None:
-    pred = predict(_debug(), Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2), FIXED)
+    pred = predict(LLAMA, _debug(), Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2), FIXED)
     per_microbatch = (pred.time["compute"] + pred.time["exposed_comm"]) / 2
     assert pred.time["bubble"] == pytest.approx(per_microbatch)
 
@@ -415,7 +422,7 @@ def test_pipeline_bubble_is_pp_minus_one_microbatch_slots() -> None:
 @pytest.mark.slow
 def test_llama3_8b_traces_at_world_size_8() -> None:
     # The real 8B shapes (two blocks), fake process group of 8 ranks, no GPU.
-    pred = predict(get_config("8B"), Layout(gpus=8, batch=2, seq=8192), get_profile("h100"))
+    pred = predict(LLAMA, get_config("8B"), Layout(gpus=8, batch=2, seq=8192), get_profile("h100"))
     n = num_params(get_config("8B"))
     assert pred.memory["parameters"] == pytest.approx(4 * n / 8, rel=1e-3)
     assert 0 < pred.peak_bytes < 200 * GiB and pred.tokens_per_s_per_gpu > 0
@@ -431,12 +438,12 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path, capsys) -> None:
     cases = [
         (["--hardware", "tpu"], "unknown hardware 'tpu'"),
         (
-            ["--gpus", "8", "--tp", "3", "--model", "llama3_debug"],
+            ["--gpus", "8", "--tp", "3", "--model", "debug"],
             "--tp 3 does not divide --gpus 8",
         ),
-        (["--model", "llama3_9b"], "unknown --model 'llama3_9b'"),
+        (["--model", "llama3_9b"], "unknown model 'llama3_9b'"),
         (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
-        (["--config", str(not_an_object)], "must hold a JSON object of ModelArgs fields"),
+        (["--config", str(not_an_object)], "must hold a JSON object of the model config's fields"),
     ]
     for argv, message in cases:
         assert plan_cli.main(argv) == 2
@@ -448,12 +455,12 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path, capsys) -> None:
 def test_cli_batch_that_cannot_fit(tmp_path, capsys) -> None:
     # A GPU with room for the model state and half the batch's activations
     # (per-block buckets: the auto plan would shrink its buckets to fit).
-    pred = predict(_debug(), Layout(gpus=2, batch=2, seq=64, bucketing="per_block"), FIXED)
+    pred = predict(LLAMA, _debug(), Layout(gpus=2, batch=2, seq=64, bucketing="per_block"), FIXED)
     per_batch = pred.memory["activations"] + pred.memory["temporary"]
     small = dataclasses.replace(FIXED, memory_bytes=pred.peak_bytes - 0.4 * per_batch)
     path = tmp_path / "small.json"
     path.write_text(json.dumps(small.to_dict()))
-    argv = ["--model", "llama3_debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
+    argv = ["--model", "debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
     argv += ["--bucketing", "per_block"]
     assert plan_cli.main([*argv, "--hardware", str(path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -469,7 +476,7 @@ def test_cli_layout_that_does_not_fit_names_changes_that_fit_and_not_those_given
     small = dataclasses.replace(FIXED, memory_bytes=37.0e6, gpus_per_node=1)
     path = tmp_path / "small.json"
     path.write_text(json.dumps(small.to_dict()))
-    argv = ["--model", "llama3_debug", "--gpus", "2", "--batch", "4", "--seq", "64"]
+    argv = ["--model", "debug", "--gpus", "2", "--batch", "4", "--seq", "64"]
     argv += ["--bucketing", "per_block", "--ac", "full", "--hardware", str(path)]
     assert plan_cli.main(argv) == 2
     captured = capsys.readouterr()
@@ -488,7 +495,9 @@ def test_candidate_changes_leave_out_what_was_given() -> None:
         memory = {"parameters": 4.0, "gradients": 4.0, "optimizer": 8.0, "activations": 10.0}
         pred = types.SimpleNamespace(layout=base, memory=memory, peak_bytes=26.0, usable_bytes=20.0)
         return [
-            text for ladder in plan_cli._candidate_changes(_debug(), pred, 8) for text, _ in ladder
+            text
+            for ladder in plan_cli._candidate_changes(LLAMA, _debug(), pred, 8)
+            for text, _ in ladder
         ]
 
     given_selective = candidates(ac="selective")
@@ -502,18 +511,19 @@ def test_candidate_changes_leave_out_what_was_given() -> None:
 
 def test_defaults_are_torchtitans_layouts_and_given_values_win() -> None:
     def values(*argv):
-        return plan_cli.plan_defaults(plan_cli._parser().parse_args(list(argv)))[0]
+        ns = plan_cli._parser().parse_args(list(argv))
+        return plan_cli.plan_defaults(ns, *plan_cli.resolve_model(ns))[0]
 
-    assert values("--model", "llama3_8b") == {
+    assert values("--model", "8B") == {
         "gpus": 8, "tp": 1, "batch": 1, "seq": 8192, "ac": "selective"
     }  # fmt: skip
-    assert values("--model", "llama3_70b") == {
+    assert values("--model", "70B") == {
         "gpus": 64, "tp": 8, "batch": 8, "seq": 8192, "ac": "full"
     }  # fmt: skip
-    assert values("--model", "llama3_405b")["gpus"] == 128
+    assert values("--model", "405B")["gpus"] == 128
     # A default TP degree that does not divide the GPUs given is lowered.
-    assert values("--model", "llama3_70b", "--gpus", "4")["tp"] == 4
-    assert values("--model", "llama3_70b", "--tp", "2", "--batch", "3", "--ac", "none") == {
+    assert values("--model", "70B", "--gpus", "4")["tp"] == 4
+    assert values("--model", "70B", "--tp", "2", "--batch", "3", "--ac", "none") == {
         "gpus": 64, "tp": 2, "batch": 3, "seq": 8192, "ac": "none"
     }  # fmt: skip
 
@@ -522,22 +532,20 @@ def test_defaults_are_torchtitans_layouts_and_given_values_win() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--model", "llama3_8b", "--gpus", "8"],
-        pytest.param(
-            ["--model", "llama3_70b", "--gpus", "64", "--tp", "8"], marks=pytest.mark.heavy
-        ),
-        pytest.param(["--model", "llama3_405b"], marks=pytest.mark.heavy),
+        ["--model", "8B", "--gpus", "8"],
+        pytest.param(["--model", "70B", "--gpus", "64", "--tp", "8"], marks=pytest.mark.heavy),
+        pytest.param(["--model", "405B"], marks=pytest.mark.heavy),
     ],
 )
 def test_defaults_fit_for_the_shipped_models_on_their_gpu_counts(argv, capsys) -> None:
     assert plan_cli.main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "DOES NOT FIT" not in out and "tokens/s/GPU" in out
-    assert "note: defaults (torchtitan's layout)" in out
+    assert "note: defaults (published layout)" in out
 
 
 def test_cli_table_json_and_png(tmp_path, capsys) -> None:
-    argv = ["--model", "llama3_debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
+    argv = ["--model", "debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
     assert plan_cli.main([*argv, "--hardware", "h100", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "peak memory / GPU" in out and "tokens/s/GPU" in out
@@ -564,7 +572,7 @@ def test_sweep_ranks_by_throughput_and_says_why_losers_lose() -> None:
     assert {lay.tp for lay in six} == {1, 2}
     # Three options that share one trace; one of them made not to fit.
     preds = [
-        predict(_debug(), Layout(gpus=2, batch=2, seq=64, bucketing=b), FIXED)
+        predict(LLAMA, _debug(), Layout(gpus=2, batch=2, seq=64, bucketing=b), FIXED)
         for b in ("auto", "per_block", "none")
     ]
     preds[2].usable_bytes = preds[2].peak_bytes / 2
@@ -655,7 +663,7 @@ def test_describe_names_gradient_accumulation_and_microbatches() -> None:
 def test_simplefsdp_plan_subcommand_prints_json(capsys) -> None:
     from simplefsdp.cli import main
 
-    argv = ["plan", "--model", "llama3_debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
+    argv = ["plan", "--model", "debug", "--gpus", "2", "--batch", "2", "--seq", "64"]
     assert main([*argv, "--hardware", "cpu-gloo", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     (pred,) = data["predictions"]

@@ -15,11 +15,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import plan_profiles
 from simplefsdp.compiler.cost_model import CostModel
 from simplefsdp.models.llama3 import Transformer, get_config
+from simplefsdp.models.registry import get_spec
 from simplefsdp.plan import cli as plan_cli
 from simplefsdp.plan.hardware import PROFILES
 from simplefsdp.plan.predict import Float8Matmuls, Layout, compute_time, predict
 from simplefsdp.plan.reference import TORCHTITAN_H100_202412
 from simplefsdp.plan.trace import float8_linear_weights
+
+LLAMA = get_spec("llama3")
 
 GiB = 2**30
 
@@ -74,8 +77,8 @@ def test_float8_matmul_rate_and_casts_by_hand() -> None:
 def test_float8_gathers_half_the_bytes_and_multiplies_faster() -> None:
     args = get_config("debug")
     layout = Layout(gpus=2, batch=2, seq=64, bucketing="per_block")
-    bf16 = predict(args, layout, FIXED)
-    fp8 = predict(args, dataclasses.replace(layout, float8=True), FIXED)
+    bf16 = predict(LLAMA, args, layout, FIXED)
+    fp8 = predict(LLAMA, args, dataclasses.replace(layout, float8=True), FIXED)
     assert fp8.time["flops"] == pytest.approx(bf16.time["flops"])
     assert fp8.time["compute"] < bf16.time["compute"]
     # Gathers shrink (converted weights at 1 byte), reduce-scatters do not:
@@ -89,7 +92,7 @@ def test_float8_gathers_half_the_bytes_and_multiplies_faster() -> None:
 
 
 def test_float8_errors_are_one_line(capsys) -> None:
-    small = ["--model", "llama3_debug", "--gpus", "2", "--batch", "2", "--seq", "64", "--float8"]
+    small = ["--model", "debug", "--gpus", "2", "--batch", "2", "--seq", "64", "--float8"]
     cases = [
         (["--hardware", "a100"], "hardware 'a100' has no float8 peak"),
         (["--dtype", "fp32"], "--float8 trains with bf16 mixed precision"),
@@ -114,8 +117,8 @@ def test_loss_parallel_keeps_the_logits_sharded() -> None:
     # them in bf16 either way).
     args = get_config("debug", vocab_size=4096)
     layout = Layout(gpus=4, tp=2, batch=2, seq=64, bucketing="per_block")
-    replicated = predict(args, layout, FIXED)
-    sharded = predict(args, dataclasses.replace(layout, loss_parallel=True), FIXED)
+    replicated = predict(LLAMA, args, layout, FIXED)
+    sharded = predict(LLAMA, args, dataclasses.replace(layout, loss_parallel=True), FIXED)
     logits = 2 * 64 * 4096 * 4  # one fp32 copy of the full logits
     lost = (replicated.memory["activations"] + replicated.memory["temporary"]) - (
         sharded.memory["activations"] + sharded.memory["temporary"]

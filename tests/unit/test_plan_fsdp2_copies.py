@@ -12,6 +12,7 @@ import pytest
 
 from simplefsdp.compiler.auto_bucketing import GatherUnit
 from simplefsdp.models.llama3 import get_config, num_params
+from simplefsdp.models.registry import get_spec
 from simplefsdp.plan.calibrate import (
     FSDP2_BLOCKS,
     FSDP2_PARAMS,
@@ -24,6 +25,8 @@ from simplefsdp.plan.costs import copy_written_bytes, fsdp2_copy_seconds
 from simplefsdp.plan.hardware import get_profile
 from simplefsdp.plan.predict import Layout, predict
 from simplefsdp.testing import run_distributed
+
+LLAMA = get_spec("llama3")
 
 FIXED = get_profile("cpu-gloo")  # built in: no measured FSDP2 copy rate
 
@@ -62,7 +65,7 @@ def test_eager_fsdp2s_copies_at_their_measured_rate_at_any_world_size() -> None:
     gathered = num_params(args) * 2  # bf16 parameters gathered
     for gpus in (1, 2):
         layout = Layout(gpus=gpus, batch=2, seq=64, engine="fsdp2")
-        base, pred = predict(args, layout, FIXED), predict(args, layout, measured)
+        base, pred = predict(LLAMA, args, layout, FIXED), predict(LLAMA, args, layout, measured)
         # Per group two all-gathers (shards in, group out) and one
         # reduce-scatter (gradients in); at world size 1 the shards are whole.
         written = (2 * (1 + 1 / gpus) + 1) * gathered
@@ -71,12 +74,16 @@ def test_eager_fsdp2s_copies_at_their_measured_rate_at_any_world_size() -> None:
             pred.time["copies"] - base.time["copies"], rel=1e-6
         )
     assert (
-        predict(args, Layout(gpus=1, batch=2, seq=64, engine="fsdp2"), FIXED).time["copies"] == 0
+        predict(LLAMA, args, Layout(gpus=1, batch=2, seq=64, engine="fsdp2"), FIXED).time["copies"]
+        == 0
     )  # without a measured rate, as before: no copies on one rank
     # The compiled engine's copies are not FSDP2's: the rate does not touch it.
     for gpus in (1, 2):
         compiled = Layout(gpus=gpus, batch=2, seq=64, engine="simplefsdp")
-        assert predict(args, compiled, measured).step_s == predict(args, compiled, FIXED).step_s
+        assert (
+            predict(LLAMA, args, compiled, measured).step_s
+            == predict(LLAMA, args, compiled, FIXED).step_s
+        )
 
 
 # Each timing the measurement asks for runs once (real FSDP2 steps and real
@@ -123,9 +130,9 @@ def test_sharded_fsdp2_groups_cost_what_was_measured_sharded() -> None:
     hw = dataclasses.replace(FIXED, fsdp2_group_s=1e-3, fsdp2_sharded_group_s=3e-3)
     one = Layout(gpus=1, batch=2, seq=64, engine="fsdp2")
     two = Layout(gpus=2, batch=2, seq=64, engine="fsdp2")
-    assert predict(args, one, hw).time["hooks"] == pytest.approx(5e-3)
-    assert predict(args, two, hw).time["hooks"] == pytest.approx(15e-3)
+    assert predict(LLAMA, args, one, hw).time["hooks"] == pytest.approx(5e-3)
+    assert predict(LLAMA, args, two, hw).time["hooks"] == pytest.approx(15e-3)
     unmeasured = dataclasses.replace(hw, fsdp2_sharded_group_s=0.0)  # older calibrations
-    assert predict(args, two, unmeasured).time["hooks"] == pytest.approx(5e-3)
+    assert predict(LLAMA, args, two, unmeasured).time["hooks"] == pytest.approx(5e-3)
     compiled = Layout(gpus=2, batch=2, seq=64, engine="simplefsdp")
-    assert predict(args, compiled, hw).time["hooks"] == 0
+    assert predict(LLAMA, args, compiled, hw).time["hooks"] == 0

@@ -1,22 +1,44 @@
-"""``simplefsdp plan`` for mixture-of-experts models with ``--ep``: the
-analytic model's parameter counts, memory, all-to-all time and errors."""
+"""``simplefsdp plan`` for models with routed experts and ``--ep``: the
+analytic model's parameter counts, memory, all-to-all time and errors, and
+the one planner path (spec-driven method, one prediction type)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 import plan_profiles
-from simplefsdp.models.moe import get_config, num_active_params, num_params
+from simplefsdp.models.registry import family_names, get_spec, resolve_flavor
 from simplefsdp.plan import cli as plan_cli
+from simplefsdp.plan import predict
+from simplefsdp.plan.analytic import ExpertLayout as MoELayout
 from simplefsdp.plan.hardware import PROFILES
-from simplefsdp.plan.moe import MoELayout, predict_moe
 
 GiB = 2**30
 
 FIXED = dataclasses.replace(plan_profiles.FIXED, memory_bytes=640 * GiB)
+MOE = get_spec("moe")
+
+
+def get_config(name):
+    spec, config = resolve_flavor(name)
+    assert spec is MOE
+    return config
+
+
+def num_params(config, exclude_embeddings=False):
+    return MOE.num_params(config, exclude_embeddings=exclude_embeddings)
+
+
+def num_active_params(config, exclude_embeddings=False):
+    return MOE.active_params(config, exclude_embeddings=exclude_embeddings)
+
+
+def predict_moe(config, layout, hw):
+    return predict(MOE, config, layout, hw)
 
 
 def test_parameters_total_and_activated() -> None:
@@ -105,15 +127,17 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
     cases = [
         (
             ["--model", "deepseek_v3_16b", "--gpus", "6", "--ep", "3"],
-            "--ep 3 does not divide the model's 64 experts; valid --ep on 6 GPUs: 1, 2",
+            "ep 3 does not divide the 64 experts of the model",
         ),
         (
             ["--model", "moe_small", "--gpus", "6", "--ep", "4"],
             "--ep 4 does not divide the 6 data-parallel ranks; valid --ep: 1, 2",
         ),
-        (["--model", "llama3_debug", "--ep", "2"], "--ep 2 needs a mixture-of-experts --model"),
-        (["--model", "moe_debug", "--tp", "2"], "--tp is not planned for mixture-of-experts"),
-        (["--model", "moe_debug", "--float8"], "--float8 is not planned for mixture-of-experts"),
+        (["--model", "debug", "--ep", "2"], "--ep needs a model with expert parallelism"),
+        (["--model", "debug", "--expert-imbalance", "2"], "--expert-imbalance is not planned"),
+        (["--model", "moe_debug", "--tp", "2"], "--tp needs a model with tensor parallelism"),
+        (["--model", "moe_debug", "--float8"], "--float8 needs a model with float8 training"),
+        (["--model", "moe_debug", "--sweep"], "--sweep is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--ep", "0"], "--ep must be >= 1, got 0"),
         (
             ["--model", "moe_debug", "--expert-imbalance", "0.5"],
@@ -124,3 +148,59 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
         assert plan_cli.main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
+
+
+def test_mfu_counts_the_specs_flops_per_token() -> None:
+    # Multi-head latent attention by its head dims (torchtitan's count);
+    # grouped-query attention as 12 * n_layers * dim * seq.
+    args = get_config("deepseek_v3_16b")
+    pred = predict_moe(args, MoELayout(gpus=8, batch=1, seq=4096, ep=2), FIXED)
+    flops = MOE.flops_per_token(args, 4096)
+    assert pred.mfu == pytest.approx(pred.tokens_per_s_per_gpu * flops / FIXED.peak_bf16_flops)
+    attention = 6 * args.n_layers * args.n_heads * (192 + 128) * 4096
+    assert flops == 6 * num_active_params(args, exclude_embeddings=True) + attention
+    gqa = get_config("moe_small")
+    assert MOE.flops_per_token(gqa, 512) == (
+        6 * num_active_params(gqa, exclude_embeddings=True) + 12 * gqa.n_layers * gqa.dim * 512
+    )
+
+
+def test_one_prediction_record_for_both_plan_methods(capsys) -> None:
+    # One record: the analytic plan adds its parameter counts and has no
+    # bucket plan, the traced one has a bucket plan and no counts.
+    from simplefsdp.plan import Prediction
+    from simplefsdp.plan.predict import Layout
+
+    parts = dict(memory={"parameters": 1.0}, peak_bytes=1.0, usable_bytes=2.0, time={})
+    parts |= dict(step_s=1.0, tokens_per_s_per_gpu=1.0, mfu=0.5, hardware="h100")
+    traced = Prediction(layout=Layout(gpus=2, batch=1, seq=8), buckets=[["w"]], **parts)
+    analytic = Prediction(
+        layout=MoELayout(gpus=2, batch=1, seq=8), buckets=None, params={"total": 3}, **parts
+    )
+    common = ["layout", "hardware", "fits", "peak_bytes", "usable_bytes", "memory_bytes"]
+    common += ["time_s", "step_s", "tokens_per_s_per_gpu", "mfu"]
+    assert list(traced.to_dict()) == [*common, "num_buckets", "buckets", "kept_gathered", "notes"]
+    assert list(analytic.to_dict()) == [*common[:2], "parameters", *common[2:], "notes"]
+    assert analytic.to_dict()["layout"]["ep"] == 1 and traced.to_dict()["layout"]["dp"] == 2
+    # The analytic plan's notes say what it leaves out in words.
+    argv = ["--model", "moe_debug", "--gpus", "2", "--hardware", "cpu-gloo", "--json"]
+    assert plan_cli.main(argv) == 0
+    notes = json.loads(capsys.readouterr().out)["predictions"][0]["notes"]
+    assert any("not modelled" in note for note in notes)
+    assert not any("Note:" in note for note in notes)
+
+
+def test_plan_names_no_family_and_every_plan_method_is_known() -> None:
+    source = Path(plan_cli.__file__).parent
+    for path in source.glob("*.py"):
+        if path.name == "layout.py":  # the layout's own module
+            continue
+        text = path.read_text()
+        for family in family_names():
+            assert f"simplefsdp.models.{family}" not in text, (path.name, family)
+        assert "is_moe_model" not in text and "LLAMA3_CONFIGS" not in text, path.name
+    for family in family_names():
+        spec = get_spec(family)
+        assert spec.plan_method in plan_cli.METHOD_FLAGS
+        for flavor in spec.reference_layouts:
+            assert spec.flavors.get(flavor) is not None, (family, flavor)

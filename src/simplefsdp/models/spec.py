@@ -15,12 +15,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Capability", "CAPABILITIES", "LayoutDegrees", "ModelSpec"]
+__all__ = ["Capability", "CAPABILITIES", "LayoutDegrees", "ModelSpec", "PLAN_METHODS"]
 
 #: What a family may compose with: tensor, pipeline, expert and context
 #: parallelism, float8 linears, and Hugging Face weights in and out.
 Capability = str
 CAPABILITIES: tuple[Capability, ...] = ("tp", "pp", "ep", "cp", "float8", "hf")
+#: How ``simplefsdp plan`` predicts a family's jobs (``ModelSpec.plan_method``).
+PLAN_METHODS: tuple[str, ...] = ("trace", "analytic")
 
 
 class LayoutDegrees(Protocol):
@@ -102,6 +104,14 @@ class ModelSpec:
             ``config_from_hf``/``config_to_hf``, ``config_differences`` and
             ``hf_sort_key``; see
             :class:`simplefsdp.models.llama3.hf_adapter.LlamaHFAdapter`.
+        plan_method: how ``simplefsdp plan`` predicts a job of this family:
+            ``"trace"`` (trace ``build`` with 1 and 2 blocks on the meta
+            device) or ``"analytic"`` (from the config's shapes, for
+            expert-parallel decoders whose layers are counted but not all
+            built).
+        reference_layouts: published training layouts per flavor name
+            (``gpus``, ``tp``, ``batch``, ``seq``, ``ac``): the defaults of
+            ``simplefsdp plan`` for that flavor.
     """
 
     family: str
@@ -123,6 +133,8 @@ class ModelSpec:
     hf_adapter: Any = None
     discard_step_state: Callable[[Any], None] | None = None
     float8_skip_fqns: tuple[str, ...] = ()
+    plan_method: str = "trace"
+    reference_layouts: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.capabilities) - set(CAPABILITIES))
@@ -130,6 +142,11 @@ class ModelSpec:
             raise ValueError(
                 f"family {self.family!r} declares unknown capabilities {unknown}; "
                 f"valid: {', '.join(CAPABILITIES)}"
+            )
+        if self.plan_method not in PLAN_METHODS:
+            raise ValueError(
+                f"family {self.family!r} declares plan_method {self.plan_method!r}; "
+                f"valid: {', '.join(PLAN_METHODS)}"
             )
 
     def supports(self, capability: Capability) -> bool:

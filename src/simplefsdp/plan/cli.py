@@ -2,7 +2,7 @@
 
 Examples::
 
-    simplefsdp plan --model llama3_8b                 # torchtitan's 8B layout: 8 GPUs
+    simplefsdp plan --model llama3_8b                 # its published layout: 8 GPUs
     simplefsdp plan --model llama3_70b                # 64 GPUs, TP 8, full AC
     simplefsdp plan --model llama3_8b --gpus 8 --hardware h100 --batch 2 --seq 8192
     simplefsdp plan --model llama3_405b --gpus 512 --tp 8 --pp 8 --microbatches 8 \\
@@ -12,14 +12,19 @@ Examples::
     simplefsdp plan --model deepseek_v3_16b --gpus 8 --ep 2 --batch 1 --seq 4096
     simplefsdp plan --calibrate --out profiles/   # measure this machine (gloo, CPU)
 
-Runs in one process on this machine: the model is traced on the meta device
-with a fake process group of the target size (see ``simplefsdp.plan.trace``).
+Runs in one process on this machine. ``--model`` names a flavor of the model
+registry (``simplefsdp.models.registry``); the family's ``ModelSpec`` says how
+it is planned (``plan_method``): traced on the meta device with a fake process
+group of the target size (see ``simplefsdp.plan.trace``), or, for
+expert-parallel models, from the config's shapes (``simplefsdp.plan.analytic``).
+Both give one :class:`~simplefsdp.plan.prediction.Prediction`, formatted here.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -32,74 +37,132 @@ from typing import Any
 from simplefsdp.plan.hardware import get_profile, profile_names
 
 GiB = 2**30
+#: ``--model`` when none is given: a registry flavor name (Llama 3 8B).
+DEFAULT_MODEL = "8B"
 
-MODEL_ALIASES = {
-    "llama3_8b": "8B",
-    "llama3_70b": "70B",
-    "llama3_405b": "405B",
-    "llama3_debug": "debug",
-    "llama3_small": "small",
+#: The flags each plan method (``ModelSpec.plan_method``) plans beyond
+#: ``--model``, ``--config``, ``--hardware``, ``--gpus``, ``--batch``,
+#: ``--seq``, ``--ac``, ``--engine``, ``--no-reshard``, ``--json`` and
+#: ``--out``; a flag given for a model whose method does not plan it is an error.
+METHOD_FLAGS = {
+    "trace": (
+        "--tp",
+        "--pp",
+        "--microbatches",
+        "--dtype",
+        "--loss-parallel",
+        "--float8",
+        "--bucketing",
+        "--sweep",
+    ),
+    "analytic": ("--ep", "--expert-imbalance"),
+}
+# A flag's value that asks for something (not the default), by flag.
+_GIVEN = {
+    "--tp": lambda ns: ns.tp not in (None, 1),
+    "--pp": lambda ns: ns.pp != 1,
+    "--microbatches": lambda ns: ns.microbatches not in (None, 1),
+    "--dtype": lambda ns: ns.dtype != "bf16",
+    "--loss-parallel": lambda ns: ns.loss_parallel,
+    "--float8": lambda ns: ns.float8,
+    "--bucketing": lambda ns: ns.bucketing != "auto",
+    "--sweep": lambda ns: ns.sweep,
+    "--ep": lambda ns: ns.ep not in (None, 1),
+    "--expert-imbalance": lambda ns: ns.expert_imbalance != 1.0,
+}
+# The ModelSpec capability a flag needs, and what it is in words.
+_CAPABILITY = {
+    "--tp": ("tp", "tensor parallelism"),
+    "--pp": ("pp", "pipeline parallelism"),
+    "--float8": ("float8", "float8 training"),
+    "--ep": ("ep", "expert parallelism (routed experts)"),
 }
 
 
-# torchtitan's published layouts of the Llama 3 models (the defaults of
-# ``simplefsdp plan`` for them): local batch, sequence length and AC mode of
-# its train configs (torchtitan/models/llama3/train_configs/llama3_{8b,70b,
-# 405b}.toml), TP degree and GPU count of the runs its docs/performance.md
-# reports (8B on 8 GPUs, 70B on 64 with TP 8, 405B on 128 with TP 8).
-# Other models default to ``GENERIC_DEFAULTS``.
-PLAN_DEFAULTS = {
-    "8B": {"gpus": 8, "tp": 1, "batch": 1, "seq": 8192, "ac": "selective"},
-    "70B": {"gpus": 64, "tp": 8, "batch": 8, "seq": 8192, "ac": "full"},
-    "405B": {"gpus": 128, "tp": 8, "batch": 2, "seq": 8192, "ac": "full"},
-}
-GENERIC_DEFAULTS = {"gpus": 8, "tp": 1, "batch": 2, "seq": 8192, "ac": "selective"}
+def generic_defaults(spec: Any, config: Any) -> dict:
+    """``--gpus``, ``--tp``, ``--batch``, ``--seq`` and ``--ac`` of a model
+    without a published layout: 8 GPUs, selective AC, and for traced plans
+    batch 2 of 8192 tokens; for analytic plans batch 1 of at most 4096."""
+    if spec.plan_method == "analytic":
+        seq = min(config.max_seq_len, 4096)
+        return {"gpus": 8, "tp": 1, "batch": 1, "seq": seq, "ac": "selective"}
+    return {"gpus": 8, "tp": 1, "batch": 2, "seq": 8192, "ac": "selective"}
 
 
-def model_args(model: str | None, config: str | None):
-    """``ModelArgs`` from ``--model`` (a name) or ``--config`` (a JSON file of
-    ``ModelArgs`` fields, optionally with ``"base"``: a config name)."""
-    from simplefsdp.models.llama3 import LLAMA3_CONFIGS, get_config
+def reference_layout(spec: Any, config: Any) -> dict | None:
+    """The published layout of ``config`` (``spec.reference_layouts`` of the
+    flavor it equals), or ``None``."""
+    for flavor, values in spec.reference_layouts.items():
+        if spec.flavors.get(flavor) == config:
+            return dict(values)
+    return None
 
-    if config is not None:
-        try:
-            data = json.loads(Path(config).read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read --config {config!r}: {exc}") from None
-        if not isinstance(data, dict):
+
+def resolve_model(ns: argparse.Namespace) -> tuple[Any, Any]:
+    """``(spec, config)`` from ``--model`` (a flavor name of the registry) or
+    ``--config`` (a JSON file of the config's fields, optionally with
+    ``"base"``: the flavor it overrides, default ``--model``'s)."""
+    from simplefsdp.models.registry import resolve_flavor
+
+    if ns.config is None:
+        return resolve_flavor(ns.model)
+    try:
+        data = json.loads(Path(ns.config).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read --config {ns.config!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--config {ns.config!r} must hold a JSON object of the model config's fields, "
+            f"got a {type(data).__name__}"
+        )
+    base = data.pop("base", ns.model)
+    return resolve_flavor(base, **data)
+
+
+def check_flags(ns: argparse.Namespace, spec: Any) -> None:
+    """One-line ``ValueError`` for a flag the model cannot compose with (a
+    missing capability of its spec) or its plan method does not plan."""
+    name = ns.config or ns.model
+    for flag, (capability, words) in _CAPABILITY.items():
+        if _GIVEN[flag](ns) and not spec.supports(capability):
+            have = ", ".join(sorted(spec.capabilities)) or "none"
             raise ValueError(
-                f"--config {config!r} must hold a JSON object of ModelArgs fields, "
-                f"got a {type(data).__name__}"
+                f"{flag} needs a model with {words}; {name!r} ({spec.description}) has not "
+                f"(it composes with: {have})"
             )
-        base = data.pop("base", "8B")
-        return get_config(MODEL_ALIASES.get(base, base), **data)
-    name = MODEL_ALIASES.get(model or "llama3_8b", model or "8B")
-    if name not in LLAMA3_CONFIGS:
-        valid = ", ".join([*MODEL_ALIASES, *LLAMA3_CONFIGS])
-        raise ValueError(f"unknown --model {model!r}; valid: {valid}, or --config FILE.json")
-    return get_config(name)
+    planned = METHOD_FLAGS[spec.plan_method]
+    for flag, given in _GIVEN.items():
+        if given(ns) and flag not in planned:
+            raise ValueError(
+                f"{flag} is not planned for {name!r} (plan method {spec.plan_method!r}, "
+                f"docs/scale.md); valid: --gpus, --batch, --seq, --ac, --engine, "
+                f"--no-reshard, --hardware, {', '.join(planned)}"
+            )
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="simplefsdp plan",
-        description="Predict per-GPU peak memory, step time, tokens/s and MFU of a Llama 3 "
-        "training job from its traced graphs, or of a mixture-of-experts job from its "
-        "shapes, without GPUs.",
+        description="Predict per-GPU peak memory, step time, tokens/s and MFU of a training "
+        "job from its traced graphs, or, for expert-parallel models, from their shapes, "
+        "without GPUs.",
     )
     p.add_argument(
         "--model",
-        default="llama3_8b",
-        help="llama3_8b (default), llama3_70b, llama3_405b, llama3_debug, llama3_small; "
-        "mixture of experts: moe_debug, moe_small, deepseek_v3_16b, deepseek_v3_671b, "
-        "llama4_scout",
+        default=DEFAULT_MODEL,
+        help=f"a flavor of a model family (default {DEFAULT_MODEL}; "
+        "simplefsdp train --help lists them)",
     )
-    p.add_argument("--config", help="JSON file of ModelArgs fields (optional key 'base')")
+    p.add_argument(
+        "--config",
+        help="JSON file of the model config's fields (optional key 'base': the flavor "
+        "they override, default --model)",
+    )
     p.add_argument(
         "--gpus",
         type=int,
         default=None,
-        help="default: torchtitan's count for the model (8B: 8, 70B: 64, 405B: 128), else 8",
+        help="default: the flavor's published layout's where it has one (docs/scale.md), else 8",
     )
     p.add_argument(
         "--hardware", default="h100", help=f"{', '.join(profile_names())} or a .json profile"
@@ -108,34 +171,41 @@ def _parser() -> argparse.ArgumentParser:
         "--batch",
         type=int,
         default=None,
-        help="per data-parallel rank, per step (default: torchtitan's local batch for the "
-        "model, 8B: 1, 70B: 8, 405B: 2, else 2; lowered to the largest that fits)",
+        help="per data-parallel rank, per step (default: the published layout's local batch, "
+        "else 2, or 1 for models planned from their shapes; lowered to the largest that fits)",
     )
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 8192)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="sequence length (default 8192; models planned from their shapes: their "
+        "max_seq_len, at most 4096)",
+    )
     p.add_argument(
         "--ac",
         default=None,
-        help="none, selective, full (default: torchtitan's, 8B: selective, 70B and 405B: full)",
+        help="none, selective, full (default: the published layout's, else selective)",
     )
     p.add_argument(
         "--tp",
         type=int,
         default=None,
-        help="tensor-parallel degree (default: torchtitan's, 70B and 405B: 8, else 1)",
+        help="tensor-parallel degree (default: the published layout's, else 1)",
     )
     p.add_argument("--pp", type=int, default=1)
     p.add_argument(
         "--ep",
         type=int,
         default=None,
-        help="expert-parallel degree of a mixture-of-experts --model (default 1): each rank "
+        help="expert-parallel degree of a model with routed experts (default 1): each rank "
         "holds num_experts / ep experts, sharded over the dp / ep ranks holding the same ones",
     )
     p.add_argument(
         "--expert-imbalance",
         type=float,
         default=1.0,
-        help="MoE: routed tokens of the most loaded EP rank over the mean (default 1.0: balanced)",
+        help="with experts: routed tokens of the most loaded EP rank over the mean "
+        "(default 1.0: balanced)",
     )
     p.add_argument(
         "--microbatches",
@@ -180,18 +250,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_defaults(ns: argparse.Namespace) -> tuple[dict, set[str]]:
+def plan_defaults(ns: argparse.Namespace, spec: Any, config: Any) -> tuple[dict, set[str]]:
     """The values of ``--gpus``, ``--tp``, ``--batch``, ``--seq`` and ``--ac``:
-    those given, the rest from ``PLAN_DEFAULTS`` for a ``--model`` that has
-    them (torchtitan's layouts), else ``GENERIC_DEFAULTS``. Returns the values
-    and the names of those taken as defaults.
+    those given, the rest from the flavor's published layout where it has one
+    (:func:`reference_layout`; not for ``--config``), else
+    :func:`generic_defaults`. Returns the values and the names of those taken
+    as defaults.
 
     A default TP degree that does not divide the GPUs given is lowered to the
     largest power of two that does.
     """
-    preset = GENERIC_DEFAULTS
-    if ns.config is None:
-        preset = PLAN_DEFAULTS.get(MODEL_ALIASES.get(ns.model, ns.model), GENERIC_DEFAULTS)
+    preset = None if ns.config is not None else reference_layout(spec, config)
+    if preset is None:
+        preset = generic_defaults(spec, config)
     values, defaulted = {}, set()
     for name, default in preset.items():
         given = getattr(ns, name)
@@ -204,11 +275,24 @@ def plan_defaults(ns: argparse.Namespace) -> tuple[dict, set[str]]:
     return values, defaulted
 
 
-def _layout(ns: argparse.Namespace, values: dict | None = None):
+def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
+    """The layout of the plan method of ``spec`` from the flags and ``values``
+    (:func:`plan_defaults`)."""
+    if spec.plan_method == "analytic":
+        from simplefsdp.plan.analytic import ExpertLayout
+
+        return ExpertLayout(
+            gpus=values["gpus"],
+            batch=values["batch"],
+            seq=values["seq"],
+            ep=ns.ep if ns.ep is not None else 1,
+            ac=values["ac"],
+            engine=ns.engine,
+            reshard_after_forward=not ns.no_reshard,
+            imbalance=ns.expert_imbalance,
+        )
     from simplefsdp.plan.predict import Layout
 
-    if values is None:
-        values, _ = plan_defaults(ns)
     return Layout(
         gpus=values["gpus"],
         batch=values["batch"],
@@ -226,6 +310,19 @@ def _layout(ns: argparse.Namespace, values: dict | None = None):
     )
 
 
+def validate_layout(spec: Any, config: Any, layout: Any) -> None:
+    """One-line ``ValueError`` for a bad ``layout`` of ``config``, by the
+    plan method of ``spec``."""
+    if spec.plan_method == "analytic":
+        from simplefsdp.plan.analytic import validate_analytic
+
+        validate_analytic(spec, config, layout)
+    else:
+        from simplefsdp.plan.layout import validate
+
+        validate(config, layout)
+
+
 def format_prediction(pred) -> str:
     """A terminal table of one prediction."""
     lines = [
@@ -236,7 +333,7 @@ def format_prediction(pred) -> str:
     ]
     for name, value in pred.memory.items():
         lines.append(f"    {name:<20}{value / GiB:8.2f} GiB")
-    if getattr(pred, "params", None):
+    if pred.params is not None:
         lines.insert(
             1,
             f"  parameters            {pred.params['total'] / 1e9:8.2f} B total, "
@@ -263,7 +360,7 @@ def format_prediction(pred) -> str:
         f"  tokens/s/GPU          {pred.tokens_per_s_per_gpu:8.0f}",
         f"  MFU                   {100 * pred.mfu:8.1f} %",
     ]
-    if not getattr(pred, "params", None):  # MoE plans have no traced bucket plan
+    if pred.buckets is not None:  # None: per-block groups, no bucket plan
         lines.append(
             f"  bucket plan           {len(pred.buckets)} buckets"
             + (f"; first: {len(pred.buckets[0])} params" if pred.buckets else "")
@@ -447,33 +544,39 @@ def fit_default_batch(args, pred, hw, predict_fn, tries: int = 4):
     return current if current.fits else None
 
 
-def _candidate_changes(args, pred, gpus_per_node: int) -> list[list[tuple[str, object]]]:
+def _candidate_changes(
+    spec: Any, config: Any, pred, gpus_per_node: int
+) -> list[list[tuple[str, object]]]:
     """Single changes to a layout that does not fit, as ladders: each ladder
     is tried in order until one fits (the cheapest of its kind). Only
     changes away from what was given: a leaner AC mode, resharding after
     forward, bf16, a larger TP degree within a node, a deeper pipeline, more
-    GPUs (when the sharded state is what overflows)."""
-    from simplefsdp.plan.layout import AC_MODES, validate
+    GPUs (when the sharded state is what overflows); each only where the
+    model composes with it and its plan method plans it."""
+    from simplefsdp.plan.layout import AC_MODES
 
     layout = pred.layout
     replace = dataclasses.replace
+    planned = METHOD_FLAGS[spec.plan_method]
     ladders: list[list[tuple[str, object]]] = []
     for ac in AC_MODES[AC_MODES.index(layout.ac) + 1 :]:
         ladders.append([(f"--ac {ac}", replace(layout, ac=ac))])
     if not layout.reshard_after_forward:
         ladders.append([("no --no-reshard", replace(layout, reshard_after_forward=True))])
-    if layout.dtype != "bf16":
+    if "--dtype" in planned and layout.dtype != "bf16":
         ladders.append([("--dtype bf16", replace(layout, dtype="bf16"))])
-    tps, tp = [], layout.tp * 2
-    while tp <= gpus_per_node:
-        tps.append((f"--tp {tp}", replace(layout, tp=tp)))
-        tp *= 2
-    ladders.append(tps)
-    pp = max(layout.pp, 1) * 2
-    micro = max(layout.microbatches, pp)
-    ladders.append(
-        [(f"--pp {pp} --microbatches {micro}", replace(layout, pp=pp, microbatches=micro))]
-    )
+    if "--tp" in planned and spec.supports("tp"):
+        tps, tp = [], layout.tp * 2
+        while tp <= gpus_per_node:
+            tps.append((f"--tp {tp}", replace(layout, tp=tp)))
+            tp *= 2
+        ladders.append(tps)
+    if "--pp" in planned and spec.supports("pp"):
+        pp = max(layout.pp, 1) * 2
+        micro = max(layout.microbatches, pp)
+        ladders.append(
+            [(f"--pp {pp} --microbatches {micro}", replace(layout, pp=pp, microbatches=micro))]
+        )
     # More GPUs shard the parameters, gradients and optimizer state further;
     # the rest per GPU stays. Worth trying where that alone can fit.
     state = sum(pred.memory[k] for k in ("parameters", "gradients", "optimizer"))
@@ -489,7 +592,7 @@ def _candidate_changes(args, pred, gpus_per_node: int) -> list[list[tuple[str, o
         kept = []
         for text, candidate in ladder:
             try:
-                validate(args, candidate)
+                validate_layout(spec, config, candidate)
             except ValueError:
                 continue
             kept.append((text, candidate))
@@ -498,7 +601,9 @@ def _candidate_changes(args, pred, gpus_per_node: int) -> list[list[tuple[str, o
     return valid
 
 
-def fitting_changes(args, pred, hw, predict_fn) -> tuple[list[tuple[str, object]], list[str]]:
+def fitting_changes(
+    spec: Any, config: Any, pred, hw, predict_fn
+) -> tuple[list[tuple[str, object]], list[str]]:
     """Single changes to ``pred``'s layout that fit, fastest first, each with
     its prediction; and the kinds of change tried (``--ac``, ``--tp``, ...).
 
@@ -507,10 +612,10 @@ def fitting_changes(args, pred, hw, predict_fn) -> tuple[list[tuple[str, object]
     TP degree, ...).
     """
     found, tried = [], []
-    for ladder in _candidate_changes(args, pred, hw.gpus_per_node):
+    for ladder in _candidate_changes(spec, config, pred, hw.gpus_per_node):
         tried.append(ladder[0][0].split()[0] if ladder[0][0].startswith("--") else ladder[0][0])
         for text, layout in ladder:
-            candidate = predict_fn(args, layout, hw)
+            candidate = predict_fn(config, layout, hw)
             if candidate.fits:
                 found.append((text, candidate))
                 break
@@ -571,7 +676,28 @@ def _result(args: Any, hw: Any, elapsed: float, preds: list) -> dict:
     }
 
 
+def does_not_fit(pred, changes: str) -> str:
+    """The one error line of a layout that does not fit: the batch, the
+    predicted and usable memory, the largest batch that fits (or why none
+    does) and ``changes`` that would fit (:func:`format_changes`)."""
+    largest = largest_fitting_batch(pred)
+    state = sum(pred.memory[k] for k in ("parameters", "gradients", "optimizer"))
+    if largest:
+        hint = f"largest batch that fits: about {largest}"
+    elif state > pred.usable_bytes:
+        hint = "no batch fits: the model state alone is too large"
+    else:
+        hint = "no batch fits at this --seq and --ac"
+    return (
+        f"--batch {pred.layout.batch} does not fit on {pred.hardware}: predicted "
+        f"{pred.peak_bytes / GiB:.2f} GiB of {pred.usable_bytes / GiB:.2f} GiB usable per "
+        f"GPU; {hint}" + (f"; {changes}" if changes else "")
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``simplefsdp plan``: returns the exit status (2: a bad input or a layout
+    that does not fit, with one error line)."""
     ns = _parser().parse_args(argv)
     logging.getLogger("torch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -587,34 +713,25 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return calibrate_main(ns)
     start = time.perf_counter()
-    from simplefsdp.plan.moe import is_moe_model
-
-    if ns.config is None and is_moe_model(ns.model):
-        return _moe_main(ns, start)
     try:
-        from simplefsdp.plan.predict import predict, validate
+        from simplefsdp.plan.predict import predict
 
-        if ns.ep is not None and ns.ep != 1:
-            raise ValueError(
-                f"--ep {ns.ep} needs a mixture-of-experts --model (moe_debug, moe_small, "
-                f"deepseek_v3_16b, deepseek_v3_671b, llama4_scout); {ns.config or ns.model!r} "
-                "is dense"
-            )
-
-        args = model_args(ns.model, ns.config)
+        spec, config = resolve_model(ns)
+        check_flags(ns, spec)
+        predict_fn = functools.partial(predict, spec)
         hw = get_profile(ns.hardware)
-        values, defaulted = plan_defaults(ns)
-        base = _layout(ns, values)
-        validate(args, base)
+        values, defaulted = plan_defaults(ns, spec, config)
+        base = make_layout(ns, spec, values)
+        validate_layout(spec, config, base)
         if ns.sweep:
-            layouts = sweep_layouts(args, base, hw.gpus_per_node)
-            preds, skipped = sweep_predictions(args, layouts, hw, predict)
+            layouts = sweep_layouts(config, base, hw.gpus_per_node)
+            preds, skipped = sweep_predictions(config, layouts, hw, predict_fn)
             preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
         else:
-            preds, skipped = [predict(args, base, hw)], []
+            preds, skipped = [predict_fn(config, base, hw)], []
             if "batch" in defaulted and not preds[0].fits:
-                # The default batch (torchtitan's) lowered to what fits.
-                fitted = fit_default_batch(args, preds[0], hw, predict)
+                # The default batch lowered to what fits.
+                fitted = fit_default_batch(config, preds[0], hw, predict_fn)
                 if fitted is not None:
                     fitted.notes.append(
                         f"--batch {fitted.layout.batch}: the default {base.batch} is predicted "
@@ -628,34 +745,21 @@ def main(argv: list[str] | None = None) -> int:
             if name in defaulted and not (name == "tp" and values["tp"] == 1)
         )
         if shown:
-            preset = ns.config is None and MODEL_ALIASES.get(ns.model, ns.model) in PLAN_DEFAULTS
-            source = "torchtitan's layout" if preset else "generic"
+            preset = ns.config is None and reference_layout(spec, config) is not None
+            source = "published layout" if preset else "generic"
             preds[0].notes.insert(0, f"defaults ({source}): {shown}")
         pred = preds[0]
         if not ns.sweep and not pred.fits:
-            largest = largest_fitting_batch(pred)
-            changes, tried = fitting_changes(args, pred, hw, predict)
+            changes = format_changes(*fitting_changes(spec, config, pred, hw, predict_fn))
     except ValueError as exc:
         print(f"simplefsdp plan: error: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     if not ns.sweep and not pred.fits:
-        hint = (
-            f"largest batch that fits: about {largest}"
-            if largest
-            else "no batch fits: the model state alone is too large"
-        )
-        advice = format_changes(changes, tried)
         print(format_prediction(pred))  # the breakdown shows what to cut
-        print(
-            f"simplefsdp plan: error: --batch {pred.layout.batch} does not fit on "
-            f"{hw.name}: predicted {pred.peak_bytes / GiB:.2f} GiB of "
-            f"{pred.usable_bytes / GiB:.2f} GiB usable per GPU; {hint}"
-            + (f"; {advice}" if advice else ""),
-            file=sys.stderr,
-        )
+        print(f"simplefsdp plan: error: {does_not_fit(pred, changes)}", file=sys.stderr)
         return 2
-    result = _result(args, hw, elapsed, preds)
+    result = _result(config, hw, elapsed, preds)
     if ns.sweep:
         result["skipped"] = skipped
     if ns.json:
@@ -673,77 +777,6 @@ def main(argv: list[str] | None = None) -> int:
         png = write_png(preds, out / "plan.png")
         if not ns.json:
             print(f"wrote {out / 'plan.json'}" + (f" and {out / 'plan.png'}" if png else ""))
-    if not ns.json:
-        print(f"planned in {elapsed:.1f} s")
-    return 0
-
-
-def _moe_main(ns: argparse.Namespace, start: float) -> int:
-    """``simplefsdp plan`` for a mixture-of-experts ``--model`` (Note: [MoE
-    plan model] in ``simplefsdp.plan.moe``)."""
-    from simplefsdp.plan.moe import MoELayout, moe_args, predict_moe
-
-    try:
-        for flag, bad in (
-            ("--tp", ns.tp not in (None, 1)),
-            ("--pp", ns.pp != 1),
-            ("--microbatches", ns.microbatches not in (None, 1)),
-            ("--float8", ns.float8),
-            ("--sweep", ns.sweep),
-            ("--dtype", ns.dtype != "bf16"),
-            ("--bucketing", ns.bucketing != "auto"),
-        ):
-            if bad:
-                raise ValueError(
-                    f"{flag} is not planned for mixture-of-experts models ({ns.model}); "
-                    "valid: --gpus, --ep, --batch, --seq, --ac, --engine, --no-reshard, "
-                    "--expert-imbalance, --hardware"
-                )
-        args = moe_args(ns.model)
-        hw = get_profile(ns.hardware)
-        layout = MoELayout(
-            gpus=ns.gpus if ns.gpus is not None else GENERIC_DEFAULTS["gpus"],
-            batch=ns.batch if ns.batch is not None else 1,
-            seq=ns.seq if ns.seq is not None else min(args.max_seq_len, 4096),
-            ep=ns.ep if ns.ep is not None else 1,
-            ac=ns.ac or "selective",
-            engine=ns.engine,
-            reshard_after_forward=not ns.no_reshard,
-            imbalance=ns.expert_imbalance,
-        )
-        pred = predict_moe(args, layout, hw)
-    except ValueError as exc:
-        print(f"simplefsdp plan: error: {exc}", file=sys.stderr)
-        return 2
-    elapsed = time.perf_counter() - start
-    if not pred.fits:
-        largest = largest_fitting_batch(pred)
-        print(format_prediction(pred))
-        state = sum(pred.memory[k] for k in ("parameters", "gradients", "optimizer"))
-        if largest:
-            hint = f"about {largest}"
-        elif state > pred.usable_bytes:
-            hint = "none: the model state alone is too large (more --gpus)"
-        else:
-            hint = "none at this --seq and --ac (a leaner --ac or a shorter --seq)"
-        print(
-            f"simplefsdp plan: error: --batch {layout.batch} does not fit on {hw.name}: "
-            f"predicted {pred.peak_bytes / GiB:.2f} GiB of {pred.usable_bytes / GiB:.2f} GiB "
-            f"usable per GPU; largest batch that fits: {hint}",
-            file=sys.stderr,
-        )
-        return 2
-    result = _result(args, hw, elapsed, [pred])
-    if ns.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print(format_prediction(pred))
-    if ns.out:
-        out = Path(ns.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(json.dumps(result, indent=2, default=str))
-        if not ns.json:
-            print(f"wrote {out / 'plan.json'}")
     if not ns.json:
         print(f"planned in {elapsed:.1f} s")
     return 0

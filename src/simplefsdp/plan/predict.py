@@ -1,5 +1,12 @@
 """Predict per-GPU peak memory and step time of a training job from traced graphs.
 
+:func:`predict` is the planner's one entry point: it predicts a flavor of a
+model family by its ``ModelSpec.plan_method``, from traced graphs here
+(:func:`predict_traced`, for ``"trace"``) or from the config's shapes
+(:mod:`simplefsdp.plan.analytic`, for ``"analytic"``). The traced model
+needs of the family only its spec: ``build``, ``tensor_parallel``,
+``pipeline_split`` and ``flops_per_token``.
+
 Note: [Plan model]
     Graph quantities come from the traced forward and backward graphs (Note:
     [Planning traces]), extrapolated from 1 and 2 traced blocks to the
@@ -98,7 +105,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -120,7 +128,6 @@ from simplefsdp.compiler.planning import (
     pipeline_time_s,
     step_extra_bytes,
 )
-from simplefsdp.models.llama3 import ModelArgs, flops_per_token, layer_ranges
 from simplefsdp.plan.costs import (
     copy_seconds,
     copy_written_bytes,
@@ -130,10 +137,24 @@ from simplefsdp.plan.costs import (
 )
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.layout import AC_MODES, BUCKETINGS, ENGINES, Layout, validate
+from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
 
 ADAMW_BYTES_PER_PARAM = 28  # read param, grad, exp_avg, exp_avg_sq; write 3 (fp32)
 aten = torch.ops.aten
+
+
+# ------------------------------------------------------------ engines
+# The one place the planner compares engine names; it moves to the engines'
+# declared capabilities when they have them.
+
+
+def _compiled(engine: str) -> bool:
+    """``engine`` compiles the step (simplefsdp: Inductor fuses chains of
+    non-matmul ops, the bucket planner and its keep search run); the other
+    engine is eager FSDP2 (per-block groups, eager autograd's activations,
+    hooks per group)."""
+    return engine == "simplefsdp"
 
 
 # ------------------------------------------------------------ graph measures
@@ -313,48 +334,6 @@ def measure(
 # ------------------------------------------------------------ prediction
 
 
-@dataclass
-class Prediction:
-    """Per-GPU prediction of one layout (bytes, seconds)."""
-
-    layout: Layout
-    hardware: str
-    memory: dict[str, float]
-    peak_bytes: float
-    usable_bytes: float
-    time: dict[str, float]
-    step_s: float
-    tokens_per_s_per_gpu: float
-    mfu: float
-    buckets: list[list[str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    # Parameters kept gathered from forward to backward (the compiled
-    # engine's keep search; not gathered again in backward).
-    kept: list[str] = field(default_factory=list)
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_bytes <= self.usable_bytes
-
-    def to_dict(self) -> dict:
-        return {
-            "layout": dataclasses.asdict(self.layout) | {"dp": self.layout.dp},
-            "hardware": self.hardware,
-            "fits": self.fits,
-            "peak_bytes": self.peak_bytes,
-            "usable_bytes": self.usable_bytes,
-            "memory_bytes": self.memory,
-            "time_s": self.time,
-            "step_s": self.step_s,
-            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-            "mfu": self.mfu,
-            "num_buckets": len(self.buckets),
-            "buckets": self.buckets,
-            "kept_gathered": self.kept,
-            "notes": self.notes,
-        }
-
-
 _TRACES: dict[TraceKey, Traced] = {}
 
 
@@ -429,7 +408,7 @@ def _in_block(fqn: str) -> str:
     return re.sub(r"\.layers\.\d+\.", ".layers.0.", fqn)
 
 
-def float8_matmuls(args: ModelArgs, layout: Layout, hw: HardwareProfile) -> Float8Matmuls:
+def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Matmuls:
     """The float8 matmuls of ``layout`` on ``hw`` (Note: [Float8 in the plan]).
 
     Raises:
@@ -444,30 +423,60 @@ def float8_matmuls(args: ModelArgs, layout: Layout, hw: HardwareProfile) -> Floa
     return Float8Matmuls(
         flops_per_s=hw.peak_fp8_flops * efficiency,
         tokens=(layout.batch // layout.microbatches) * layout.seq,
-        skip_dim=args.vocab_size // layout.tp,
+        skip_dim=config.vocab_size // layout.tp,
     )
 
 
-def predict(
-    args: ModelArgs,
-    layout: Layout,
-    hw: HardwareProfile,
-) -> Prediction:
-    """Predict ``layout`` of ``args`` on ``hw`` (Note: [Plan model]; with
-    ``layout.float8``, Note: [Float8 in the plan]).
+def predict(spec: Any, config: Any, layout: Any, hw: HardwareProfile) -> Prediction:
+    """Predict ``layout`` of ``config`` (a flavor of the family ``spec``) on
+    ``hw`` by the spec's ``plan_method``: traced graphs (``"trace"``,
+    :func:`predict_traced`, ``layout`` a :class:`Layout`) or the config's
+    shapes (``"analytic"``, ``layout`` an
+    :class:`~simplefsdp.plan.analytic.ExpertLayout`).
+
+    Raises:
+        ValueError: an invalid layout (one line naming the value).
+    """
+    if spec.plan_method == "analytic":
+        from simplefsdp.plan.analytic import predict_analytic
+
+        return predict_analytic(spec, config, layout, hw)
+    return predict_traced(spec, config, layout, hw)
+
+
+def stage_blocks(spec: Any, config: Any, pp: int) -> int:
+    """Blocks of the most loaded of ``pp`` pipeline stages, as the family's
+    ``pipeline_split`` splits a model built on the meta device."""
+    if pp == 1:
+        return config.n_layers
+    key = (spec.family, config, pp)
+    if key not in _STAGE_BLOCKS:
+        with torch.device("meta"):
+            model = spec.build(config)
+        stages = spec.pipeline_split(model, list(range(pp)), pp)
+        _STAGE_BLOCKS[key] = max(len(stage.layers) for stage in stages)
+    return _STAGE_BLOCKS[key]
+
+
+_STAGE_BLOCKS: dict[tuple, int] = {}
+
+
+def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) -> Prediction:
+    """Predict ``layout`` of ``config`` on ``hw`` from traced graphs (Note:
+    [Plan model]; with ``layout.float8``, Note: [Float8 in the plan]).
 
     Raises:
         ValueError: an invalid layout, or ``--float8`` on a profile without
             a float8 peak (one line naming the value).
     """
-    validate(args, layout)
-    fp8 = float8_matmuls(args, layout, hw) if layout.float8 else None
+    validate(config, layout)
+    fp8 = float8_matmuls(config, layout, hw) if layout.float8 else None
     mb = layout.batch // layout.microbatches
-    # Uneven splits as ``layer_ranges``: the first stages take one more block.
-    stage_blocks = max(len(r) for r in layer_ranges(args.n_layers, layout.pp))
+    blocks_of_stage = stage_blocks(spec, config, layout.pp)
     keys = [
         TraceKey(
-            layer_variant(args, n),
+            spec.family,
+            layer_variant(config, n),
             layout.dp,
             layout.tp,
             mb,
@@ -480,7 +489,7 @@ def predict(
         for n in (1, 2)
     ]
     t1, t2 = traced(keys[0]), traced(keys[1])
-    fused = layout.engine == "simplefsdp"
+    fused = _compiled(layout.engine)
     probe = cost_model_for(hw, layout, 1.0)
     m1, m2 = measure(t1, probe, fused, fp8), measure(t2, probe, fused, fp8)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
@@ -488,13 +497,13 @@ def predict(
     # Pipeline stages: the blocks of the most loaded stage plus all the rest
     # (embedding, norm, output, loss; the last stage holds the costly part of
     # it): conservative by the embedding.
-    stage = m1.extrapolate(m2, stage_blocks)
+    stage = m1.extrapolate(m2, blocks_of_stage)
     inflight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
-    first_stage_saved = per_block.saved_bytes * stage_blocks * inflight
+    first_stage_saved = per_block.saved_bytes * blocks_of_stage * inflight
     notes = []
 
     # Bucket plan and communication replay for one microbatch of the stage.
-    units = _units_for(t2, cost_model, stage_blocks, True, True)
+    units = _units_for(t2, cost_model, blocks_of_stage, True, True)
     compute_s = stage.fw_s + stage.bw_s
     fw_window = sum(u.compute_s for u in units)
     scale = compute_s / (3 * fw_window) if fw_window else 0.0
@@ -526,7 +535,7 @@ def predict(
     base_peak = max(stage.fw_peak, stage.saved_bytes + stage.bw_transient)
     kept: set[str] = set()  # gathered once, kept from forward to backward
     kept_spent = 0.0  # their bytes beyond the buckets gathered at the boundary anyway
-    if layout.engine == "fsdp2" or layout.bucketing == "per_block":
+    if not _compiled(layout.engine) or layout.bucketing == "per_block":
         buckets = _group_units(units, "per_block")
     elif layout.bucketing == "none":
         buckets = _group_units(units, "none")
@@ -570,7 +579,7 @@ def predict(
         pipe_s, dp_comm_s = compute_s + fixed_s, 0.0
     # Bucket copies on the compute stream (Note: [Plan model]).
     copy_s = 0.0
-    if layout.engine == "fsdp2" and hw.fsdp2_copy_s_per_byte > 0:
+    if not _compiled(layout.engine) and hw.fsdp2_copy_s_per_byte > 0:
         dtype_bytes = 2 if layout.dtype == "bf16" else 4
         # Without buckets (world size 1) the shards are the whole parameters.
         copy_s = fsdp2_copy_seconds(
@@ -585,7 +594,7 @@ def predict(
     group_s = hw.fsdp2_group_s
     if layout.dp > 1 and hw.fsdp2_sharded_group_s > 0:
         group_s = hw.fsdp2_sharded_group_s  # measured sharding, with collectives
-    hooks_s = (stage_blocks + 1) * group_s if layout.engine == "fsdp2" else 0.0
+    hooks_s = (blocks_of_stage + 1) * group_s if not _compiled(layout.engine) else 0.0
     # The replay counts communication competing with compute for the CPU
     # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
     mb_s = max(pipe_s, compute_s) + copy_s + hooks_s
@@ -604,7 +613,7 @@ def predict(
     step_s = slots * mb_s + optimizer_s
     gathered = prefetch_extra_bytes(buckets, kept) if layout.dp > 1 else 0.0
     activations = first_stage_saved
-    if layout.engine == "fsdp2":
+    if not _compiled(layout.engine):
         # Eager autograd saves what the derivative formulas need, where the
         # compiled step's partitioner recomputes cheap ops (Note: [Plan model]).
         activations += max(stage.eager_extra_saved_bytes, 0.0) * inflight
@@ -620,7 +629,7 @@ def predict(
     peak = sum(memory.values())
     tokens = layout.batch * layout.seq * layout.dp
     tps = tokens / step_s / layout.gpus
-    mfu = tps * flops_per_token(args, layout.seq) / hw.peak_bf16_flops
+    mfu = tps * spec.flops_per_token(config, layout.seq) / hw.peak_bf16_flops
     time = {
         "compute": layout.microbatches * compute_s,
         # Part of compute: the copies around the collectives (Note: [Plan model]).
@@ -673,5 +682,7 @@ __all__ = [
     "float8_matmuls",
     "measure",
     "predict",
+    "predict_traced",
+    "stage_blocks",
     "validate",
 ]

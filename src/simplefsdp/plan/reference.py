@@ -45,121 +45,64 @@ class ReferenceRow:
     loss_parallel: bool = False  # torchtitan's default wherever TP is on
 
 
+def _table(
+    table: str,
+    model: str,
+    gpus: int,
+    batch: int,
+    ac: str,
+    measured: tuple[tuple[str, str, bool, float, float], ...],
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    microbatches: int = 1,
+    modelled: bool = True,
+) -> tuple[ReferenceRow, ...]:
+    """The rows of one published layout: ``measured`` holds ``(note, engine,
+    float8, TPS/GPU, GiB)`` per setup measured on it. Loss parallelism is
+    torchtitan's default wherever TP is on."""
+    return tuple(
+        ReferenceRow(
+            table, model, gpus, batch, 8192, ac, tp, pp, microbatches, engine, tps, gib,
+            modelled, note, float8=float8, loss_parallel=tp > 1,
+        )
+        for note, engine, float8, tps, gib in measured
+    )  # fmt: skip
+
+
+_FSDP = "FSDP", "fsdp2", False
+_COMPILE = "FSDP + torch.compile", "simplefsdp", False
+_FLOAT8 = "FSDP + torch.compile + Float8", "simplefsdp", True
+
 # From the table's text: local batch per data-parallel rank; Tables 1/3 use
 # selective AC, 4/5 full AC; 405B's microbatch count is not given (torchtitan's
 # default at the time, one per stage, is assumed).
 TORCHTITAN_H100_202412 = (
-    ReferenceRow("1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "fsdp2", 5762, 82.4, True, "FSDP"),
-    ReferenceRow(
-        "1",
-        "8B",
-        8,
-        2,
-        8192,
-        "selective",
-        1,
-        1,
-        1,
-        "simplefsdp",
-        6667,
-        77.0,
-        True,
-        "FSDP + torch.compile",
+    *_table(
+        "1", "8B", 8, 2, "selective",
+        ((*_FSDP, 5762, 82.4), (*_COMPILE, 6667, 77.0), (*_FLOAT8, 8532, 76.8)),
     ),
-    ReferenceRow(
-        "1",
-        "8B",
-        8,
-        2,
-        8192,
-        "selective",
-        1,
-        1,
-        1,
-        "simplefsdp",
-        8532,
-        76.8,
-        True,
-        "FSDP + torch.compile + Float8",
-        float8=True,
+    *_table(
+        "3", "8B", 128, 2, "selective",
+        ((*_FSDP, 5605, 67.0), (*_COMPILE, 6514, 62.0), (*_FLOAT8, 8380, 61.8)),
     ),
-    ReferenceRow("3", "8B", 128, 2, 8192, "selective", 1, 1, 1, "fsdp2", 5605, 67.0, True, "FSDP"),
-    ReferenceRow(
-        "3",
-        "8B",
-        128,
-        2,
-        8192,
-        "selective",
-        1,
-        1,
-        1,
-        "simplefsdp",
-        6514,
-        62.0,
-        True,
-        "FSDP + torch.compile",
+    *_table(
+        "4", "70B", 256, 16, "full", (("2D + compile + Float8", "simplefsdp", True, 829, 71.9),),
+        tp=8,
     ),
-    ReferenceRow(
-        "3",
-        "8B",
-        128,
-        2,
-        8192,
-        "selective",
-        1,
-        1,
-        1,
-        "simplefsdp",
-        8380,
-        61.8,
-        True,
-        "FSDP + torch.compile + Float8",
-        float8=True,
+    *_table(
+        "5", "405B", 512, 32, "full",
+        (("3D 1F1B + compile + Float8 + AsyncTP", "simplefsdp", True, 100, 82.5),),
+        tp=8, pp=8, microbatches=8, modelled=False,
     ),
-    ReferenceRow(
-        "4",
-        "70B",
-        256,
-        16,
-        8192,
-        "full",
-        8,
-        1,
-        1,
-        "simplefsdp",
-        829,
-        71.9,
-        True,
-        "2D + compile + Float8",
-        float8=True,
-        loss_parallel=True,
-    ),
-    ReferenceRow(
-        "5",
-        "405B",
-        512,
-        32,
-        8192,
-        "full",
-        8,
-        8,
-        8,
-        "simplefsdp",
-        100,
-        82.5,
-        False,
-        "3D 1F1B + compile + Float8 + AsyncTP",
-        float8=True,
-        loss_parallel=True,
-    ),
-)
+)  # fmt: skip
 CALIBRATION_ROW = 1  # index of the row the matmul efficiency is fitted on
 FLOAT8_CALIBRATION_ROW = 2  # the row the float8 matmul efficiency is fitted on
 
 
 def predict_row(row: ReferenceRow, hw):
-    from simplefsdp.models.llama3 import get_config
+    """The plan's prediction of ``row``'s layout on ``hw``."""
+    from simplefsdp.models.registry import resolve_flavor
     from simplefsdp.plan.predict import Layout, predict
 
     layout = Layout(
@@ -174,7 +117,7 @@ def predict_row(row: ReferenceRow, hw):
         float8=row.float8,
         loss_parallel=row.loss_parallel,
     )
-    return predict(get_config(row.model), layout, hw)
+    return predict(*resolve_flavor(row.model), layout, hw)
 
 
 def fit_efficiency(hw, row: ReferenceRow, iterations: int = 12, field: str = "matmul_efficiency"):

@@ -1,10 +1,11 @@
-"""Trace a Llama 3 training step for a target layout, in one process, without GPUs.
+"""Trace a training step for a target layout, in one process, without GPUs.
 
 Note: [Planning traces]
-    The model is built on the meta device (nothing is allocated), wrapped by
+    The model is built by its family's ``ModelSpec.build`` on the meta device
+    (nothing is allocated), wrapped by
     ``simplefsdp.data_parallel`` over a *fake* process group of the target
-    data-parallel size (times the TP size for a 2-D mesh, with
-    ``apply_tensor_parallel`` first), and compiled with the ``aot_eager``
+    data-parallel size (times the TP size for a 2-D mesh, with the family's
+    ``tensor_parallel`` plan first), and compiled with the ``aot_eager``
     backend, no bucketing and no reordering. One call of the model plus its
     cross-entropy loss and one backward on meta inputs produce the forward and
     backward graphs simplefsdp.compile would build: every collective, every
@@ -30,14 +31,13 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-
-from simplefsdp.models.llama3 import ModelArgs, Transformer
 
 _LIB_NAME = "simplefsdp_plan"
 
@@ -122,7 +122,7 @@ class _WithLoss(nn.Module):
     trace under Dynamo, so its graph is not the one traced).
     """
 
-    def __init__(self, model: Transformer, loss_parallel: bool = False) -> None:
+    def __init__(self, model: nn.Module, loss_parallel: bool = False) -> None:
         super().__init__()
         self.model = model
         self.loss_parallel = loss_parallel
@@ -146,9 +146,11 @@ class _WithLoss(nn.Module):
 
 @dataclass(frozen=True)
 class TraceKey:
-    """What the traced graphs depend on."""
+    """What the traced graphs depend on: the family (its registry name), the
+    config and the layout's parts that shape the graphs."""
 
-    args: ModelArgs
+    family: str
+    config: Any
     dp: int
     tp: int
     batch: int  # per data-parallel rank, per microbatch
@@ -201,9 +203,10 @@ def trace_step(key: TraceKey) -> Traced:
     import simplefsdp
     from simplefsdp.compiler.planning import CostModel
     from simplefsdp.engines.activation import apply_activation_checkpointing
-    from simplefsdp.models.llama3 import apply_tensor_parallel
+    from simplefsdp.models.registry import get_spec
     from simplefsdp.policies import MixedPrecisionPolicy
 
+    spec = get_spec(key.family)
     torch._dynamo.reset()
     world = key.dp * key.tp
     with fake_process_group(world):
@@ -211,10 +214,12 @@ def trace_step(key: TraceKey) -> Traced:
 
         mesh = init_device_mesh("cpu", (key.dp, key.tp), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
-            model = Transformer(key.args)
+            model = spec.build(key.config)
         loss_parallel = key.loss_parallel and key.tp > 1
         if key.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"], loss_parallel=loss_parallel)
+            spec.tensor_parallel(
+                model, mesh["tp"], sequence_parallel=True, loss_parallel=loss_parallel
+            )
         apply_activation_checkpointing(model, key.ac)
         wrapped = _WithLoss(model, loss_parallel)
         mp = (
@@ -292,5 +297,6 @@ def _primal_names(gm: fx.GraphModule, report) -> dict[str, str]:
     return names
 
 
-def layer_variant(args: ModelArgs, n_layers: int) -> ModelArgs:
-    return dataclasses.replace(args, n_layers=n_layers)
+def layer_variant(config: Any, n_layers: int) -> Any:
+    """``config`` with ``n_layers`` blocks."""
+    return dataclasses.replace(config, n_layers=n_layers)

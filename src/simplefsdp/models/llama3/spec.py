@@ -85,6 +85,17 @@ def validate(
     return errors
 
 
+# torchtitan's published layouts (the defaults of ``simplefsdp plan``): local
+# batch, sequence length and AC mode of its train configs
+# (torchtitan/models/llama3/train_configs/llama3_{8b,70b,405b}.toml), TP degree
+# and GPU count of the runs its docs/performance.md reports (8B on 8 GPUs, 70B
+# on 64 with TP 8, 405B on 128 with TP 8).
+REFERENCE_LAYOUTS = {
+    "8B": {"gpus": 8, "tp": 1, "batch": 1, "seq": 8192, "ac": "selective"},
+    "70B": {"gpus": 64, "tp": 8, "batch": 8, "seq": 8192, "ac": "full"},
+    "405B": {"gpus": 128, "tp": 8, "batch": 2, "seq": 8192, "ac": "full"},
+}
+
 SPEC = ModelSpec(
     family="llama3",
     description="Llama 3 / 3.1 dense decoder",
@@ -100,4 +111,5 @@ SPEC = ModelSpec(
     tensor_parallel=_tensor_parallel,
     pipeline_split=pipeline_split,
     hf_adapter=LLAMA3_HF_ADAPTER,
+    reference_layouts=REFERENCE_LAYOUTS,
 )

@@ -27,10 +27,16 @@ __all__ = ["SPEC", "flops_per_token", "tp_split_sizes", "validate"]
 
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> int:
-    """Training FLOPs per token: the Llama formula on the parameters one token
-    uses (``top_k`` routed experts per layer, torchtitan's count)."""
+    """Training FLOPs per token, torchtitan's count: ``6 *`` the parameters
+    one token uses (``top_k`` routed experts per layer, no input embedding)
+    plus attention's ``6 * n_layers * n_heads * (qk + v head dims) * seq_len``
+    (``12 * n_layers * dim * seq_len`` for grouped-query attention)."""
     n = num_active_params(args, exclude_embeddings=True)
-    return 6 * n + 12 * args.n_layers * args.dim * seq_len
+    if args.attention == "gqa":
+        qk = v = args.dim // args.n_heads
+    else:
+        qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    return 6 * n + 6 * args.n_layers * args.n_heads * (qk + v) * seq_len
 
 
 def _init_weights(model: Any, buffer_device: Any = None) -> None:
@@ -139,6 +145,7 @@ SPEC = ModelSpec(
     tensor_parallel=_tensor_parallel,
     pipeline_split=pipeline_split,
     fullgraph=False,
+    plan_method="analytic",
     after_optimizer_step=_after_optimizer_step,
     discard_step_state=_discard_step_state,
     float8_skip_fqns=("router.gate",),

@@ -1,9 +1,13 @@
-"""``simplefsdp plan`` for mixture-of-experts models with expert parallelism.
+"""``simplefsdp plan`` from a model's shapes: the analytic model for families
+whose ``ModelSpec.plan_method`` is ``"analytic"`` (expert-parallel decoders).
 
-Note: [MoE plan model]
-    MoE models are planned analytically from their shapes (``MoEArgs``),
-    not from traced graphs: the DeepSeek shapes use multi-head latent
-    attention, which :mod:`simplefsdp.models.moe` counts but does not build.
+Note: [Analytic plan model]
+    Decoders with routed experts are planned from their config's shapes
+    (``dim``, ``n_layers``, ``num_experts``, ``top_k``, ``moe_hidden_dim``,
+    ``attention`` and its head dims, ...), not from traced graphs: some
+    flavors use multi-head latent attention, which their family counts but
+    does not build. Parameter counts and FLOPs per token come from the
+    family's ``ModelSpec``.
     The layout is torchtitan's: ``gpus`` data-parallel ranks (no TP or PP),
     experts split over ``ep`` ranks (``num_experts / ep`` each) and sharded
     over the ``dp / ep`` ranks that hold the same experts
@@ -52,52 +56,43 @@ Note: [MoE plan model]
                    exposed only where a block's communication exceeds its
                    compute (prefetch distance 1).
       optimizer    AdamW, 28 bytes moved per fp32 parameter shard.
+    MFU: the spec's ``flops_per_token`` (torchtitan's count: ``6 *`` the
+    activated parameters plus attention by head dims, not halved for the
+    causal mask) over the bf16 peak.
     Load imbalance: ``imbalance`` (default 1.0, perfectly balanced routing)
     is the ratio of the most loaded EP rank's routed tokens to the mean; the
     step waits for that rank. Not modelled: the host's device-to-host sync
     of the token counts before each dispatch, token permutation kernels
     beyond the elementwise passes, grouped-matmul efficiency at small
-    per-expert token counts, Float8, TP and PP for MoE models.
+    per-expert token counts, Float8, TP and PP.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from simplefsdp.models.moe import MOE_CONFIGS, MoEArgs, num_active_params, num_params
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.layout import AC_MODES, ENGINES
+from simplefsdp.plan.prediction import Prediction
 
 ADAMW_BYTES_PER_PARAM = 28
 
 __all__ = [
-    "MoELayout",
-    "MoEPrediction",
+    "ExpertLayout",
     "activation_elements",
     "expert_params",
-    "is_moe_model",
-    "moe_args",
-    "predict_moe",
-    "validate_moe",
+    "predict_analytic",
+    "validate_analytic",
 ]
 
 
-def is_moe_model(name: str | None) -> bool:
-    return name in MOE_CONFIGS
-
-
-def moe_args(name: str) -> MoEArgs:
-    from simplefsdp.models.moe import get_config
-
-    return get_config(name)
-
-
 @dataclass(frozen=True)
-class MoELayout:
-    """A MoE layout: ``gpus`` data-parallel ranks, experts over ``ep``.
-    ``batch`` is per data-parallel rank per step."""
+class ExpertLayout:
+    """A layout of the analytic model: ``gpus`` data-parallel ranks, experts
+    over ``ep``; ``imbalance`` is the most loaded EP rank's routed tokens over
+    the mean. ``batch`` is per data-parallel rank per step."""
 
     gpus: int
     batch: int
@@ -114,9 +109,11 @@ class MoELayout:
 
     @property
     def microbatches(self) -> int:
+        """Always one (no pipeline, no gradient accumulation)."""
         return 1
 
     def describe(self) -> str:
+        """One line naming the layout, as in ``--sweep`` tables."""
         parts = [f"dp{self.dp}"]
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
@@ -132,8 +129,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_moe(args: MoEArgs, layout: MoELayout, name: str = "the model") -> None:
-    """One-line ``ValueError`` naming the bad value and what would be valid."""
+def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
+    """One-line ``ValueError`` naming the bad value and what would be valid:
+    the options here, the model against the layout by ``spec.validate``."""
     if layout.engine not in ENGINES:
         raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
     if layout.ac not in AC_MODES:
@@ -145,26 +143,23 @@ def validate_moe(args: MoEArgs, layout: MoELayout, name: str = "the model") -> N
         raise ValueError(f"--ep must be >= 1, got {layout.ep}")
     if not layout.imbalance >= 1.0:
         raise ValueError(f"--expert-imbalance must be >= 1 (1: balanced), got {layout.imbalance}")
-    if args.num_experts % layout.ep:
-        valid = _divisors(math.gcd(args.num_experts, layout.dp))
-        raise ValueError(
-            f"--ep {layout.ep} does not divide {name}'s {args.num_experts} experts; "
-            f"valid --ep on {layout.dp} GPUs: {', '.join(map(str, valid))}"
-        )
+    errors = spec.validate(config, layout)
+    if errors:
+        raise ValueError(errors[0])
     if layout.dp % layout.ep:
-        valid = _divisors(math.gcd(args.num_experts, layout.dp))
+        valid = _divisors(math.gcd(config.num_experts, layout.dp))
         raise ValueError(
             f"--ep {layout.ep} does not divide the {layout.dp} data-parallel ranks; "
             f"valid --ep: {', '.join(map(str, valid))}"
         )
 
 
-def expert_params(args: MoEArgs) -> int:
+def expert_params(args: Any) -> int:
     """Parameters of the routed experts (all MoE layers)."""
     return args.n_moe_layers * args.num_experts * 3 * args.dim * args.moe_hidden_dim
 
 
-def _attention_elements(args: MoEArgs) -> dict[str, float]:
+def _attention_elements(args: Any) -> dict[str, float]:
     """Per token, the bf16 elements of attention's tensors backward reads:
     ``inputs`` (norm input and output), ``linear_out`` (the projections'
     outputs), ``sdpa`` (its query, key, value inputs and output)."""
@@ -184,9 +179,9 @@ def _attention_elements(args: MoEArgs) -> dict[str, float]:
     return {"inputs": 2 * args.dim, "linear_out": linear_out, "sdpa": sdpa}
 
 
-def activation_elements(args: MoEArgs, ac: str, imbalance: float = 1.0) -> dict[str, float]:
+def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str, float]:
     """bf16 elements saved for backward per token, summed over the blocks
-    (Note: [MoE plan model]); ``layer_none`` is one block's at ``none``
+    (Note: [Analytic plan model]); ``layer_none`` is one block's at ``none``
     (what full AC recomputes at once).
 
     Returns:
@@ -229,72 +224,25 @@ def activation_elements(args: MoEArgs, ac: str, imbalance: float = 1.0) -> dict[
     return {"saved": saved, "layer_none": layer_none, "none": none}
 
 
-@dataclass
-class MoEPrediction:
-    """Per-GPU prediction of a MoE layout (bytes, seconds); the same fields
-    as :class:`~simplefsdp.plan.predict.Prediction` where they apply."""
-
-    layout: MoELayout
-    hardware: str
-    params: dict[str, float]
-    memory: dict[str, float]
-    peak_bytes: float
-    usable_bytes: float
-    time: dict[str, float]
-    step_s: float
-    tokens_per_s_per_gpu: float
-    mfu: float
-    notes: list[str] = dataclasses.field(default_factory=list)
-    buckets: list = dataclasses.field(default_factory=list)
-    kept: list = dataclasses.field(default_factory=list)
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_bytes <= self.usable_bytes
-
-    def to_dict(self) -> dict:
-        return {
-            "layout": dataclasses.asdict(self.layout) | {"dp": self.layout.dp},
-            "hardware": self.hardware,
-            "parameters": self.params,
-            "fits": self.fits,
-            "peak_bytes": self.peak_bytes,
-            "usable_bytes": self.usable_bytes,
-            "memory_bytes": self.memory,
-            "time_s": self.time,
-            "step_s": self.step_s,
-            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-            "mfu": self.mfu,
-            "notes": self.notes,
-        }
-
-
-def moe_flops_per_token(args: MoEArgs, seq: int) -> float:
-    """Training FLOPs per token of the activated parameters: ``6 * N_active``
-    (without the input embedding) plus causal attention, forward and
-    backward (``3 * 2 * 2 * n_heads * (qk + v) * seq / 2`` per layer)."""
-    active = num_active_params(args, exclude_embeddings=True)
-    if args.attention == "gqa":
-        qk = v = args.dim // args.n_heads
-    else:
-        qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
-    attention = 3 * 2 * args.n_heads * (qk + v) * seq * args.n_layers  # causal: half of 4x
-    return 6.0 * active + attention
-
-
-def predict_moe(args: MoEArgs, layout: MoELayout, hw: HardwareProfile) -> MoEPrediction:
-    """Predict ``layout`` of a MoE model on ``hw`` (Note: [MoE plan model]).
+def predict_analytic(
+    spec: Any, config: Any, layout: ExpertLayout, hw: HardwareProfile
+) -> Prediction:
+    """Predict ``layout`` of ``config`` (a flavor of ``spec``) on ``hw`` from
+    its shapes (Note: [Analytic plan model]).
 
     Raises:
-        ValueError: a bad layout (``validate_moe``).
+        ValueError: a bad layout (``validate_analytic``).
     """
-    validate_moe(args, layout)
+    validate_analytic(spec, config, layout)
+    args = config
     dp, ep = layout.dp, layout.ep
     tokens = layout.batch * layout.seq
-    total = num_params(args)
-    experts = expert_params(args)
+    total = spec.num_params(config)
+    experts = expert_params(config)
     dense = total - experts
-    active = num_active_params(args)
+    active = spec.active_params(config)
+    active_blocks = spec.active_params(config, exclude_embeddings=True)
+    flops_per_token = spec.flops_per_token(config, layout.seq)
 
     # ---- memory
     shard_params = dense / dp + experts / dp
@@ -323,11 +271,9 @@ def predict_moe(args: MoEArgs, layout: MoELayout, hw: HardwareProfile) -> MoEPre
     # ---- compute
     rate = hw.peak_bf16_flops * hw.matmul_efficiency
     bw = hw.memory_bandwidth * hw.memory_efficiency
-    attn_flops = moe_flops_per_token(args, layout.seq) - 6.0 * num_active_params(
-        args, exclude_embeddings=True
-    )
+    attn_flops = flops_per_token - 6.0 * active_blocks
     routed = 6.0 * args.n_moe_layers * args.top_k * per_expert  # per token, fwd + bwd
-    linear = 6.0 * num_active_params(args, exclude_embeddings=True) - routed
+    linear = 6.0 * active_blocks - routed
     routed *= layout.imbalance  # the most loaded rank's routed tokens
     block_fw = (linear - 6.0 * embed) / 3 + routed / 3  # blocks' forward matmuls
     recompute = {"full": block_fw, "selective": block_fw / 2, "none": 0.0}[layout.ac]
@@ -375,7 +321,7 @@ def predict_moe(args: MoEArgs, layout: MoELayout, hw: HardwareProfile) -> MoEPre
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)
     step_s = compute_s + exposed_s + optimizer_s
     tps = tokens / step_s
-    mfu = tps * moe_flops_per_token(args, layout.seq) / hw.peak_bf16_flops
+    mfu = tps * flops_per_token / hw.peak_bf16_flops
     notes = [
         f"parameters: {total / 1e9:.2f}B total, {active / 1e9:.2f}B activated per token "
         f"({experts / 1e9:.2f}B in routed experts, {args.num_experts // ep} of "
@@ -383,14 +329,13 @@ def predict_moe(args: MoEArgs, layout: MoELayout, hw: HardwareProfile) -> MoEPre
         f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
         f"({'NVLink' if intra else 'NIC'}), exposed; expert load imbalance "
         f"{layout.imbalance:g} (1: balanced)",
-        "analytic MoE model (docs/scale.md): per-block FSDP groups for both "
-        "engines; host syncs of token counts and grouped-matmul efficiency at small "
-        "expert batches not modelled",
+        "planned from the model's shapes (docs/scale.md, expert parallelism): per-block "
+        "FSDP groups for both engines; host syncs of token counts and grouped-matmul "
+        "efficiency at small expert batches not modelled",
     ]
-    return MoEPrediction(
+    return Prediction(
         layout=layout,
         hardware=hw.name,
-        params={"total": total, "activated": active, "routed_experts": experts},
         memory=memory,
         peak_bytes=peak,
         usable_bytes=usable,
@@ -409,5 +354,7 @@ def predict_moe(args: MoEArgs, layout: MoELayout, hw: HardwareProfile) -> MoEPre
         step_s=step_s,
         tokens_per_s_per_gpu=tps,
         mfu=mfu,
+        buckets=None,
         notes=notes,
+        params={"total": total, "activated": active, "routed_experts": experts},
     )
