@@ -49,6 +49,10 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 #: Accepted older names -> canonical flavor names.
+#: The flavor ``simplefsdp plan`` plans when ``--model`` is not given (its
+#: family publishes a reference layout for it).
+PLAN_DEFAULT_FLAVOR = "llama3_8b"
+
 ALIASES: dict[str, str] = {
     "debug": "llama3_debug",
     "small": "llama3_small",

@@ -73,6 +73,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.layout import AC_MODES, ENGINES
 from simplefsdp.plan.prediction import Prediction
@@ -132,7 +133,11 @@ def _divisors(n: int) -> list[int]:
 def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
     """One-line ``ValueError`` naming the bad value and what would be valid:
     the options here, the model against the layout by ``spec.validate``."""
-    if layout.engine not in ENGINES:
+    try:
+        plannable = get_engine(layout.engine).plannable
+    except ValueError:
+        plannable = False
+    if not plannable:
         raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
     if layout.ac not in AC_MODES:
         raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
@@ -143,7 +148,7 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
         raise ValueError(f"--ep must be >= 1, got {layout.ep}")
     if not layout.imbalance >= 1.0:
         raise ValueError(f"--expert-imbalance must be >= 1 (1: balanced), got {layout.imbalance}")
-    errors = spec.validate(config, layout)
+    errors = spec.validate(config, layout, build=False)  # planned, not built
     if errors:
         raise ValueError(errors[0])
     if layout.dp % layout.ep:

@@ -34,11 +34,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from simplefsdp.models.registry import PLAN_DEFAULT_FLAVOR
 from simplefsdp.plan.hardware import get_profile, profile_names
 
 GiB = 2**30
 #: ``--model`` when none is given: a registry flavor name (Llama 3 8B).
-DEFAULT_MODEL = "8B"
+DEFAULT_MODEL = PLAN_DEFAULT_FLAVOR
 
 #: The flags each plan method (``ModelSpec.plan_method``) plans beyond
 #: ``--model``, ``--config``, ``--hardware``, ``--gpus``, ``--batch``,

@@ -130,6 +130,7 @@ def validate(args: Any, layout: Layout) -> None:
         sequence_parallel=True,
         batch=layout.batch,
         microbatches=layout.microbatches,
+        build=False,  # planned, not built
         names=_LAYOUT_NAMES,
     )
     if errors:  # the first, on one line: what plan prints

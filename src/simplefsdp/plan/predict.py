@@ -128,6 +128,7 @@ from simplefsdp.compiler.planning import (
     pipeline_time_s,
     step_extra_bytes,
 )
+from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.costs import (
     copy_seconds,
     copy_written_bytes,
@@ -145,8 +146,6 @@ aten = torch.ops.aten
 
 
 # ------------------------------------------------------------ engines
-# The one place the planner compares engine names; it moves to the engines'
-# declared capabilities when they have them.
 
 
 def _compiled(engine: str) -> bool:
@@ -154,7 +153,7 @@ def _compiled(engine: str) -> bool:
     non-matmul ops, the bucket planner and its keep search run); the other
     engine is eager FSDP2 (per-block groups, eager autograd's activations,
     hooks per group)."""
-    return engine == "simplefsdp"
+    return get_engine(engine).fused_buckets
 
 
 # ------------------------------------------------------------ graph measures
