@@ -36,7 +36,6 @@ def train_compiled_moe(ep: int | None, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from simplefsdp.frontend.data_parallel import parallelize_experts_and_data
-    from simplefsdp.frontend.expert_parallel import build_expert_parallel_mesh
     from simplefsdp.models.moe import Transformer
 
     torch._dynamo.reset()
@@ -47,7 +46,9 @@ def train_compiled_moe(ep: int | None, steps: int) -> dict:
     if ep is None:
         simplefsdp.data_parallel(model, init_device_mesh("cpu", (dist.get_world_size(),)))
     else:
-        mesh, dp_mesh = build_expert_parallel_mesh("cpu", dist.get_world_size(), ep, EXPERTS)
+        # one rank: ExpertParallel over a 1-rank "ep" dim (its all-to-all path still runs)
+        mesh = init_device_mesh("cpu", (1, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+        dp_mesh = mesh._flatten("dp")
         parallelize_experts_and_data(model, mesh, dp_mesh)
     simplefsdp.compile(model, backend="aot_eager", bucketing="none", fullgraph=False)
     moe = model.layers["1"].moe
