@@ -21,7 +21,7 @@ from simplefsdp.layout import Layout
          "num_experts / parallel.ep); valid: 1, 2, 4, 8"),
         (["--nproc", "2", "--parallel.ep", "2", "--model.name", "debug"],
          "parallel.ep 2: model 'debug' (family 'llama3') does not compose with expert "
-         "parallelism; it supports: float8, hf, pp, tp"),
+         "parallelism; use parallel.ep 1"),
         (["--nproc", "2", "--parallel.ep", "2", "--parallel.engine", "simplefsdp_eager"],
          "parallel.engine: invalid value 'simplefsdp_eager' with parallel.ep=2 (the eager "
          "executor gathers flat buffers of data-parallel shards only)"),

@@ -147,7 +147,8 @@ def test_train_refuses_cp_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (
         "simplefsdp train: error: parallel.cp 2: model 'debug' (family 'llama3') does not "
-        "compose with context parallelism; use parallel.cp 1"
+        "compose with context parallelism; use parallel.cp 1 (the family composes with: float8, "
+        "hf, pp, tp)"
     )
     assert not (tmp_path / "runs").exists()
 

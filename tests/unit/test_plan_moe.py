@@ -135,8 +135,8 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
         ),
         (["--model", "debug", "--ep", "2"], "--ep needs a model with expert parallelism"),
         (["--model", "debug", "--expert-imbalance", "2"], "--expert-imbalance is not planned"),
-        (["--model", "moe_debug", "--tp", "2"], "--tp needs a model with tensor parallelism"),
-        (["--model", "moe_debug", "--float8"], "--float8 needs a model with float8 training"),
+        (["--model", "moe_debug", "--tp", "2"], "--tp is not planned for 'moe_debug'"),
+        (["--model", "moe_debug", "--float8"], "--float8 is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--sweep"], "--sweep is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--ep", "0"], "--ep must be >= 1, got 0"),
         (

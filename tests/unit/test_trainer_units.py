@@ -453,7 +453,7 @@ def test_print_config_shows_overrides(capsys, tmp_path, monkeypatch):
         (["--training.learning_rate", "1"], "'learning_rate' in section [training]. Did you mean 'lr'?"),
         (["--resume", "--checkpoint.load_step", "4"], "no run in outputs/debug has a complete"),
         (["--nproc", "3", "--parallel.tp", "3", "--parallel.sequence_parallel", "false"],
-         "parallel.tp 3 does not divide the n_heads 8, n_kv_heads 4 of the model; valid"),
+         "parallel.tp 3 does not divide the n_heads 8, n_kv_heads 4 of model 'debug'; valid"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(

@@ -107,11 +107,13 @@ def job_errors(
         if value and (isinstance(value, bool) or value > 1) and not spec.supports(k)
     ]
     for key in missing:
-        what = f"{n[key]} {features[key]}" if key in ("tp", "pp", "ep", "cp") else n[key]
+        degree = key in ("tp", "pp", "ep", "cp")
+        what = f"{n[key]} {features[key]}" if degree else n[key]
+        fix = f"use {n[key]} 1" if degree else f"leave {n[key]} unset"
         errors.append(
             f"{what}: {model} (family {spec.family!r}) does not compose with "
-            f"{_CAPABILITY_WORDS[key]}; it supports: "
-            f"{', '.join(sorted(spec.capabilities)) or 'none of tp, pp, ep, cp, float8, hf'}"
+            f"{_CAPABILITY_WORDS[key]}; {fix} (the family composes with: "
+            f"{', '.join(sorted(spec.capabilities)) or 'data parallelism only'})"
         )
     if not layout_errors:
         degrees = layout.resolve(world_size)
