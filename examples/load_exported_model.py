@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from simplefsdp.checkpoint.export import model_args_from_config
+from simplefsdp.checkpoint import model_args_from_config
 from simplefsdp.data import load_tokenizer
 from simplefsdp.models.llama3 import Transformer
 

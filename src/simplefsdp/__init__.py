@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Any
 from simplefsdp._version import __version__
 
 if TYPE_CHECKING:
-    from simplefsdp.compiler.entry_points import comm_report, compile, compile_backend
+    from simplefsdp.compiler.entry_points import (
+        RecompileLimitError,
+        comm_report,
+        compile,
+        compile_backend,
+    )
     from simplefsdp.compiler.report import CommReport
     from simplefsdp.eager_executor.api import eager, get_eager_executor, remove_eager
     from simplefsdp.eager_executor.runtime import EagerExecutor
@@ -32,6 +37,12 @@ if TYPE_CHECKING:
         DataParallelState,
         data_parallel,
         get_data_parallel_state,
+        parallelize_experts_and_data,
+    )
+    from simplefsdp.frontend.expert_parallel import (
+        ExpertParallel,
+        apply_expert_parallel,
+        build_expert_parallel_mesh,
     )
     from simplefsdp.frontend.float8 import convert_linears_to_float8
     from simplefsdp.frontend.parametrization import disable_parametrization
@@ -43,8 +54,12 @@ _LAZY: dict[str, str] = {
     "CommReport": "simplefsdp.compiler.report",
     "DataParallelState": "simplefsdp.frontend.data_parallel",
     "EagerExecutor": "simplefsdp.eager_executor.runtime",
+    "ExpertParallel": "simplefsdp.frontend.expert_parallel",
     "MixedPrecisionPolicy": "simplefsdp.policies",
     "RankDivergenceError": "simplefsdp.frontend.rank_check",
+    "RecompileLimitError": "simplefsdp.compiler.entry_points",
+    "apply_expert_parallel": "simplefsdp.frontend.expert_parallel",
+    "build_expert_parallel_mesh": "simplefsdp.frontend.expert_parallel",
     "comm_report": "simplefsdp.compiler.entry_points",
     "compile": "simplefsdp.compiler.entry_points",
     "compile_backend": "simplefsdp.compiler.entry_points",
@@ -55,17 +70,23 @@ _LAZY: dict[str, str] = {
     "get_data_parallel_state": "simplefsdp.frontend.data_parallel",
     "get_eager_executor": "simplefsdp.eager_executor.api",
     "no_sync": "simplefsdp.frontend.accumulation",
+    "parallelize_experts_and_data": "simplefsdp.frontend.data_parallel",
     "reduce_accumulated": "simplefsdp.frontend.accumulation",
     "remove_eager": "simplefsdp.eager_executor.api",
 }
 
+# the documented names: every entry of _LAZY, and __version__
 __all__ = [
     "CommReport",
     "DataParallelState",
     "EagerExecutor",
+    "ExpertParallel",
     "MixedPrecisionPolicy",
     "RankDivergenceError",
+    "RecompileLimitError",
     "__version__",
+    "apply_expert_parallel",
+    "build_expert_parallel_mesh",
     "comm_report",
     "compile",
     "compile_backend",
@@ -76,6 +97,7 @@ __all__ = [
     "get_data_parallel_state",
     "get_eager_executor",
     "no_sync",
+    "parallelize_experts_and_data",
     "reduce_accumulated",
     "remove_eager",
 ]

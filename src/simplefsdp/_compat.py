@@ -8,14 +8,6 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "GLOO_ALL_GATHER_WORKAROUND_ENV_VAR",
-    "all_gather_single",
-    "install_gloo_all_gather_workaround",
-    "reduce_scatter_single",
-    "root_mesh",
-]
-
 # torch >= 2.13 renames the single-tensor collectives and the old names warn
 # (FutureWarning); torch 2.11 has only the old names. Same signatures.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

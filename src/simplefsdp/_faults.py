@@ -41,19 +41,6 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DEFAULT_KILL_MARKER",
-    "FAIL_RANK_ENV",
-    "FAIL_SAVE_ENV",
-    "KILL_AT_STEP_ENV",
-    "KILL_MARKER_ENV",
-    "KILL_RANK_ENV",
-    "SAVE_STAGES",
-    "STEP_SLEEP_ENV",
-    "maybe_kill_at_step",
-    "maybe_sleep_after_step",
-    "save_fault_point",
-]
 
 FAIL_SAVE_ENV = "SIMPLEFSDP_TEST_FAIL_SAVE"
 FAIL_RANK_ENV = "SIMPLEFSDP_TEST_FAIL_RANK"

@@ -16,25 +16,6 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, get_args
 
-__all__ = [
-    "cpu_cores",
-    "oversubscription_warning",
-    "ACMode",
-    "AC_MODES",
-    "Bucketing",
-    "BUCKETINGS",
-    "CompileBackend",
-    "COMPILE_BACKENDS",
-    "DataParallelMode",
-    "DATA_PARALLEL_MODES",
-    "Engine",
-    "ENGINES",
-    "INTERLEAVED_SCHEDULES",
-    "PipelineSchedule",
-    "PIPELINE_SCHEDULES",
-    "tp_split_sizes",
-]
-
 Engine = Literal["simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica"]
 """The engines: simplefsdp (compiled or not), simplefsdp with the eager
 executor, torch's FSDP2 and DDP, and the replica limit (no communication).

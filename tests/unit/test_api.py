@@ -68,13 +68,18 @@ def test_import_and_cli_do_not_import_torch() -> None:
 
 
 def test_top_level_exports() -> None:
+    from simplefsdp.compiler.entry_points import RecompileLimitError
     from simplefsdp.compiler.report import CommReport
     from simplefsdp.eager_executor import EagerExecutor, eager, get_eager_executor, remove_eager
     from simplefsdp.frontend import DataParallelState
+    from simplefsdp.frontend.expert_parallel import ExpertParallel
 
     for name in simplefsdp.__all__:
         assert getattr(simplefsdp, name) is not None, name
     assert set(dir(simplefsdp)) >= set(simplefsdp.__all__)
+    assert set(simplefsdp.__all__) == {*simplefsdp._LAZY, "__version__"}
+    assert simplefsdp.ExpertParallel is ExpertParallel
+    assert simplefsdp.RecompileLimitError is RecompileLimitError
     assert simplefsdp.CommReport is CommReport
     assert simplefsdp.DataParallelState is DataParallelState
     assert simplefsdp.EagerExecutor is EagerExecutor

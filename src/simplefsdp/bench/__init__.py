@@ -19,15 +19,3 @@ from simplefsdp.bench.configs import (
     get_workload,
     resolve_configs,
 )
-
-__all__ = [
-    "CONFIGS",
-    "WORKLOADS",
-    "BenchConfig",
-    "BenchSpec",
-    "Workload",
-    "get_workload",
-    "main",
-    "resolve_configs",
-    "run_bench",
-]

@@ -16,22 +16,6 @@ from typing import Any
 
 from simplefsdp.engines.kinds import engine_names, engines_with, get_engine
 
-__all__ = [
-    "COMM_ONLY",
-    "CONFIGS",
-    "DEFAULT_CONFIGS",
-    "FLOAT8_CONFIGS",
-    "PHASE_SUFFIX",
-    "PUBLIC_CONFIGS",
-    "TEST_CONFIGS",
-    "WORKLOADS",
-    "BenchConfig",
-    "BenchSpec",
-    "Workload",
-    "get_workload",
-    "resolve_configs",
-]
-
 #: The engine layer's engines and the bench-only baselines (``"comm"``:
 #: collectives only), as :mod:`simplefsdp.engines.kinds` declares them.
 ENGINES: tuple[str, ...] = engine_names(bench=True)

@@ -84,16 +84,6 @@ import torch.nn as nn
 
 from simplefsdp._compat import all_gather_single, reduce_scatter_single
 
-__all__ = [
-    "count_collectives",
-    "profile_collectives",
-    "fsdp_unit_numels",
-    "phase_peaks",
-    "run_comm_only",
-    "state_bytes",
-    "timed",
-]
-
 _C10D_OPS: dict[str, str] = {
     "c10d::_allgather_base_": "all_gather",
     "c10d::allgather_into_tensor_coalesced_": "all_gather",

@@ -37,8 +37,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["MOE_BENCH_CONFIGS", "parallelize_moe"]
-
 #: The configurations the MoE workload runs (``all`` selects these).
 MOE_BENCH_CONFIGS: tuple[str, ...] = (
     "fsdp2",

@@ -10,18 +10,6 @@ from typing import Any
 
 from simplefsdp.bench.configs import BenchConfig, Workload
 
-__all__ = [
-    "REFERENCE_ORDER",
-    "add_ratios",
-    "check_losses",
-    "failed_row",
-    "format_table",
-    "merge_comm_only",
-    "merge_ranks",
-    "write_json",
-    "write_png",
-]
-
 # The loss reference is the first of these that ran: torch's own eager
 # implementations first, since they are the ones a wrong pass cannot touch.
 REFERENCE_ORDER = (

@@ -58,36 +58,14 @@ from simplefsdp.checkpoint.steps import (
     verify_checkpoint,
 )
 
+# isort: split
+# export imports the names above from this package
+from simplefsdp.checkpoint.export import model_args_from_config
+
 __all__ = [
-    "ASYNC_MODES",
-    "AsyncCheckpointWriter",
-    "CONFIG_NAME",
-    "EXTRA_STATE_NAME",
-    "MANIFEST_NAME",
-    "TRAINER_STATE_NAME",
     "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointScan",
-    "Checkpointer",
-    "DamagedCheckpointError",
-    "PendingSave",
-    "SafeFileSystemReader",
-    "TensorOnlyLoadPlanner",
-    "barrier",
-    "build_manifest",
-    "damaged_checkpoint_error",
-    "fsync_dir",
-    "latest_checkpoint",
-    "list_checkpoints",
     "load",
-    "prune_checkpoints",
-    "read_json",
-    "read_manifest",
-    "resume_checkpoint",
+    "model_args_from_config",
     "save",
-    "scan_checkpoints",
-    "step_dir_name",
     "verify",
-    "verify_checkpoint",
-    "write_json_atomic",
 ]

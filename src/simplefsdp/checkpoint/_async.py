@@ -44,7 +44,6 @@ from simplefsdp.checkpoint._state import model_device, rank_and_world, tensor_st
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ASYNC_MODES", "AsyncCheckpointWriter", "AsyncMode", "PendingSave"]
 
 AsyncMode = Literal["none", "async", "staged"]
 ASYNC_MODES: tuple[str, ...] = ("none", "async", "staged")

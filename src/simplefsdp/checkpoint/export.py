@@ -53,14 +53,6 @@ from simplefsdp.checkpoint import (
     write_json_atomic,
 )
 
-__all__ = [
-    "build_parser",
-    "export_checkpoint",
-    "load_full_model_state",
-    "model_args_from_config",
-    "resolve_checkpoint",
-]
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_PREFIX = "model."
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -35,17 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "HFCheckpoint",
-    "export_hf_checkpoint",
-    "hf_adapter_for",
-    "hf_config_from_model_args",
-    "load_hf_weights",
-    "model_args_differences",
-    "model_args_from_hf_config",
-    "save_hf_checkpoint",
-]
-
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"

@@ -86,22 +86,6 @@ from simplefsdp.checkpoint._state import model_device, rank_and_world, tensor_st
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "CONFIG_NAME",
-    "TRAINER_STATE_NAME",
-    "CheckpointInfo",
-    "CheckpointScan",
-    "Checkpointer",
-    "DamagedCheckpointError",
-    "damaged_checkpoint_error",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "prune_checkpoints",
-    "resume_checkpoint",
-    "scan_checkpoints",
-    "step_dir_name",
-    "verify_checkpoint",
-]
 
 TRAINER_STATE_NAME = "trainer_state.json"
 CONFIG_NAME = "config.json"

@@ -4,14 +4,3 @@ from simplefsdp.compiler.backend import CompileOptions, SimpleFSDPBackend
 from simplefsdp.compiler.cost_model import CostModel, LinearFit
 from simplefsdp.compiler.entry_points import comm_report, compile, compile_backend
 from simplefsdp.compiler.report import CommReport
-
-__all__ = [
-    "CommReport",
-    "CompileOptions",
-    "CostModel",
-    "LinearFit",
-    "SimpleFSDPBackend",
-    "comm_report",
-    "compile",
-    "compile_backend",
-]

@@ -25,8 +25,6 @@ import torch
 
 from simplefsdp._compat import stable_mesh_pickling
 
-__all__ = ["cache_processed_graph", "inductor_cache_counts"]
-
 
 @contextlib.contextmanager
 def cache_processed_graph(use_cache: bool) -> Iterator[None]:

@@ -7,8 +7,6 @@ from typing import Any
 
 from simplefsdp.parallel_dims import COMPILE_BACKENDS
 
-__all__ = ["BACKENDS", "CompileOptions"]
-
 #: ``torch.compile`` backends (:data:`simplefsdp.parallel_dims.COMPILE_BACKENDS`).
 BACKENDS = COMPILE_BACKENDS
 

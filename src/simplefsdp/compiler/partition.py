@@ -36,12 +36,6 @@ import torch.fx as fx
 
 from simplefsdp.compiler.patterns import collective_kind, is_wait
 
-__all__ = [
-    "merge_duplicate_waits",
-    "partition",
-    "repair_rng_state_order",
-]
-
 aten = torch.ops.aten
 
 _PLAIN_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)

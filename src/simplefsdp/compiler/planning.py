@@ -9,7 +9,7 @@ compiler's other modules can change without the planner reaching into them.
 
 from __future__ import annotations
 
-from simplefsdp.compiler.auto_bucketing import (
+from simplefsdp.compiler.auto_bucketing import (  # noqa: F401 (re-exported for simplefsdp.plan)
     GatherUnit,
     bucket_comm_s,
     gather_units,
@@ -18,42 +18,19 @@ from simplefsdp.compiler.auto_bucketing import (
     pipeline_time_s,
     step_extra_bytes,
 )
-from simplefsdp.compiler.cost_model import (
+from simplefsdp.compiler.cost_model import (  # noqa: F401 (re-exported for simplefsdp.plan)
     CostModel,
     LinearFit,
     calibrate_comm,
     measure_comm_overlap,
     node_flops,
 )
-from simplefsdp.compiler.keep_gathered import choose_kept, free_keep_count
-from simplefsdp.compiler.memory_estimate import estimate_memory
-from simplefsdp.compiler.passes.bucketing import find_sites
-from simplefsdp.compiler.patterns import (
+from simplefsdp.compiler.keep_gathered import choose_kept, free_keep_count  # noqa: F401 (re-exported for simplefsdp.plan)
+from simplefsdp.compiler.memory_estimate import estimate_memory  # noqa: F401 (re-exported for simplefsdp.plan)
+from simplefsdp.compiler.passes.bucketing import find_sites  # noqa: F401 (re-exported for simplefsdp.plan)
+from simplefsdp.compiler.patterns import (  # noqa: F401 (re-exported for simplefsdp.plan)
     collective_kind,
     is_compute,
     node_bytes,
     source_placeholder,
 )
-
-__all__ = [
-    "CostModel",
-    "GatherUnit",
-    "LinearFit",
-    "bucket_comm_s",
-    "calibrate_comm",
-    "choose_kept",
-    "collective_kind",
-    "estimate_memory",
-    "find_sites",
-    "free_keep_count",
-    "gather_units",
-    "gathers_per_step",
-    "greedy_buckets",
-    "is_compute",
-    "measure_comm_overlap",
-    "node_bytes",
-    "node_flops",
-    "pipeline_time_s",
-    "source_placeholder",
-    "step_extra_bytes",
-]

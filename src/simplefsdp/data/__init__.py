@@ -26,9 +26,35 @@ This package imports nothing else of simplefsdp.
 """
 
 from . import corpus, loader, tokenizer
-from .corpus import *  # noqa: F403
-from .loader import *  # noqa: F403
-from .tokenizer import *  # noqa: F403
-from .verify import DataError as DataError
+from .corpus import (
+    DEFAULT_STDLIB_MAX_BYTES,
+    DEFAULT_TEXT_FIELD,
+    Document,
+    TokenCorpus,
+    build_corpus,
+    data_fingerprint,
+    list_corpus_files,
+    read_documents,
+    sniff_data_file,
+    stdlib_dir,
+    token_dtype,
+)
+from .loader import (
+    IGNORE_INDEX,
+    Batch,
+    DataBundle,
+    DataSpec,
+    DistributedTokenLoader,
+    build_data,
+    iter_val_batches,
+)
+from .tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_digest,
+)
+from .verify import DataError
 
-__all__ = [*corpus.__all__, *loader.__all__, *tokenizer.__all__, "DataError"]
+__all__ = ["DistributedTokenLoader", "build_corpus", "load_tokenizer"]

@@ -25,8 +25,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatRenderer", "read_conversations", "DEFAULT_MESSAGES_FIELD"]
-
 #: The field of a record holding its conversation.
 DEFAULT_MESSAGES_FIELD = "messages"
 

@@ -31,19 +31,6 @@ from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DEFAULT_STDLIB_MAX_BYTES",
-    "DEFAULT_TEXT_FIELD",
-    "Document",
-    "stdlib_dir",
-    "list_corpus_files",
-    "read_documents",
-    "sniff_data_file",
-    "token_dtype",
-    "TokenCorpus",
-    "build_corpus",
-    "data_fingerprint",
-]
 
 #: Bytes read from the stdlib corpus when no explicit cap is given.
 DEFAULT_STDLIB_MAX_BYTES = 8_000_000

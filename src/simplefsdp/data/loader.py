@@ -27,15 +27,6 @@ from .verify import ShardVerifier
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "IGNORE_INDEX",
-    "Batch",
-    "DistributedTokenLoader",
-    "iter_val_batches",
-    "DataSpec",
-    "DataBundle",
-    "build_data",
-]
 
 #: ``(inputs, targets)``, two int64 tensors of shape ``(batch, seq_len)``.
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -67,18 +67,6 @@ from .corpus import (
 from .tokenizer import Tokenizer, load_tokenizer, tokenizer_digest
 from .verify import DataError, ShardCheck, ShardVerifier, scan_shard
 
-__all__ = [
-    "INDEX_NAME",
-    "FORMATS",
-    "TokenShards",
-    "is_prepared",
-    "load_prepared",
-    "prepare",
-    "read_index",
-    "tokenizer_id",
-    "verify_folder",
-]
-
 logger = logging.getLogger(__name__)
 
 INDEX_NAME = "index.json"

@@ -18,8 +18,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "tokenizer_digest"]
-
 
 class Tokenizer(Protocol):
     """What the pipeline needs from a tokenizer."""

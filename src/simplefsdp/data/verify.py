@@ -35,15 +35,6 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = [
-    "DataError",
-    "ShardCheck",
-    "ShardVerifier",
-    "scan_shard",
-    "shard_checksum",
-    "VERIFIED_DIR",
-]
-
 logger = logging.getLogger(__name__)
 
 #: Sub-folder of a prepared folder recording the shards already verified.

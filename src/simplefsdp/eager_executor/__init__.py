@@ -22,14 +22,3 @@ the top level; the rest of this package's names are imported from
 from simplefsdp.eager_executor.api import eager, get_eager_executor, remove_eager
 from simplefsdp.eager_executor.collectives import Collectives, Work
 from simplefsdp.eager_executor.runtime import EagerExecutor, EagerStats, TraceEvent
-
-__all__ = [
-    "Collectives",
-    "EagerExecutor",
-    "EagerStats",
-    "TraceEvent",
-    "Work",
-    "eager",
-    "get_eager_executor",
-    "remove_eager",
-]

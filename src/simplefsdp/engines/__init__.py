@@ -27,6 +27,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# every name this package loads on first use -> its module; __all__ is the
+# documented (public) part
 _EXPORTS = {
     "AC_MODES": "activation",
     "apply_activation_checkpointing": "activation",
@@ -64,9 +66,24 @@ _EXPORTS = {
     "get_engine": "kinds",
     "parallelize_model": "recipe",
     "RecipeOptions": "recipe",
+    "job_errors": "resolve",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Engine",
+    "EngineSpec",
+    "ParallelModel",
+    "PipelineSpec",
+    "PipelinedModel",
+    "RecipeOptions",
+    "build_mesh",
+    "clip_grad_norm_",
+    "composition_errors",
+    "get_engine",
+    "job_errors",
+    "parallelize_model",
+    "parallelize_pipeline",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,8 +14,6 @@ from simplefsdp.parallel_dims import AC_MODES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AC_MODES", "apply_activation_checkpointing"]
-
 
 def _sac_save_ops() -> set[Any]:
     """Ops whose outputs selective AC keeps: matmuls and attention (expensive to

@@ -56,7 +56,6 @@ from simplefsdp.layout import Layout, Meshes, meshes_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINES", "EngineSpec", "parallelize", "torch_passes_patches"]
 
 #: The training engines' names (:func:`simplefsdp.engines.kinds.engine_names`).
 ENGINES: tuple[str, ...] = engine_names()

@@ -43,8 +43,6 @@ from torch.utils._foreach_utils import _device_has_foreach_support
 
 from simplefsdp._compat import root_mesh
 
-__all__ = ["clip_grad_norm_"]
-
 
 def _norm_type(norm_type: float | str) -> float:
     try:

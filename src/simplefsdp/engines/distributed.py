@@ -26,19 +26,6 @@ from simplefsdp.layout import Layout, meshes_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "build_mesh",
-    "comm_device",
-    "data_parallel_rank",
-    "default_nproc",
-    "teardown_process_group",
-    "init_distributed",
-    "mesh_shape_for",
-    "pick_device",
-    "pipeline_mesh",
-    "split_mesh",
-    "stage_mesh",
-]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 

@@ -17,16 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-__all__ = [
-    "ENGINE_CLASSES",
-    "FEATURES",
-    "Engine",
-    "composition_errors",
-    "engine_names",
-    "engines_with",
-    "get_engine",
-]
-
 #: The features an engine may compose with, and how messages name them.
 FEATURES: dict[str, str] = {
     "tp": "tensor parallelism",

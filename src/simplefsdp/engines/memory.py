@@ -31,16 +31,6 @@ import sys
 
 import torch
 
-__all__ = [
-    "MemoryProbe",
-    "current_rss_bytes",
-    "lower_mmap_threshold",
-    "malloc_trim",
-    "peak_rss_bytes",
-    "read_rss_bytes",
-    "reset_peak_rss",
-]
-
 logger = logging.getLogger(__name__)
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter number

@@ -11,8 +11,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["COLLECTIVE_KINDS", "LossFn", "ParallelModel", "plain_loss"]
-
 #: loss_fn(output, targets) -> the mean loss of a batch
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

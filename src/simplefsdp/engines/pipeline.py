@@ -47,16 +47,6 @@ from simplefsdp.engines.parallel_model import ParallelModel, plain_loss
 from simplefsdp.layout import Meshes
 from simplefsdp.parallel_dims import INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES
 
-__all__ = [
-    "PIPELINE_SCHEDULES",
-    "PipelineSpec",
-    "PipelineTimes",
-    "PipelinedModel",
-    "parallelize_pipeline",
-    "plain_loss",
-    "stage_view",
-]
-
 #: :data:`PIPELINE_SCHEDULES` -> torch's schedule class.
 _TORCH_SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",

@@ -32,8 +32,6 @@ from simplefsdp.engines.parallel_model import ParallelModel
 from simplefsdp.engines.pipeline import PipelinedModel, PipelineSpec, parallelize_pipeline
 from simplefsdp.layout import Meshes
 
-__all__ = ["RecipeOptions", "parallelize_model"]
-
 
 @dataclass(frozen=True)
 class RecipeOptions:

@@ -18,8 +18,6 @@ from simplefsdp.engines.kinds import FEATURES, composition_errors
 from simplefsdp.layout import Layout
 from simplefsdp.layout.pipeline import num_stages, pipeline_errors
 
-__all__ = ["job_errors"]
-
 _NAMES = {
     "engine": "engine",
     "mode": "mode",

@@ -11,14 +11,3 @@ from simplefsdp.frontend.parametrization import (
     disable_parametrization,
     parametrization_enabled,
 )
-
-__all__ = [
-    "DataParallelState",
-    "ParamSpec",
-    "data_parallel",
-    "disable_parametrization",
-    "get_data_parallel_state",
-    "no_sync",
-    "parametrization_enabled",
-    "reduce_accumulated",
-]

@@ -59,8 +59,6 @@ from simplefsdp.frontend.grad_accumulator import (
 )
 from simplefsdp.frontend.parametrization import SPECS_ATTR, replicate_compute
 
-__all__ = ["AccumulationState", "GradAccumulator", "no_sync", "reduce_accumulated"]
-
 # The attribute of the wrapped root holding its AccumulationState.
 _STATE_ATTR = "_simplefsdp_accumulation"
 # simplefsdp.eager_executor.api.EXECUTOR_ATTR (the frontend does not import

@@ -67,14 +67,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "EP_MESH_ATTR",
-    "ExpertParallel",
-    "apply_expert_parallel",
-    "build_expert_parallel_mesh",
-    "check_expert_parallel_layout",
-    "expert_parallel_params",
-]
 
 #: Set on an experts module by ``ExpertParallel``: its ep mesh. ``data_parallel``
 #: shards that module's parameters over its ``expert_mesh`` instead of ``mesh``.

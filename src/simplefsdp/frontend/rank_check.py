@@ -151,6 +151,3 @@ def check(mesh: DeviceMesh, where: str) -> None:
         "it gathers each layer whole, and gives unused experts zero gradients (README: "
         "'Models whose ranks read different parameters')."
     )
-
-
-__all__ = ["RankDivergenceError", "check", "ranks_agree", "record", "recorded", "reset"]

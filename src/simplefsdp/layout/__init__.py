@@ -12,5 +12,10 @@ device mesh. ``import simplefsdp.layout`` does not import torch.
 """
 
 from simplefsdp.layout.layout import DIM_ORDER, Layout, Meshes, build_meshes, meshes_of
+from simplefsdp.layout.pipeline import pipeline_errors
 
-__all__ = ["DIM_ORDER", "Layout", "Meshes", "build_meshes", "meshes_of"]
+__all__ = [
+    "Layout",
+    "Meshes",
+    "pipeline_errors",
+]

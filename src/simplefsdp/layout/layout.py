@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DIM_ORDER", "Layout", "Meshes", "build_meshes", "meshes_of"]
 
 #: The order of the mesh dims, outermost first (torchtitan's): ranks that
 #: differ only in ``tp`` are neighbours, ranks that differ in ``pp`` are far apart.

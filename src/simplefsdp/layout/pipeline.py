@@ -6,8 +6,6 @@ from collections.abc import Mapping
 
 from simplefsdp.parallel_dims import INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES
 
-__all__ = ["num_stages", "pipeline_errors"]
-
 _NAMES = {
     "pp": "pp",
     "pp_schedule": "pp_schedule",

@@ -5,11 +5,20 @@ Each family is a folder with a ``spec.py`` defining its
 names them and their flavors. This package's own namespace imports no torch.
 """
 
-from simplefsdp.models.registry import flavor_names as _flavor_names
+from simplefsdp.models.registry import (
+    canonical_flavor,
+    family_names,
+    flavor_names,
+    get_spec,
+    resolve_flavor,
+)
+from simplefsdp.models.spec import ModelSpec
 
-#: Canonical names of the Llama 3 flavors (the registry's ``flavor_names("llama3")``).
-LLAMA_MODELS: tuple[str, ...] = _flavor_names("llama3")
-#: Names of the mixture-of-experts flavors (the registry's ``flavor_names("moe")``).
-MOE_MODELS: tuple[str, ...] = _flavor_names("moe")
-
-__all__ = ["LLAMA_MODELS", "MOE_MODELS"]
+__all__ = [
+    "ModelSpec",
+    "canonical_flavor",
+    "family_names",
+    "flavor_names",
+    "get_spec",
+    "resolve_flavor",
+]

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from simplefsdp.models.spec import ModelSpec
 
-__all__ = ["model_from_record", "model_record"]
-
 
 def model_record(spec: ModelSpec, config: Any, flavor: str | None = None) -> dict[str, Any]:
     """The JSON-ready record of a model: family, flavor (``None`` for a model

@@ -24,17 +24,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from simplefsdp.models.spec import ModelSpec
 
-__all__ = [
-    "ALIASES",
-    "canonical_flavor",
-    "family_names",
-    "family_of",
-    "flavor_names",
-    "get_spec",
-    "resolve_flavor",
-    "spec_for_config",
-    "spec_of",
-]
 
 # family -> (module holding SPEC, canonical flavor names)
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {

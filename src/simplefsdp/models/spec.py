@@ -15,8 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Capability", "CAPABILITIES", "LayoutDegrees", "ModelSpec", "PLAN_METHODS"]
-
 #: What a family may compose with: tensor, pipeline, expert and context
 #: parallelism, float8 linears, and Hugging Face weights in and out.
 Capability = str

@@ -14,14 +14,3 @@ measurements.
 from simplefsdp.plan.hardware import PROFILES, HardwareProfile, get_profile, load_profile
 from simplefsdp.plan.predict import Layout, predict, validate
 from simplefsdp.plan.prediction import Prediction
-
-__all__ = [
-    "PROFILES",
-    "HardwareProfile",
-    "Layout",
-    "Prediction",
-    "get_profile",
-    "load_profile",
-    "predict",
-    "validate",
-]

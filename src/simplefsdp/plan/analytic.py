@@ -80,14 +80,6 @@ from simplefsdp.plan.prediction import Prediction
 
 ADAMW_BYTES_PER_PARAM = 28
 
-__all__ = [
-    "ExpertLayout",
-    "activation_elements",
-    "expert_params",
-    "predict_analytic",
-    "validate_analytic",
-]
-
 
 @dataclass(frozen=True)
 class ExpertLayout:

@@ -13,14 +13,6 @@ from simplefsdp.compiler.planning import CostModel, GatherUnit, LinearFit, gathe
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.layout import Layout
 
-__all__ = [
-    "copy_seconds",
-    "copy_written_bytes",
-    "cost_model_for",
-    "fsdp2_copy_seconds",
-    "prefetch_extra_bytes",
-]
-
 
 def copy_written_bytes(
     buckets: list[list[GatherUnit]], reshard_after_forward: bool, kept: Collection[str] = ()

@@ -14,7 +14,6 @@ from simplefsdp.parallel_dims import AC_MODES, BUCKETINGS, ACMode, Bucketing, En
 ENGINES: tuple[Engine, ...] = tuple(c.name for c in ENGINE_CLASSES if c.plannable)  # type: ignore[misc]
 DTYPES = ("bf16", "fp32")
 
-__all__ = ["AC_MODES", "BUCKETINGS", "DTYPES", "ENGINES", "Layout", "validate"]
 
 #: How ``simplefsdp plan`` spells each setting in error messages.
 _LAYOUT_NAMES = {

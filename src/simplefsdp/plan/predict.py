@@ -131,13 +131,12 @@ from simplefsdp.compiler.planning import (
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.costs import (
     copy_seconds,
-    copy_written_bytes,
     cost_model_for,
     fsdp2_copy_seconds,
     prefetch_extra_bytes,
 )
 from simplefsdp.plan.hardware import HardwareProfile
-from simplefsdp.plan.layout import AC_MODES, BUCKETINGS, ENGINES, Layout, validate
+from simplefsdp.plan.layout import Layout, validate
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
 
@@ -663,25 +662,3 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         notes=notes,
         kept=[u.fqn for u in units if u.fqn in kept],
     )
-
-
-__all__ = [
-    "AC_MODES",
-    "BUCKETINGS",
-    "ENGINES",
-    "Float8Matmuls",
-    "GraphMeasures",
-    "Layout",
-    "Prediction",
-    "compute_time",
-    "copy_seconds",
-    "copy_written_bytes",
-    "fsdp2_copy_seconds",
-    "cost_model_for",
-    "float8_matmuls",
-    "measure",
-    "predict",
-    "predict_traced",
-    "stage_blocks",
-    "validate",
-]

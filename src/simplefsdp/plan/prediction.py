@@ -11,8 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Prediction"]
-
 
 @dataclass
 class Prediction:

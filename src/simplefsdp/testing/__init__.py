@@ -28,14 +28,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = [
-    "CollectiveRecord",
-    "RankCrashed",
-    "find_free_port",
-    "record_collectives",
-    "run_distributed",
-]
-
 
 def find_free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""

@@ -62,7 +62,6 @@ from simplefsdp.train.runs import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["main", "preflight"]
 
 DEFAULT_CONFIG = "debug"
 EXIT_CONFIG_ERROR = 2

@@ -31,8 +31,6 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["DamagedCacheFile", "describe_compile_error", "find_damaged_cache_file"]
-
 #: What the dynamic loader says about a damaged or vanished shared object.
 _LOADER_MARKERS = (
     "file too short",

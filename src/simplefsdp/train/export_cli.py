@@ -21,8 +21,6 @@ from simplefsdp.checkpoint import latest_checkpoint, read_manifest
 from simplefsdp.checkpoint.export import build_parser, export_checkpoint
 from simplefsdp.train.runs import describe_runs, list_runs, newest_resumable_run, read_run
 
-__all__ = ["locate_checkpoint", "main"]
-
 
 def locate_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint folder ``path`` names: a run's, the newest run's in a

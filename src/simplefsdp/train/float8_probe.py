@@ -19,8 +19,6 @@ import time
 
 import torch
 
-__all__ = ["FLOAT8_SLOW_FACTOR", "float8_slowdown", "float8_warning"]
-
 #: float8 this many times slower than bf16 gets the warning.
 FLOAT8_SLOW_FACTOR = 2.0
 _ROWS = 16  # rows of the probe's products: enough to time, few enough to stay short

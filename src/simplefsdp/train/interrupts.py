@@ -36,8 +36,6 @@ import threading
 import time
 from types import FrameType
 
-__all__ = ["LAUNCHER_PID_ENV", "StopAgreement", "StopRequest", "launcher_gone", "watch_launcher"]
-
 logger = logging.getLogger(__name__)
 
 # Set by ``simplefsdp train``'s launcher for its workers: its process id.

@@ -34,22 +34,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from simplefsdp.parallel_dims import oversubscription_warning
+from simplefsdp.parallel_dims import oversubscription_warning  # noqa: F401 (re-exported for train.cli)
 from simplefsdp.train.interrupts import launcher_gone
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ERROR_DIR_ENV",
-    "STOPPED_MARK",
-    "launch",
-    "launcher_error_dir",
-    "note_step",
-    "note_stoppable",
-    "oversubscription_warning",
-    "peer_lost",
-    "under_torchrun",
-]
 
 #: Folder where workers leave their one-line error reports for the launcher.
 ERROR_DIR_ENV = "SIMPLEFSDP_ERROR_DIR"

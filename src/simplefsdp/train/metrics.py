@@ -48,19 +48,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "GPU_PEAK_BF16_FLOPS",
-    "MMAP_THRESHOLD_BYTES",
-    "CompileWatch",
-    "Heartbeat",
-    "TrainSummary",
-    "MetricsWriter",
-    "ProgressDisplay",
-    "format_bytes",
-    "format_step_line",
-    "mfu",
-    "peak_flops_for",
-]
 
 #: Dense bf16 peak FLOP/s by a substring of ``torch.cuda.get_device_name()``.
 #: Ordered: the first matching key wins (so "H100 PCIe" is tested before "H100").

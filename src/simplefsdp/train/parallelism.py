@@ -28,17 +28,6 @@ from simplefsdp.engines.recipe import RecipeOptions, parallelize_model
 from simplefsdp.layout import Layout, Meshes
 from simplefsdp.train.config import JobConfig
 
-__all__ = [
-    "engine_spec",
-    "job_layout",
-    "model_spec",
-    "job_mesh",
-    "keep_gathered_option",
-    "model_config",
-    "parallelize_job",
-    "pipeline_spec",
-]
-
 
 def engine_spec(job: JobConfig) -> EngineSpec:
     """The engine layer's description of ``job``'s parallel, compile and AC sections."""

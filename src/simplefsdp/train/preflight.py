@@ -18,8 +18,6 @@ from typing import Any
 
 from simplefsdp.train.config import JobConfig
 
-__all__ = ["InputErrors", "check_inputs", "input_problems"]
-
 logger = logging.getLogger(__name__)
 
 

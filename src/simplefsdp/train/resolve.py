@@ -18,8 +18,6 @@ from simplefsdp.engines.resolve import job_errors as engine_job_errors
 from simplefsdp.layout import Layout
 from simplefsdp.train.config import JobConfig
 
-__all__ = ["FLAGS", "ResolvedJob", "job_errors", "resolve"]
-
 #: How ``simplefsdp train`` spells each setting in error messages.
 FLAGS = {
     "engine": "parallel.engine",

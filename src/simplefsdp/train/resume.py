@@ -33,17 +33,6 @@ from simplefsdp.train.runs import (
     write_run_files,
 )
 
-__all__ = [
-    "FIXED_ON_RESUME",
-    "Resume",
-    "keep_global_batch",
-    "output_folders",
-    "resolve_resume",
-    "run_config_text",
-    "start_run_files",
-    "this_run",
-]
-
 #: Settings a resumed run cannot change: they change the model's shape.
 FIXED_ON_RESUME = ("model.*", "data.tokenizer")
 _FLAGS = ("checkpoint.resume", "checkpoint.resume_if_possible")

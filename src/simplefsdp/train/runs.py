@@ -38,26 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "CHECKPOINTS_DIR",
-    "CONFIG_FILE",
-    "RUN_FILE",
-    "RUN_ID_ENV",
-    "RunInfo",
-    "check_output_folders",
-    "describe_runs",
-    "find_run",
-    "list_runs",
-    "new_run_id",
-    "newest_resumable_run",
-    "read_run",
-    "remove_run",
-    "run_checkpoint_folder",
-    "run_folder",
-    "set_run_status",
-    "write_run_files",
-]
-
 #: Environment variable through which the launcher hands its run id to the workers.
 RUN_ID_ENV = "SIMPLEFSDP_RUN_ID"
 RUN_FILE = "run.json"

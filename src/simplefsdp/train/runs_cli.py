@@ -20,8 +20,6 @@ import sys
 
 from simplefsdp.train.runs import RunInfo, find_run, list_runs, remove_run
 
-__all__ = ["main"]
-
 
 def _build_parser() -> argparse.ArgumentParser:
     # --root and --config are accepted before and after the subcommand; after

@@ -11,8 +11,6 @@ import torch
 
 from simplefsdp.train.config import JobConfig
 
-__all__ = ["build_lr_scheduler", "json_ready", "lr_factor"]
-
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of the peak learning rate for optimizer step ``step`` (0-based).

@@ -72,7 +72,6 @@ from simplefsdp.train.metrics import (
     peak_flops_for,
 )
 from simplefsdp.train.parallelism import (
-    engine_spec,
     job_mesh,
     model_config,
     model_spec,
@@ -89,13 +88,6 @@ from simplefsdp.train.runs import (
 from simplefsdp.train.schedule import build_lr_scheduler, json_ready
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "Trainer",
-    "engine_spec",
-    "job_mesh",
-    "parallelize_job",
-]
 
 
 # --------------------------------------------------------------------------- setup helpers

@@ -23,23 +23,3 @@ from .feed_forward import FeedForward, ffn_hidden_dim
 from .moe import GroupedExperts, MoE, TokenChoiceRouter, grouped_mm_supported
 from .norms import RMSNorm
 from .stages import layer_ranges, pipeline_split, stage_ids_for_rank
-
-__all__ = [
-    "Attention",
-    "Decoder",
-    "DecoderArgs",
-    "DecoderBlock",
-    "FeedForward",
-    "GroupedExperts",
-    "MoE",
-    "RMSNorm",
-    "RopeScaling",
-    "TokenChoiceRouter",
-    "count_params",
-    "ffn_hidden_dim",
-    "grouped_mm_supported",
-    "layer_ranges",
-    "pipeline_split",
-    "repeat_kv",
-    "stage_ids_for_rank",
-]

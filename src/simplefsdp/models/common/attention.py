@@ -19,8 +19,6 @@ from .config import DecoderArgs
 from .norms import trunc_normal_
 from .rotary import apply_rotary_emb
 
-__all__ = ["Attention", "repeat_kv"]
-
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Repeat key/value heads for grouped-query attention.

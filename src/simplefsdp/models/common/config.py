@@ -16,8 +16,6 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["DecoderArgs", "RopeScaling", "count_params"]
-
 
 def check_positive_int(name: str, value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` is a positive ``int`` (bools rejected)."""

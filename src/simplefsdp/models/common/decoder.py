@@ -27,8 +27,6 @@ from .moe import MoE
 from .norms import RMSNorm, trunc_normal_
 from .rotary import precompute_freqs_cis
 
-__all__ = ["Decoder", "DecoderBlock"]
-
 
 class DecoderBlock(nn.Module):
     """Pre-norm block: attention then a feed-forward network, each with a residual.

@@ -8,8 +8,6 @@ from torch import nn
 
 from .norms import trunc_normal_
 
-__all__ = ["FeedForward", "ffn_hidden_dim"]
-
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
     """Hidden size of the SwiGLU feed-forward network, computed the Llama way.

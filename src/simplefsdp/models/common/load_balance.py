@@ -21,8 +21,6 @@ from torch import nn
 
 from .moe import MoE
 
-__all__ = ["ExpertLoad", "expert_load", "expert_load_metrics", "update_expert_bias"]
-
 
 @dataclass(frozen=True)
 class ExpertLoad:

@@ -26,8 +26,6 @@ from torch.distributed.tensor import DTensor
 from .feed_forward import FeedForward
 from .norms import trunc_normal_
 
-__all__ = ["GroupedExperts", "MoE", "TokenChoiceRouter", "grouped_mm_supported"]
-
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs ``x`` against these expert weights.

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "trunc_normal_"]
-
 
 def trunc_normal_(weight: torch.Tensor, std: float) -> None:
     """In-place truncated normal init with mean 0, cut off at three standard deviations."""

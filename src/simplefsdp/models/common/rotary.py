@@ -15,8 +15,6 @@ import torch
 
 from .config import RopeScaling
 
-__all__ = ["apply_rope_scaling", "apply_rotary_emb", "precompute_freqs_cis", "rope_frequencies"]
-
 
 def apply_rope_scaling(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     """Apply the Llama 3.1 frequency scaling to rotary frequencies.

@@ -28,8 +28,6 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-__all__ = ["layer_ranges", "pipeline_split", "stage_ids_for_rank"]
-
 
 def layer_ranges(
     n_layers: int, num_stages: int, layers_per_stage: Sequence[int] | None = None

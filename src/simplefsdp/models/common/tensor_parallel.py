@@ -88,17 +88,6 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = [
-    "apply_decoder_tp",
-    "attention_plan",
-    "built_split_sizes",
-    "decoder_plan",
-    "feed_forward_plan",
-    "is_float8_tensorwise",
-    "loss_parallel_context",
-    "moe_plan",
-]
-
 
 def attention_plan(
     prefix: str, attention: nn.Module, seq: Placement, styles: Any

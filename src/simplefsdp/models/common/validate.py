@@ -12,8 +12,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["decoder_errors", "divisors", "flag_names"]
-
 #: How a degree or input is spelled in messages by default; a command line
 #: passes its own flags (``names={"tp": "--tp"}``).
 _NAMES = {"tp": "tp", "pp": "pp", "ep": "ep", "seq_len": "seq_len"}

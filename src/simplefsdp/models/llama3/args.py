@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from simplefsdp.models.common.config import (
+from simplefsdp.models.common.config import (  # noqa: F401 (re-exported for the llama3 package)
     DecoderArgs,
     RopeScaling,
     attention_params,
@@ -19,8 +19,6 @@ from simplefsdp.models.common.config import (
     count_params,
 )
 from simplefsdp.models.common.feed_forward import ffn_hidden_dim
-
-__all__ = ["ModelArgs", "RopeScaling", "ffn_hidden_dim", "flops_per_token", "num_params"]
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,6 @@ from typing import Any
 
 from .args import ModelArgs, RopeScaling
 
-__all__ = ["BYTE_VOCAB_SIZE", "LLAMA3_CONFIGS", "LLAMA31_ROPE_SCALING", "get_config"]
-
 #: 256 byte values plus 4 special tokens.
 BYTE_VOCAB_SIZE = 260
 

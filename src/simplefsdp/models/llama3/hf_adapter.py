@@ -35,16 +35,6 @@ from simplefsdp.models.common.feed_forward import ffn_hidden_dim
 
 from .args import ModelArgs
 
-__all__ = [
-    "LLAMA3_HF_ADAPTER",
-    "LlamaHFAdapter",
-    "from_hf_name",
-    "hf_config_from_model_args",
-    "model_args_differences",
-    "model_args_from_hf_config",
-    "to_hf_name",
-]
-
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",

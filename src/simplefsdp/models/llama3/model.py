@@ -12,11 +12,11 @@ torchtitan, e.g. ``layers.0.attention.wq.weight``.
 
 from __future__ import annotations
 
-from simplefsdp.models.common.attention import Attention, repeat_kv
+from simplefsdp.models.common.attention import Attention, repeat_kv  # noqa: F401 (re-exported for the llama3 package)
 from simplefsdp.models.common.decoder import Decoder, DecoderBlock
-from simplefsdp.models.common.feed_forward import FeedForward
-from simplefsdp.models.common.norms import RMSNorm
-from simplefsdp.models.common.rotary import (
+from simplefsdp.models.common.feed_forward import FeedForward  # noqa: F401 (re-exported for the llama3 package)
+from simplefsdp.models.common.norms import RMSNorm  # noqa: F401 (re-exported for the llama3 package)
+from simplefsdp.models.common.rotary import (  # noqa: F401 (re-exported for the llama3 package)
     apply_rope_scaling,
     apply_rotary_emb,
     precompute_freqs_cis,
@@ -24,19 +24,6 @@ from simplefsdp.models.common.rotary import (
 )
 
 from .args import ModelArgs
-
-__all__ = [
-    "Attention",
-    "FeedForward",
-    "RMSNorm",
-    "Transformer",
-    "TransformerBlock",
-    "apply_rotary_emb",
-    "apply_rope_scaling",
-    "precompute_freqs_cis",
-    "repeat_kv",
-    "rope_frequencies",
-]
 
 
 class TransformerBlock(DecoderBlock):

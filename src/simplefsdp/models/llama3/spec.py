@@ -16,8 +16,6 @@ from simplefsdp.models.llama3.hf_adapter import LLAMA3_HF_ADAPTER
 from simplefsdp.models.llama3.model import Transformer
 from simplefsdp.models.spec import ModelSpec
 
-__all__ = ["SPEC", "cross_entropy", "validate"]
-
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The training loss: mean token cross-entropy of ``(B, T, V)`` logits, in fp32."""

@@ -23,20 +23,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from simplefsdp.models.common.tensor_parallel import (
+from simplefsdp.models.common.tensor_parallel import (  # noqa: F401 (re-exported for the llama3 package)
     apply_decoder_tp,
     decoder_plan,
-    is_float8_tensorwise,
     loss_parallel_context,
 )
-
-__all__ = [
-    "apply_tensor_parallel",
-    "is_float8_tensorwise",
-    "llama3_tp_plan",
-    "loss_parallel_context",
-    "tp_split_sizes",
-]
 
 
 def tp_split_sizes(model_args: Any, *, loss_parallel: bool = False) -> dict[str, int]:

@@ -23,18 +23,8 @@ from .model import (
 )
 
 __all__ = [
-    "MOE_CONFIGS",
-    "ExpertLoad",
-    "GroupedExperts",
-    "MoE",
     "MoEArgs",
-    "TokenChoiceRouter",
     "Transformer",
-    "TransformerBlock",
-    "expert_load",
     "get_config",
-    "grouped_mm_supported",
-    "num_active_params",
-    "num_params",
     "update_expert_bias",
 ]

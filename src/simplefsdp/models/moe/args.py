@@ -20,8 +20,6 @@ from simplefsdp.models.common.config import (
 )
 from simplefsdp.models.common.feed_forward import ffn_hidden_dim
 
-__all__ = ["MoEArgs", "num_active_params", "num_params"]
-
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE_MODES = ("bias", "aux_loss", "none")
 ATTENTION_KINDS = ("gqa", "mla")
@@ -62,8 +60,11 @@ class MoEArgs(DecoderArgs):
         attention: ``"gqa"`` (Llama's grouped-query attention, built) or
             ``"mla"`` (DeepSeek's multi-head latent attention: counted by
             :func:`num_params` for planning, not built).
-        q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-        v_head_dim: MLA shapes (``attention="mla"`` only).
+        q_lora_rank: MLA query compression rank, 0 for none (``attention="mla"`` only).
+        kv_lora_rank: MLA key/value compression rank (``attention="mla"`` only).
+        qk_nope_head_dim: MLA query/key head size without rotary embedding.
+        qk_rope_head_dim: MLA query/key head size with rotary embedding.
+        v_head_dim: MLA value head size (``attention="mla"`` only).
 
     Raises:
         ValueError: from ``__post_init__`` naming the offending value.

@@ -27,8 +27,6 @@ from simplefsdp.models.llama3.configs import BYTE_VOCAB_SIZE
 
 from .args import MoEArgs
 
-__all__ = ["MOE_CONFIGS", "get_config"]
-
 MOE_CONFIGS: dict[str, MoEArgs] = {
     "moe_debug": MoEArgs(
         dim=256,

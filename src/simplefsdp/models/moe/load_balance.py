@@ -2,11 +2,8 @@
 implementation (:mod:`simplefsdp.models.common.load_balance`) under the
 family's name."""
 
-from simplefsdp.models.common.load_balance import (
+from simplefsdp.models.common.load_balance import (  # noqa: F401 (re-exported for the moe package)
     ExpertLoad,
     expert_load,
-    expert_load_metrics,
     update_expert_bias,
 )
-
-__all__ = ["ExpertLoad", "expert_load", "expert_load_metrics", "update_expert_bias"]

@@ -15,7 +15,7 @@ Parameter FQNs follow torchtitan: ``layers.1.moe.router.gate.weight``,
 from __future__ import annotations
 
 from simplefsdp.models.common.decoder import Decoder, DecoderBlock
-from simplefsdp.models.common.moe import (
+from simplefsdp.models.common.moe import (  # noqa: F401 (re-exported for the moe package)
     GroupedExperts,
     MoE,
     TokenChoiceRouter,
@@ -23,15 +23,6 @@ from simplefsdp.models.common.moe import (
 )
 
 from .args import MoEArgs
-
-__all__ = [
-    "MoE",
-    "GroupedExperts",
-    "TokenChoiceRouter",
-    "Transformer",
-    "TransformerBlock",
-    "grouped_mm_supported",
-]
 
 
 class TransformerBlock(DecoderBlock):

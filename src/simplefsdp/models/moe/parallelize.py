@@ -17,8 +17,6 @@ from simplefsdp.engines import EngineSpec, ParallelModel
 from simplefsdp.engines.recipe import parallelize_model
 from simplefsdp.models.moe.spec import SPEC
 
-__all__ = ["parallelize_moe"]
-
 
 def parallelize_moe(
     model: nn.Module, spec: EngineSpec, mesh: DeviceMesh, device: torch.device

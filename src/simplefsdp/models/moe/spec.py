@@ -23,8 +23,6 @@ from simplefsdp.models.moe.configs import MOE_CONFIGS
 from simplefsdp.models.moe.model import Transformer
 from simplefsdp.models.spec import ModelSpec
 
-__all__ = ["SPEC", "flops_per_token", "tp_split_sizes", "validate"]
-
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> int:
     """Training FLOPs per token, torchtitan's count: ``6 *`` the parameters

@@ -42,8 +42,44 @@ hash). None of them imports torch.
 """
 
 from . import loading, output, schema
-from .loading import *  # noqa: F403
-from .output import *  # noqa: F403
-from .schema import *  # noqa: F403
-
-__all__ = [*loading.__all__, *output.__all__, *schema.__all__]
+from .loading import (
+    EXTENDS_KEY,
+    apply_dict,
+    apply_overrides,
+    builtin_configs,
+    closest_key,
+    config_from_dict,
+    load_config,
+    parse_overrides,
+)
+from .output import (
+    config_hash,
+    config_to_dict,
+    format_config,
+)
+from .schema import (
+    AC_MODES,
+    BUCKETING_MODES,
+    CHECKPOINT_ASYNC_MODES,
+    COMPILE_BACKENDS,
+    DTYPES,
+    ENGINES,
+    FLOAT8_RECIPES,
+    LOAD_BALANCE_MODES,
+    PARALLEL_MODES,
+    PP_SCHEDULES,
+    SECTIONS,
+    VALID_MODELS,
+    ActivationCheckpointConfig,
+    CheckpointConfig,
+    CompileConfig,
+    DataConfig,
+    Float8Config,
+    JobConfig,
+    MetricsConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    config_warnings,
+    validate_config,
+)

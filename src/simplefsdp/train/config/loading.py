@@ -41,16 +41,6 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10 only
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "EXTENDS_KEY",
-    "builtin_configs",
-    "closest_key",
-    "parse_overrides",
-    "apply_overrides",
-    "apply_dict",
-    "config_from_dict",
-    "load_config",
-]
 
 _BUILTIN_PACKAGE = "simplefsdp.train"
 _BUILTIN_DIR = "presets"

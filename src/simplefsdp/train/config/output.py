@@ -10,8 +10,6 @@ from typing import Any
 
 from .schema import SECTIONS, JobConfig
 
-__all__ = ["config_to_dict", "format_config", "config_hash"]
-
 
 def _plain(value: Any) -> Any:
     """Tuples to lists, recursively (JSON/TOML friendly)."""

@@ -18,8 +18,6 @@ import sys
 
 from .schema import SECTIONS
 
-__all__ = ["field_docs", "render_reference", "main"]
-
 HEADER = """\
 # Configuration reference
 

@@ -36,33 +36,6 @@ from simplefsdp.parallel_dims import (
     PipelineSchedule,
 )
 
-__all__ = [
-    "VALID_MODELS",
-    "LOAD_BALANCE_MODES",
-    "ENGINES",
-    "PP_SCHEDULES",
-    "PARALLEL_MODES",
-    "DTYPES",
-    "COMPILE_BACKENDS",
-    "BUCKETING_MODES",
-    "AC_MODES",
-    "ModelConfig",
-    "DataConfig",
-    "TrainingConfig",
-    "ParallelConfig",
-    "CompileConfig",
-    "ActivationCheckpointConfig",
-    "CheckpointConfig",
-    "MetricsConfig",
-    "Float8Config",
-    "FLOAT8_RECIPES",
-    "CHECKPOINT_ASYNC_MODES",
-    "JobConfig",
-    "SECTIONS",
-    "config_warnings",
-    "validate_config",
-]
-
 #: Names of the model flavors ``model.name`` may refer to (canonical names,
 #: then the accepted aliases; :mod:`simplefsdp.models.registry`).
 VALID_MODELS: tuple[str, ...] = flavor_names(aliases=True)
