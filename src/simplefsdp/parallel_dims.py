@@ -14,7 +14,7 @@ Pure data: this module imports neither torch nor the rest of simplefsdp.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 Engine = Literal["simplefsdp", "simplefsdp_eager", "fsdp2", "ddp", "replica"]
 """The engines: simplefsdp (compiled or not), simplefsdp with the eager
@@ -53,27 +53,6 @@ BUCKETINGS: tuple[Bucketing, ...] = get_args(Bucketing)
 CompileBackend = Literal["inductor", "aot_eager"]
 """``torch.compile`` backends."""
 COMPILE_BACKENDS: tuple[CompileBackend, ...] = get_args(CompileBackend)
-
-
-def tp_split_sizes(model_args: Any, *, loss_parallel: bool = False) -> dict[str, int]:
-    """The model sizes a Llama-style tensor-parallel plan splits over the TP ranks.
-
-    Each must divide by ``tp``; the one list the TP plan's own checks and the
-    command lines' pre-flight checks use.
-
-    Args:
-        model_args: anything with ``n_heads``, ``n_kv_heads``,
-            ``ffn_hidden_dim`` and (with ``loss_parallel``) ``vocab_size``.
-        loss_parallel: the output projection is split over the vocabulary.
-    """
-    sizes = {
-        "n_heads": model_args.n_heads,
-        "n_kv_heads": model_args.n_kv_heads,
-        "feed-forward hidden dim": model_args.ffn_hidden_dim,
-    }
-    if loss_parallel:
-        sizes["vocab_size"] = model_args.vocab_size
-    return sizes
 
 
 def cpu_cores() -> int:

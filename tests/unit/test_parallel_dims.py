@@ -15,8 +15,9 @@ import pytest
 from simplefsdp.engines.resolve import job_errors
 from simplefsdp.layout import Layout
 from simplefsdp.models.llama3 import get_config
+from simplefsdp.models.llama3.tensor_parallel import tp_split_sizes
 from simplefsdp.models.registry import get_spec
-from simplefsdp.parallel_dims import AC_MODES, ENGINES, PIPELINE_SCHEDULES, tp_split_sizes
+from simplefsdp.parallel_dims import AC_MODES, ENGINES, PIPELINE_SCHEDULES
 
 
 def test_the_vocabulary_layout_and_engine_declarations_import_no_torch():

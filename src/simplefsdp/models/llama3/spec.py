@@ -14,6 +14,7 @@ from simplefsdp.models.llama3.args import ModelArgs, flops_per_token, num_params
 from simplefsdp.models.llama3.configs import LLAMA3_CONFIGS
 from simplefsdp.models.llama3.hf_adapter import LLAMA3_HF_ADAPTER
 from simplefsdp.models.llama3.model import Transformer
+from simplefsdp.models.llama3.tensor_parallel import tp_split_sizes
 from simplefsdp.models.spec import ModelSpec
 
 
@@ -34,18 +35,6 @@ def _tensor_parallel(
     apply_tensor_parallel(
         model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
     )
-
-
-def tp_split_sizes(config: ModelArgs, *, loss_parallel: bool = False) -> dict[str, int]:
-    """The sizes the Llama 3 TP plan splits over the TP ranks."""
-    sizes = {
-        "n_heads": config.n_heads,
-        "n_kv_heads": config.n_kv_heads,
-        "feed-forward hidden dim": config.ffn_hidden_dim,
-    }
-    if loss_parallel:
-        sizes["vocab_size"] = config.vocab_size
-    return sizes
 
 
 def validate(
