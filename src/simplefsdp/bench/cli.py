@@ -256,8 +256,8 @@ def _has_experts(flavor: str) -> bool:
 
 def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> None:
     """A mixture-of-experts workload's layout: the one check of train, bench and
-    plan (:func:`simplefsdp.engines.resolve.job_errors`); the family composes
-    with data and expert parallelism only.
+    plan (:func:`simplefsdp.engines.resolve.job_errors`); the workload's
+    recipe (Note: [Bench MoE recipes]) runs data and expert parallelism only.
 
     Raises:
         ValueError: every error (the bad value and the valid ones), joined by "; ".
@@ -275,6 +275,12 @@ def _check_moe_layout(nproc: int, tp: int, pp: int, ep: int, workload: Any) -> N
         model_name=workload.model,
         names={**_LAYOUT_NAMES, "ep": "--ep"},
     )
+    for flag, degree, what in (("--tp", tp, "tensor"), ("--pp", pp, "pipeline")):
+        if degree > 1:
+            errors.append(
+                f"{flag} {degree}: the mixture-of-experts workload does not compose with "
+                f"{what} parallelism; use {flag} 1"
+            )
     if errors:  # every error, on the bench's one error line
         raise ValueError("; ".join(errors))
 
@@ -644,7 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = _build_parser().parse_args(argv)
     try:
-        # The configurations first: their errors need no torch.
+        # The configurations first: their names need no torch (a family's
+        # capabilities do: its spec imports torch).
+        resolve_configs(args.configs, tp=args.tp, pp=args.pp)
         model = args.model or get_workload(args.workload).model
         configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp, moe=_has_experts(model))
         spec = build_spec(args)
