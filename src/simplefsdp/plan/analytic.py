@@ -73,9 +73,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.hardware import HardwareProfile
-from simplefsdp.plan.layout import AC_MODES, ENGINES
+from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
 
 ADAMW_BYTES_PER_PARAM = 28
@@ -125,12 +124,7 @@ def _divisors(n: int) -> list[int]:
 def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
     """One-line ``ValueError`` naming the bad value and what would be valid:
     the options here, the model against the layout by ``spec.validate``."""
-    try:
-        plannable = get_engine(layout.engine).plannable
-    except ValueError:
-        plannable = False
-    if not plannable:
-        raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
+    check_engine(layout.engine)
     if layout.ac not in AC_MODES:
         raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
     for flag, value in (("--gpus", layout.gpus), ("--batch", layout.batch), ("--seq", layout.seq)):

@@ -90,6 +90,17 @@ def _spec_of(args: Any) -> Any:
     raise ValueError(f"no model family has the configuration type {type(args).__name__}")
 
 
+def check_engine(name: str) -> None:
+    """A ``ValueError`` (one line, the valid names) unless ``simplefsdp plan``
+    predicts engine ``name``."""
+    try:
+        plannable = get_engine(name).plannable
+    except ValueError:
+        plannable = False
+    if not plannable:
+        raise ValueError(f"unknown engine {name!r}; valid: {', '.join(ENGINES)}")
+
+
 def validate(args: Any, layout: Layout) -> None:
     """One-line ``ValueError`` naming the first bad value and what would be valid.
 
@@ -98,12 +109,7 @@ def validate(args: Any, layout: Layout) -> None:
     against them, the engine; a 1F1B pipeline, the TP plan with sequence
     parallelism).
     """
-    try:
-        plannable = get_engine(layout.engine).plannable
-    except ValueError:
-        plannable = False
-    if not plannable:
-        raise ValueError(f"unknown engine {layout.engine!r}; valid: {', '.join(ENGINES)}")
+    check_engine(layout.engine)
     if layout.bucketing not in BUCKETINGS:
         raise ValueError(f"unknown bucketing {layout.bucketing!r}; valid: {', '.join(BUCKETINGS)}")
     if layout.dtype not in DTYPES:
