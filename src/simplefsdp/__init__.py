@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 # public name -> module defining it
 _LAZY: dict[str, str] = {
     "CommReport": "simplefsdp.compiler.report",
+    "CostModel": "simplefsdp.compiler.cost_model",
     "DataParallelState": "simplefsdp.frontend.data_parallel",
     "EagerExecutor": "simplefsdp.eager_executor.runtime",
     "ExpertParallel": "simplefsdp.frontend.expert_parallel",
@@ -78,6 +79,7 @@ _LAZY: dict[str, str] = {
 # the documented names: every entry of _LAZY, and __version__
 __all__ = [
     "CommReport",
+    "CostModel",
     "DataParallelState",
     "EagerExecutor",
     "ExpertParallel",
