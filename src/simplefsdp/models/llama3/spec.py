@@ -78,9 +78,9 @@ def validate(
 # and GPU count of the runs its docs/performance.md reports (8B on 8 GPUs, 70B
 # on 64 with TP 8, 405B on 128 with TP 8).
 REFERENCE_LAYOUTS = {
-    "8B": {"gpus": 8, "tp": 1, "batch": 1, "seq": 8192, "ac": "selective"},
-    "70B": {"gpus": 64, "tp": 8, "batch": 8, "seq": 8192, "ac": "full"},
-    "405B": {"gpus": 128, "tp": 8, "batch": 2, "seq": 8192, "ac": "full"},
+    "llama3_8b": {"gpus": 8, "tp": 1, "batch": 1, "seq": 8192, "ac": "selective"},
+    "llama3_70b": {"gpus": 64, "tp": 8, "batch": 8, "seq": 8192, "ac": "full"},
+    "llama3_405b": {"gpus": 128, "tp": 8, "batch": 2, "seq": 8192, "ac": "full"},
 }
 
 SPEC = ModelSpec(
