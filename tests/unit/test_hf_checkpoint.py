@@ -213,3 +213,27 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(TOKENS).logits, ours(TOKENS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 dtype")
+def test_block_scaled_float8_weights_read_dequantized(tmp_path):
+    """A float8 weight with ``weight_scale_inv`` (DeepSeek-V3's published
+    format) reads as each block times its scale, also for a region that
+    starts and ends inside blocks."""
+    import safetensors.torch as st
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(10, 7, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 2, generator=gen) + 0.5  # blocks of 4 x 4
+    st.save_file(
+        {"model.embed_tokens.weight": weight, "model.embed_tokens.weight_scale_inv": scale},
+        str(tmp_path / "model.safetensors"),
+    )
+    config = {**hf_config_from_model_args(ModelArgs(dim=8, n_layers=1, n_heads=2))}
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [4, 4]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    full = weight.float() * scale.repeat_interleave(4, 0)[:10].repeat_interleave(4, 1)[:, :7]
+    ckpt = HFCheckpoint(tmp_path)
+    assert torch.equal(ckpt.read_hf("model.embed_tokens.weight"), full)
+    assert torch.equal(ckpt.read_hf("model.embed_tokens.weight", [3, 2], [6, 5]), full[3:9, 2:7])
+    assert torch.equal(ckpt.read("tok_embeddings.weight", [5, 0], [5, 7]), full[5:10])

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_FLOAT8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+)
 
 
 def _adapter_of_hf_config(config: Mapping[str, Any], source: str) -> Any:
@@ -157,19 +160,74 @@ class HFCheckpoint:
                 raise ValueError(f"cannot read {self.folder / file}: {exc}") from None
         return self._handles[file]
 
-    def _slice(self, hf_name: str, region: tuple[slice, ...] | None) -> torch.Tensor:
+    def has(self, hf_name: str) -> bool:
+        """The checkpoint holds tensor ``hf_name``."""
+        return hf_name in self.weight_map
+
+    def hf_shape(self, hf_name: str) -> list[int]:
+        """The stored shape of tensor ``hf_name``.
+
+        Raises:
+            ValueError: the checkpoint has no such tensor.
+        """
         file = self.weight_map.get(hf_name)
         if file is None:
             raise ValueError(f"{self.folder} has no tensor {hf_name!r}")
-        handle = self._open(file)
-        if region is None:
-            return handle.get_tensor(hf_name)
-        return handle.get_slice(hf_name)[region]
+        return list(self._open(file).get_slice(hf_name).get_shape())
 
-    def hf_shape(self, hf_name: str) -> list[int]:
-        """The stored shape of tensor ``hf_name``."""
+    def read_hf(
+        self,
+        hf_name: str,
+        offsets: Iterable[int] | None = None,
+        sizes: Iterable[int] | None = None,
+    ) -> torch.Tensor:
+        """The region ``offsets``/``sizes`` (whole tensor when None) of the
+        stored tensor ``hf_name``, reading only that region from its file.
+
+        A float8 weight stored with block scales (``<name>_scale_inv``, as
+        in DeepSeek-V3's published checkpoints; block size from
+        ``quantization_config.weight_block_size``, default 128 x 128) is
+        returned dequantized in float32: each block times its scale.
+
+        Raises:
+            ValueError: no such tensor, or a region outside its shape.
+        """
+        shape = self.hf_shape(hf_name)
+        offsets = [0] * len(shape) if offsets is None else list(offsets)
+        sizes = list(shape) if sizes is None else list(sizes)
+        if len(offsets) != len(shape) or any(
+            o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)
+        ):
+            raise ValueError(
+                f"{hf_name}: shape {shape} does not hold the region offsets={offsets} "
+                f"sizes={sizes} the model needs (does config.json match the weights?)"
+            )
+        region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
         handle = self._open(self.weight_map[hf_name])
-        return list(handle.get_slice(hf_name).get_shape())
+        data = handle.get_slice(hf_name)[region]
+        scale_name = f"{hf_name}_scale_inv"
+        if data.dtype in _FLOAT8_DTYPES and scale_name in self.weight_map:
+            data = self._dequantize(data, scale_name, offsets, sizes)
+        return data
+
+    def _dequantize(
+        self, data: torch.Tensor, scale_name: str, offsets: list[int], sizes: list[int]
+    ) -> torch.Tensor:
+        """Block-scaled float8 ``data`` (a region of a weight) -> float32."""
+        quant = self.config.get("quantization_config") or {}
+        block = list(quant.get("weight_block_size") or [128] * data.dim())
+        if len(block) != data.dim():
+            raise ValueError(
+                f"{self.folder / CONFIG_FILE}: quantization_config.weight_block_size "
+                f"{block} does not fit the {data.dim()}-d tensor {scale_name[:-10]!r}"
+            )
+        first = [o // b for o, b in zip(offsets, block, strict=True)]
+        last = [-(-(o + n) // b) for o, n, b in zip(offsets, sizes, block, strict=True)]
+        scale = self.read_hf(scale_name, first, [b - a for a, b in zip(first, last, strict=True)])
+        scale = scale.float()
+        for dim, (b, o, f, n) in enumerate(zip(block, offsets, first, sizes, strict=True)):
+            scale = scale.repeat_interleave(b, dim=dim).narrow(dim, o - f * b, n)
+        return data.float() * scale
 
     def read(
         self, name: str, offsets: Iterable[int] | None = None, sizes: Iterable[int] | None = None
@@ -178,27 +236,35 @@ class HFCheckpoint:
 
         Only the region the family's adapter names is read from the file
         (for example whole heads where the layouts differ within a head).
+        An adapter with a ``read_region(name, offsets, sizes, args,
+        checkpoint)`` method assembles the region itself from any number of
+        stored tensors (through :meth:`read_hf`, :meth:`hf_shape` and
+        :meth:`has`; e.g. one expert tensor of ours from one tensor per
+        expert); ``offsets``/``sizes`` are then always given.
 
         Raises:
             ValueError: the checkpoint lacks the tensor, or its shape is not
                 the one ``config.json`` implies.
         """
+        if hasattr(self.adapter, "read_region"):
+            if offsets is None or sizes is None:
+                raise ValueError(f"{name}: the region to read must be given")
+            return self.adapter.read_region(name, list(offsets), list(sizes), self.args, self)
         hf_name = self.adapter.to_hf_name(name)
         if self.tied and name in self.adapter.tied:
             hf_name = self.adapter.tied[name]
-        shape = self.hf_shape(hf_name) if hf_name in self.weight_map else None
-        if shape is None:
-            raise ValueError(f"{self.folder} has no tensor {hf_name!r}")
+        shape = self.hf_shape(hf_name)
         offsets = [0] * len(shape) if offsets is None else list(offsets)
         sizes = list(shape) if sizes is None else list(sizes)
-        if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+        if len(offsets) != len(shape) or any(
+            o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)
+        ):
             raise ValueError(
                 f"{hf_name}: shape {shape} does not hold the region offsets={offsets} "
                 f"sizes={sizes} the model needs (does config.json match the weights?)"
             )
         hf_offsets, hf_sizes, convert = self.adapter.hf_region(name, offsets, sizes, self.args)
-        region = tuple(slice(o, o + s) for o, s in zip(hf_offsets, hf_sizes, strict=True))
-        return convert(self._slice(hf_name, region))
+        return convert(self.read_hf(hf_name, hf_offsets, hf_sizes))
 
     def close(self) -> None:
         """Release the open files."""
@@ -353,8 +419,11 @@ def save_hf_checkpoint(
     adapter = hf_adapter_for(args)
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        hf_name, value = adapter.to_hf(name, tensor, args)
-        hf[hf_name] = value.contiguous()
+        converted = adapter.to_hf(name, tensor, args)
+        # one (name, tensor) pair, or a list of them (e.g. one per expert)
+        pairs = [converted] if isinstance(converted, tuple) else list(converted)
+        for hf_name, value in pairs:
+            hf[hf_name] = value.contiguous()
     dtypes = {t.dtype for t in hf.values() if t.is_floating_point()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -96,9 +96,14 @@ class ModelSpec:
             in float32.
         hf_adapter: converts to and from Hugging Face checkpoints (``None``:
             no Hugging Face format): an object with ``model_types``,
-            ``tied``, ``to_hf_name``/``from_hf_name``, ``to_hf`` (name and
-            full tensor), ``hf_region`` (the region of a Hugging Face tensor
-            holding a region of ours, and its conversion),
+            ``tied``, ``to_hf_name``/``from_hf_name``, ``to_hf`` (our name
+            and full tensor -> one ``(hf_name, tensor)`` pair or a list of
+            them), ``hf_region`` (the region of a Hugging Face tensor
+            holding a region of ours, and its conversion) or, where one
+            tensor of ours is assembled from several stored ones,
+            ``read_region(name, offsets, sizes, config, checkpoint)`` (reads
+            through :class:`simplefsdp.checkpoint.hf.HFCheckpoint`'s
+            ``read_hf``/``hf_shape``/``has``),
             ``config_from_hf``/``config_to_hf``, ``config_differences`` and
             ``hf_sort_key``; see
             :class:`simplefsdp.models.llama3.hf_adapter.LlamaHFAdapter`.

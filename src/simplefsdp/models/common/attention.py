@@ -1,10 +1,10 @@
 """Causal self-attention: grouped-query attention with rotary embeddings.
 
 One class serves every family; variants are options read from the
-configuration, so a family that needs QK-norm, multi-head latent attention,
-attention sinks or a sliding window adds a field to its
-:class:`~simplefsdp.models.common.config.DecoderArgs` subclass and a branch
-here (keeping the existing parameter names), never a copy of the class. The
+configuration. Every attention module (this one, and a family's own variant
+such as multi-head latent attention) calls :func:`attend` for the attention
+itself, so kernels, document masks and context parallelism live in one
+place. The
 tensor-parallel plan of this module is
 :func:`simplefsdp.models.common.tensor_parallel.attention_plan`.
 """
@@ -18,6 +18,61 @@ from torch import nn
 from .config import DecoderArgs
 from .norms import trunc_normal_
 from .rotary import apply_rotary_emb
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal scaled dot-product attention: the one kernel every family calls.
+
+    Attention modules compute their queries, keys and values (and apply
+    rotary embeddings) and call this function for the attention itself, so
+    that how attention is computed (the kernel, document masks, context
+    parallelism) is decided in one place.
+
+    Args:
+        q: queries ``(B, H, T, d_qk)``.
+        k: keys ``(B, H_kv, T, d_qk)``; ``H`` must be a multiple of ``H_kv``
+            (grouped-query attention: query head ``h`` reads key head
+            ``h // (H / H_kv)``).
+        v: values ``(B, H_kv, T, d_v)``.
+        scale: the softmax scale (default ``d_qk ** -0.5``).
+        sliding_window: each query sees at most this many keys, itself
+            included (Hugging Face's convention): query ``i`` attends to keys
+            ``i - sliding_window + 1 .. i``. ``None``: every earlier key.
+        sinks: per-head logits ``(H,)`` of a learned "sink" that takes part
+            in the softmax normalisation but contributes no value.
+
+    Returns:
+        ``(B, H, T, d_v)``.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    if sliding_window is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    seqlen = q.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least float32
+    scores = torch.matmul(q, k.transpose(-2, -1)).to(acc) * scale  # (B, H, T, T)
+    pos = torch.arange(seqlen, device=q.device)
+    allowed = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        allowed = allowed & (pos[None, :] > pos[:, None] - sliding_window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(acc).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -95,11 +150,10 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
         keys = repeat_kv(xk, self.n_rep)  # (B, T, H, hd)
         values = repeat_kv(xv, self.n_rep)  # (B, T, H, hd)
-        out = F.scaled_dot_product_attention(
+        out = attend(
             xq.transpose(1, 2),  # (B, H, T, hd)
             keys.transpose(1, 2),  # (B, H, T, hd)
             values.transpose(1, 2),  # (B, H, T, hd)
-            is_causal=True,
         )  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (B, T, H * hd)
         return self.wo(out)  # (B, T, D)
