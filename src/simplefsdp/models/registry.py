@@ -33,7 +33,11 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "moe": (
         "simplefsdp.models.moe.spec",
-        ("moe_debug", "moe_small", "deepseek_v3_16b", "deepseek_v3_671b", "llama4_scout"),
+        ("moe_debug", "moe_small", "llama4_scout"),
+    ),
+    "deepseek_v3": (
+        "simplefsdp.models.deepseek_v3.spec",
+        ("deepseek_v3_debug", "deepseek_v3_16b", "deepseek_v3_671b"),
     ),
 }
 

@@ -4,9 +4,8 @@ whose ``ModelSpec.plan_method`` is ``"analytic"`` (expert-parallel decoders).
 Note: [Analytic plan model]
     Decoders with routed experts are planned from their config's shapes
     (``dim``, ``n_layers``, ``num_experts``, ``top_k``, ``moe_hidden_dim``,
-    ``attention`` and its head dims, ...), not from traced graphs: some
-    flavors use multi-head latent attention, which their family counts but
-    does not build. Parameter counts and FLOPs per token come from the
+    attention's head dims (multi-head latent attention where the config has
+    ``kv_lora_rank``), ...), not from traced graphs. Parameter counts and FLOPs per token come from the
     family's ``ModelSpec``.
     The layout is torchtitan's: ``gpus`` data-parallel ranks (no TP or PP),
     experts split over ``ep`` ranks (``num_experts / ep`` each) and sharded
@@ -150,11 +149,17 @@ def expert_params(args: Any) -> int:
     return args.n_moe_layers * args.num_experts * 3 * args.dim * args.moe_hidden_dim
 
 
+def _latent_attention(args: Any) -> bool:
+    """The configuration describes multi-head latent attention (it has a
+    key/value compression rank), else grouped-query attention."""
+    return hasattr(args, "kv_lora_rank")
+
+
 def _attention_elements(args: Any) -> dict[str, float]:
     """Per token, the bf16 elements of attention's tensors backward reads:
     ``inputs`` (norm input and output), ``linear_out`` (the projections'
     outputs), ``sdpa`` (its query, key, value inputs and output)."""
-    if args.attention == "gqa":
+    if not _latent_attention(args):
         head = args.dim // args.n_heads
         kv = args.n_kv_heads * head
         linear_out = args.dim + 2 * kv  # wq, wk, wv
@@ -197,9 +202,9 @@ def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str,
     if ac == "full":
         saved = args.n_layers * args.dim
     elif ac == "selective":
-        attn_sel = args.dim + attn["linear_out"] / 2 + args.n_heads * args.v_head_dim
-        if args.attention == "gqa":
-            attn_sel = args.dim + attn["linear_out"] / 2 + args.dim
+        attn_sel = args.dim + attn["linear_out"] / 2 + args.dim
+        if _latent_attention(args):
+            attn_sel = args.dim + attn["linear_out"] / 2 + args.n_heads * args.v_head_dim
         moe_sel = (
             2 * routed * args.dim  # all-to-all and grouped-matmul outputs
             + routed * 2 * args.moe_hidden_dim  # grouped matmuls' outputs (w1, w3)

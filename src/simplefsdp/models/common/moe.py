@@ -148,7 +148,11 @@ class TokenChoiceRouter(nn.Module):
     Scores are ``softmax`` or ``sigmoid`` of a linear gate computed in
     float32. An optional per-expert bias (auxiliary-loss-free balancing) is
     added for the choice only; the gating weights are the unbiased scores,
-    optionally renormalised over the chosen experts and scaled.
+    optionally renormalised over the chosen experts and scaled. With
+    ``num_groups > 1`` (DeepSeek-V3's group-limited routing) the experts form
+    equal groups, each scored by the sum of its two best biased scores, and a
+    token chooses only among the experts of its ``num_limited_groups`` best
+    groups.
 
     Args:
         dim: model width.
@@ -157,6 +161,8 @@ class TokenChoiceRouter(nn.Module):
         score_func: ``"softmax"`` or ``"sigmoid"``.
         route_norm: renormalise the chosen scores to sum to one.
         route_scale: multiplier on the gating weights.
+        num_groups: expert groups (1: no group limit).
+        num_limited_groups: groups a token's experts come from.
     """
 
     def __init__(
@@ -167,9 +173,13 @@ class TokenChoiceRouter(nn.Module):
         score_func: str = "sigmoid",
         route_norm: bool = True,
         route_scale: float = 1.0,
+        num_groups: int = 1,
+        num_limited_groups: int = 1,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_groups = num_groups
+        self.num_limited_groups = num_limited_groups
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func
@@ -190,6 +200,12 @@ class TokenChoiceRouter(nn.Module):
         else:
             scores = torch.sigmoid(logits)
         choice = scores if expert_bias is None else scores + expert_bias
+        if self.num_groups > 1:
+            grouped = choice.view(choice.shape[0], self.num_groups, -1)  # (N, G, E/G)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
+            best = group_scores.topk(self.num_limited_groups, dim=-1).indices  # (N, g)
+            excluded = torch.ones_like(group_scores, dtype=torch.bool).scatter(1, best, False)
+            choice = grouped.masked_fill(excluded.unsqueeze(-1), float("-inf")).flatten(1)
         _, top_experts = torch.topk(choice, k=self.top_k, dim=-1)  # (N, K)
         top_scores = scores.gather(-1, top_experts)  # (N, K)
         if self.route_norm:
@@ -228,7 +244,9 @@ class MoE(nn.Module):
             ``num_shared_experts``, ``score_func``, ``route_norm``,
             ``route_scale``, ``load_balance``, ``bias_update_rate``,
             ``aux_loss_coeff``; see
-            :class:`simplefsdp.models.moe.MoEArgs`).
+            :class:`simplefsdp.models.moe.MoEArgs`; optionally
+            ``num_expert_groups`` and ``num_limited_groups`` for
+            group-limited routing).
     """
 
     def __init__(self, args: Any) -> None:
@@ -245,6 +263,8 @@ class MoE(nn.Module):
             args.score_func,
             args.route_norm,
             args.route_scale,
+            num_groups=getattr(args, "num_expert_groups", 1),
+            num_limited_groups=getattr(args, "num_limited_groups", 1),
         )
         self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts)
         self.shared_experts = (

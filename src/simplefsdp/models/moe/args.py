@@ -22,7 +22,6 @@ from simplefsdp.models.common.feed_forward import ffn_hidden_dim
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE_MODES = ("bias", "aux_loss", "none")
-ATTENTION_KINDS = ("gqa", "mla")
 
 
 @dataclass(frozen=True)
@@ -57,14 +56,6 @@ class MoEArgs(DecoderArgs):
             or ``"none"``.
         bias_update_rate: step of the score bias update (``"bias"``).
         aux_loss_coeff: weight of the auxiliary loss (``"aux_loss"``).
-        attention: ``"gqa"`` (Llama's grouped-query attention, built) or
-            ``"mla"`` (DeepSeek's multi-head latent attention: counted by
-            :func:`num_params` for planning, not built).
-        q_lora_rank: MLA query compression rank, 0 for none (``attention="mla"`` only).
-        kv_lora_rank: MLA key/value compression rank (``attention="mla"`` only).
-        qk_nope_head_dim: MLA query/key head size without rotary embedding.
-        qk_rope_head_dim: MLA query/key head size with rotary embedding.
-        v_head_dim: MLA value head size (``attention="mla"`` only).
 
     Raises:
         ValueError: from ``__post_init__`` naming the offending value.
@@ -82,12 +73,6 @@ class MoEArgs(DecoderArgs):
     load_balance: Literal["bias", "aux_loss", "none"] = "bias"
     bias_update_rate: float = 1e-3
     aux_loss_coeff: float = 1e-2
-    attention: Literal["gqa", "mla"] = "gqa"
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
 
     def __post_init__(self) -> None:
         """Resolve defaults and validate the configuration."""
@@ -97,7 +82,7 @@ class MoEArgs(DecoderArgs):
         if self.dense_hidden_dim is None:
             object.__setattr__(self, "dense_hidden_dim", ffn_hidden_dim(self.dim, 256, None))
         check_positive_int("dense_hidden_dim", self.dense_hidden_dim)
-        for name in ("n_dense_layers", "num_shared_experts", "q_lora_rank"):
+        for name in ("n_dense_layers", "num_shared_experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -113,8 +98,6 @@ class MoEArgs(DecoderArgs):
             raise ValueError(
                 f"load_balance must be one of {LOAD_BALANCE_MODES}, got {self.load_balance!r}"
             )
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         for name in ("route_scale", "bias_update_rate", "aux_loss_coeff"):
             check_positive_number(name, getattr(self, name))
 
@@ -124,31 +107,11 @@ class MoEArgs(DecoderArgs):
         return self.n_layers - self.n_dense_layers
 
 
-def _attention_params(args: MoEArgs) -> int:
-    if args.attention == "gqa":
-        return attention_params(args)
-    qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
-    if args.q_lora_rank == 0:
-        query = args.dim * args.n_heads * qk_head_dim
-    else:
-        query = (
-            args.dim * args.q_lora_rank
-            + args.q_lora_rank
-            + args.q_lora_rank * args.n_heads * qk_head_dim
-        )
-    key_value = (
-        args.dim * (args.kv_lora_rank + args.qk_rope_head_dim)
-        + args.kv_lora_rank
-        + args.kv_lora_rank * args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
-    )
-    return query + key_value + args.n_heads * args.v_head_dim * args.dim
-
-
 def _count(args: MoEArgs, experts_counted: int, exclude_embeddings: bool) -> int:
     expert = 3 * args.dim * args.moe_hidden_dim
     dense_block = 3 * args.dim * args.dense_hidden_dim
     moe_block = args.dim * args.num_experts + expert * (experts_counted + args.num_shared_experts)
-    per_layer = _attention_params(args) + 2 * args.dim
+    per_layer = attention_params(args) + 2 * args.dim
     total = (
         args.n_layers * per_layer
         + args.n_dense_layers * dense_block

@@ -4,18 +4,12 @@
   with the 260-token byte vocabulary; trains on a CPU in minutes.
 * ``moe_small``: about 0.4B parameters (16 experts, top 2) with the byte
   vocabulary.
-* ``deepseek_v3_16b``: torchtitan's ``deepseek_v3`` 16B shape (DeepSeek-V2-Lite
-  / Moonlight: 64 experts, top 6, two shared experts, multi-head latent
-  attention), 15.7B parameters.
-* ``deepseek_v3_671b``: DeepSeek-V3 (256 experts, top 8, one shared expert),
-  671B parameters without the multi-token-prediction module.
 * ``llama4_scout``: Llama 4 Scout's text model (16 experts, top 1, one shared
   expert, every block MoE), 108B parameters (109B published with the vision
   encoder), 17B activated.
 
-The DeepSeek shapes use multi-head latent attention, which
-:func:`~.args.num_params` counts for planning and :class:`~.model.Transformer`
-does not build; DeepSeek-V3's node-limited (group) routing is not modelled.
+DeepSeek-V3 (multi-head latent attention, group-limited routing) is its own
+family, :mod:`simplefsdp.models.deepseek_v3`.
 """
 
 from __future__ import annotations
@@ -55,51 +49,6 @@ MOE_CONFIGS: dict[str, MoEArgs] = {
         top_k=2,
         moe_hidden_dim=1024,
         num_shared_experts=1,
-    ),
-    "deepseek_v3_16b": MoEArgs(
-        dim=2048,
-        n_layers=27,
-        n_heads=16,
-        vocab_size=102400,
-        rope_theta=10000.0,
-        max_seq_len=4096,
-        n_dense_layers=1,
-        dense_hidden_dim=10944,
-        num_experts=64,
-        top_k=6,
-        moe_hidden_dim=1408,
-        num_shared_experts=2,
-        score_func="softmax",
-        route_norm=False,
-        attention="mla",
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-    ),
-    "deepseek_v3_671b": MoEArgs(
-        dim=7168,
-        n_layers=61,
-        n_heads=128,
-        vocab_size=129280,
-        rope_theta=10000.0,
-        max_seq_len=4096,
-        n_dense_layers=3,
-        dense_hidden_dim=18432,
-        num_experts=256,
-        top_k=8,
-        moe_hidden_dim=2048,
-        num_shared_experts=1,
-        score_func="sigmoid",
-        route_norm=True,
-        route_scale=2.5,
-        attention="mla",
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
     ),
     "llama4_scout": MoEArgs(
         dim=5120,

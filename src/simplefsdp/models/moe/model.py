@@ -27,19 +27,9 @@ from .args import MoEArgs
 
 class TransformerBlock(DecoderBlock):
     """Pre-norm block: attention, then a dense feed-forward network of width
-    ``dense_hidden_dim`` (``layer_id < n_dense_layers``) or a MoE layer.
-
-    Raises:
-        ValueError: ``attention`` other than ``"gqa"`` (multi-head latent
-            attention is counted for planning, not built).
-    """
+    ``dense_hidden_dim`` (``layer_id < n_dense_layers``) or a MoE layer."""
 
     def __init__(self, layer_id: int, args: MoEArgs) -> None:
-        if args.attention != "gqa":
-            raise ValueError(
-                f"attention={args.attention!r} is counted for planning but not built; "
-                "valid for a model: 'gqa'"
-            )
         super().__init__(
             layer_id,
             args,

@@ -27,14 +27,9 @@ from simplefsdp.models.spec import ModelSpec
 def flops_per_token(args: MoEArgs, seq_len: int) -> int:
     """Training FLOPs per token, torchtitan's count: ``6 *`` the parameters
     one token uses (``top_k`` routed experts per layer, no input embedding)
-    plus attention's ``6 * n_layers * n_heads * (qk + v head dims) * seq_len``
-    (``12 * n_layers * dim * seq_len`` for grouped-query attention)."""
+    plus attention's ``12 * n_layers * dim * seq_len``."""
     n = num_active_params(args, exclude_embeddings=True)
-    if args.attention == "gqa":
-        qk = v = args.dim // args.n_heads
-    else:
-        qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
-    return 6 * n + 6 * args.n_layers * args.n_heads * (qk + v) * seq_len
+    return 6 * n + 12 * args.n_layers * args.dim * seq_len
 
 
 def _init_weights(model: Any, buffer_device: Any = None) -> None:
@@ -88,21 +83,13 @@ def validate(
     names: Mapping[str, str] | None = None,
 ) -> list[str]:
     """The MoE model against the layout: the decoder's rules, experts vs ep,
-    ep with tp (refused), and (with ``build``) attention that is not built.
+    ep with tp (refused).
 
     See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
     """
     n = flag_names(names)
     model = f"model {model_name!r}" if model_name else "the model"
-    errors = []
-    if build and config.attention != "gqa":
-        built = [name for name, c in MOE_CONFIGS.items() if c.attention == "gqa"]
-        errors.append(
-            f"{model} uses attention={config.attention!r} (multi-head latent attention), "
-            f"which simplefsdp plan counts but train and bench do not build; buildable "
-            f"mixture-of-experts models: {', '.join(built)}"
-        )
-    errors += decoder_errors(
+    errors = decoder_errors(
         config,
         layout,
         tp_sizes=tp_split_sizes(config, loss_parallel=loss_parallel),
