@@ -35,8 +35,6 @@ from simplefsdp.layout import Layout
         (["--nproc", "4", "--parallel.tp", "2", "--parallel.ep", "2", "--compile.enable", "false"],
          "parallel.ep 2 with parallel.tp 2: expert parallelism composes with data "
          "parallelism (dp_shard, cp) only"),
-        (["--nproc", "2", "--model", "deepseek_v3_16b"],
-         "model 'deepseek_v3_16b' uses attention='mla' (multi-head latent attention)"),
         (["--nproc", "2", "--parallel.ep", "0"], "parallel.ep: invalid value 0; must be >= 1"),
     ],
 )  # fmt: skip

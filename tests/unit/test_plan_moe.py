@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import plan_profiles
-from simplefsdp.models.registry import family_names, get_spec, resolve_flavor
+from simplefsdp.models.registry import family_names, get_spec, resolve_flavor, spec_for_config
 from simplefsdp.plan import cli as plan_cli
 from simplefsdp.plan import predict
 from simplefsdp.plan.analytic import ExpertLayout as MoELayout
@@ -25,20 +25,20 @@ MOE = get_spec("moe")
 
 def get_config(name):
     spec, config = resolve_flavor(name)
-    assert spec is MOE
+    assert spec.plan_method == "analytic"
     return config
 
 
 def num_params(config, exclude_embeddings=False):
-    return MOE.num_params(config, exclude_embeddings=exclude_embeddings)
+    return spec_for_config(config).num_params(config, exclude_embeddings=exclude_embeddings)
 
 
 def num_active_params(config, exclude_embeddings=False):
-    return MOE.active_params(config, exclude_embeddings=exclude_embeddings)
+    return spec_for_config(config).active_params(config, exclude_embeddings=exclude_embeddings)
 
 
 def predict_moe(config, layout, hw):
-    return predict(MOE, config, layout, hw)
+    return predict(spec_for_config(config), config, layout, hw)
 
 
 def test_parameters_total_and_activated() -> None:
@@ -155,7 +155,7 @@ def test_mfu_counts_the_specs_flops_per_token() -> None:
     # grouped-query attention as 12 * n_layers * dim * seq.
     args = get_config("deepseek_v3_16b")
     pred = predict_moe(args, MoELayout(gpus=8, batch=1, seq=4096, ep=2), FIXED)
-    flops = MOE.flops_per_token(args, 4096)
+    flops = spec_for_config(args).flops_per_token(args, 4096)
     assert pred.mfu == pytest.approx(pred.tokens_per_s_per_gpu * flops / FIXED.peak_bf16_flops)
     attention = 6 * args.n_layers * args.n_heads * (192 + 128) * 4096
     assert flops == 6 * num_active_params(args, exclude_embeddings=True) + attention

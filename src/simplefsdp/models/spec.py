@@ -68,8 +68,7 @@ class ModelSpec:
             (``layout.num_stages`` where the layout has it, else
             ``layout.pp``); experts vs ``layout.ep``; and, with ``build``
             (train, bench; ``False`` for plan, which only counts), a
-            configuration that cannot be built (e.g. multi-head latent
-            attention). ``layout`` is anything with the degrees of
+            configuration that cannot be built. ``layout`` is anything with the degrees of
             :class:`LayoutDegrees` (missing ones count as 1); ``model_name``
             and ``names`` (how the caller spells each degree: its flags)
             only shape the messages.
@@ -110,8 +109,7 @@ class ModelSpec:
         plan_method: how ``simplefsdp plan`` predicts a job of this family:
             ``"trace"`` (trace ``build`` with 1 and 2 blocks on the meta
             device) or ``"analytic"`` (from the config's shapes, for
-            expert-parallel decoders whose layers are counted but not all
-            built).
+            expert-parallel decoders).
         reference_layouts: published training layouts per flavor name
             (``gpus``, ``tp``, ``batch``, ``seq``, ``ac``): the defaults of
             ``simplefsdp plan`` for that flavor.

@@ -77,8 +77,7 @@ class ModelConfig:
     Attributes:
         name: One of :data:`VALID_MODELS` (a flavor of
             :mod:`simplefsdp.models.registry`); flavors whose family cannot
-            build them (multi-head latent attention) are refused before any
-            process starts.
+            build them are refused before any process starts.
         vocab_size: Overrides the model's vocabulary size (``None``: use the
             tokenizer's / model's own).
         max_seq_len: Overrides the model's maximum sequence length.
