@@ -37,7 +37,8 @@ class DeepSeekV3Args(MoEArgs):
             groups [``topk_group``], a group scored by the sum of its two
             best (biased) scores.
 
-    The other DeepSeek-V3 fields are :class:`MoEArgs`'s: ``n_dense_layers``
+    ``n_kv_heads`` is always ``n_heads`` (every head has its own keys and
+    values). The other DeepSeek-V3 fields are :class:`MoEArgs`'s: ``n_dense_layers``
     [``first_k_dense_replace``], ``dense_hidden_dim`` [``intermediate_size``],
     ``num_experts`` [``n_routed_experts``], ``top_k``
     [``num_experts_per_tok``], ``moe_hidden_dim`` [``moe_intermediate_size``],
@@ -60,6 +61,8 @@ class DeepSeekV3Args(MoEArgs):
 
     def __post_init__(self) -> None:
         """Resolve defaults and validate the configuration."""
+        # Latent attention gives every head its own keys and values.
+        object.__setattr__(self, "n_kv_heads", self.n_heads)
         super().__post_init__()
         value = self.q_lora_rank
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

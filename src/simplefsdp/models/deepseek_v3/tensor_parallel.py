@@ -51,7 +51,7 @@ def latent_attention_plan(
         prefix: PrepareModuleInput(
             input_layouts=(seq, None),
             desired_input_layouts=(Replicate(), None),
-            use_local_input=True,
+            use_local_output=True,
         )
     }
     query = ("wq",) if attention.q_lora_rank == 0 else ("wq_b",)
