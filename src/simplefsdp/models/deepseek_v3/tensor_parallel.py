@@ -1,9 +1,10 @@
 """The DeepSeek-V3 tensor-parallel plan: the shared decoder plan with
 multi-head latent attention's heads split (torchtitan's ``deepseek_v3`` plan).
 
-:func:`simplefsdp.models.common.tensor_parallel.decoder_plan` gives the
-embedding, norms, dense feed-forward networks, MoE layers and output; each
-block's attention entries are replaced by :func:`latent_attention_plan`:
+The shared decoder's plan
+(:func:`simplefsdp.models.common.tensor_parallel.decoder_plan`: embedding,
+norms, dense feed-forward networks, MoE layers, output) with each block's
+attention planned by :func:`latent_attention_plan`:
 
 * the attention input is gathered from the sequence shards once and handed
   to the module as a plain (replicated) tensor, so the replicated parts
@@ -30,15 +31,18 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import Placement
 
 from simplefsdp.models.common.tensor_parallel import (
     _SequenceLengthCheck,
+    _styles_for,
     _validate,
-    decoder_plan,
+    feed_forward_plan,
     is_float8_tensorwise,
+    moe_plan,
 )
 
 
@@ -65,14 +69,32 @@ def deepseek_v3_plan(
     model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of a DeepSeek-V3 model (or pipeline stage):
-    FQN -> style, plain data for ``parallelize_module``."""
-    plan = decoder_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    FQN -> style, plain data for ``parallelize_module``. The shared
+    decoder's plan (:func:`~simplefsdp.models.common.tensor_parallel.decoder_plan`)
+    with :func:`latent_attention_plan` for each block's attention."""
     seq = Shard(1) if sequence_parallel else Replicate()
+    styles = _styles_for(model)
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "output", None) is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if sequence_parallel and getattr(model, "norm", None) is not None:
+        plan["norm"] = SequenceParallel()
     for key, block in model.layers.items():
-        prefix = f"layers.{key}.attention"
-        for name in [n for n in plan if n == prefix or n.startswith(prefix + ".")]:
-            del plan[name]
-        plan.update(latent_attention_plan(prefix, block.attention, seq))
+        prefix = f"layers.{key}."
+        if sequence_parallel:
+            plan[prefix + "attention_norm"] = SequenceParallel()
+            plan[prefix + "ffn_norm"] = SequenceParallel()
+        plan.update(latent_attention_plan(prefix + "attention", block.attention, seq))
+        if block.moe_enabled:
+            plan.update(moe_plan(prefix + "moe", block.moe, seq, styles))
+        else:
+            plan.update(feed_forward_plan(prefix + "feed_forward", block.feed_forward, seq, styles))
     return plan
 
 
