@@ -265,4 +265,7 @@ def test_deepseek_v3_pipeline_trains_like_one_process() -> None:
 def test_deepseek_v3_float8_tensor_parallel_matches_one_process() -> None:
     pytest.importorskip("torchao.float8")
     got = run_distributed(_body, world_size=WORLD, args=(("float8",),), timeout_s=300)[0]
-    _check(got["float8"])
+    # A float8 cast turns a last-bit fp32 difference (partial sums over the
+    # ranks) into a whole float8 step now and then: parameters within 2.4e-4
+    # of their largest value after 3 steps, the losses within 1e-6.
+    _check(got["float8"], max_diff=1e-3)
