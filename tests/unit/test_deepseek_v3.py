@@ -22,11 +22,14 @@ transformers = pytest.importorskip("transformers")
 
 SPEC = get_spec("deepseek_v3")
 VOCAB = 128
-# Two tiny models: A has query compression, groups of experts and the
-# interleaved rotary rows DeepSeek publishes; B a plain query projection,
-# rotate-half rotary rows and tied embeddings.
+# Two tiny models: A has query compression, groups of experts, YaRN rotary
+# scaling (its softmax scale too) and the interleaved rotary rows DeepSeek
+# publishes; B a plain query projection, rotate-half rotary rows and tied
+# embeddings.
+YARN = dict(type="yarn", factor=4.0, beta_fast=32, beta_slow=1, mscale=0.707,
+            mscale_all_dim=0.707, original_max_position_embeddings=16)  # fmt: skip
 VARIANTS = {
-    "A": dict(q_lora_rank=48, n_group=4, topk_group=2, rope_interleave=True),
+    "A": dict(q_lora_rank=48, n_group=4, topk_group=2, rope_interleave=True, rope_scaling=YARN),
     "B": dict(q_lora_rank=None, n_group=1, topk_group=1, rope_interleave=False,
               tie_word_embeddings=True),
 }  # fmt: skip
@@ -73,11 +76,12 @@ def saved(request, tmp_path_factory):
     hf = _hf_model(_hf_config(**VARIANTS[request.param]))
     folder = tmp_path_factory.mktemp(f"dsv3_{request.param}")
     hf.save_pretrained(folder)
-    return hf, folder, _ours(folder)
+    return hf, folder, _ours(folder), request.param
 
 
 def test_logits_match_transformers(saved):
-    hf, _, ours = saved
+    hf, _, ours, variant = saved
+    assert (ours.args.rope_scaling is not None) == ("rope_scaling" in VARIANTS[variant])
     with torch.no_grad():
         want, got = hf(TOKENS).logits, ours(TOKENS)
     diff = (got - want).abs().max().item()
@@ -86,7 +90,7 @@ def test_logits_match_transformers(saved):
 
 
 def test_export_loads_in_transformers_with_our_logits(saved, tmp_path):
-    _, _, ours = saved
+    ours = saved[2]
     save_hf_checkpoint(ours.state_dict(), ours.args, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
@@ -192,6 +196,7 @@ def test_bad_configs_are_one_line() -> None:
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"n_group": 3}, "num_expert_groups=3 does not divide num_experts=8"),
         ({"model_type": "deepseek_v2"}, "model_type 'deepseek_v2' is not supported"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "type 'dynamic' is not supported"),
     ]
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message) as info:

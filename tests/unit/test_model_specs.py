@@ -36,7 +36,9 @@ def test_validate_owns_the_model_rules():
     assert "has none" in llama.validate(args, SimpleNamespace(ep=2))[0]
     deepseek, args = resolve_flavor("deepseek_v3_16b")  # 16 heads, 64 experts
     assert deepseek.validate(args, SimpleNamespace(tp=2, ep=1)) == []
-    assert "ep 3 does not divide the 64 experts" in deepseek.validate(args, SimpleNamespace(ep=3))[0]
+    assert (
+        "ep 3 does not divide the 64 experts" in deepseek.validate(args, SimpleNamespace(ep=3))[0]
+    )
 
 
 def test_checkpoint_records_family_flavor_and_config():

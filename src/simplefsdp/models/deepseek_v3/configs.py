@@ -11,15 +11,30 @@
   groups, one shared expert, sigmoid routing scaled by 2.5), 671B
   parameters without the multi-token-prediction module.
 
-The published models extend their context with YaRN rotary scaling; these
-flavors train at ``max_seq_len`` 4096 without it.
+The published sizes keep their published context: YaRN rotary scaling by 40
+from 4096 positions to ``max_seq_len`` 163840 (which also scales the
+attention's softmax).
 """
 
 from __future__ import annotations
 
+from simplefsdp.models.common.config import YarnScaling
 from simplefsdp.models.llama3.configs import BYTE_VOCAB_SIZE
 
 from .args import DeepSeekV3Args
+
+
+def _yarn(mscale: float) -> YarnScaling:
+    """The published YaRN scaling: 40 x 4096 positions."""
+    return YarnScaling(
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=mscale,
+        mscale_all_dim=mscale,
+    )
+
 
 DEEPSEEK_V3_CONFIGS: dict[str, DeepSeekV3Args] = {
     "deepseek_v3_debug": DeepSeekV3Args(
@@ -54,7 +69,8 @@ DEEPSEEK_V3_CONFIGS: dict[str, DeepSeekV3Args] = {
         vocab_size=102400,
         norm_eps=1e-6,
         rope_theta=10000.0,
-        max_seq_len=4096,
+        rope_scaling=_yarn(0.707),
+        max_seq_len=163840,
         n_dense_layers=1,
         dense_hidden_dim=10944,
         num_experts=64,
@@ -76,7 +92,8 @@ DEEPSEEK_V3_CONFIGS: dict[str, DeepSeekV3Args] = {
         vocab_size=129280,
         norm_eps=1e-6,
         rope_theta=10000.0,
-        max_seq_len=4096,
+        rope_scaling=_yarn(1.0),
+        max_seq_len=163840,
         n_dense_layers=3,
         dense_hidden_dim=18432,
         num_experts=256,

@@ -35,11 +35,14 @@ Note: [DeepSeek-V3 Hugging Face names and layouts]
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from simplefsdp.models.common.config import YarnScaling, rope_scaling_from_mapping
 
 from .args import DeepSeekV3Args
 
@@ -136,7 +139,8 @@ def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> De
     Raises:
         ValueError: another ``model_type``, a missing key, or a feature our
             model lacks (biases, another activation or scoring function,
-            rotary scaling); one line naming the key and its value.
+            rotary scaling other than YaRN); one line naming the key and its
+            value.
     """
 
     def get(key: str, default: Any = None) -> Any:
@@ -164,13 +168,19 @@ def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> De
             f"{source}: topk_method {topk_method!r} is not supported "
             "(noaux_tc, greedy, group_limited_greedy)"
         )
-    rope = get("rope_scaling")
-    if rope:
-        rope_type = rope.get("rope_type", rope.get("type"))
-        if rope_type not in (None, "default"):
-            raise ValueError(
-                f"{source}: rope_scaling type {rope_type!r} is not supported (only none)"
-            )
+    rope = dict(get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type"))
+    scaling = None
+    if rope_type == "yarn":
+        rope.setdefault("original_max_position_embeddings", get("max_position_embeddings", 4096))
+        try:
+            scaling = rope_scaling_from_mapping(rope)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+    elif rope_type not in (None, "default"):
+        raise ValueError(
+            f"{source}: rope_scaling type {rope_type!r} is not supported (only 'yarn' or none)"
+        )
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in required if k not in config]
     if missing:
@@ -183,6 +193,7 @@ def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> De
             vocab_size=int(config["vocab_size"]),
             norm_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=float(get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
             max_seq_len=int(get("max_position_embeddings", 4096)),
             n_dense_layers=int(get("first_k_dense_replace", 3)),
             dense_hidden_dim=int(get("intermediate_size", 18432)),
@@ -211,19 +222,24 @@ def config_to_hf(args: DeepSeekV3Args, dtype: torch.dtype = torch.float32) -> di
 
     Raises:
         ValueError: a configuration transformers' model cannot express
-            (softmax scores, load balancing other than the routing bias,
-            rotary scaling).
+            (softmax scores, rotary scaling other than YaRN).
     """
     if args.score_func != "sigmoid":
         raise ValueError(
             f"score_func={args.score_func!r} has no DeepseekV3ForCausalLM equivalent "
             "(it routes with sigmoid scores); export with --format simplefsdp"
         )
-    if args.rope_scaling is not None:
+    scaling = args.rope_scaling
+    if scaling is not None and not isinstance(scaling, YarnScaling):
         raise ValueError(
-            f"rope_scaling={args.rope_scaling!r} has no DeepseekV3ForCausalLM equivalent; "
+            f"rope_scaling={scaling!r} has no DeepseekV3ForCausalLM equivalent (only YaRN); "
             "export with --format simplefsdp"
         )
+    rope_scaling = None
+    if scaling is not None:
+        rope_scaling = {"type": "yarn", "rope_type": "yarn", **dataclasses.asdict(scaling)}
+        if scaling.attention_factor is None:
+            del rope_scaling["attention_factor"]
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -234,7 +250,7 @@ def config_to_hf(args: DeepSeekV3Args, dtype: torch.dtype = torch.float32) -> di
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling,
         "rope_interleave": True,
         "max_position_embeddings": args.max_seq_len,
         "first_k_dense_replace": args.n_dense_layers,

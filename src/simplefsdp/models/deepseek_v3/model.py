@@ -15,10 +15,13 @@ Parameter FQNs follow torchtitan: ``layers.0.attention.wq_a.weight``
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from simplefsdp.models.common.attention import attend
+from simplefsdp.models.common.config import YarnScaling
 from simplefsdp.models.common.decoder import Decoder, DecoderBlock
 from simplefsdp.models.common.feed_forward import FeedForward
 from simplefsdp.models.common.moe import MoE
@@ -29,8 +32,14 @@ from .args import DeepSeekV3Args
 
 
 def softmax_scale(args: DeepSeekV3Args) -> float:
-    """The attention softmax scale: ``qk_head_dim ** -0.5``."""
-    return args.qk_head_dim**-0.5
+    """The attention softmax scale: ``qk_head_dim ** -0.5``, times
+    ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2`` with YaRN rotary scaling
+    (``factor > 1``, DeepSeek's correction for the longer context)."""
+    scale = args.qk_head_dim**-0.5
+    yarn = args.rope_scaling
+    if isinstance(yarn, YarnScaling) and yarn.mscale_all_dim and yarn.factor > 1:
+        scale *= (0.1 * yarn.mscale_all_dim * math.log(yarn.factor) + 1.0) ** 2
+    return scale
 
 
 class MultiHeadLatentAttention(nn.Module):
