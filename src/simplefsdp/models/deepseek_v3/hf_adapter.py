@@ -147,7 +147,7 @@ def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> De
         value = config.get(key, default)
         return default if value is None else value
 
-    model_type = get("model_type", "deepseek_v3")
+    model_type = get("model_type")
     if model_type != "deepseek_v3":
         raise ValueError(
             f"{source}: model_type {model_type!r} is not supported (only 'deepseek_v3')"
