@@ -231,3 +231,24 @@ def test_tensor_parallel_plan_splits_the_heads() -> None:
     assert isinstance(plan["layers.0.attention.wo"], RowwiseParallel)
     assert not [n for n in plan if n.endswith(("wq_a", "wkv_a", "wk", "wv", "kv_norm"))]
     assert "layers.1.moe" in plan and "layers.0.feed_forward.w1" in plan
+
+
+def test_a_shard_reads_only_its_region(saved):
+    # What a rank of a sharded model reads: row ranges cutting through heads
+    # (rotary rows permuted in variant B), a range of experts, column ranges.
+    _, folder, ours, _ = saved
+    ckpt = HFCheckpoint(folder)
+    full = ours.state_dict()
+    query = "layers.0.attention." + ("wq_b" if ours.args.q_lora_rank else "wq") + ".weight"
+    cols = full[query].shape[1]  # 64, or the query rank 48
+    cases = [
+        (query, [5, 0], [70, cols]),
+        (query, [0, 16], [128, 16]),
+        ("layers.1.attention.wkv_a.weight", [20, 0], [28, 64]),
+        ("layers.2.moe.experts.w1", [3, 8, 0], [4, 16, 64]),
+        ("layers.2.moe.experts.w2", [0, 0, 16], [2, 64, 16]),
+        ("output.weight", [64, 0], [64, 64]),
+    ]
+    for name, offsets, sizes in cases:
+        region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+        assert torch.equal(ckpt.read(name, offsets, sizes), full[name][region]), name
