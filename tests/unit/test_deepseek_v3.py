@@ -194,6 +194,7 @@ def test_bad_configs_are_one_line() -> None:
     cases = [
         ({"attention_bias": True}, "attention_bias=true is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"topk_method": "group_limited_greedy"}, "topk_method 'group_limited_greedy' is not"),
         ({"n_group": 3}, "num_expert_groups=3 does not divide num_experts=8"),
         ({"model_type": "deepseek_v2"}, "model_type 'deepseek_v2' is not supported"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "type 'dynamic' is not supported"),

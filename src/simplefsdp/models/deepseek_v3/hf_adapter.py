@@ -162,12 +162,14 @@ def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> De
     scoring = get("scoring_func", "sigmoid")
     if scoring not in ("sigmoid", "softmax"):
         raise ValueError(f"{source}: scoring_func {scoring!r} is not supported (sigmoid, softmax)")
+    # noaux_tc: group-limited by the top-2 sums (transformers' only routing);
+    # greedy: no group limit.
     topk_method = get("topk_method", "noaux_tc")
-    if topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+    if topk_method not in ("noaux_tc", "greedy"):
         raise ValueError(
-            f"{source}: topk_method {topk_method!r} is not supported "
-            "(noaux_tc, greedy, group_limited_greedy)"
+            f"{source}: topk_method {topk_method!r} is not supported (noaux_tc, greedy)"
         )
+    groups = (1, 1) if topk_method == "greedy" else (get("n_group", 1), get("topk_group", 1))
     rope = dict(get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type"))
     scaling = None
@@ -210,8 +212,8 @@ def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> De
             qk_nope_head_dim=int(get("qk_nope_head_dim", 128)),
             qk_rope_head_dim=int(get("qk_rope_head_dim", 64)),
             v_head_dim=int(get("v_head_dim", 128)),
-            num_expert_groups=int(get("n_group", 1)),
-            num_limited_groups=int(get("topk_group", 1)),
+            num_expert_groups=int(groups[0]),
+            num_limited_groups=int(groups[1]),
         )
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
