@@ -55,26 +55,14 @@ def _adapter_of_hf_config(config: Mapping[str, Any], source: str) -> Any:
         adapter = get_spec(family).hf_adapter
         if adapter is not None:
             readable.update(dict.fromkeys(adapter.model_types, adapter))
-    if model_type is None:  # an old config.json without model_type: the one family reading it
-        adapters = list({id(a): a for a in readable.values()}.values())
-        accepting = [a for a in adapters if _accepts(a, config, source)]
-        if len(accepting) == 1:
-            return accepting[0]
+    if model_type is None and len(set(readable.values())) == 1:
+        return next(iter(readable.values()))  # an old config.json without model_type
     if model_type not in readable:
         raise ValueError(
             f"{source}: model_type {model_type!r} is not supported; valid: "
             f"{', '.join(repr(t) for t in readable)}"
         )
     return readable[model_type]
-
-
-def _accepts(adapter: Any, config: Mapping[str, Any], source: str) -> bool:
-    """``adapter`` reads ``config`` (its ``config_from_hf`` raises no error)."""
-    try:
-        adapter.config_from_hf(config, source)
-    except ValueError:
-        return False
-    return True
 
 
 def hf_adapter_for(args: Any) -> Any:
