@@ -1,8 +1,8 @@
 """Components every model family builds on.
 
 * :mod:`.config`: :class:`DecoderArgs` (the shared configuration fields),
-  :class:`RopeScaling`, parameter counting;
-* :mod:`.norms` (RMSNorm), :mod:`.rotary` (RoPE with Llama 3.1 scaling),
+  :class:`RopeScaling`, :class:`YarnScaling`, parameter counting;
+* :mod:`.norms` (RMSNorm), :mod:`.rotary` (RoPE with Llama 3.1 or YaRN scaling),
   :mod:`.attention` (grouped-query attention), :mod:`.feed_forward` (SwiGLU),
   :mod:`.moe` (router, grouped experts, shared experts) and
   :mod:`.load_balance` (routing-bias update, expert-load metrics);
@@ -17,7 +17,7 @@ A family is a folder ``simplefsdp/models/<family>/`` that subclasses these
 """
 
 from .attention import Attention, repeat_kv
-from .config import DecoderArgs, RopeScaling, count_params
+from .config import DecoderArgs, RopeScaling, YarnScaling, count_params
 from .decoder import Decoder, DecoderBlock
 from .feed_forward import FeedForward, ffn_hidden_dim
 from .moe import GroupedExperts, MoE, TokenChoiceRouter, grouped_mm_supported

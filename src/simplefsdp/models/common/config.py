@@ -81,6 +81,100 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rotary scaling parameters (``rope_scaling`` type ``"yarn"``).
+
+    YaRN divides the low rotary frequencies by ``factor``, keeps the high
+    ones, and ramps linearly between the two over the channel range whose
+    wavelengths make between ``beta_slow`` and ``beta_fast`` turns in
+    ``original_max_position_embeddings`` positions. The rotary table (cos and
+    sin) is multiplied by :attr:`attention_factor`. See
+    :func:`~simplefsdp.models.common.rotary.apply_yarn_scaling`.
+
+    Attributes:
+        factor: Context extension factor (divisor of the low frequencies).
+        original_max_position_embeddings: Context length the base model was
+            pre-trained with.
+        beta_fast: Turns that bound the kept (extrapolated) high frequencies.
+        beta_slow: Turns that bound the divided (interpolated) low frequencies.
+        mscale: Numerator scale of the derived attention factor.
+        mscale_all_dim: Denominator scale of the derived attention factor;
+            ``0`` derives the factor from ``factor`` alone.
+        truncate: Round the ramp's channel bounds to whole channels.
+        attention_factor: Scale of cos and sin; ``None`` derives it from
+            ``factor``, ``mscale`` and ``mscale_all_dim``.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        """Validate the scaling parameters.
+
+        Raises:
+            ValueError: If a value is out of range; the message names it.
+        """
+        check_positive_number("rope_scaling.factor", self.factor)
+        check_positive_int(
+            "rope_scaling.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+        )
+        check_positive_number("rope_scaling.beta_fast", self.beta_fast)
+        check_positive_number("rope_scaling.beta_slow", self.beta_slow)
+        for name in ("mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"rope_scaling.{name} must be a number >= 0, got {value!r}")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"rope_scaling.truncate must be a bool, got {self.truncate!r}")
+        if self.attention_factor is not None:
+            check_positive_number("rope_scaling.attention_factor", self.attention_factor)
+
+    @property
+    def scale(self) -> float:
+        """The factor cos and sin are multiplied by (YaRN's ``mscale``)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(weight: float) -> float:
+            if self.factor <= 1:
+                return 1.0
+            return 0.1 * weight * math.log(self.factor) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return get_mscale(self.mscale) / get_mscale(self.mscale_all_dim)
+        return get_mscale(1.0)
+
+
+def rope_scaling_from_mapping(mapping: Mapping[str, Any]) -> RopeScaling | YarnScaling:
+    """Build the scaling a mapping describes.
+
+    A ``"type"`` (or ``"rope_type"``) key of ``"yarn"`` selects
+    :class:`YarnScaling`; ``"llama3"`` or no such key selects
+    :class:`RopeScaling`. The other keys are the dataclass's field names.
+
+    Raises:
+        ValueError: For another type or an unknown/invalid field.
+    """
+    fields = dict(mapping)
+    kind = fields.pop("type", None) or fields.pop("rope_type", None) or "llama3"
+    fields.pop("rope_type", None)
+    classes = {"llama3": RopeScaling, "yarn": YarnScaling}
+    if kind not in classes:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; valid: llama3, yarn")
+    try:
+        return classes[kind](**fields)
+    except TypeError as exc:
+        raise ValueError(f"invalid rope_scaling {dict(mapping)!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
 class DecoderArgs:
     """Hyper-parameters every decoder has: embeddings, attention, rotary, norms.
 
@@ -97,8 +191,9 @@ class DecoderArgs:
         vocab_size: Vocabulary size.
         norm_eps: Epsilon of the RMSNorm layers.
         rope_theta: Rotary embedding base (500000 for Llama 3).
-        rope_scaling: Llama 3.1 frequency scaling; a :class:`RopeScaling`, a
-            mapping with its field names (converted on construction), or
+        rope_scaling: Rotary frequency scaling: a :class:`RopeScaling`
+            (Llama 3.1), a :class:`YarnScaling`, a mapping read by
+            :func:`rope_scaling_from_mapping` (converted on construction), or
             ``None`` for no scaling.
         max_seq_len: Longest sequence the rotary tables are precomputed for.
 
@@ -116,7 +211,7 @@ class DecoderArgs:
     vocab_size: int = 128256
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     max_seq_len: int = 8192
 
     def __post_init__(self) -> None:
@@ -129,14 +224,13 @@ class DecoderArgs:
         check_positive_number("norm_eps", self.norm_eps)
         check_positive_number("rope_theta", self.rope_theta)
         if isinstance(self.rope_scaling, Mapping):
-            try:
-                scaling = RopeScaling(**self.rope_scaling)
-            except TypeError as exc:
-                raise ValueError(f"invalid rope_scaling {self.rope_scaling!r}: {exc}") from exc
-            object.__setattr__(self, "rope_scaling", scaling)
-        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            object.__setattr__(self, "rope_scaling", rope_scaling_from_mapping(self.rope_scaling))
+        elif self.rope_scaling is not None and not isinstance(
+            self.rope_scaling, (RopeScaling, YarnScaling)
+        ):
             raise ValueError(
-                f"rope_scaling must be None, a RopeScaling or a mapping, got {self.rope_scaling!r}"
+                "rope_scaling must be None, a RopeScaling, a YarnScaling or a mapping, "
+                f"got {self.rope_scaling!r}"
             )
         if self.dim % self.n_heads != 0:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE), with the Llama 3.1 frequency scaling.
+"""Rotary position embeddings (RoPE), with the Llama 3.1 and YaRN frequency scalings.
 
 Rotary embeddings are stored as real-valued cos/sin tables rather than complex
 tensors, so ``torch.compile`` and DTensor-based code paths never see a complex
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .config import RopeScaling
+from .config import RopeScaling, YarnScaling
 
 
 def apply_rope_scaling(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -46,10 +46,49 @@ def apply_rope_scaling(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tenso
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
+def apply_yarn_scaling(
+    freqs: torch.Tensor, head_dim: int, theta: float, scaling: YarnScaling
+) -> torch.Tensor:
+    """Apply the YaRN frequency scaling to the rotary frequencies of one head.
+
+    With ``L = original_max_position_embeddings``, channel pair ``i`` is kept
+    below ``low = d * ln(L / (2 pi beta_fast)) / (2 ln theta)`` and divided by
+    ``factor`` above ``high`` (the same with ``beta_slow``), with a linear ramp
+    between (``low``/``high`` rounded outwards when ``truncate``, clamped to
+    ``[0, d - 1]``). This is the YaRN formulation Hugging Face transformers
+    uses; the attention factor is applied by :func:`precompute_freqs_cis`.
+
+    Args:
+        freqs: The unscaled frequencies ``theta ** (-2i / head_dim)``, shape
+            ``(head_dim // 2,)``.
+        head_dim: Attention head dimension.
+        theta: Rotary base.
+        scaling: YaRN parameters.
+
+    Returns:
+        The scaled frequencies, same shape and dtype as ``freqs``.
+    """
+
+    def correction_dim(turns: float) -> float:
+        length = scaling.original_max_position_embeddings
+        return head_dim * math.log(length / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(scaling.beta_fast)
+    high = correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp becomes a step
+    channels = torch.arange(freqs.shape[0], dtype=freqs.dtype, device=freqs.device)
+    interpolate = ((channels - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: divide
+    return freqs / scaling.factor * interpolate + freqs * (1 - interpolate)
+
+
 def rope_frequencies(
     head_dim: int,
     theta: float,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScaling | YarnScaling | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Rotary frequencies ``theta ** (-2i / head_dim)`` for ``i < head_dim // 2``.
@@ -57,7 +96,7 @@ def rope_frequencies(
     Args:
         head_dim: Attention head dimension (even).
         theta: Rotary base.
-        scaling: Optional Llama 3.1 scaling applied to the frequencies.
+        scaling: Optional Llama 3.1 or YaRN scaling applied to the frequencies.
         device: Device to create the result on (default: current default device).
 
     Returns:
@@ -65,7 +104,9 @@ def rope_frequencies(
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
     freqs = 1.0 / (theta**exponents)  # (head_dim // 2,)
-    if scaling is not None:
+    if isinstance(scaling, YarnScaling):
+        freqs = apply_yarn_scaling(freqs, head_dim, theta, scaling)
+    elif scaling is not None:
         freqs = apply_rope_scaling(freqs, scaling)
     return freqs
 
@@ -74,18 +115,20 @@ def precompute_freqs_cis(
     head_dim: int,
     max_seq_len: int,
     theta: float,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScaling | YarnScaling | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Precompute the real-valued rotary table.
 
-    Angles are computed in float64 for accuracy and stored as float32.
+    Angles are computed in float64 for accuracy and stored as float32. With
+    YaRN scaling, cos and sin are multiplied by its attention factor
+    (:attr:`YarnScaling.scale`), which scales queries and keys alike.
 
     Args:
         head_dim: Attention head dimension (even).
         max_seq_len: Number of positions.
         theta: Rotary base.
-        scaling: Optional Llama 3.1 frequency scaling.
+        scaling: Optional Llama 3.1 or YaRN frequency scaling.
         device: Device to create the table on (default: current default device).
 
     Returns:
@@ -95,7 +138,10 @@ def precompute_freqs_cis(
     freqs = rope_frequencies(head_dim, theta, scaling, device=device)  # (hd/2,)
     positions = torch.arange(max_seq_len, dtype=torch.float64, device=device)  # (S,)
     angles = torch.outer(positions, freqs)  # (S, hd/2)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()  # (S, hd/2, 2)
+    table = torch.stack((angles.cos(), angles.sin()), dim=-1)  # (S, hd/2, 2)
+    if isinstance(scaling, YarnScaling):
+        table = table * scaling.scale
+    return table.float()
 
 
 def apply_rotary_emb(
