@@ -35,6 +35,7 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
         "simplefsdp.models.moe.spec",
         ("moe_debug", "moe_small", "deepseek_v3_16b", "deepseek_v3_671b", "llama4_scout"),
     ),
+    "gpt_oss": ("simplefsdp.models.gpt_oss.spec", ("gpt_oss_debug", "gpt_oss_20b", "gpt_oss_120b")),
 }
 
 #: Accepted older names -> canonical flavor names.

@@ -1,0 +1,172 @@
+"""GPT-OSS against Hugging Face transformers: logits of a loaded checkpoint,
+the export round trip, the configuration, and one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from simplefsdp.checkpoint.hf import load_hf_weights, save_hf_checkpoint
+from simplefsdp.models.gpt_oss.args import num_params
+from simplefsdp.models.gpt_oss.configs import GPT_OSS_CONFIGS
+from simplefsdp.models.gpt_oss.hf_adapter import GPT_OSS_HF_ADAPTER
+from simplefsdp.models.registry import get_spec
+
+transformers = pytest.importorskip("transformers")
+
+# Sequence longer than the debug sliding window (8), so windows matter.
+SEQ = 24
+CONFIG = GPT_OSS_CONFIGS["gpt_oss_debug"].replace(vocab_size=64)
+
+
+def _hf_model(config) -> torch.nn.Module:
+    hf_config = transformers.GptOssConfig(**GPT_OSS_HF_ADAPTER.config_to_hf(config))
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("gate_up_proj_bias"):
+                param.normal_(0, 4.0)  # large enough that the clamps at +-7 act
+            elif name.endswith("router.weight"):
+                param.normal_(0, 1.0)  # decisive routing
+            else:
+                param.normal_(0, 0.1 if "embed" not in name else 1.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny transformers GPT-OSS saved to a folder, with its logits."""
+    model = _hf_model(CONFIG)
+    folder = tmp_path_factory.mktemp("gpt_oss_hf")
+    model.save_pretrained(folder)
+    tokens = torch.randint(
+        0, CONFIG.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        logits = model(tokens).logits
+    return folder, tokens, logits
+
+
+@pytest.fixture(scope="module")
+def ours(hf_checkpoint):
+    folder, tokens, _ = hf_checkpoint
+    spec = get_spec("gpt_oss")
+    with torch.device("meta"):
+        model = spec.build(CONFIG)
+    model.to_empty(device="cpu")
+    spec.init_weights(model, "cpu")
+    load_hf_weights(model, folder)
+    model.eval()
+    with torch.no_grad():
+        logits = model(tokens)
+    return model, logits
+
+
+def test_logits_match_transformers(hf_checkpoint, ours) -> None:
+    _, _, expected = hf_checkpoint
+    _, logits = ours
+    diff = (logits - expected).abs().max().item()
+    print(f"gpt_oss logit parity max abs diff: {diff:.3e}")
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_export_round_trip(hf_checkpoint, ours, tmp_path) -> None:
+    _, tokens, _ = hf_checkpoint
+    model, logits = ours
+    save_hf_checkpoint(model.state_dict(), CONFIG, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["GptOssForCausalLM"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        again = reloaded.eval()(tokens).logits
+    diff = (again - logits).abs().max().item()
+    print(f"gpt_oss export round trip max abs diff: {diff:.3e}")
+    torch.testing.assert_close(again, logits, rtol=1e-4, atol=1e-4)
+    assert GPT_OSS_HF_ADAPTER.config_from_hf(config) == CONFIG
+
+
+def test_sliced_read_matches_whole(hf_checkpoint, ours) -> None:
+    """A shard of heads / experts reads the same values as the whole tensor."""
+    from simplefsdp.checkpoint.hf import HFCheckpoint
+
+    folder, _, _ = hf_checkpoint
+    model, _ = ours
+    state = model.state_dict()
+    ckpt = HFCheckpoint(folder)
+    for name, offsets, sizes in [
+        ("layers.1.attention.wq.weight", [32, 0], [64, CONFIG.dim]),
+        ("layers.1.attention.wk.bias", [32], [32]),
+        ("layers.0.moe.experts.mlp1_weight", [4, 0, 8], [4, 128, 16]),
+        ("layers.0.moe.experts.mlp2_weight", [2, 16, 0], [2, 32, 64]),
+    ]:
+        region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+        assert torch.equal(ckpt.read(name, offsets, sizes), state[name][region])
+
+
+def test_published_configs() -> None:
+    spec = get_spec("gpt_oss")
+    twenty = spec.flavors["gpt_oss_20b"]
+    assert (twenty.n_layers, twenty.num_experts, twenty.top_k, twenty.dim) == (24, 32, 4, 2880)
+    assert twenty.resolved_layer_types()[:2] == ("sliding_attention", "full_attention")
+    assert CONFIG.replace(layer_types=["full_attention"] * 4).sliding_window_of(0) is None
+    assert spec.flavors["gpt_oss_120b"].num_experts == 128
+    # The published configuration (transformers' GptOssConfig defaults are the 120B).
+    hf = transformers.GptOssConfig().to_dict()
+    assert GPT_OSS_HF_ADAPTER.config_from_hf(hf) == spec.flavors["gpt_oss_120b"]
+    # Counts equal the built module's (20.9B total, 3.6B active without embedding).
+    assert round(num_params(twenty) / 1e9, 1) == 20.9
+    assert round(spec.active_params(twenty, exclude_embeddings=True) / 1e9, 1) == 3.6
+    small = CONFIG.replace(n_layers=2)
+    assert num_params(spec.build(small)) == num_params(small)
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "convert the checkpoint to bf16"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
+        ({"layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
+        ({"model_type": "llama"}, "only 'gpt_oss'"),
+    ],
+)
+def test_bad_hf_configs(change, needle) -> None:
+    config = {**GPT_OSS_HF_ADAPTER.config_to_hf(CONFIG), **change}
+    with pytest.raises(ValueError, match=needle) as info:
+        GPT_OSS_HF_ADAPTER.config_from_hf(config)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_configs_and_layouts() -> None:
+    for change, needle in [
+        ({"layer_types": ("full_attention",)}, "layer_types has 1 entries"),
+        ({"num_shared_experts": 1}, "no shared experts"),
+        ({"load_balance": "bias"}, "load_balance='bias'"),
+        ({"sliding_window": 0}, "sliding_window"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            dataclasses.replace(CONFIG, **change)
+
+    @dataclasses.dataclass
+    class Layout:
+        tp: int = 1
+        ep: int = 1
+        pp: int = 1
+
+    spec = get_spec("gpt_oss")
+    assert spec.validate(CONFIG, Layout(tp=2)) == []
+    assert spec.validate(CONFIG, Layout(ep=2)) == []
+    (error,) = spec.validate(CONFIG, Layout(ep=3))
+    assert "does not divide the 8 experts" in error
+    errors = spec.validate(CONFIG, Layout(tp=2, ep=2))
+    assert any("do not compose" in e for e in errors)
+    (error,) = spec.validate(CONFIG, Layout(tp=4))
+    assert "n_kv_heads 2" in error
