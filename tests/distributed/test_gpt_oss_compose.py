@@ -1,0 +1,169 @@
+"""GPT-OSS trains on 2 processes like in one: data parallelism (parameters
+sharded over 2 ranks, each reading half the batch), expert parallelism (ep 2:
+each rank holds half the experts), tensor parallelism (tp 2: heads and their
+sinks split) and 2 pipeline stages, each against the same model trained in
+one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from simplefsdp.testing import run_distributed
+
+WORLD, STEPS, BATCH, SEQ, LR = 2, 3, 2, 16, 0.1
+
+
+def _model() -> torch.nn.Module:
+    from simplefsdp.models.registry import resolve_flavor
+
+    # Sliding window 4 < SEQ, so the windowed layers differ from full ones.
+    spec, config = resolve_flavor(
+        "gpt_oss_debug",
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab_size=64,
+        n_layers=2,
+        max_seq_len=64,
+        num_experts=4,
+        top_k=2,
+        moe_hidden_dim=16,
+        sliding_window=4,
+    )
+    torch.manual_seed(0)
+    model = spec.build(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("router.gate.weight"):
+                param.mul_(100)  # decisive routing: no near-ties to flip
+            elif name.endswith(("bias", "sinks")):
+                param.normal_(0, 0.5)
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    """One batch, trained on repeatedly (the loss falls)."""
+    return torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100))
+
+
+def _train(model, forward, rows=slice(None)) -> list[float]:
+    from simplefsdp.models.registry import get_spec
+
+    spec = get_spec("gpt_oss")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        tokens = _tokens()[rows]
+        loss = spec.loss(forward(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _max_diff(reference: torch.nn.Module, model: torch.nn.Module) -> float:
+    want = dict(reference.named_parameters())
+    got = dict(model.named_parameters())
+    assert got and set(got) <= set(want), sorted(got)
+    worst = 0.0
+    for key, value in got.items():
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        ref = want[key]
+        worst = max(worst, ((value - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item())
+    return worst
+
+
+def _data_parallel_case(reference) -> dict:
+    from simplefsdp.frontend.data_parallel import parallelize_experts_and_data
+    from simplefsdp.frontend.expert_parallel import build_expert_parallel_mesh
+
+    rank = dist.get_rank()
+    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    out = {}
+    for label, ep in (("dp", 1), ("ep", WORLD)):
+        if ep == 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from simplefsdp import data_parallel
+
+            model = data_parallel(_model(), init_device_mesh("cpu", (WORLD,)))
+        else:
+            mesh, dp_mesh = build_expert_parallel_mesh("cpu", WORLD, ep, 4)
+            model = parallelize_experts_and_data(_model(), mesh, dp_mesh)
+            local = model.layers["0"].moe.experts.mlp1_bias.to_local()
+            assert local.shape[0] == 4 // WORLD, local.shape
+        losses = torch.tensor(_train(model, model, rows))
+        dist.all_reduce(losses)
+        out[label] = {"losses": (losses / WORLD).tolist(), "diff": _max_diff(reference, model)}
+    return out
+
+
+def _tp_case(reference) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from simplefsdp.models.registry import get_spec
+
+    model = _model()
+    get_spec("gpt_oss").tensor_parallel(model, init_device_mesh("cpu", (WORLD,)))
+    attention = model.layers["0"].attention
+    assert attention.sinks.placements == (Shard(0),)
+    assert attention.wq.bias.placements == (Shard(0),)
+    return {"losses": _train(model, model), "diff": _max_diff(reference, model)}
+
+
+def _pp_case(reference) -> dict:
+    from simplefsdp.engines import EngineSpec, PipelineSpec, build_mesh, parallelize_pipeline
+    from simplefsdp.models.registry import get_spec
+
+    spec = get_spec("gpt_oss")
+    mesh = build_mesh("simplefsdp", "fully_shard", "cpu", WORLD, pp=WORLD)
+    pipe = parallelize_pipeline(
+        _model(),
+        EngineSpec("simplefsdp", compile=False),
+        PipelineSpec(WORLD, "1f1b", microbatches=2),
+        mesh,
+        torch.device("cpu"),
+        split_fn=spec.pipeline_split,
+        loss_fn=spec.loss,
+    )
+    opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        tokens = _tokens()
+        loss = pipe.step(tokens[:, :-1], tokens[:, 1:])
+        opt.step()
+        opt.zero_grad()
+        last = torch.tensor(loss.item() if loss is not None else 0.0)
+        dist.all_reduce(last)  # the last stage's loss, on every rank
+        losses.append(last.item())
+    return {"losses": losses, "diff": _max_diff(reference, pipe.module)}
+
+
+def _body() -> dict:
+    reference = _model()
+    ref_losses = _train(reference, reference)
+    results = {"ref": ref_losses}
+    results.update(_data_parallel_case(reference))
+    results["tp"] = _tp_case(reference)
+    results["pp"] = _pp_case(reference)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_distributed(_body, world_size=WORLD, timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("case", ["dp", "ep", "tp", "pp"])
+def test_gpt_oss_composes_like_one_process(results: dict, case: str) -> None:
+    got, ref = results[case], results["ref"]
+    print(f"gpt_oss {case}: losses {got['losses']} vs {ref}, max rel param diff {got['diff']:.2e}")
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    assert got["diff"] < 1e-4, got
+    assert ref[-1] < ref[0], ref  # it trained
