@@ -130,6 +130,7 @@ SPEC = ModelSpec(
     tensor_parallel=_tensor_parallel,
     pipeline_split=pipeline_split,
     fullgraph=False,
+    plan_method="analytic",
     after_optimizer_step=_after_optimizer_step,
     discard_step_state=_discard_step_state,
     hf_adapter=GPT_OSS_HF_ADAPTER,
