@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 # Sequence longer than the debug sliding window (8), so windows matter.
 SEQ = 24
-CONFIG = GPT_OSS_CONFIGS["gpt_oss_debug"].replace(vocab_size=64)
+# The trainer's default balancing: a routing bias that starts at zero.
+CONFIG = GPT_OSS_CONFIGS["gpt_oss_debug"].replace(vocab_size=64, load_balance="bias")
 
 
 def _hf_model(config) -> torch.nn.Module:
@@ -91,7 +92,16 @@ def test_export_round_trip(hf_checkpoint, ours, tmp_path) -> None:
     diff = (again - logits).abs().max().item()
     print(f"gpt_oss export round trip max abs diff: {diff:.3e}")
     torch.testing.assert_close(again, logits, rtol=1e-4, atol=1e-4)
-    assert GPT_OSS_HF_ADAPTER.config_from_hf(config) == CONFIG
+    assert GPT_OSS_HF_ADAPTER.config_from_hf(config) == CONFIG.replace(load_balance="none")
+
+
+def test_nonzero_routing_bias_is_not_exported(ours, tmp_path) -> None:
+    model, _ = ours
+    state = dict(model.state_dict())
+    state["layers.2.moe.expert_bias"] = torch.full((CONFIG.num_experts,), 0.5)
+    with pytest.raises(ValueError, match="layers.2.moe.expert_bias is nonzero") as info:
+        save_hf_checkpoint(state, CONFIG, tmp_path)
+    assert "\n" not in str(info.value)
 
 
 def test_sliced_read_matches_whole(hf_checkpoint, ours) -> None:
@@ -149,7 +159,6 @@ def test_bad_configs_and_layouts() -> None:
     for change, needle in [
         ({"layer_types": ("full_attention",)}, "layer_types has 1 entries"),
         ({"num_shared_experts": 1}, "no shared experts"),
-        ({"load_balance": "bias"}, "load_balance='bias'"),
         ({"sliding_window": 0}, "sliding_window"),
     ]:
         with pytest.raises(ValueError, match=needle):

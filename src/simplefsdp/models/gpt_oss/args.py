@@ -15,8 +15,6 @@ from simplefsdp.models.moe.args import MoEArgs
 
 #: The attention kinds of ``layer_types`` (Hugging Face's names).
 LAYER_TYPES = ("sliding_attention", "full_attention")
-#: Load balancing GPT-OSS can train with (no routing-bias balancing).
-GPT_OSS_LOAD_BALANCE = ("none", "aux_loss")
 
 
 def default_layer_types(n_layers: int) -> tuple[str, ...]:
@@ -102,11 +100,6 @@ class GptOssArgs(MoEArgs):
             )
         if self.attention != "gqa":
             raise ValueError(f"attention={self.attention!r}: GPT-OSS uses 'gqa'")
-        if self.load_balance not in GPT_OSS_LOAD_BALANCE:
-            raise ValueError(
-                f"load_balance={self.load_balance!r} is not supported by GPT-OSS; valid: "
-                f"{', '.join(GPT_OSS_LOAD_BALANCE)}"
-            )
 
     def resolved_layer_types(self) -> tuple[str, ...]:
         """The attention kind of every layer."""

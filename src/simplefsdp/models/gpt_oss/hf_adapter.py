@@ -17,7 +17,9 @@ Note: [GPT-OSS Hugging Face layout]
     their biases are permuted within each head, as for Llama
     (:mod:`simplefsdp.models.llama3.hf_adapter`). A rank reads only the
     heads and experts its shard covers. Tied embeddings fill ``output`` from
-    the embedding; exports are untied. The published MXFP4-quantized
+    the embedding; exports are untied. The routing bias of
+    ``load_balance="bias"`` starts at zero and is exported only while zero.
+    The published MXFP4-quantized
     checkpoints are refused: convert them to bf16 first.
 """
 
@@ -61,6 +63,7 @@ _FROM_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
 _FROM_TOP = {v: k for k, v in _TOP_NAMES.items()}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_ROUTING_BIAS = "moe.expert_bias"
 _TRANSPOSED = ("moe.experts.mlp1_weight", "moe.experts.mlp2_weight")
 #: The swiglu alpha transformers' GptOssExperts hard-codes.
 _HF_SWIGLU_ALPHA = 1.702
@@ -327,8 +330,24 @@ class GptOssHFAdapter:
         """Architecture fields in which two configurations differ."""
         return model_args_differences(ours, theirs)
 
-    def to_hf(self, name: str, tensor: torch.Tensor, args: GptOssArgs) -> tuple[str, torch.Tensor]:
-        """Our full tensor ``name`` -> ``(Hugging Face name, tensor)``."""
+    def to_hf(
+        self, name: str, tensor: torch.Tensor, args: GptOssArgs
+    ) -> tuple[str, torch.Tensor] | list[tuple[str, torch.Tensor]]:
+        """Our full tensor ``name`` -> ``(Hugging Face name, tensor)`` (none
+        for a zero routing bias).
+
+        Raises:
+            ValueError: a nonzero routing bias (``load_balance="bias"``),
+                which ``GptOssForCausalLM`` cannot express.
+        """
+        if name.endswith(_ROUTING_BIAS):
+            if torch.count_nonzero(tensor):
+                raise ValueError(
+                    f"{name} is nonzero: GptOssForCausalLM has no routing bias, so this model "
+                    "(trained with model.load_balance 'bias') has no Hugging Face form; "
+                    "fine-tune with --model.load_balance none or aux_loss to export it"
+                )
+            return []
         heads = _heads_of(name, args)
         if heads is not None:
             tensor = _our_rows_to_hf(tensor, heads)
@@ -372,6 +391,8 @@ class GptOssHFAdapter:
         """Region ``offsets``/``sizes`` of our tensor ``name``, read from
         ``checkpoint`` (a :class:`~simplefsdp.checkpoint.hf.HFCheckpoint`):
         only the Hugging Face region :meth:`hf_region` names, converted."""
+        if name.endswith(_ROUTING_BIAS):  # not in Hugging Face checkpoints: starts at zero
+            return torch.zeros(sizes)
         hf_name = to_hf_name(name)
         if name in self.tied and not checkpoint.has(hf_name):
             hf_name = self.tied[name]

@@ -175,8 +175,13 @@ def _expert_loop(
 
 
 class GptOssRouter(nn.Module):
-    """Top-k router with a biased gate: each token takes the ``top_k``
-    largest logits, weighted by the softmax over those ``top_k`` (in float32).
+    """Top-k router with a biased gate: each token takes the experts of its
+    ``top_k`` largest logits, weighted by the softmax over those ``top_k``
+    logits (in float32), as Hugging Face's ``GptOssTopKRouter``.
+
+    With ``load_balance="bias"`` the layer's routing bias is added to the
+    logits for the choice only (auxiliary-loss-free balancing); the weights
+    stay the softmax of the chosen experts' own logits.
 
     Args:
         dim: model width.
@@ -199,9 +204,12 @@ class GptOssRouter(nn.Module):
             ``(top_scores (N, K), top_experts (N, K), scores (N, E))``; the
             scores (softmax over every expert, float32) feed the auxiliary loss.
         """
-        assert expert_bias is None, "GPT-OSS routing has no balancing bias"
         logits = F.linear(x.float(), self.gate.weight.float(), self.gate.bias.float())  # (N, E)
-        top_logits, top_experts = torch.topk(logits, k=self.top_k, dim=-1)  # (N, K)
+        if expert_bias is None:
+            top_logits, top_experts = torch.topk(logits, k=self.top_k, dim=-1)  # (N, K)
+        else:
+            _, top_experts = torch.topk(logits + expert_bias, k=self.top_k, dim=-1)  # (N, K)
+            top_logits = logits.gather(-1, top_experts)  # (N, K)
         return F.softmax(top_logits, dim=-1), top_experts, F.softmax(logits, dim=-1)
 
 
@@ -224,7 +232,8 @@ class GptOssMoE(MoE):
         self.router = GptOssRouter(args.dim, args.num_experts, args.top_k)
         self.experts = GptOssExperts(args)
         self.shared_experts = None
-        self.register_buffer("expert_bias", None, persistent=True)
+        bias = torch.zeros(args.num_experts) if args.load_balance == "bias" else None
+        self.register_buffer("expert_bias", bias, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
 
     def init_weights(self, init_std: float, buffer_device: torch.device | str | None) -> None:
