@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -97,6 +98,8 @@ def test_yarn_from_mapping_and_errors() -> None:
     )
     assert args.rope_scaling == YarnScaling(32.0, 16)
     assert args.rope_scaling.scale == pytest.approx(0.1 * math.log(32.0) + 1.0)
+    # A saved configuration (dataclasses.asdict) reads back as the same type.
+    assert DecoderArgs(**dataclasses.asdict(args)) == args
     llama = DecoderArgs(dim=64, n_layers=1, n_heads=4, vocab_size=8, rope_scaling={"factor": 2.0})
     assert llama.rope_scaling == RopeScaling(factor=2.0)
     with pytest.raises(ValueError, match="'dynamic' is not supported"):

@@ -156,16 +156,24 @@ def rope_scaling_from_mapping(mapping: Mapping[str, Any]) -> RopeScaling | YarnS
     """Build the scaling a mapping describes.
 
     A ``"type"`` (or ``"rope_type"``) key of ``"yarn"`` selects
-    :class:`YarnScaling`; ``"llama3"`` or no such key selects
-    :class:`RopeScaling`. The other keys are the dataclass's field names.
+    :class:`YarnScaling` and ``"llama3"`` :class:`RopeScaling`; without such
+    a key (e.g. ``dataclasses.asdict`` of either) the class whose fields hold
+    every key is chosen, :class:`RopeScaling` first. The other keys are the
+    dataclass's field names.
 
     Raises:
         ValueError: For another type or an unknown/invalid field.
     """
     fields = dict(mapping)
-    kind = fields.pop("type", None) or fields.pop("rope_type", None) or "llama3"
-    fields.pop("rope_type", None)
+    kind = fields.pop("type", None)
+    kind = fields.pop("rope_type", None) or kind
     classes = {"llama3": RopeScaling, "yarn": YarnScaling}
+    if kind is None:
+        names = set(fields)
+        kind = next(
+            (k for k, c in classes.items() if names <= {f.name for f in dataclasses.fields(c)}),
+            "llama3",
+        )
     if kind not in classes:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; valid: llama3, yarn")
     try:
