@@ -3,8 +3,9 @@
 Composes with tensor parallelism (attention heads and their sinks split over
 tp; the router and the experts replicated over tp, as for the ``moe``
 family), pipeline stages (the shared decoder split), expert parallelism (the
-``experts`` modules over ep; not together with tp) and Hugging Face
-checkpoints both ways.
+``experts`` modules over ep; not together with tp), float8 attention
+projections (the router gate and the stacked experts stay in high
+precision) and Hugging Face checkpoints both ways.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ SPEC = ModelSpec(
     num_active_params=num_active_params,
     flops_per_token=flops_per_token,
     validate=validate,
-    capabilities=frozenset({"tp", "pp", "ep", "hf"}),
+    capabilities=frozenset({"tp", "pp", "ep", "float8", "hf"}),
     tensor_parallel=_tensor_parallel,
     pipeline_split=pipeline_split,
     fullgraph=False,
