@@ -142,7 +142,7 @@ def test_published_configs() -> None:
 @pytest.mark.parametrize(
     "change, needle",
     [
-        ({"quantization_config": {"quant_method": "mxfp4"}}, "convert the checkpoint to bf16"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "convert the checkpoint to bf16"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
         ({"layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
         ({"model_type": "llama"}, "only 'gpt_oss'"),
@@ -179,3 +179,45 @@ def test_bad_configs_and_layouts() -> None:
     assert any("do not compose" in e for e in errors)
     (error,) = spec.validate(CONFIG, Layout(tp=4))
     assert "n_kv_heads 2" in error
+
+
+def test_mxfp4_experts_dequantize_like_transformers(hf_checkpoint, tmp_path) -> None:
+    """A folder whose experts are MXFP4 (as the published checkpoints) reads
+    as transformers' dequantization, also region by region."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from simplefsdp.checkpoint.hf import HFCheckpoint
+
+    folder, _, _ = hf_checkpoint
+    tensors = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(2)
+    expected = {}
+    for name in list(tensors):
+        if name.endswith(("gate_up_proj", "down_proj")):
+            e, d_in, d_out = tensors.pop(name).shape
+            blocks = torch.randint(
+                0, 256, (e, d_out, d_in // 32, 16), generator=g, dtype=torch.uint8
+            )
+            scales = torch.randint(120, 132, (e, d_out, d_in // 32), generator=g, dtype=torch.uint8)
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            # transformers' (E, in, out) -> ours (E, out, in)
+            expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ckpt = HFCheckpoint(tmp_path)
+    for layer, (hf, ours) in enumerate(
+        [("gate_up_proj", "mlp1_weight"), ("down_proj", "mlp2_weight")] * 2
+    ):
+        want = expected[f"model.layers.{layer}.mlp.experts.{hf}"].transpose(1, 2)
+        name = f"layers.{layer}.moe.experts.{ours}"
+        assert torch.equal(ckpt.read(name, [0, 0, 0], list(want.shape)), want)
+        region = ([3, 5, 40], [2, 7, 20])  # columns 40..59 cross a 32-block edge
+        got = ckpt.read(name, *region)
+        assert torch.equal(got, want[3:5, 5:12, 40:60])
+    assert torch.equal(
+        ckpt.read("layers.0.attention.wv.bias", [0], [64]),
+        tensors["model.layers.0.self_attn.v_proj.bias"],
+    )

@@ -19,8 +19,9 @@ Note: [GPT-OSS Hugging Face layout]
     heads and experts its shard covers. Tied embeddings fill ``output`` from
     the embedding; exports are untied. The routing bias of
     ``load_balance="bias"`` starts at zero and is exported only while zero.
-    The published MXFP4-quantized
-    checkpoints are refused: convert them to bf16 first.
+    The published checkpoints store the expert matrices in MXFP4
+    (``<name>_blocks`` and ``<name>_scales``): they are dequantized on read
+    (:func:`read_mxfp4`), block by block for the region a rank holds.
 """
 
 from __future__ import annotations
@@ -142,9 +143,8 @@ def model_args_from_hf_config(config: Mapping[str, Any], source: str = "config.j
     """Our :class:`GptOssArgs` from the ``config.json`` of a Hugging Face GPT-OSS model.
 
     Raises:
-        ValueError: not a GPT-OSS model, a quantized checkpoint (the published
-            MXFP4 weights), or a feature our model lacks; one line naming the
-            key and its value.
+        ValueError: not a GPT-OSS model, a quantization other than MXFP4, or
+            a feature our model lacks; one line naming the key and its value.
     """
 
     def get(key: str, default: Any = None) -> Any:
@@ -157,11 +157,11 @@ def model_args_from_hf_config(config: Mapping[str, Any], source: str = "config.j
     quant = config.get("quantization_config")
     if quant:
         method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-        raise ValueError(
-            f"{source}: quantization_config.quant_method {method!r} is not read; convert the "
-            "checkpoint to bf16 first (transformers: from_pretrained(..., "
-            "quantization_config=Mxfp4Config(dequantize=True)) then save_pretrained)"
-        )
+        if method != "mxfp4":
+            raise ValueError(
+                f"{source}: quantization_config.quant_method {method!r} is not read (only "
+                "'mxfp4' or unquantized); convert the checkpoint to bf16 first"
+            )
     if get("attention_bias", True) is not True:
         raise ValueError(f"{source}: attention_bias={config['attention_bias']!r} is not supported")
     missing = [
@@ -295,6 +295,54 @@ def model_args_differences(ours: GptOssArgs, theirs: GptOssArgs) -> list[str]:
     ]
 
 
+#: The values of the 16 FP4 (E2M1) codes.
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+#: Values per MXFP4 block (one shared power-of-two scale each).
+MXFP4_BLOCK = 32
+
+
+def read_mxfp4(
+    checkpoint: Any, hf_name: str, offsets: Sequence[int], sizes: Sequence[int]
+) -> torch.Tensor:
+    """Region ``offsets``/``sizes`` of one of our expert matrices
+    (``(E, out, in)``) from the MXFP4 tensors ``<hf_name>_blocks``
+    (``(E, out, in / 32, 16)`` bytes, two FP4 codes each, the low nibble
+    first) and ``<hf_name>_scales`` (``(E, out, in / 32)``, exponents biased
+    by 127), dequantized to float32; only the blocks the region overlaps are
+    read. The stored ``(E, out, in)`` order is already ours.
+    """
+    (e0, r0, c0), (ne, nr, nc) = offsets, sizes
+    first, last = c0 // MXFP4_BLOCK, -(-(c0 + nc) // MXFP4_BLOCK)
+    half = MXFP4_BLOCK // 2
+    blocks = checkpoint.read_hf(
+        f"{hf_name}_blocks", [e0, r0, first, 0], [ne, nr, last - first, half]
+    )  # (ne, nr, g, 16) uint8
+    scales = checkpoint.read_hf(f"{hf_name}_scales", [e0, r0, first], [ne, nr, last - first])
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # (ne, nr, g, 16, 2)
+    values = lut[codes].flatten(-2)  # (ne, nr, g, 32)
+    exponents = scales.to(torch.int32) - 127  # (ne, nr, g)
+    values = torch.ldexp(values, exponents.unsqueeze(-1).float())
+    return values.flatten(-2).narrow(-1, c0 - first * MXFP4_BLOCK, nc)  # (ne, nr, nc)
+
+
 class GptOssHFAdapter:
     """Converts GPT-OSS models to and from Hugging Face ``GptOssForCausalLM``
     (see [GPT-OSS Hugging Face layout]).
@@ -394,6 +442,8 @@ class GptOssHFAdapter:
         if name.endswith(_ROUTING_BIAS):  # not in Hugging Face checkpoints: starts at zero
             return torch.zeros(sizes)
         hf_name = to_hf_name(name)
+        if name.endswith(_TRANSPOSED) and checkpoint.has(f"{hf_name}_blocks"):
+            return read_mxfp4(checkpoint, hf_name, offsets, sizes)
         if name in self.tied and not checkpoint.has(hf_name):
             hf_name = self.tied[name]
         hf_offsets, hf_sizes, convert = self.hf_region(name, offsets, sizes, args)
