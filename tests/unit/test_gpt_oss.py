@@ -221,3 +221,33 @@ def test_mxfp4_experts_dequantize_like_transformers(hf_checkpoint, tmp_path) -> 
         ckpt.read("layers.0.attention.wv.bias", [0], [64]),
         tensors["model.layers.0.self_attn.v_proj.bias"],
     )
+
+
+def test_grouped_experts_equal_the_loop() -> None:
+    """The grouped-matmul path (biases repeated per token) and the loop over
+    experts give the same outputs and gradients, with an expert left empty."""
+    from simplefsdp.models.common.moe import grouped_mm_supported
+    from simplefsdp.models.gpt_oss.model import GptOssExperts
+
+    torch.manual_seed(0)
+    experts = GptOssExperts(CONFIG)
+    experts.init_weights(0.02)
+    with torch.no_grad():
+        experts.mlp1_bias.normal_(0, 4.0)  # the clamps act
+        experts.mlp2_bias.normal_(0, 1.0)
+    counts = torch.tensor([3, 0, 5, 1, 0, 2, 4, 1])
+    x = torch.randn(int(counts.sum()), CONFIG.dim, requires_grad=True)
+    if not grouped_mm_supported(x, experts.mlp1_weight, experts.mlp2_weight):
+        pytest.skip("torch._grouped_mm does not run here")
+    results = []
+    for grouped in (True, False):
+        experts.use_grouped_mm = grouped
+        out = experts(x, counts)
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in (x, *experts.parameters())]
+        results.append((out.detach(), grads))
+        x.grad = None
+        experts.zero_grad()
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
