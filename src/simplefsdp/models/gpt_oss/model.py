@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from simplefsdp.models.common.attention import Attention, attend
 from simplefsdp.models.common.decoder import Decoder, DecoderBlock
-from simplefsdp.models.common.moe import MoE, grouped_mm_supported
+from simplefsdp.models.common.moe import MoE, _ContiguousGrad, grouped_mm_supported
 from simplefsdp.models.common.norms import RMSNorm, trunc_normal_
 from simplefsdp.models.common.rotary import apply_rotary_emb
 
@@ -141,8 +141,6 @@ class GptOssExperts(nn.Module):
             use_grouped = grouped_mm_supported(x, w1, w2)
         if not use_grouped:
             return _expert_loop(x, num_tokens_per_expert, w1, b1, w2, b2, self.alpha, self.limit)
-        from simplefsdp.models.common.moe import _ContiguousGrad
-
         counts = num_tokens_per_expert
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         rows = x.shape[0]
