@@ -393,7 +393,7 @@ class GptOssHFAdapter:
                 raise ValueError(
                     f"{name} is nonzero: GptOssForCausalLM has no routing bias, so this model "
                     "(trained with model.load_balance 'bias') has no Hugging Face form; "
-                    "fine-tune with --model.load_balance none or aux_loss to export it"
+                    "train with --model.load_balance none or aux_loss to export it"
                 )
             return []
         heads = _heads_of(name, args)
