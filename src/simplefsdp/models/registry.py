@@ -39,6 +39,7 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
         "simplefsdp.models.deepseek_v3.spec",
         ("deepseek_v3_debug", "deepseek_v3_16b", "deepseek_v3_671b"),
     ),
+    "gpt_oss": ("simplefsdp.models.gpt_oss.spec", ("gpt_oss_debug", "gpt_oss_20b", "gpt_oss_120b")),
 }
 
 #: Accepted older names -> canonical flavor names.

@@ -160,10 +160,10 @@ def _attention_elements(args: Any) -> dict[str, float]:
     ``inputs`` (norm input and output), ``linear_out`` (the projections'
     outputs), ``sdpa`` (its query, key, value inputs and output)."""
     if not _latent_attention(args):
-        head = args.dim // args.n_heads
-        kv = args.n_kv_heads * head
-        linear_out = args.dim + 2 * kv  # wq, wk, wv
-        sdpa = 2 * args.dim + 2 * kv  # q, k, v, out
+        q = args.n_heads * args.head_dim
+        kv = args.n_kv_heads * args.head_dim
+        linear_out = q + 2 * kv  # wq, wk, wv
+        sdpa = 2 * q + 2 * kv  # q, k, v, out
     else:
         qk = args.qk_nope_head_dim + args.qk_rope_head_dim
         q = args.n_heads * qk

@@ -1,0 +1,139 @@
+"""The GPT-OSS family's :class:`~simplefsdp.models.spec.ModelSpec`.
+
+Composes with tensor parallelism (attention heads and their sinks split over
+tp; the router and the experts replicated over tp, as for the ``moe``
+family), pipeline stages (the shared decoder split), expert parallelism (the
+``experts`` modules over ep; not together with tp), float8 attention
+projections (the router gate and the stacked experts stay in high
+precision) and Hugging Face checkpoints both ways.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from simplefsdp.models.common.load_balance import expert_load_metrics, update_expert_bias
+from simplefsdp.models.common.moe import MoE
+from simplefsdp.models.common.stages import pipeline_split
+from simplefsdp.models.common.validate import decoder_errors, divisors, flag_names
+from simplefsdp.models.gpt_oss.args import (
+    GptOssArgs,
+    flops_per_token,
+    num_active_params,
+    num_params,
+)
+from simplefsdp.models.gpt_oss.configs import GPT_OSS_CONFIGS
+from simplefsdp.models.gpt_oss.hf_adapter import GPT_OSS_HF_ADAPTER
+from simplefsdp.models.gpt_oss.model import Transformer
+from simplefsdp.models.llama3.spec import cross_entropy
+from simplefsdp.models.spec import ModelSpec
+
+
+def _init_weights(model: Any, buffer_device: Any = None) -> None:
+    model.init_weights(buffer_device=buffer_device)
+
+
+def _after_optimizer_step(model: Any, *, process_group: Any = None) -> dict[str, Any]:
+    loads = update_expert_bias(model, process_group)
+    return expert_load_metrics(loads) if loads else {}
+
+
+def _discard_step_state(model: Any) -> None:
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.tokens_per_expert.zero_()
+
+
+def _tensor_parallel(
+    model: Any, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> None:
+    """The shared decoder plan, plus each attention's ``sinks`` sharded over
+    heads (``Shard(0)``) like the rows of ``wq``."""
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from simplefsdp.models.common.tensor_parallel import apply_decoder_tp
+
+    apply_decoder_tp(
+        model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
+    for block in model.layers.values():
+        attention = block.attention
+        sinks = distribute_tensor(attention.sinks.data, tp_mesh, [Shard(0)])
+        attention.sinks = nn.Parameter(sinks, requires_grad=attention.sinks.requires_grad)
+
+
+def tp_split_sizes(config: GptOssArgs, *, loss_parallel: bool = False) -> dict[str, int]:
+    """The sizes the TP plan splits over the TP ranks: heads (and with
+    ``loss_parallel`` the vocabulary)."""
+    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads}
+    if loss_parallel:
+        sizes["vocab_size"] = config.vocab_size
+    return sizes
+
+
+def validate(
+    config: GptOssArgs,
+    layout: Any,
+    *,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    build: bool = True,
+    model_name: str | None = None,
+    names: Mapping[str, str] | None = None,
+) -> list[str]:
+    """GPT-OSS against the layout: the decoder's rules, experts vs ep, and
+    ep with tp (refused).
+
+    See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
+    """
+    n = flag_names(names)
+    model = f"model {model_name!r}" if model_name else "the model"
+    errors = decoder_errors(
+        config,
+        layout,
+        tp_sizes=tp_split_sizes(config, loss_parallel=loss_parallel),
+        seq_len=seq_len,
+        sequence_parallel=sequence_parallel,
+        model_name=model_name,
+        names=names,
+    )
+    ep, tp = getattr(layout, "ep", 1), getattr(layout, "tp", 1)
+    if ep > 1 and config.num_experts % ep:
+        valid = divisors(config.num_experts)
+        errors.append(
+            f"{n['ep']} {ep} does not divide the {config.num_experts} experts of {model} (each "
+            f"rank holds num_experts / {n['ep']}); valid: {', '.join(map(str, valid))}"
+        )
+    if ep > 1 and tp > 1:
+        errors.append(
+            f"{n['ep']} {ep} with {n['tp']} {tp}: expert and tensor parallelism do not compose "
+            f"for GPT-OSS (its experts are replicated over tp); use {n['ep']} 1 or {n['tp']} 1"
+        )
+    return errors
+
+
+SPEC = ModelSpec(
+    family="gpt_oss",
+    description="GPT-OSS mixture-of-experts decoder (attention sinks, sliding windows, YaRN)",
+    config_type=GptOssArgs,
+    flavors=GPT_OSS_CONFIGS,
+    build=Transformer,
+    init_weights=_init_weights,
+    loss=cross_entropy,
+    num_params=num_params,
+    num_active_params=num_active_params,
+    flops_per_token=flops_per_token,
+    validate=validate,
+    capabilities=frozenset({"tp", "pp", "ep", "float8", "hf"}),
+    tensor_parallel=_tensor_parallel,
+    pipeline_split=pipeline_split,
+    fullgraph=False,
+    plan_method="analytic",
+    after_optimizer_step=_after_optimizer_step,
+    discard_step_state=_discard_step_state,
+    hf_adapter=GPT_OSS_HF_ADAPTER,
+    float8_skip_fqns=("router.gate",),
+)
