@@ -35,6 +35,22 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
         "simplefsdp.models.moe.spec",
         ("moe_debug", "moe_small", "deepseek_v3_16b", "deepseek_v3_671b", "llama4_scout"),
     ),
+    "qwen3": (
+        "simplefsdp.models.qwen3.spec",
+        (
+            "qwen3_debug",
+            "qwen3_0_6b",
+            "qwen3_1_7b",
+            "qwen3_4b",
+            "qwen3_8b",
+            "qwen3_14b",
+            "qwen3_32b",
+        ),
+    ),
+    "qwen3_moe": (
+        "simplefsdp.models.qwen3.moe_spec",
+        ("qwen3_moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"),
+    ),
 }
 
 #: Accepted older names -> canonical flavor names.

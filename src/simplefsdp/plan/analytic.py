@@ -155,10 +155,10 @@ def _attention_elements(args: Any) -> dict[str, float]:
     ``inputs`` (norm input and output), ``linear_out`` (the projections'
     outputs), ``sdpa`` (its query, key, value inputs and output)."""
     if args.attention == "gqa":
-        head = args.dim // args.n_heads
-        kv = args.n_kv_heads * head
-        linear_out = args.dim + 2 * kv  # wq, wk, wv
-        sdpa = 2 * args.dim + 2 * kv  # q, k, v, out
+        q = args.n_heads * args.head_dim
+        kv = args.n_kv_heads * args.head_dim
+        linear_out = q + 2 * kv  # wq, wk, wv
+        sdpa = 2 * q + 2 * kv  # q, k, v, out
     else:
         qk = args.qk_nope_head_dim + args.qk_rope_head_dim
         q = args.n_heads * qk
@@ -197,9 +197,8 @@ def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str,
     if ac == "full":
         saved = args.n_layers * args.dim
     elif ac == "selective":
-        attn_sel = args.dim + attn["linear_out"] / 2 + args.n_heads * args.v_head_dim
-        if args.attention == "gqa":
-            attn_sel = args.dim + attn["linear_out"] / 2 + args.dim
+        v_head_dim = args.head_dim if args.attention == "gqa" else args.v_head_dim
+        attn_sel = args.dim + attn["linear_out"] / 2 + args.n_heads * v_head_dim
         moe_sel = (
             2 * routed * args.dim  # all-to-all and grouped-matmul outputs
             + routed * 2 * args.moe_hidden_dim  # grouped matmuls' outputs (w1, w3)
