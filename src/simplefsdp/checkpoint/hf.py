@@ -55,8 +55,10 @@ def _adapter_of_hf_config(config: Mapping[str, Any], source: str) -> Any:
         adapter = get_spec(family).hf_adapter
         if adapter is not None:
             readable.update(dict.fromkeys(adapter.model_types, adapter))
-    if model_type is None and len(set(readable.values())) == 1:
-        return next(iter(readable.values()))  # an old config.json without model_type
+    if model_type is None and readable:
+        # An old config.json without model_type (Llama's, before the key
+        # existed): the first registered family's adapter reads it.
+        return next(iter(readable.values()))
     if model_type not in readable:
         raise ValueError(
             f"{source}: model_type {model_type!r} is not supported; valid: "
