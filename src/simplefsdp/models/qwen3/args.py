@@ -19,7 +19,7 @@ from simplefsdp.models.common.config import (
     count_params,
 )
 
-LOAD_BALANCE_MODES = ("aux_loss", "none")
+LOAD_BALANCE_MODES = ("aux_loss", "bias", "none")
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,12 @@ class Qwen3MoEArgs(Qwen3Args):
         decoder_sparse_step: every ``decoder_sparse_step``-th block is MoE.
         mlp_only_layers: blocks with a dense network regardless.
         load_balance: ``"aux_loss"`` (a switch-style auxiliary loss, Hugging
-            Face's ``router_aux_loss_coef``, added to the gradient only) or
-            ``"none"``.
-        aux_loss_coeff: weight of the auxiliary loss.
+            Face's ``router_aux_loss_coef``, added to the gradient only),
+            ``"bias"`` (DeepSeek-V3's auxiliary-loss-free routing bias,
+            updated after each optimizer step; not part of a Hugging Face
+            export, which starts it at zero on load) or ``"none"``.
+        aux_loss_coeff: weight of the auxiliary loss (``"aux_loss"``).
+        bias_update_rate: step of the routing-bias update (``"bias"``).
 
     Raises:
         ValueError: from ``__post_init__``, naming the offending value.
@@ -98,16 +101,16 @@ class Qwen3MoEArgs(Qwen3Args):
     route_norm: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    load_balance: Literal["aux_loss", "none"] = "aux_loss"
+    load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
     aux_loss_coeff: float = 1e-3
+    bias_update_rate: float = 1e-3
 
     # What the shared MoE layer (simplefsdp.models.common.moe.MoE) and the
     # analytic planner read, fixed for Qwen3: softmax routing without a
-    # scale, no shared experts, no routing bias, grouped-query attention.
+    # scale, no shared experts, grouped-query attention.
     score_func: ClassVar[str] = "softmax"
     route_scale: ClassVar[float] = 1.0
     num_shared_experts: ClassVar[int] = 0
-    bias_update_rate: ClassVar[float] = 0.0
     attention: ClassVar[str] = "gqa"
 
     def __post_init__(self) -> None:
@@ -133,6 +136,7 @@ class Qwen3MoEArgs(Qwen3Args):
                 f"load_balance must be one of {LOAD_BALANCE_MODES}, got {self.load_balance!r}"
             )
         check_positive_number("aux_loss_coeff", self.aux_loss_coeff)
+        check_positive_number("bias_update_rate", self.bias_update_rate)
 
     def moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` has a mixture-of-experts layer."""

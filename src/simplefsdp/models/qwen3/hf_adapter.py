@@ -12,7 +12,9 @@ Note: [Qwen3 Hugging Face layout]
     ``mlp.gate`` (``moe.router.gate``) and one tensor per expert,
     ``mlp.experts.{j}.gate_proj``/``up_proj``/``down_proj``, which are
     expert ``j`` of our stacked ``moe.experts.w1``/``w3``/``w2``. A rank
-    reads only the experts (and the rows and columns) its shard covers.
+    reads only the experts (and the rows and columns) its shard covers. The
+    routing bias of ``load_balance="bias"`` has no Hugging Face counterpart:
+    it starts at zero on load and is left out of exports.
 
     Our rotary embedding rotates adjacent channel pairs ``(2i, 2i + 1)`` of a
     head; Hugging Face's rotates channel ``i`` with ``i + head_dim / 2``. So
@@ -63,6 +65,8 @@ _FROM_EXPERT = {v: k for k, v in _EXPERT_NAMES.items()}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _OURS_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# The routing bias of load_balance="bias" (a persistent buffer of ours).
+_ROUTING_BIAS = ".moe.expert_bias"
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 
 
@@ -253,7 +257,7 @@ def config_to_hf(args: Qwen3Args, dtype: torch.dtype = torch.float32) -> dict[st
 
 
 # Fields that only size a buffer or shape training, not the function computed.
-_NOT_ARCHITECTURE = ("max_seq_len", "load_balance", "aux_loss_coeff")
+_NOT_ARCHITECTURE = ("max_seq_len", "load_balance", "aux_loss_coeff", "bias_update_rate")
 
 
 def config_differences(ours: Qwen3Args, theirs: Qwen3Args) -> list[str]:
@@ -319,6 +323,8 @@ class Qwen3HFAdapter:
         if experts:
             layer, weight = experts.groups()
             return [(_expert_hf_name(layer, j, weight), t) for j, t in enumerate(tensor.unbind(0))]
+        if name.endswith(_ROUTING_BIAS):
+            return []  # training state with no Hugging Face counterpart
         if _rotary_kind(name) is not None:
             tensor = _ours_to_hf(tensor, args.head_dim)
         return to_hf_name(name), tensor
@@ -349,6 +355,8 @@ class Qwen3HFAdapter:
                 for j in range(first, first + count)
             ]
             return torch.stack(parts)  # (count, *sizes[1:])
+        if name.endswith(_ROUTING_BIAS):
+            return torch.zeros(sizes)  # not in Hugging Face checkpoints: starts at zero
         if checkpoint.tied and name in self.tied:
             return checkpoint.read_hf(self.tied[name], offsets, sizes)
         hf_name = to_hf_name(name)
