@@ -231,3 +231,34 @@ def test_plan_for_expert_parallel_moe():
     pred = predict_analytic(spec, config, layout, get_profile("h100"))
     assert pred.memory["parameters"] > 0 and 0 < pred.mfu < 1
     assert "16 of 128 per EP rank" in " ".join(pred.notes)
+
+
+def test_routing_bias_starts_at_zero_and_is_not_exported(saved, tmp_path):
+    from simplefsdp.checkpoint.hf import load_hf_weights, save_hf_checkpoint
+
+    family, _, folder, ours = saved
+    if family != "qwen3_moe":
+        pytest.skip("no experts")
+    spec = get_spec(family)
+    biased = spec.build(ours.args.replace(load_balance="bias"))
+    with torch.no_grad():
+        for layer in biased.layers.values():
+            if layer.moe_enabled:
+                layer.moe.expert_bias.fill_(1.0)
+    load_hf_weights(biased, folder)
+    state = biased.state_dict()
+    assert "layers.0.moe.expert_bias" in state and not state["layers.0.moe.expert_bias"].any()
+    save_hf_checkpoint(state, biased.args, tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert not [n for n in index["weight_map"] if "bias" in n]
+
+
+def test_checkpoint_record_round_trips():
+    from simplefsdp.models.record import model_from_record, model_record
+
+    for flavor in ("qwen3_debug", "qwen3_moe_debug"):
+        spec, config = resolve_flavor(flavor, max_seq_len=64)
+        if flavor == "qwen3_moe_debug":
+            config = config.replace(mlp_only_layers=(2,), load_balance="bias")
+        record = json.loads(json.dumps(model_record(spec, config, flavor)))  # as stored
+        assert model_from_record({"model": record}) == (spec, config)
