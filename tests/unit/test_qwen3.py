@@ -91,7 +91,7 @@ def test_logits_equal_transformers(saved):
 
 
 def test_export_loads_in_transformers_with_our_logits(saved, tmp_path):
-    from simplefsdp.checkpoint.hf import save_hf_checkpoint
+    from simplefsdp.checkpoint.hf import load_hf_weights, save_hf_checkpoint
 
     family, _, _, ours = saved
     save_hf_checkpoint(ours.state_dict(), ours.args, tmp_path, max_shard_size=60_000)
@@ -103,6 +103,10 @@ def test_export_loads_in_transformers_with_our_logits(saved, tmp_path):
     diff = (want - got).abs().max().item()
     print(f"{family}: export round trip max |logits diff| = {diff:.2e}")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    back_ours = get_spec(family).build(ours.args)
+    load_hf_weights(back_ours, tmp_path)  # ours -> Hugging Face -> ours: bitwise
+    for name, value in back_ours.state_dict().items():
+        assert torch.equal(value, ours.state_dict()[name]), name
 
 
 def test_a_region_reads_only_what_it_covers(saved):
@@ -222,15 +226,13 @@ def test_moe_layers_follow_sparse_step_and_mlp_only_layers():
     assert spec.num_params(model) == spec.num_params(config)
 
 
-def test_plan_for_expert_parallel_moe():
-    from simplefsdp.plan.analytic import ExpertLayout, predict_analytic
-    from simplefsdp.plan.hardware import get_profile
+def test_plan_command_plans_expert_parallel_moe(capsys):
+    from simplefsdp.plan import cli as plan_cli
 
-    spec, config = resolve_flavor("qwen3_30b_a3b")
-    layout = ExpertLayout(gpus=8, batch=1, seq=4096, ep=8)
-    pred = predict_analytic(spec, config, layout, get_profile("h100"))
-    assert pred.memory["parameters"] > 0 and 0 < pred.mfu < 1
-    assert "16 of 128 per EP rank" in " ".join(pred.notes)
+    argv = ["--model", "qwen3_30b_a3b", "--ep", "8", "--gpus", "16", "--seq", "4096", "--json"]
+    assert plan_cli.main(argv) == 0
+    prediction = json.loads(capsys.readouterr().out)["predictions"][0]
+    assert "16 of 128 per EP rank" in " ".join(prediction["notes"])
 
 
 def test_routing_bias_starts_at_zero_and_is_not_exported(saved, tmp_path):
