@@ -2,7 +2,9 @@
 parallelize recipe with their specs: data parallelism (each rank half the
 batch), expert parallelism (ep 2, routing bias summed over the ranks), tensor
 parallelism (sequence parallel; the QK-norm weights' gradients summed over
-the ranks' heads) and pipeline stages (one per rank).
+the ranks' heads) and pipeline stages (one per rank). The expert-parallel
+model starts from a Hugging Face checkpoint of the same weights, each rank
+reading only its experts and shards.
 
 A tiny dense ``qwen3`` and a tiny ``qwen3_moe`` (head size independent of
 ``dim / n_heads``; one dense block among the MoE ones), eager, SGD, 3 steps on
@@ -88,7 +90,7 @@ def _max_diff(reference: torch.nn.Module, state: dict) -> float:
     return worst
 
 
-def _case(family: str, kind: str, solo) -> dict:
+def _case(family: str, kind: str, solo, hf_folder: str | None) -> dict:
     from simplefsdp.engines import EngineSpec, PipelineSpec
     from simplefsdp.engines.recipe import RecipeOptions, parallelize_model
     from simplefsdp.layout import Layout
@@ -116,6 +118,16 @@ def _case(family: str, kind: str, solo) -> dict:
         RecipeOptions(pipeline=pipeline, sequence_parallel=not float8),
     )
     module = parallel.module
+    read = None
+    if kind == "ep" and hf_folder is not None:
+        # Start from the same weights saved as a Hugging Face checkpoint: each
+        # rank reads its 2 of the 4 experts and its half of the other tensors.
+        from simplefsdp.checkpoint.hf import load_hf_weights
+
+        with torch.no_grad():
+            for param in module.parameters():
+                param.zero_()
+        read = load_hf_weights(module, hf_folder)
     if kind in ("tp", "float8_tp"):
         wq = module.layers["0"].attention.wq.weight
         q_norm = module.layers["0"].attention.q_norm.weight
@@ -141,12 +153,13 @@ def _case(family: str, kind: str, solo) -> dict:
         dist.all_reduce(value)  # dp/ep: the ranks' halves; pp: the last stage's
         losses.append(value.item() / (1 if kind == "pp" else WORLD))
     reference, ref_losses = _reference(family, solo, load_balance, float8)
-    return {"losses": losses, "ref": ref_losses, "diff": _max_diff(reference, module.state_dict())}
+    diff = _max_diff(reference, module.state_dict())
+    return {"losses": losses, "ref": ref_losses, "diff": diff, "read": read}
 
 
-def _body(cases: tuple[tuple[str, str], ...]) -> dict:
+def _body(cases: tuple[tuple[str, str], ...], hf_folder: str | None = None) -> dict:
     solo = [dist.new_group([rank]) for rank in range(WORLD)][dist.get_rank()]
-    return {f"{family}-{kind}": _case(family, kind, solo) for family, kind in cases}
+    return {f"{family}-{kind}": _case(family, kind, solo, hf_folder) for family, kind in cases}
 
 
 # The pipeline case last: the ranks' rank-check records of its stages (which
@@ -160,21 +173,32 @@ CASES = (
 )
 
 
+def _moe_elements() -> int:
+    return sum(v.numel() for v in _model("qwen3_moe")[1].state_dict().values())
+
+
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return run_distributed(_body, world_size=WORLD, args=(CASES,), timeout_s=300)[0]
+def results(tmp_path_factory) -> dict:
+    from simplefsdp.checkpoint.hf import save_hf_checkpoint
+
+    folder = tmp_path_factory.mktemp("qwen3_moe_hf")
+    _, model = _model("qwen3_moe")
+    save_hf_checkpoint(model.state_dict(), model.args, folder)
+    return run_distributed(_body, world_size=WORLD, args=(CASES, str(folder)), timeout_s=300)[0]
 
 
 @pytest.mark.parametrize("case", [f"{f}-{k}" for f, k in CASES])
 def test_qwen3_trains_on_two_ranks_like_one_process(results: dict, case: str) -> None:
     got = results[case]
-    print(case, "max relative parameter difference after 3 steps:", got["diff"])
+    print(case, "max relative parameter difference after 3 steps:", got["diff"], got["read"])
     # Same math in another order (partial sums over ranks): fp32 rounding.
     torch.testing.assert_close(
         torch.tensor(got["losses"]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-6
     )
     assert got["diff"] < 1e-4, got  # the routing bias (moved by the updates) included
     assert got["ref"][-1] < got["ref"][0], got["ref"]  # it trained
+    if got["read"] is not None:  # loaded from Hugging Face: about half per rank
+        assert 0 < got["read"] < 0.6 * _moe_elements(), got["read"]
 
 
 HEAVY_CASES = (
@@ -191,7 +215,7 @@ def test_qwen3_compiled_float8_and_moe_pipeline_like_one_process() -> None:
     pytest.importorskip("torchao.float8")
     results = run_distributed(_body, world_size=WORLD, args=(HEAVY_CASES,), timeout_s=600)[0]
     for case, got in results.items():
-        print(case, "max relative parameter difference after 3 steps:", got["diff"])
+        print(case, "max relative parameter difference after 3 steps:", got["diff"], got["read"])
         torch.testing.assert_close(
             torch.tensor(got["losses"]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-6
         )
