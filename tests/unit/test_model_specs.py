@@ -67,5 +67,5 @@ def test_hf_format_is_the_family_adapters():
     assert moe.hf_adapter is None and not moe.supports("hf")
     with pytest.raises(ValueError, match="'moe' model family has no Hugging Face format"):
         hf_adapter_for(moe.flavors["moe_debug"])
-    with pytest.raises(ValueError, match="model_type 'qwen3' is not supported; valid: 'llama'"):
-        model_args_from_hf_config({"model_type": "qwen3"})
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; valid: 'llama'"):
+        model_args_from_hf_config({"model_type": "gpt2"})

@@ -40,6 +40,22 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("deepseek_v3_debug", "deepseek_v3_16b", "deepseek_v3_671b"),
     ),
     "gpt_oss": ("simplefsdp.models.gpt_oss.spec", ("gpt_oss_debug", "gpt_oss_20b", "gpt_oss_120b")),
+    "qwen3": (
+        "simplefsdp.models.qwen3.spec",
+        (
+            "qwen3_debug",
+            "qwen3_0_6b",
+            "qwen3_1_7b",
+            "qwen3_4b",
+            "qwen3_8b",
+            "qwen3_14b",
+            "qwen3_32b",
+        ),
+    ),
+    "qwen3_moe": (
+        "simplefsdp.models.qwen3.moe_spec",
+        ("qwen3_moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"),
+    ),
 }
 
 #: Accepted older names -> canonical flavor names.

@@ -202,9 +202,8 @@ def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str,
     if ac == "full":
         saved = args.n_layers * args.dim
     elif ac == "selective":
-        attn_sel = args.dim + attn["linear_out"] / 2 + args.dim
-        if _latent_attention(args):
-            attn_sel = args.dim + attn["linear_out"] / 2 + args.n_heads * args.v_head_dim
+        v_head_dim = args.v_head_dim if _latent_attention(args) else args.head_dim
+        attn_sel = args.dim + attn["linear_out"] / 2 + args.n_heads * v_head_dim
         moe_sel = (
             2 * routed * args.dim  # all-to-all and grouped-matmul outputs
             + routed * 2 * args.moe_hidden_dim  # grouped matmuls' outputs (w1, w3)

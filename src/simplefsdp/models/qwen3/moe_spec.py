@@ -1,0 +1,115 @@
+"""The Qwen3 mixture-of-experts family's :class:`~simplefsdp.models.spec.ModelSpec`
+(``qwen3_moe``: Qwen3-30B-A3B, Qwen3-235B-A22B).
+
+A family of its own next to the dense ``qwen3`` (:mod:`.spec`), sharing its
+modules: what a spec declares differs between the two (expert parallelism,
+planning from shapes rather than traces, graph breaks at the token counts,
+the load metrics after each step, the Hugging Face ``model_type``).
+
+Composes like the ``moe`` family: tensor parallelism (attention and dense
+blocks split, router and routed experts replicated over tp), pipeline
+stages, expert parallelism (the ``experts`` modules over ep), float8 for the
+attention and dense linears (router and grouped experts stay in high
+precision) and Hugging Face weights (``model_type`` ``qwen3_moe``). Expert
+and tensor parallelism together are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from simplefsdp.models.common.load_balance import expert_load_metrics, update_expert_bias
+from simplefsdp.models.common.moe import MoE
+from simplefsdp.models.common.stages import pipeline_split
+from simplefsdp.models.common.validate import decoder_errors, divisors, flag_names
+from simplefsdp.models.llama3.spec import cross_entropy
+from simplefsdp.models.qwen3.args import (
+    Qwen3MoEArgs,
+    flops_per_token,
+    num_active_params,
+    num_params,
+)
+from simplefsdp.models.qwen3.configs import QWEN3_MOE_CONFIGS
+from simplefsdp.models.qwen3.hf_adapter import QWEN3_MOE_HF_ADAPTER
+from simplefsdp.models.qwen3.model import Transformer
+from simplefsdp.models.qwen3.spec import init_weights, tensor_parallel, tp_split_sizes
+from simplefsdp.models.spec import ModelSpec
+
+
+def _after_optimizer_step(model: Any, *, process_group: Any = None) -> dict[str, Any]:
+    loads = update_expert_bias(model, process_group)
+    return expert_load_metrics(loads) if loads else {}
+
+
+def _discard_step_state(model: Any) -> None:
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.tokens_per_expert.zero_()
+
+
+def validate(
+    config: Qwen3MoEArgs,
+    layout: Any,
+    *,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    build: bool = True,
+    model_name: str | None = None,
+    names: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Qwen3 MoE against the layout: the decoder's rules, experts vs ep, and
+    ep with tp (refused).
+
+    See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
+    """
+    n = flag_names(names)
+    model = f"model {model_name!r}" if model_name else "the model"
+    errors = decoder_errors(
+        config,
+        layout,
+        tp_sizes=tp_split_sizes(config, loss_parallel=loss_parallel),
+        seq_len=seq_len,
+        sequence_parallel=sequence_parallel,
+        model_name=model_name,
+        names=names,
+    )
+    ep, tp = getattr(layout, "ep", 1), getattr(layout, "tp", 1)
+    if ep > 1 and config.num_experts % ep:
+        valid = divisors(config.num_experts)
+        errors.append(
+            f"{n['ep']} {ep} does not divide the {config.num_experts} experts of {model} (each "
+            f"rank holds num_experts / {n['ep']}); valid: {', '.join(map(str, valid))}"
+        )
+    if ep > 1 and tp > 1:
+        errors.append(
+            f"{n['ep']} {ep} with {n['tp']} {tp}: expert and tensor parallelism do not compose "
+            f"for mixture-of-experts models (routed experts are replicated over tp); use "
+            f"{n['ep']} 1 or {n['tp']} 1"
+        )
+    return errors
+
+
+SPEC = ModelSpec(
+    family="qwen3_moe",
+    description="Qwen3 mixture-of-experts decoder (softmax top-k routing, no shared expert)",
+    config_type=Qwen3MoEArgs,
+    flavors=QWEN3_MOE_CONFIGS,
+    build=Transformer,
+    init_weights=init_weights,
+    loss=cross_entropy,
+    num_params=num_params,
+    num_active_params=num_active_params,
+    flops_per_token=flops_per_token,
+    validate=validate,
+    capabilities=frozenset({"tp", "pp", "ep", "float8", "hf"}),
+    tensor_parallel=tensor_parallel,
+    pipeline_split=pipeline_split,
+    fullgraph=False,
+    plan_method="analytic",
+    after_optimizer_step=_after_optimizer_step,
+    discard_step_state=_discard_step_state,
+    float8_skip_fqns=("router.gate",),
+    hf_adapter=QWEN3_MOE_HF_ADAPTER,
+)
