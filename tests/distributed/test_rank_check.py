@@ -150,6 +150,18 @@ def test_same_experts_on_every_rank_train_as_one_process(executor: str) -> None:
     run_distributed(_parity_body, 2, args=(executor, [1, 1], True))
 
 
+def _leftover_body() -> list[float]:
+    # Reads no check covered (another model's forward, a pipeline stage's)
+    # on one rank only must not count against the next forward.
+    if dist.get_rank() == 1:
+        rank_check.record("another model's parameter")
+    return _parity_body("uncompiled", [1, 1], True)
+
+
+def test_reads_before_the_forward_are_not_its_own() -> None:
+    run_distributed(_leftover_body, 2)
+
+
 def test_eager_executor_gathers_the_moe_layer_whole() -> None:
     """The remedy the error names: one bucket per MoE layer is gathered and
     reduced whole, so ranks routing to different experts still agree."""

@@ -386,10 +386,17 @@ def _install_rank_check(module: nn.Module, mesh: DeviceMesh) -> None:
     gathered the same parameters (Note: [Same gathers on every rank])."""
     where = f"the forward of {type(module).__name__}"
 
+    def start(_module, _args):
+        # Reads since the last check that no check covered (another model's
+        # forward in this process, a pipeline stage's) are not this forward's.
+        if not torch.compiler.is_compiling():
+            rank_check.reset()
+
     def check_ranks(_module, _args, _output):
         if not torch.compiler.is_compiling():
             rank_check.check(mesh, where)
 
+    module.register_forward_pre_hook(start)
     module.register_forward_hook(check_ranks)
 
 
