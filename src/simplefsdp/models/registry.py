@@ -35,6 +35,8 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
         "simplefsdp.models.moe.spec",
         ("moe_debug", "moe_small", "deepseek_v3_16b", "deepseek_v3_671b", "llama4_scout"),
     ),
+    # any other causal LM, from a Hugging Face folder (no flavors)
+    "transformers": ("simplefsdp.models.hf_transformers.spec", ()),
 }
 
 #: Accepted older names -> canonical flavor names.
