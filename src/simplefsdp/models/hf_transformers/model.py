@@ -38,7 +38,7 @@ def _parameters_on_meta() -> Iterator[None]:
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None:
+        if param is not None and not param.is_meta:  # a meta one may be tied: keep it
             kwargs = dict(module._parameters[name].__dict__)
             kwargs["requires_grad"] = param.requires_grad
             module._parameters[name] = type(param)(module._parameters[name].to("meta"), **kwargs)
