@@ -102,6 +102,11 @@ class TransformersCausalLM(nn.Module):
         self.__dict__["causal_lm"] = causal_lm
         # buffers by name, to restore after to_empty (init_weights)
         self.initial_buffers = {name: b.detach().clone() for name, b in self.named_buffers()}
+        # names of one parameter (tied embeddings), to tie again after to_empty
+        names: dict[int, list[str]] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        self.tied_names = [group for group in names.values() if len(group) > 1]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` token ids -> ``(B, T, V)`` logits."""
@@ -120,7 +125,14 @@ class TransformersCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter as ``transformers`` does (its
-        ``_init_weights`` per module) and restore the buffers (after ``to_empty``)."""
+        ``_init_weights`` per module) and restore the buffers and the ties
+        (after ``to_empty``, which unties)."""
+        for first, *others in self.tied_names:
+            param = self.get_parameter(first)
+            for name in others:
+                owner, _, attr = name.rpartition(".")
+                if self.get_parameter(name) is not param:
+                    setattr(self.get_submodule(owner), attr, param)
         for name, value in self.initial_buffers.items():
             buffer = self.get_buffer(name)
             buffer.copy_(value.to(buffer.device, buffer.dtype))
