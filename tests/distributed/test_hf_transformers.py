@@ -80,8 +80,13 @@ def _train(folders: dict, mode: str, compile: bool, ac: str, mesh_shape) -> dict
             dist.all_reduce(mean)
             losses.append(float(mean) / world)
         with simplefsdp.disable_parametrization():
-            params = {
-                n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
+            params = {  # names without the activation-checkpoint wrapper's part
+                n.replace("_checkpoint_wrapped_module.", ""): (
+                    p.full_tensor() if isinstance(p, DTensor) else p
+                )
+                .detach()
+                .numpy()
+                .copy()
                 for n, p in parallel.module.named_parameters()
             }
         out[name] = (losses, params if rank == 0 else None)

@@ -194,3 +194,23 @@ def test_resolve_takes_the_family_and_config_from_the_folder(folders, llama_fold
         f"{folders['mistral'][0] / 'config.json'} holds a 'transformers' model; "
         "leave out model.name to take the model from it"
     )
+
+
+def test_train_refuses_a_folder_with_code_in_one_line(folders, tmp_path, capsys):
+    """``simplefsdp train`` on a folder with its own code: one line, nothing started."""
+    from simplefsdp.train import cli
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    data = json.loads((folders["mistral"][0] / "config.json").read_text())
+    data["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(data))
+    out = ["--metrics.output_dir", str(tmp_path / "runs"), "--data.seq_len", "32"]
+    assert cli.main(["--nproc", "2", "--checkpoint.init_from_hf", str(folder), *out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"simplefsdp train: error: checkpoint.init_from_hf {str(folder)!r}: "
+        f"{folder / 'config.json'}: model_type 'mistral' comes with its own modeling code "
+        "(auto_map), which runs only with --checkpoint.trust_remote_code true"
+    )
+    assert not (tmp_path / "runs").exists()
