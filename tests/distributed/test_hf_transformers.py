@@ -8,7 +8,8 @@ The mean of the ranks' losses and the final parameters equal those of
 ``transformers``' own model trained on the whole batch in one process
 (tight tolerance: gloo sums in another order). The default run covers
 ``fully_shard`` eager on 2 ranks; ``heavy`` covers ``replicate``,
-``hybrid_shard`` (4 ranks), compilation and activation checkpointing.
+``hybrid_shard`` (4 ranks), compilation, activation checkpointing and
+tensor parallelism through the model's ``base_model_tp_plan`` (dp 2 x tp 2).
 """
 
 from __future__ import annotations
@@ -47,20 +48,24 @@ def _data() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=g)
 
 
-def _train(folders: dict, mode: str, compile: bool, ac: str, mesh_shape) -> dict:
+def _train(folders: dict, mode: str, compile: bool, ac: str, mesh_shape, tp: int = 1) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     import simplefsdp
     from simplefsdp.checkpoint.hf import hf_model_of_folder, load_hf_weights
     from simplefsdp.engines import EngineSpec
-    from simplefsdp.engines.recipe import parallelize_model
+    from simplefsdp.engines.recipe import RecipeOptions, parallelize_model
     from simplefsdp.layout import Layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = Layout.for_data_parallel(mode, world, mesh_shape=mesh_shape, local_world_size=world)
+    layout = Layout.for_data_parallel(
+        mode, world, mesh_shape=mesh_shape, local_world_size=world, tp=tp
+    )
     meshes = layout.resolve(world).build("cpu", world)
-    engine = EngineSpec(mode=mode, compile=compile, backend="aot_eager", activation_checkpoint=ac)
+    engine = EngineSpec(
+        mode=mode, compile=compile, backend="aot_eager", activation_checkpoint=ac, tp=tp
+    )
     per_rank = BATCH // meshes.batch_size
     data = _data()[:, meshes.batch_rank * per_rank : (meshes.batch_rank + 1) * per_rank]
     out = {}
@@ -68,7 +73,8 @@ def _train(folders: dict, mode: str, compile: bool, ac: str, mesh_shape) -> dict
         spec, config = hf_model_of_folder(folder)
         with torch.device("meta"):
             model = spec.build(config)
-        parallel = parallelize_model(model, spec, meshes, engine, torch.device("cpu"))
+        options = RecipeOptions(sequence_parallel=False)
+        parallel = parallelize_model(model, spec, meshes, engine, torch.device("cpu"), options)
         load_hf_weights(parallel.module, folder, args=config)
         optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=1e-2)
         losses = []
@@ -76,7 +82,8 @@ def _train(folders: dict, mode: str, compile: bool, ac: str, mesh_shape) -> dict
             loss = parallel.step(data[step, :, :-1], data[step, :, 1:])
             optimizer.step()
             optimizer.zero_grad()
-            mean = loss.detach().clone()  # the ranks' mean (equal batches) is the global loss
+            # the ranks' mean (equal batches; tp ranks share theirs) is the global loss
+            mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(float(mean) / world)
         with simplefsdp.disable_parametrization():
@@ -137,16 +144,19 @@ def test_fully_shard_matches_one_process(reference):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize(
-    ("mode", "compile", "ac", "world", "mesh_shape"),
+    ("mode", "compile", "ac", "world", "mesh_shape", "tp"),
     [
-        ("replicate", False, "none", 2, None),
-        ("hybrid_shard", False, "full", 4, (2, 2)),
-        ("fully_shard", True, "selective", 2, None),
+        ("replicate", False, "none", 2, None, 1),
+        ("hybrid_shard", False, "full", 4, (2, 2), 1),
+        ("fully_shard", True, "selective", 2, None, 1),
+        ("fully_shard", False, "none", 4, None, 2),  # dp 2 x tp 2: base_model_tp_plan
     ],
 )
-def test_modes_compile_and_ac_match_one_process(reference, mode, compile, ac, world, mesh_shape):
+def test_modes_compile_ac_and_tp_match_one_process(
+    reference, mode, compile, ac, world, mesh_shape, tp
+):
     folders = {name: folder for name, (folder, _, _) in reference.items()}
     results = run_distributed(
-        _train, world, args=(folders, mode, compile, ac, mesh_shape), timeout_s=600
+        _train, world, args=(folders, mode, compile, ac, mesh_shape, tp), timeout_s=600
     )
     _check(results, reference)

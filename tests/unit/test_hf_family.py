@@ -177,13 +177,24 @@ def test_resolve_takes_the_family_and_config_from_the_folder(folders, llama_fold
         "valid: at most 64"
     ]
     # what the family does not compose with: one line
-    errors, _ = job_errors(
-        _job(folders["gemma"][0], "--data.seq_len", "32", "--parallel.tp", "2"), 2
-    )
     folder = folders["gemma"][0]
+    errors, _ = job_errors(_job(folder, "--data.seq_len", "32", "--parallel.pp", "2"), 2)
     assert errors == [
-        f"parallel.tp 2: model {str(folder)!r} (family 'transformers') does not compose with "
-        "tensor parallelism; use parallel.tp 1 (the family composes with: hf)"
+        f"parallel.pp 2: model {str(folder)!r} (family 'transformers') does not compose with "
+        "pipeline parallelism; use parallel.pp 1 (the family composes with: hf, tp)"
+    ]
+    # tensor parallelism: the model's own plan, whole sequences
+    errors, _ = job_errors(_job(folder, "--data.seq_len", "32", "--parallel.tp", "2"), 2)
+    assert errors == [
+        "parallel.sequence_parallel true with parallel.tp 2: the transformers family's tensor "
+        "parallelism keeps whole sequences and logits; use --parallel.sequence_parallel false"
+    ]
+    flags = ("--data.seq_len", "32", "--parallel.sequence_parallel", "false")
+    assert job_errors(_job(folder, *flags, "--parallel.tp", "2"), 2)[0] == []
+    errors, _ = job_errors(_job(folder, *flags, "--parallel.tp", "4"), 4)
+    assert errors == [
+        "parallel.tp 4 does not divide the num_key_value_heads 2 of the 'gemma' model; "
+        "valid: a divisor of 2"
     ]
     # a named model of another family
     errors, _ = job_errors(

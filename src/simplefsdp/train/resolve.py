@@ -35,6 +35,7 @@ FLAGS = {
     "batch": "data.batch_size",
     "seq_len": "data.seq_len",
     "sequence_parallel": "--parallel.sequence_parallel",
+    "loss_parallel": "parallel.loss_parallel",
     "float8": "float8.enable",
     "hf": "checkpoint.init_from_hf",
     "compile": "compile.enable",

@@ -3,10 +3,11 @@ any causal LM ``transformers`` builds, from a Hugging Face folder.
 
 It has no flavors: ``simplefsdp train --checkpoint.init_from_hf DIR`` picks
 it for a folder whose ``model_type`` no native family reads. What composes:
-every data-parallel mode, activation checkpointing of its decoder layers,
-compilation, Hugging Face weights in and out; what does not (tensor,
-pipeline, expert and context parallelism, float8) is refused before any
-process starts.
+every data-parallel mode, tensor parallelism through the model's own
+``base_model_tp_plan`` (without sequence or loss parallelism), activation
+checkpointing of its decoder layers, compilation, Hugging Face weights in
+and out; what does not (pipeline, expert and context parallelism, float8)
+is refused before any process starts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ def _build(config: TransformersConfig) -> Any:
 
 def _init_weights(model: Any, buffer_device: Any = None) -> None:
     model.init_weights(buffer_device=buffer_device)
+
+
+def _tensor_parallel(
+    model: Any, tp_mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> None:
+    from simplefsdp.models.hf_transformers.tensor_parallel import apply_tensor_parallel
+
+    apply_tensor_parallel(
+        model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
 
 
 def cross_entropy(logits: Any, targets: Any) -> Any:
@@ -68,15 +79,35 @@ def validate(
     model_name: str | None = None,
     names: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """The sequence against ``max_seq_len``; the degrees the family lacks are
-    refused by its capabilities. See :class:`~simplefsdp.models.spec.ModelSpec`."""
-    n = {"seq_len": "seq_len", **(names or {})}
+    """The sequence against ``max_seq_len``; with ``tp > 1`` the model's
+    tensor-parallel plan, its sizes against tp, and neither sequence nor loss
+    parallelism. The degrees the family lacks are refused by its
+    capabilities. See :class:`~simplefsdp.models.spec.ModelSpec`."""
+    n = {
+        "seq_len": "seq_len",
+        "tp": "tp",
+        "sequence_parallel": "sequence_parallel",
+        "loss_parallel": "loss_parallel",
+        **(names or {}),
+    }
     errors = []
     if seq_len is not None and seq_len > config.max_seq_len:
         errors.append(
             f"{n['seq_len']} {seq_len} exceeds max_position_embeddings {config.max_seq_len} "
             f"of the {config.model_type!r} model; valid: at most {config.max_seq_len}"
         )
+    tp = getattr(layout, "tp", 1)
+    if isinstance(tp, int) and tp > 1:
+        from simplefsdp.models.hf_transformers.tensor_parallel import tp_errors
+
+        errors += tp_errors(config, tp, n["tp"])
+        for key, on in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if on:
+                flag = n[key].lstrip("-")
+                errors.append(
+                    f"{flag} true with {n['tp']} {tp}: the transformers family's tensor "
+                    f"parallelism keeps whole sequences and logits; use --{flag} false"
+                )
     return errors
 
 
@@ -91,6 +122,7 @@ SPEC = ModelSpec(
     num_params=num_params,
     flops_per_token=flops_per_token,
     validate=validate,
-    capabilities=frozenset({"hf"}),
+    capabilities=frozenset({"tp", "hf"}),
+    tensor_parallel=_tensor_parallel,
     hf_adapter=TRANSFORMERS_HF_ADAPTER,
 )
