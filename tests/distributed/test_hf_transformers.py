@@ -6,7 +6,8 @@ family ``transformers`` on the meta device, parallelised by the one recipe
 rank with ``load_hf_weights`` and trained 3 AdamW steps on per-rank batches.
 The mean of the ranks' losses and the final parameters equal those of
 ``transformers``' own model trained on the whole batch in one process
-(tight tolerance: gloo sums in another order). The default run covers
+(tight tolerance: gloo and TP's split matmuls sum in another order; an
+Adam step is 1e-2, the parameters agree within 5e-5). The default run covers
 ``fully_shard`` eager on 2 ranks; ``heavy`` covers ``replicate``,
 ``hybrid_shard`` (4 ranks), compilation, activation checkpointing and
 tensor parallelism through the model's ``base_model_tp_plan`` (dp 2 x tp 2).
@@ -132,7 +133,8 @@ def _check(results: list, reference: dict) -> None:
         ours = results[0][name][1]
         assert set(ours) == set(params), name
         for key, value in params.items():
-            assert np.allclose(ours[key], value, rtol=1e-4, atol=1e-5), (name, key)
+            diff = float(np.abs(ours[key] - value).max())
+            assert np.allclose(ours[key], value, rtol=1e-4, atol=5e-5), (name, key, diff)
 
 
 def test_fully_shard_matches_one_process(reference):
