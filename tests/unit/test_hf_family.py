@@ -133,20 +133,55 @@ def test_llama_folder_is_the_native_family(llama_folder, tmp_path):
     assert hf_family_of({"model_type": "mistral"}).family == "transformers"
 
 
-def test_folder_with_its_own_code_needs_trust_remote_code(folders, tmp_path):
-    from simplefsdp.checkpoint.hf import hf_model_of_folder
+_CONFIGURATION = """from transformers import MistralConfig
 
+
+class MineConfig(MistralConfig):
+    model_type = "mine"
+"""
+_MODELING = """from transformers import MistralForCausalLM
+
+from .configuration_mine import MineConfig
+
+
+class MineForCausalLM(MistralForCausalLM):
+    config_class = MineConfig
+"""
+
+
+def test_folder_with_its_own_code_needs_trust_remote_code(folders, tmp_path, monkeypatch):
+    """A folder whose ``config.json`` maps to its own Python files (``auto_map``)."""
+    from transformers import dynamic_module_utils
+
+    from simplefsdp.checkpoint.hf import hf_model_of_folder, load_hf_weights
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "configuration_mine.py").write_text(_CONFIGURATION)
+    (folder / "modeling_mine.py").write_text(_MODELING)
     data = json.loads((folders["mistral"][0] / "config.json").read_text())
-    data["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}
-    (tmp_path / "config.json").write_text(json.dumps(data))
+    data["model_type"] = "mine"
+    data["auto_map"] = {
+        "AutoConfig": "configuration_mine.MineConfig",
+        "AutoModelForCausalLM": "modeling_mine.MineForCausalLM",
+    }
+    (folder / "config.json").write_text(json.dumps(data))
+    (folder / "model.safetensors").symlink_to(folders["mistral"][0] / "model.safetensors")
     with pytest.raises(ValueError) as info:
-        hf_model_of_folder(tmp_path)
+        hf_model_of_folder(folder)
     assert str(info.value) == (
-        f"{tmp_path / 'config.json'}: model_type 'mistral' comes with its own modeling code "
+        f"{folder / 'config.json'}: model_type 'mine' comes with its own modeling code "
         "(auto_map), which runs only with --checkpoint.trust_remote_code true"
     )
-    config = hf_model_of_folder(tmp_path, trust_remote_code=True)[1]
-    assert config.trust_remote_code and config.code_folder == str(tmp_path)
+    # with the flag the folder's code builds the model (copied to a scratch module cache)
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    spec, config = hf_model_of_folder(folder, trust_remote_code=True)
+    assert config.trust_remote_code and config.code_folder == str(folder)
+    model = spec.build(config)
+    assert type(model.causal_lm).__name__ == "MineForCausalLM"
+    load_hf_weights(model, folder, args=config)
+    with torch.no_grad():
+        assert torch.equal(model(_tokens()), folders["mistral"][1](_tokens()).logits)
 
 
 def test_unknown_model_type_is_one_line(tmp_path):
