@@ -182,6 +182,16 @@ def test_folder_with_its_own_code_needs_trust_remote_code(folders, tmp_path, mon
     load_hf_weights(model, folder, args=config)
     with torch.no_grad():
         assert torch.equal(model(_tokens()), folders["mistral"][1](_tokens()).logits)
+    # its export carries the code its config.json names
+    from simplefsdp.checkpoint.hf import save_hf_checkpoint
+
+    save_hf_checkpoint(model.state_dict(), config, tmp_path / "out")
+    assert (tmp_path / "out" / "modeling_mine.py").read_text() == _MODELING
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", trust_remote_code=True
+    )
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(_tokens()).logits, model(_tokens()))
 
 
 def test_unknown_model_type_is_one_line(tmp_path):

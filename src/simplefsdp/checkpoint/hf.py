@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -528,8 +529,9 @@ def save_hf_checkpoint(
     the adapter of ``args``'s family).
 
     ``config.json``, ``model-0000i-of-0000n.safetensors`` (each at most
-    ``max_shard_size`` unless one tensor is larger) and
-    ``model.safetensors.index.json``. Each file is written under a temporary
+    ``max_shard_size`` unless one tensor is larger),
+    ``model.safetensors.index.json`` and the files the adapter's optional
+    ``hf_files(args)`` names (a model's own code). Each file is written under a temporary
     name and renamed; the index, written last, names only complete shards.
 
     Args:
@@ -590,6 +592,13 @@ def save_hf_checkpoint(
         for name, tensor in shard.items():
             weight_map[name] = file
             total += tensor.numel() * tensor.element_size()
+    for source in getattr(adapter, "hf_files", lambda _args: [])(args):
+        # e.g. the modeling code a config.json's auto_map names
+        path = folder / Path(source).name
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.copyfile(source, tmp)
+        _publish(tmp, path, mode)
+        written.append(path)
     config_path = folder / CONFIG_FILE
     _write_json(config_path, adapter.config_to_hf(args, dtype), mode)
     index_path = folder / INDEX_FILE

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +86,14 @@ class TransformersHFAdapter:
     ) -> tuple[list[int], list[int], Callable[[torch.Tensor], torch.Tensor]]:
         """The same region of the same tensor."""
         return list(offsets), list(sizes), lambda t: t
+
+    def hf_files(self, args: TransformersConfig) -> list[Path]:
+        """Files an export copies besides the weights: the Python files of a
+        folder with its own modeling code (``auto_map``), which its
+        ``config.json`` names."""
+        if args.code_folder is None:
+            return []
+        return sorted(Path(args.code_folder).glob("*.py"))
 
     def hf_sort_key(self, hf_name: str) -> tuple[int, str]:
         """Order in the written shards: layer by layer, the rest first."""
