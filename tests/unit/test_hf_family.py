@@ -128,9 +128,12 @@ def test_llama_folder_is_the_native_family(llama_folder, tmp_path):
     spec, config = hf_model_of_folder(llama_folder)
     assert spec.family == "llama3" and config.dim == 32
     data = json.loads((llama_folder / "config.json").read_text())
-    # no model_type: the architecture names the family
-    assert hf_family_of({**data, "model_type": None}).family == "llama3"
     assert hf_family_of({"model_type": "mistral"}).family == "transformers"
+    # another model_type, or none: the architecture names the family
+    for model_type in ("my_llama", None):
+        (tmp_path / "config.json").write_text(json.dumps({**data, "model_type": model_type}))
+        assert hf_family_of({**data, "model_type": model_type}).family == "llama3"
+        assert hf_model_of_folder(tmp_path) == (spec, config)
 
 
 _CONFIGURATION = """from transformers import MistralConfig

@@ -156,13 +156,16 @@ def hf_model_of_folder(
     config = read_hf_config(folder)
     source = str(Path(folder) / CONFIG_FILE)
     spec = hf_family_of(config, source)
-    if getattr(spec.hf_adapter, "any_model_type", False):
-        args = spec.hf_adapter.config_from_hf(
-            config, source, trust_remote_code=trust_remote_code, code_folder=str(folder)
+    adapter = spec.hf_adapter
+    if getattr(adapter, "any_model_type", False):
+        code_folder = os.path.abspath(folder)  # recorded: see [Code from a model folder]
+        return spec, adapter.config_from_hf(
+            config, source, trust_remote_code=trust_remote_code, code_folder=code_folder
         )
-    else:
-        args = spec.hf_adapter.config_from_hf(config, source)
-    return spec, args
+    if config.get("model_type") not in adapter.model_types:
+        # picked by its architectures: read as the family's own model type
+        config = {**config, "model_type": adapter.model_types[0]}
+    return spec, adapter.config_from_hf(config, source)
 
 
 def hf_adapter_for(args: Any) -> Any:
