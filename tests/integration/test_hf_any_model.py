@@ -106,7 +106,8 @@ def test_any_causal_lm_trains_compiled_and_exports(tmp_path):
         (checkpoints(only_run(tmp_path / "G")) / "step-2" / "config.json").read_text()
     )
     assert record["model"]["family"] == "transformers"
-    _run(tmp_path, "export", "--checkpoint", "G", "--format", "hf", "--out", "hf_out")
+    out = _run(tmp_path, "export", "--checkpoint", "G", "--format", "hf", "--out", "hf_out")
+    assert "(Hugging Face format: GemmaForCausalLM)" in out.stdout
     written = json.loads((tmp_path / "hf_out" / "config.json").read_text())
     assert written["architectures"] == ["GemmaForCausalLM"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
