@@ -120,6 +120,7 @@ def test_export_loads_back_with_from_pretrained(folders, name, tmp_path):
     # a checkpoint's record rebuilds the same family and configuration
     record = json.loads(json.dumps(model_record(spec, config)))
     assert model_from_record({"model": record}) == (spec, config)
+    assert hash(model_from_record({"model": record})[1]) == hash(config)
 
 
 def test_llama_folder_is_the_native_family(llama_folder, tmp_path):

@@ -15,6 +15,7 @@ Note: [Code from a model folder]
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,10 @@ class TransformersConfig:
     def n_layers(self) -> int:
         """Decoder layers (``num_hidden_layers``; 0 when the config does not say)."""
         return int(self.hf_config.get("num_hidden_layers") or 0)
+
+    def __hash__(self) -> int:  # the config.json mapping is not hashable itself
+        return hash((json.dumps(self.hf_config, sort_keys=True, default=str), self.vocab_size,
+                     self.max_seq_len, self.trust_remote_code, self.code_folder))  # fmt: skip
 
     def replace(self, **changes: Any) -> TransformersConfig:
         """A copy with ``changes`` applied."""
