@@ -10,7 +10,8 @@ The mean of the ranks' losses and the final parameters equal those of
 Adam step is 1e-2, the parameters agree within 5e-5). The default run covers
 ``fully_shard`` eager on 2 ranks; ``heavy`` covers ``replicate``,
 ``hybrid_shard`` (4 ranks), compilation, activation checkpointing and
-tensor parallelism through the model's ``base_model_tp_plan`` (dp 2 x tp 2).
+tensor parallelism through the model's ``base_model_tp_plan`` (dp 2 x tp 2),
+and the eager executor and FSDP2 engines.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def _data() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=g)
 
 
-def _train(folders: dict, mode: str, compile: bool, ac: str, mesh_shape, tp: int = 1) -> dict:
+def _train(
+    folders: dict, mode: str, compile: bool, ac: str, mesh_shape, tp: int = 1, engine="simplefsdp"
+) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -65,7 +68,12 @@ def _train(folders: dict, mode: str, compile: bool, ac: str, mesh_shape, tp: int
     )
     meshes = layout.resolve(world).build("cpu", world)
     engine = EngineSpec(
-        mode=mode, compile=compile, backend="aot_eager", activation_checkpoint=ac, tp=tp
+        engine=engine,
+        mode=mode,
+        compile=compile,
+        backend="aot_eager",
+        activation_checkpoint=ac,
+        tp=tp,
     )
     per_rank = BATCH // meshes.batch_size
     data = _data()[:, meshes.batch_rank * per_rank : (meshes.batch_rank + 1) * per_rank]
@@ -142,6 +150,14 @@ def test_fully_shard_matches_one_process(reference):
     _check(
         run_distributed(_train, 2, args=(folders, "fully_shard", False, "none", None)), reference
     )
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("engine", ["simplefsdp_eager", "fsdp2"])
+def test_other_engines_match_one_process(reference, engine):
+    folders = {name: folder for name, (folder, _, _) in reference.items()}
+    args = (folders, "fully_shard", False, "none", None, 1, engine)
+    _check(run_distributed(_train, 2, args=args, timeout_s=600), reference)
 
 
 @pytest.mark.heavy
