@@ -100,41 +100,38 @@ class TransformersCausalLM(nn.Module):
             self.add_module(name, child)
         # outside the module tree: see Note: [The wrapper shares the model's children]
         self.__dict__["causal_lm"] = causal_lm
-        # buffers by name, to restore after to_empty (init_weights)
-        self.initial_buffers = {name: b.detach().clone() for name, b in self.named_buffers()}
-        # names of one parameter (tied embeddings), to tie again after to_empty
-        names: dict[int, list[str]] = {}
-        for name, param in self.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        self.tied_names = [group for group in names.values() if len(group) > 1]
+        # by module, not by name (activation checkpointing renames the layers):
+        # the buffers' values and the tied parameters' places, for after to_empty
+        self.initial_buffers = [
+            (module, name, buffer.detach().clone())
+            for module in self.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        places: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in self.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    places.setdefault(id(param), []).append((module, name))
+        self.tied_places = [group for group in places.values() if len(group) > 1]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` token ids -> ``(B, T, V)`` logits."""
         return self.causal_lm(input_ids=tokens, use_cache=False).logits
-
-    def decoder_layers(self) -> nn.ModuleList | None:
-        """The list of decoder layers (``model.layers`` or the first
-        ``ModuleList`` whose entries are a class of ``_no_split_modules``)."""
-        no_split = set(getattr(self.causal_lm, "_no_split_modules", None) or ())
-        for _, module in self.named_modules():
-            if isinstance(module, nn.ModuleList) and len(module) > 0:
-                if not no_split or type(module[0]).__name__ in no_split:
-                    return module
-        return None
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter as ``transformers`` does (its
         ``_init_weights`` per module) and restore the buffers and the ties
         (after ``to_empty``, which unties)."""
-        for first, *others in self.tied_names:
-            param = self.get_parameter(first)
-            for name in others:
-                owner, _, attr = name.rpartition(".")
-                if self.get_parameter(name) is not param:
-                    setattr(self.get_submodule(owner), attr, param)
-        for name, value in self.initial_buffers.items():
-            buffer = self.get_buffer(name)
+        for (first, first_name), *others in self.tied_places:
+            param = getattr(first, first_name)
+            for module, name in others:
+                # data_parallel keeps ties (one sharded parameter); to_empty does not
+                if name in module._parameters and module._parameters[name] is not param:
+                    setattr(module, name, param)
+        for module, name, value in self.initial_buffers:
+            buffer = module._buffers[name]
             buffer.copy_(value.to(buffer.device, buffer.dtype))
         for module in self.causal_lm.modules():
             self.causal_lm._init_weights(module)
