@@ -78,7 +78,7 @@ def tuned(tmp_path_factory):
     out = _run(cwd, "export", "--checkpoint", "dp", "--format", "hf", "--out", "hf_out",
                "--max-shard-size", "200KB")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "Hugging Face Llama format" in out.stdout
+    assert "Hugging Face format: LlamaForCausalLM" in out.stdout
     ours = _run(cwd, "export", "--checkpoint", "dp", "--out", "ours.safetensors")
     assert ours.returncode == 0, ours.stderr
     return cwd

@@ -5,9 +5,12 @@ A Hugging Face checkpoint is a folder with ``config.json`` and the weights in
 by ``model.safetensors.index.json``. What is a family's (tensor names, layout
 permutations, ``config.json`` fields) is its adapter's,
 ``ModelSpec.hf_adapter`` (a family's ``hf_adapter.py``); the family is
-found from ``config.json``'s ``model_type`` when reading and from the
+found from ``config.json``'s ``model_type`` and ``architectures`` when
+reading (any other causal LM is ``transformers``' own) and from the
 configuration's type when writing. This module:
 
+* :func:`hf_family_of` / :func:`hf_model_of_folder`: the family that reads a
+  folder (Note: [Which family reads a folder]) and its configuration;
 * :func:`model_args_from_hf_config` / :func:`hf_config_from_model_args`: a
   ``config.json`` and our configuration, through the adapter;
 * :func:`load_hf_weights`: fills a (possibly sharded, DTensor) model from such
@@ -28,6 +31,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,25 +49,123 @@ _FLOAT8_DTYPES = tuple(
 )
 
 
-def _adapter_of_hf_config(config: Mapping[str, Any], source: str) -> Any:
-    """The Hugging Face adapter of the family that reads ``config``'s ``model_type``."""
+def _native_families() -> list[Any]:
+    """The specs of the families whose adapter reads named ``model_type`` values."""
     from simplefsdp.models.registry import family_names, get_spec
 
-    model_type = config.get("model_type")
-    readable = {}
+    specs = [get_spec(family) for family in family_names()]
+    return [s for s in specs if s.hf_adapter is not None and s.hf_adapter.model_types]
+
+
+def _any_model_type_family() -> Any | None:
+    """The spec of the family that reads any other causal LM (its adapter's
+    ``any_model_type``), or ``None``."""
+    from simplefsdp.models.registry import family_names, get_spec
+
     for family in family_names():
         adapter = get_spec(family).hf_adapter
-        if adapter is not None:
-            readable.update(dict.fromkeys(adapter.model_types, adapter))
-    if model_type is None and readable:
-        # An old config.json without model_type: the first registered family reads it.
-        return next(iter(readable.values()))
-    if model_type not in readable:
-        raise ValueError(
-            f"{source}: model_type {model_type!r} is not supported; valid: "
-            f"{', '.join(repr(t) for t in readable)}"
+        if adapter is not None and getattr(adapter, "any_model_type", False):
+            return get_spec(family)
+    return None
+
+
+def _architectures_of(adapter: Any) -> set[str]:
+    """The ``architectures`` names a native adapter reads: its own
+    ``architectures`` where it declares them, else the causal-LM classes
+    ``transformers`` has for its ``model_types``."""
+    declared = getattr(adapter, "architectures", None)
+    if declared is not None:
+        return set(declared)
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers is optional
+        return set()
+    return {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) for t in adapter.model_types} - {None}
+
+
+def hf_family_of(config: Mapping[str, Any], source: str = CONFIG_FILE) -> Any:
+    """The :class:`~simplefsdp.models.spec.ModelSpec` of the family that reads a
+    Hugging Face ``config.json``.
+
+    Note: [Which family reads a folder]
+        The native family whose adapter lists the ``model_type``; else the
+        one whose architectures (its adapter's ``architectures``, or the
+        causal-LM class ``transformers`` has for each of its model types)
+        hold ``architectures[0]``; else the family whose adapter reads any
+        ``model_type`` (``any_model_type``: ``transformers``' own modeling
+        code). A ``config.json`` without ``model_type`` and ``architectures``
+        is the only native family's, when there is one.
+
+    Raises:
+        ValueError: no family reads it (one line with the valid model types).
+    """
+    model_type = config.get("model_type")
+    native = _native_families()
+    for spec in native:
+        if model_type in spec.hf_adapter.model_types:
+            return spec
+    architectures = config.get("architectures") or []
+    if architectures and isinstance(architectures, list):
+        for spec in native:
+            if architectures[0] in _architectures_of(spec.hf_adapter):
+                return spec
+    if model_type is None and not architectures and native:
+        return native[0]  # an old config.json without model_type: Llama's
+    fallback = _any_model_type_family()
+    if fallback is not None and model_type is not None:
+        return fallback
+    valid = [t for spec in native for t in spec.hf_adapter.model_types]
+    raise ValueError(
+        f"{source}: model_type {model_type!r} is not supported; valid: "
+        f"{', '.join(repr(t) for t in valid)}"
+        + (" or any causal LM of transformers" if fallback is not None else "")
+    )
+
+
+def _adapter_of_hf_config(config: Mapping[str, Any], source: str) -> Any:
+    """The Hugging Face adapter of the family that reads ``config`` (see
+    Note: [Which family reads a folder])."""
+    return hf_family_of(config, source).hf_adapter
+
+
+def read_hf_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``config.json`` of a Hugging Face folder.
+
+    Raises:
+        ValueError: missing or unreadable (one line naming the file).
+    """
+    return _read_json(Path(folder) / CONFIG_FILE)
+
+
+def hf_model_of_folder(
+    folder: str | os.PathLike[str], *, trust_remote_code: bool = False
+) -> tuple[Any, Any]:
+    """``(spec, config)`` of the model a Hugging Face folder holds: the family
+    that reads its ``config.json`` (Note: [Which family reads a folder]) and
+    that family's configuration built from it.
+
+    Args:
+        folder: holds ``config.json``.
+        trust_remote_code: the folder's own modeling code (``auto_map``) may
+            run (only the family reading any ``model_type`` runs such code).
+
+    Raises:
+        ValueError: an unreadable ``config.json``, no family reading it, or
+            a feature the family lacks (one line).
+    """
+    config = read_hf_config(folder)
+    source = str(Path(folder) / CONFIG_FILE)
+    spec = hf_family_of(config, source)
+    adapter = spec.hf_adapter
+    if getattr(adapter, "any_model_type", False):
+        code_folder = os.path.abspath(folder)  # recorded: see [Code from a model folder]
+        return spec, adapter.config_from_hf(
+            config, source, trust_remote_code=trust_remote_code, code_folder=code_folder
         )
-    return readable[model_type]
+    if config.get("model_type") not in adapter.model_types:
+        # picked by its architectures: read as the family's own model type
+        config = {**config, "model_type": adapter.model_types[0]}
+    return spec, adapter.config_from_hf(config, source)
 
 
 def hf_adapter_for(args: Any) -> Any:
@@ -115,20 +217,25 @@ class HFCheckpoint:
     Args:
         folder: holds ``config.json`` and ``model.safetensors`` or
             ``model.safetensors.index.json`` with its shards.
+        args: the configuration of the model it fills (default: the one
+            :func:`hf_model_of_folder` reads, without the folder's own code).
 
     Raises:
         ValueError: the folder, ``config.json``, the index or a shard it
             names is missing or unreadable (one line naming the file).
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], *, args: Any = None) -> None:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise ValueError(f"Hugging Face checkpoint {str(folder)!r} is not a folder")
         self.config = _read_json(self.folder / CONFIG_FILE)
-        source = str(self.folder / CONFIG_FILE)
-        self.adapter = _adapter_of_hf_config(self.config, source)
-        self.args = self.adapter.config_from_hf(self.config, source)
+        if args is None:
+            spec, args = hf_model_of_folder(self.folder)
+            self.adapter = spec.hf_adapter
+        else:
+            self.adapter = hf_adapter_for(args)
+        self.args = args
         index = self.folder / INDEX_FILE
         if index.is_file():
             weight_map = _read_json(index).get("weight_map")
@@ -164,6 +271,13 @@ class HFCheckpoint:
     def has(self, hf_name: str) -> bool:
         """The checkpoint holds tensor ``hf_name``."""
         return hf_name in self.weight_map
+
+    def holds(self, name: str) -> bool:
+        """The checkpoint holds what fills our tensor ``name`` (always true for
+        an adapter that assembles tensors itself, ``read_region``)."""
+        if hasattr(self.adapter, "read_region"):
+            return True
+        return self.has(self.adapter.to_hf_name(name)) or (self.tied and name in self.adapter.tied)
 
     def hf_shape(self, hf_name: str) -> list[int]:
         """The stored shape of tensor ``hf_name``.
@@ -307,18 +421,25 @@ def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int], list[i
 
 
 def load_hf_weights(
-    model: nn.Module | Iterable[nn.Module], folder: str | os.PathLike[str] | HFCheckpoint
+    model: nn.Module | Iterable[nn.Module],
+    folder: str | os.PathLike[str] | HFCheckpoint,
+    *,
+    args: Any = None,
 ) -> int:
     """Copy the weights of a Hugging Face checkpoint into ``model`` in place.
 
     Works on plain modules, on ``simplefsdp`` / FSDP2 / tensor-parallel models
     whose parameters are DTensors (each rank reads the region its shard
     holds) and on pipeline stages (a list of modules; a stage reads only its
-    layers). No collective is called.
+    layers). No collective is called. A parameter the model ties under
+    several names (an output projection sharing the embedding) is read once,
+    from a name the checkpoint holds.
 
     Args:
         model: the model, or the modules of this rank's pipeline stages.
         folder: the checkpoint folder (or an open :class:`HFCheckpoint`).
+        args: the model's configuration (default: the folder's, see
+            :class:`HFCheckpoint`).
 
     Returns:
         The number of elements read.
@@ -330,15 +451,15 @@ def load_hf_weights(
 
     from simplefsdp.frontend import disable_parametrization
 
-    ckpt = folder if isinstance(folder, HFCheckpoint) else HFCheckpoint(folder)
+    ckpt = folder if isinstance(folder, HFCheckpoint) else HFCheckpoint(folder, args=args)
     modules = [model] if isinstance(model, nn.Module) else list(model)
     read = 0
     try:
         for module in modules:
             with disable_parametrization(), torch.no_grad():
                 state = get_model_state_dict(module)
-                for name, tensor in state.items():
-                    local, offsets, sizes = _local_region(tensor)
+                for name in _names_to_read(state, ckpt):
+                    local, offsets, sizes = _local_region(state[name])
                     if local.numel() == 0:
                         continue
                     data = ckpt.read(name, offsets, sizes)
@@ -353,6 +474,22 @@ def load_hf_weights(
     finally:
         ckpt.close()
     return read
+
+
+def _names_to_read(state: Mapping[str, Any], ckpt: HFCheckpoint) -> list[str]:
+    """The state-dict names to read: one per tensor, where several names share
+    one (tied parameters), the first the checkpoint holds."""
+    groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for name, tensor in state.items():
+        local = _local_region(tensor)[0]
+        key = (local.data_ptr(), tuple(local.shape)) if local.numel() else (id(tensor), ())
+        groups.setdefault(key, []).append(name)
+    order = {name: i for i, name in enumerate(state)}
+    names = []
+    for group in groups.values():
+        held = [n for n in group if ckpt.holds(n)]
+        names.append((held or group)[0])
+    return sorted(names, key=order.__getitem__)
 
 
 def _set_model_state(module: nn.Module, state: dict[str, Any]) -> None:
@@ -395,8 +532,9 @@ def save_hf_checkpoint(
     the adapter of ``args``'s family).
 
     ``config.json``, ``model-0000i-of-0000n.safetensors`` (each at most
-    ``max_shard_size`` unless one tensor is larger) and
-    ``model.safetensors.index.json``. Each file is written under a temporary
+    ``max_shard_size`` unless one tensor is larger),
+    ``model.safetensors.index.json`` and the files the adapter's optional
+    ``hf_files(args)`` names (a model's own code). Each file is written under a temporary
     name and renamed; the index, written last, names only complete shards.
 
     Args:
@@ -457,6 +595,13 @@ def save_hf_checkpoint(
         for name, tensor in shard.items():
             weight_map[name] = file
             total += tensor.numel() * tensor.element_size()
+    for source in getattr(adapter, "hf_files", lambda _args: [])(args):
+        # e.g. the modeling code a config.json's auto_map names
+        path = folder / Path(source).name
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.copyfile(source, tmp)
+        _publish(tmp, path, mode)
+        written.append(path)
     config_path = folder / CONFIG_FILE
     _write_json(config_path, adapter.config_to_hf(args, dtype), mode)
     index_path = folder / INDEX_FILE

@@ -56,6 +56,8 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
         "simplefsdp.models.qwen3.moe_spec",
         ("qwen3_moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"),
     ),
+    # any other causal LM, from a Hugging Face folder (no flavors)
+    "transformers": ("simplefsdp.models.hf_transformers.spec", ()),
 }
 
 #: Accepted older names -> canonical flavor names.

@@ -13,6 +13,7 @@ missing checkpoint lists the runs nearby.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -76,5 +77,7 @@ def _export_hf(checkpoint: Path, args) -> int:
         print(f"simplefsdp export: error: {exc}", file=sys.stderr)
         return 2
     size = sum(f.stat().st_size for f in files)
-    print(f"wrote {len(files)} files ({size:,} bytes) to {args.out} (Hugging Face Llama format)")
+    config = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))
+    what = ", ".join(config.get("architectures") or [str(config.get("model_type"))])
+    print(f"wrote {len(files)} files ({size:,} bytes) to {args.out} (Hugging Face format: {what})")
     return 0

@@ -130,14 +130,70 @@ def convert_to_float8(
 
 
 def model_spec(job: JobConfig) -> Any:
-    """The :class:`~simplefsdp.models.spec.ModelSpec` of ``model.name``'s family."""
+    """The :class:`~simplefsdp.models.spec.ModelSpec` of the job's model: the
+    family ``checkpoint.init_from_hf``'s folder picks (Note: [Which family
+    reads a folder] in :mod:`simplefsdp.checkpoint.hf`), else ``model.name``'s.
+
+    Raises:
+        ValueError: a folder no family reads (one line).
+    """
     from simplefsdp.models.registry import spec_of
 
+    if job.checkpoint.init_from_hf is not None:
+        return hf_model(job)[0]
     return spec_of(job.model.name)
 
 
+def hf_model(job: JobConfig) -> tuple[Any, Any]:
+    """``(spec, config)`` of ``checkpoint.init_from_hf``'s folder, checked
+    against ``model.name`` (when not the default) and ``model.vocab_size``,
+    with ``model.max_seq_len`` applied.
+
+    Raises:
+        ValueError: an unreadable or unsupported folder, another family or
+            architecture than ``model.name``'s, or another vocabulary (one
+            line naming the fields that differ).
+    """
+    import dataclasses
+
+    from simplefsdp.checkpoint.hf import CONFIG_FILE, hf_model_of_folder
+    from simplefsdp.models.registry import family_of, resolve_flavor
+    from simplefsdp.train.config.schema import ModelConfig
+
+    m, ck = job.model, job.checkpoint
+    folder = ck.init_from_hf or ""
+    source = os.path.join(folder, CONFIG_FILE)
+    spec, config = hf_model_of_folder(folder, trust_remote_code=ck.trust_remote_code)
+    if m.max_seq_len is not None:
+        config = dataclasses.replace(config, max_seq_len=m.max_seq_len)
+    if m.name != ModelConfig.name:  # a named model must be the folder's
+        family = family_of(m.name)
+        if family != spec.family:
+            raise ValueError(
+                f"model.name {m.name!r} is of family {family!r} but {source} holds a "
+                f"{spec.family!r} model; leave out model.name to take the model from it"
+            )
+        named = resolve_flavor(m.name, vocab_size=m.vocab_size or config.vocab_size)[1]
+        differ = spec.hf_adapter.config_differences(named, config)
+        if differ:
+            raise ValueError(
+                f"model.name {m.name!r} differs from {source}: {'; '.join(differ)} "
+                f"(model vs checkpoint); leave out model.name to take the model from it"
+            )
+    if m.vocab_size is not None and m.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"model.vocab_size {m.vocab_size} differs from vocab_size {config.vocab_size} "
+            f"of {source}; leave out model.vocab_size"
+        )
+    if "load_balance" in {f.name for f in dataclasses.fields(config)}:
+        config = dataclasses.replace(config, load_balance=m.load_balance)
+    return spec, config
+
+
 def model_config(job: JobConfig, **overrides: Any) -> Any:
-    """The configuration ``model.name`` names (its family's config type).
+    """The configuration of the job's model (its family's config type): the
+    one ``checkpoint.init_from_hf``'s folder describes (:func:`hf_model`;
+    ``overrides`` must then agree with it), else the one ``model.name`` names.
 
     Args:
         job: the job (``model.name``; ``model.load_balance`` where the
@@ -151,6 +207,8 @@ def model_config(job: JobConfig, **overrides: Any) -> Any:
 
     from simplefsdp.models.registry import resolve_flavor
 
+    if job.checkpoint.init_from_hf is not None:
+        return hf_model(job)[1]
     spec = model_spec(job)
     if "load_balance" in {f.name for f in dataclasses.fields(spec.config_type)}:
         overrides.setdefault("load_balance", job.model.load_balance)
@@ -171,7 +229,7 @@ def parallelize_job(
     initialised with the spec's ``init_weights`` under the current RNG state.
     """
     p = job.parallel
-    spec = model_spec(job)
+    spec = model_spec(job)  # the folder's family with checkpoint.init_from_hf
     if job.float8.enable:
         convert_to_float8(model, job, skip=spec.float8_skip_fqns)
     options = RecipeOptions(

@@ -3,7 +3,8 @@
 :func:`check_inputs` looks at everything a run reads besides its own
 checkpoints: ``data.path`` (text files, or a prepared token folder: its
 index, tokenizer, largest id and shard sizes), ``data.tokenizer``,
-``checkpoint.init_from_hf`` (``config.json`` readable, safetensors present)
+``checkpoint.init_from_hf`` (``config.json`` readable by a model family and
+agreeing with ``model.*``, safetensors present)
 and whether the data's token ids fit the model's vocabulary. It collects
 every problem, so that one run of the command names them all, one line each.
 Nothing here reads a whole shard; shard checksums are verified while training
@@ -56,19 +57,17 @@ def _hf_vocab(job: JobConfig, tok: Any | None, errors: list[str]) -> int | None:
     if folder is None:
         return None
     from simplefsdp.checkpoint.hf import CONFIG_FILE, HFCheckpoint
+    from simplefsdp.train.parallelism import hf_model
 
     try:
-        args = HFCheckpoint(folder).args
+        # the family the folder picks, checked against model.*; then its weights' files
+        args = hf_model(job)[1]
+        HFCheckpoint(folder, args=args).close()
     except ValueError as exc:
         errors.append(f"checkpoint.init_from_hf {folder!r}: {_one_line(exc)}")
         return None
     source = str(Path(folder) / CONFIG_FILE)
     m = job.model
-    if m.vocab_size is not None and m.vocab_size != args.vocab_size:
-        errors.append(
-            f"model.vocab_size {m.vocab_size} differs from vocab_size {args.vocab_size} of "
-            f"{source}; leave out model.vocab_size"
-        )
     if tok is not None and tok.vocab_size > args.vocab_size:
         errors.append(
             f"the tokenizer's {tok.vocab_size} tokens do not fit the vocab_size "

@@ -35,6 +35,7 @@ FLAGS = {
     "batch": "data.batch_size",
     "seq_len": "data.seq_len",
     "sequence_parallel": "--parallel.sequence_parallel",
+    "loss_parallel": "parallel.loss_parallel",
     "float8": "float8.enable",
     "hf": "checkpoint.init_from_hf",
     "compile": "compile.enable",
@@ -54,8 +55,12 @@ class ResolvedJob:
 
 
 def _model(job: JobConfig) -> tuple[Any, Any]:
-    from simplefsdp.train.parallelism import model_config, model_spec
+    """``(spec, config)``: the family and configuration ``checkpoint.init_from_hf``'s
+    ``config.json`` describes (checked against ``model.*``), else ``model.name``'s."""
+    from simplefsdp.train.parallelism import hf_model, model_config, model_spec
 
+    if job.checkpoint.init_from_hf is not None:
+        return hf_model(job)
     m = job.model
     overrides = {
         key: value
@@ -82,7 +87,9 @@ def job_errors(
     try:
         spec, config = _model(job)
     except ValueError as exc:
-        return [f"model.name {m.name!r}: {exc}"], None
+        folder = job.checkpoint.init_from_hf
+        where = f"model.name {m.name!r}" if folder is None else f"{FLAGS['hf']} {folder!r}"
+        return [f"{where}: {exc}"], None
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     engine = get_engine(p.engine)
@@ -124,7 +131,7 @@ def job_errors(
         loss_parallel=m.vocab_size is not None and p.loss_parallel,
         hf_weights=job.checkpoint.init_from_hf is not None,
         compile=job.compile.enable,
-        model_name=m.name,
+        model_name=job.checkpoint.init_from_hf or m.name,
         names=FLAGS,
     )
     if errors:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import os
 import time
@@ -51,7 +50,6 @@ from simplefsdp.engines import (
 )
 from simplefsdp.models.record import model_record
 from simplefsdp.train.config import JobConfig, config_hash, config_to_dict
-from simplefsdp.train.config.schema import ModelConfig
 from simplefsdp.train.interrupts import StopAgreement, StopRequest
 from simplefsdp.train.launch import (
     ERROR_DIR_ENV,
@@ -72,6 +70,7 @@ from simplefsdp.train.metrics import (
     peak_flops_for,
 )
 from simplefsdp.train.parallelism import (
+    hf_model,
     job_mesh,
     model_config,
     model_spec,
@@ -218,36 +217,13 @@ class Trainer:
         return args
 
     def _hf_model_args(self) -> Any:
-        """The model of ``checkpoint.init_from_hf``'s config.json, checked against the job."""
-        from simplefsdp.checkpoint.hf import (
-            CONFIG_FILE,
-            model_args_differences,
-            model_args_from_hf_config,
-        )
-        from simplefsdp.models.registry import resolve_flavor
+        """The model of ``checkpoint.init_from_hf``'s config.json (its family's
+        configuration, see ``hf_model``), checked against the tokenizer and
+        ``data.seq_len``."""
+        from simplefsdp.checkpoint.hf import CONFIG_FILE
 
-        m, folder = self.job.model, Path(self.job.checkpoint.init_from_hf or "")
-        source = str(folder / CONFIG_FILE)
-        try:
-            config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read {source}: {exc}") from None
-        args = model_args_from_hf_config(config, source)
-        if m.max_seq_len is not None:
-            args = args.replace(max_seq_len=m.max_seq_len)
-        if m.name != ModelConfig.name:  # a named model must be the checkpoint's
-            named = resolve_flavor(m.name, vocab_size=m.vocab_size or args.vocab_size)[1]
-            differ = model_args_differences(named, args)
-            if differ:
-                raise ValueError(
-                    f"model.name {m.name!r} differs from {source}: {'; '.join(differ)} "
-                    f"(model vs checkpoint); leave out model.name to take the model from it"
-                )
-        if m.vocab_size is not None and m.vocab_size != args.vocab_size:
-            raise ValueError(
-                f"model.vocab_size {m.vocab_size} differs from vocab_size {args.vocab_size} "
-                f"of {source}; leave out model.vocab_size"
-            )
+        source = str(Path(self.job.checkpoint.init_from_hf or "") / CONFIG_FILE)
+        args = hf_model(self.job)[1]
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ValueError(
                 f"the tokenizer's {self.tokenizer.vocab_size} tokens do not fit the "
@@ -267,7 +243,7 @@ class Trainer:
 
         folder = self.job.checkpoint.init_from_hf
         start = time.perf_counter()
-        elements = load_hf_weights(self.model, folder)
+        elements = load_hf_weights(self.model, folder, args=self.model_args)
         logger.info(
             "initialised from Hugging Face checkpoint %s: %.2fM elements on this rank in %.1f s",
             folder,

@@ -290,13 +290,20 @@ class CheckpointConfig:
             own: its one-line error names this flag and the previous good
             step. Restarts after a failure (``--max-restarts``) resume from
             the latest checkpoint.
-        init_from_hf: A Hugging Face Llama checkpoint folder (``config.json``
-            and safetensors, e.g. a downloaded Llama 3) to start a new run
-            from. The model is the one ``config.json`` describes (with
-            ``model.name`` left at ``debug``; another name must describe the
-            same architecture, else one line names the fields that differ);
-            each rank reads only the slices of the tensors its shards hold.
-            Resuming a run loads its own checkpoint instead.
+        init_from_hf: A Hugging Face checkpoint folder (``config.json`` and
+            safetensors, e.g. a downloaded Llama 3) to start a new run from.
+            The folder picks the model family (``model_type``, then
+            ``architectures``; a causal LM no native family reads trains
+            through ``transformers``' own modeling code, family
+            ``transformers``) and the model is the one ``config.json``
+            describes (with ``model.name`` left at ``debug``; another name
+            must be of the same family and describe the same architecture,
+            else one line names the fields that differ); each rank reads only
+            the slices of the tensors its shards hold. Resuming a run loads
+            its own checkpoint instead.
+        trust_remote_code: Let a ``checkpoint.init_from_hf`` folder whose
+            ``config.json`` has ``auto_map`` run its own Python modeling
+            code (never without this flag).
         async_mode: ``none``: a save blocks training until it is written;
             ``async``: training waits only for the copy of the tensors to host
             memory, the files are written in the background; ``staged``: the
@@ -314,6 +321,7 @@ class CheckpointConfig:
     resume_if_possible: bool = False
     load_step: int = -1
     init_from_hf: str | None = None
+    trust_remote_code: bool = False
     async_mode: str = field(default="none", metadata=_choices(CHECKPOINT_ASYNC_MODES))
 
 

@@ -1,0 +1,145 @@
+"""The configuration of a ``transformers`` causal LM: its ``config.json``.
+
+Torch-free and ``transformers``-free at import; :func:`config_from_hf`
+imports ``transformers`` to check the folder's configuration the way
+``AutoConfig`` reads it.
+
+Note: [Code from a model folder]
+    A ``config.json`` with ``auto_map`` names Python files of the folder that
+    ``transformers`` would import and run (``trust_remote_code``). They run
+    only when the user passes ``--checkpoint.trust_remote_code true``; the
+    configuration then records the folder (``code_folder``), since the
+    modeling code lives there and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: ``config.json`` keys that record where and how a file was written, not the
+#: architecture; left out of :meth:`TransformersConfig.differences`.
+_NOT_ARCHITECTURE = frozenset(
+    {"transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache", "architectures"}
+)
+
+
+@dataclass(frozen=True)
+class TransformersConfig:
+    """A ``transformers`` causal LM: its ``config.json`` and what training reads of it.
+
+    Attributes:
+        hf_config: the parsed ``config.json`` (``model_type`` included).
+        vocab_size: the vocabulary (``config.json``'s ``vocab_size``).
+        max_seq_len: the longest sequence trained on
+            (``max_position_embeddings``, or a ``model.max_seq_len`` override).
+        trust_remote_code: the folder's own modeling code may run (see
+            Note: [Code from a model folder]).
+        code_folder: the folder holding that code (``None``: the model is
+            one of ``transformers``' own classes).
+    """
+
+    hf_config: Mapping[str, Any] = field(default_factory=dict)
+    vocab_size: int = 0
+    max_seq_len: int = 2048
+    trust_remote_code: bool = False
+    code_folder: str | None = None
+
+    @property
+    def model_type(self) -> str:
+        """``config.json``'s ``model_type``."""
+        return str(self.hf_config.get("model_type", ""))
+
+    @property
+    def n_layers(self) -> int:
+        """Decoder layers (``num_hidden_layers``; 0 when the config does not say)."""
+        return int(self.hf_config.get("num_hidden_layers") or 0)
+
+    def __hash__(self) -> int:  # the config.json mapping is not hashable itself
+        return hash((json.dumps(self.hf_config, sort_keys=True, default=str), self.vocab_size,
+                     self.max_seq_len, self.trust_remote_code, self.code_folder))  # fmt: skip
+
+    def replace(self, **changes: Any) -> TransformersConfig:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def differences(self, other: TransformersConfig) -> list[str]:
+        """``key=ours vs theirs`` for each architecture key of ``config.json``
+        in which two configurations differ."""
+        keys = sorted((set(self.hf_config) | set(other.hf_config)) - _NOT_ARCHITECTURE)
+        return [
+            f"{k}={self.hf_config.get(k)!r} vs {other.hf_config.get(k)!r}"
+            for k in keys
+            if self.hf_config.get(k) != other.hf_config.get(k)
+        ]
+
+
+def causal_lm_architectures() -> dict[str, str]:
+    """``model_type -> causal-LM class name`` of every model ``transformers``
+    builds with ``AutoModelForCausalLM`` (imports ``transformers``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def config_from_hf(
+    config: Mapping[str, Any],
+    source: str = "config.json",
+    *,
+    trust_remote_code: bool = False,
+    code_folder: str | None = None,
+) -> TransformersConfig:
+    """The :class:`TransformersConfig` of a ``config.json``.
+
+    Args:
+        config: the parsed ``config.json``.
+        source: the file's name, for error messages.
+        trust_remote_code: the folder's own modeling code (``auto_map``) may run.
+        code_folder: the folder holding that code.
+
+    Raises:
+        ValueError: one line: code from the folder without
+            ``trust_remote_code``, a ``model_type`` ``transformers`` does not
+            know or cannot build as a causal LM, no ``vocab_size``.
+    """
+    model_type = config.get("model_type")
+    auto_map = config.get("auto_map")
+    if auto_map and not trust_remote_code:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} comes with its own modeling code "
+            "(auto_map), which runs only with --checkpoint.trust_remote_code true"
+        )
+    if auto_map:
+        if "AutoModelForCausalLM" not in auto_map:
+            raise ValueError(
+                f"{source}: auto_map names no AutoModelForCausalLM (it has: "
+                f"{', '.join(sorted(auto_map))}); only causal language models train"
+            )
+    else:
+        known = causal_lm_architectures()
+        if model_type not in known:
+            from transformers import CONFIG_MAPPING
+
+            what = (
+                "is not a causal language model of transformers"
+                if model_type in CONFIG_MAPPING
+                else "is unknown to the installed transformers"
+            )
+            raise ValueError(
+                f"{source}: model_type {model_type!r} {what}; valid: a model_type "
+                "AutoModelForCausalLM builds (e.g. 'llama', 'mistral', 'gemma')"
+            )
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"{source}: vocab_size {vocab!r} is not a positive integer")
+    max_seq_len = config.get("max_position_embeddings") or 2048
+    return TransformersConfig(
+        hf_config=dict(config),
+        vocab_size=vocab,
+        max_seq_len=int(max_seq_len),
+        trust_remote_code=bool(auto_map) and trust_remote_code,
+        code_folder=code_folder if auto_map else None,
+    )

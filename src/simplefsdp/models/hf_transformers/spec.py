@@ -1,0 +1,128 @@
+"""The ``transformers`` family's :class:`~simplefsdp.models.spec.ModelSpec`:
+any causal LM ``transformers`` builds, from a Hugging Face folder.
+
+It has no flavors: ``simplefsdp train --checkpoint.init_from_hf DIR`` picks
+it for a folder whose ``model_type`` no native family reads. What composes:
+every data-parallel mode, tensor parallelism through the model's own
+``base_model_tp_plan`` (without sequence or loss parallelism), activation
+checkpointing of its decoder layers, compilation, Hugging Face weights in
+and out; what does not (pipeline, expert and context parallelism, float8)
+is refused before any process starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from simplefsdp.models.hf_transformers.config import TransformersConfig
+from simplefsdp.models.hf_transformers.hf_adapter import TRANSFORMERS_HF_ADAPTER
+from simplefsdp.models.spec import ModelSpec
+
+
+def _build(config: TransformersConfig) -> Any:
+    from simplefsdp.models.hf_transformers.model import TransformersCausalLM
+
+    return TransformersCausalLM(config)
+
+
+def _init_weights(model: Any, buffer_device: Any = None) -> None:
+    model.init_weights(buffer_device=buffer_device)
+
+
+def _tensor_parallel(
+    model: Any, tp_mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> None:
+    from simplefsdp.models.hf_transformers.tensor_parallel import apply_tensor_parallel
+
+    apply_tensor_parallel(
+        model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
+
+
+def cross_entropy(logits: Any, targets: Any) -> Any:
+    """The training loss: mean token cross-entropy of ``(B, T, V)`` logits, in fp32."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def num_params(config: TransformersConfig, exclude_embeddings: bool = False) -> int:
+    """Parameters of the model (counted on a meta-device build; tied ones once)."""
+    import torch
+
+    with torch.device("meta"):
+        model = _build(config)
+    count = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        embedding = model.causal_lm.get_input_embeddings()
+        count -= sum(p.numel() for p in embedding.parameters())
+    return count
+
+
+def flops_per_token(config: TransformersConfig, seq_len: int) -> int:
+    """Training FLOPs per token: ``6 N`` (non-embedding parameters) plus the
+    attention scores, ``12 * layers * hidden * seq_len`` (PaLM's estimate)."""
+    hf = config.hf_config
+    hidden = int(hf.get("hidden_size") or 0)
+    return 6 * num_params(config, exclude_embeddings=True) + 12 * config.n_layers * hidden * seq_len
+
+
+def validate(
+    config: TransformersConfig,
+    layout: Any,
+    *,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    build: bool = True,
+    model_name: str | None = None,
+    names: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The sequence against ``max_seq_len``; with ``tp > 1`` the model's
+    tensor-parallel plan, its sizes against tp, and neither sequence nor loss
+    parallelism. The degrees the family lacks are refused by its
+    capabilities. See :class:`~simplefsdp.models.spec.ModelSpec`."""
+    n = {
+        "seq_len": "seq_len",
+        "tp": "tp",
+        "sequence_parallel": "sequence_parallel",
+        "loss_parallel": "loss_parallel",
+        **(names or {}),
+    }
+    errors = []
+    if seq_len is not None and seq_len > config.max_seq_len:
+        errors.append(
+            f"{n['seq_len']} {seq_len} exceeds max_position_embeddings {config.max_seq_len} "
+            f"of the {config.model_type!r} model; valid: at most {config.max_seq_len}"
+        )
+    tp = getattr(layout, "tp", 1)
+    if isinstance(tp, int) and tp > 1:
+        from simplefsdp.models.hf_transformers.tensor_parallel import tp_errors
+
+        errors += tp_errors(config, tp, n["tp"])
+        for key, on in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if on:
+                flag = n[key].lstrip("-")
+                errors.append(
+                    f"{flag} true with {n['tp']} {tp}: the transformers family's tensor "
+                    f"parallelism keeps whole sequences and logits; use --{flag} false"
+                )
+    return errors
+
+
+SPEC = ModelSpec(
+    family="transformers",
+    description="any causal LM of transformers, through its own modeling code",
+    config_type=TransformersConfig,
+    flavors={},
+    build=_build,
+    init_weights=_init_weights,
+    loss=cross_entropy,
+    num_params=num_params,
+    flops_per_token=flops_per_token,
+    validate=validate,
+    capabilities=frozenset({"tp", "hf"}),
+    tensor_parallel=_tensor_parallel,
+    hf_adapter=TRANSFORMERS_HF_ADAPTER,
+)

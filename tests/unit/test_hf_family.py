@@ -1,0 +1,276 @@
+"""A Hugging Face folder picks its model family; any other causal LM is ``transformers``' own.
+
+Tiny Gemma- and Mistral-style folders (``save_pretrained``, hidden 32, 2
+layers) are read by the family ``transformers``: our model's logits equal
+``transformers``' bitwise (built on the CPU, and on the meta device then
+initialised and loaded), an export loads back with ``from_pretrained`` to the
+same logits, and the record of a checkpoint rebuilds the configuration. A
+Llama folder is the native family's, by ``model_type`` or by
+``architectures``; a folder with its own code (``auto_map``) is refused in
+one line unless ``trust_remote_code``; the resolve step checks the folder's
+configuration (family, architecture, capabilities) before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320  # holds the byte tokenizer's ids
+
+
+def _tiny_configs() -> dict:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    return {
+        "gemma": transformers.GemmaConfig(**common),  # tied embeddings, (1 + w) norms
+        "mistral": transformers.MistralConfig(**common, sliding_window=8),
+    }
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """``name -> (folder, the transformers model saved there)``."""
+    out = {}
+    for name, config in _tiny_configs().items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        out[name] = (folder, model.eval())
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    from simplefsdp.checkpoint.hf import save_hf_checkpoint
+    from simplefsdp.models.llama3 import Transformer, get_config
+
+    args = get_config("debug", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB)
+    folder = tmp_path_factory.mktemp("llama")
+    save_hf_checkpoint(Transformer(args).state_dict(), args, folder)
+    return folder
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", ["gemma", "mistral"])
+def test_logits_equal_transformers(folders, name):
+    from simplefsdp.checkpoint.hf import hf_model_of_folder, load_hf_weights
+
+    folder, reference = folders[name]
+    spec, config = hf_model_of_folder(folder)
+    assert spec.family == "transformers" and config.model_type == name
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        for device in ("cpu", "meta"):
+            with torch.device(device):
+                model = spec.build(config)
+            if device == "meta":  # as the recipe does: materialise, initialise
+                model.to_empty(device="cpu")
+                spec.init_weights(model, None)
+            assert load_hf_weights(model, folder, args=config) > 0
+            assert torch.equal(model(tokens), expected), (name, device)
+    # the decoder layers are the repeated blocks (sharding, buckets, AC)
+    from simplefsdp.bucket_plan import repeated_blocks
+
+    assert [fqn for fqn, _ in repeated_blocks(model)] == ["model.layers.0", "model.layers.1"]
+    if name == "gemma":  # tied embeddings stay one parameter
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["gemma", "mistral"])
+def test_export_loads_back_with_from_pretrained(folders, name, tmp_path):
+    from simplefsdp.checkpoint.hf import hf_model_of_folder, load_hf_weights, save_hf_checkpoint
+    from simplefsdp.models.record import model_from_record, model_record
+
+    folder, reference = folders[name]
+    spec, config = hf_model_of_folder(folder)
+    model = spec.build(config)
+    load_hf_weights(model, folder, args=config)
+    with torch.no_grad():  # a trained model differs from the one read
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_hf_checkpoint(model.state_dict(), config, tmp_path, max_shard_size=20_000)
+    written = json.loads((tmp_path / "config.json").read_text())
+    original = json.loads((folder / "config.json").read_text())
+    assert written["architectures"] == original["architectures"]
+    assert {k: v for k, v in written.items() if k not in ("dtype", "torch_dtype")} == {
+        k: v for k, v in original.items() if k not in ("dtype", "torch_dtype")
+    }
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens))
+    # a checkpoint's record rebuilds the same family and configuration
+    record = json.loads(json.dumps(model_record(spec, config)))
+    assert model_from_record({"model": record}) == (spec, config)
+    assert hash(model_from_record({"model": record})[1]) == hash(config)
+
+
+def test_llama_folder_is_the_native_family(llama_folder, tmp_path):
+    from simplefsdp.checkpoint.hf import hf_family_of, hf_model_of_folder
+
+    spec, config = hf_model_of_folder(llama_folder)
+    assert spec.family == "llama3" and config.dim == 32
+    data = json.loads((llama_folder / "config.json").read_text())
+    assert hf_family_of({"model_type": "mistral"}).family == "transformers"
+    # another model_type, or none: the architecture names the family
+    for model_type in ("my_llama", None):
+        (tmp_path / "config.json").write_text(json.dumps({**data, "model_type": model_type}))
+        assert hf_family_of({**data, "model_type": model_type}).family == "llama3"
+        assert hf_model_of_folder(tmp_path) == (spec, config)
+
+
+_CONFIGURATION = """from transformers import MistralConfig
+
+
+class MineConfig(MistralConfig):
+    model_type = "mine"
+"""
+_MODELING = """from transformers import MistralForCausalLM
+
+from .configuration_mine import MineConfig
+
+
+class MineForCausalLM(MistralForCausalLM):
+    config_class = MineConfig
+"""
+
+
+def test_folder_with_its_own_code_needs_trust_remote_code(folders, tmp_path, monkeypatch):
+    """A folder whose ``config.json`` maps to its own Python files (``auto_map``)."""
+    from transformers import dynamic_module_utils
+
+    from simplefsdp.checkpoint.hf import hf_model_of_folder, load_hf_weights
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "configuration_mine.py").write_text(_CONFIGURATION)
+    (folder / "modeling_mine.py").write_text(_MODELING)
+    data = json.loads((folders["mistral"][0] / "config.json").read_text())
+    data["model_type"] = "mine"
+    data["auto_map"] = {
+        "AutoConfig": "configuration_mine.MineConfig",
+        "AutoModelForCausalLM": "modeling_mine.MineForCausalLM",
+    }
+    (folder / "config.json").write_text(json.dumps(data))
+    (folder / "model.safetensors").symlink_to(folders["mistral"][0] / "model.safetensors")
+    with pytest.raises(ValueError) as info:
+        hf_model_of_folder(folder)
+    assert str(info.value) == (
+        f"{folder / 'config.json'}: model_type 'mine' comes with its own modeling code "
+        "(auto_map), which runs only with --checkpoint.trust_remote_code true"
+    )
+    # with the flag the folder's code builds the model (copied to a scratch module cache)
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    spec, config = hf_model_of_folder(folder, trust_remote_code=True)
+    assert config.trust_remote_code and config.code_folder == str(folder)
+    model = spec.build(config)
+    assert type(model.causal_lm).__name__ == "MineForCausalLM"
+    load_hf_weights(model, folder, args=config)
+    with torch.no_grad():
+        assert torch.equal(model(_tokens()), folders["mistral"][1](_tokens()).logits)
+    # its export carries the code its config.json names
+    from simplefsdp.checkpoint.hf import save_hf_checkpoint
+
+    save_hf_checkpoint(model.state_dict(), config, tmp_path / "out")
+    assert (tmp_path / "out" / "modeling_mine.py").read_text() == _MODELING
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", trust_remote_code=True
+    )
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(_tokens()).logits, model(_tokens()))
+
+
+def test_unknown_model_type_is_one_line(tmp_path):
+    from simplefsdp.checkpoint.hf import hf_model_of_folder
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "vocab_size": 8}))
+    with pytest.raises(ValueError, match=r"model_type 'vit' is not a causal language model"):
+        hf_model_of_folder(tmp_path)
+
+
+def _job(folder, *flags):
+    from simplefsdp.train.config import load_config
+
+    return load_config(None, ["--checkpoint.init_from_hf", str(folder), *flags])
+
+
+def test_resolve_takes_the_family_and_config_from_the_folder(folders, llama_folder):
+    from simplefsdp.train.resolve import job_errors, resolve
+
+    resolved = resolve(_job(folders["mistral"][0], "--data.seq_len", "32"), 2)
+    assert resolved.spec.family == "transformers" and resolved.config.model_type == "mistral"
+    resolved = resolve(_job(llama_folder, "--data.seq_len", "32"), 2)
+    assert resolved.spec.family == "llama3" and resolved.config.dim == 32
+    # the folder's max_position_embeddings, not a default flavor's max_seq_len
+    errors, _ = job_errors(_job(folders["gemma"][0], "--data.seq_len", "128"), 2)
+    assert errors == [
+        "data.seq_len 128 exceeds max_position_embeddings 64 of the 'gemma' model; "
+        "valid: at most 64"
+    ]
+    # what the family does not compose with: one line
+    folder = folders["gemma"][0]
+    errors, _ = job_errors(_job(folder, "--data.seq_len", "32", "--parallel.pp", "2"), 2)
+    assert errors == [
+        f"parallel.pp 2: model {str(folder)!r} (family 'transformers') does not compose with "
+        "pipeline parallelism; use parallel.pp 1 (the family composes with: hf, tp)"
+    ]
+    # tensor parallelism: the model's own plan, whole sequences
+    errors, _ = job_errors(_job(folder, "--data.seq_len", "32", "--parallel.tp", "2"), 2)
+    assert errors == [
+        "parallel.sequence_parallel true with parallel.tp 2: the transformers family's tensor "
+        "parallelism keeps whole sequences and logits; use --parallel.sequence_parallel false"
+    ]
+    flags = ("--data.seq_len", "32", "--parallel.sequence_parallel", "false")
+    assert job_errors(_job(folder, *flags, "--parallel.tp", "2"), 2)[0] == []
+    errors, _ = job_errors(_job(folder, *flags, "--parallel.tp", "4"), 4)
+    assert errors == [
+        "parallel.tp 4 does not divide the num_key_value_heads 2 of the 'gemma' model; "
+        "valid: a divisor of 2"
+    ]
+    # a named model of another family
+    errors, _ = job_errors(
+        _job(folders["mistral"][0], "--data.seq_len", "32", "--model.name", "llama3_small"), 2
+    )
+    assert len(errors) == 1 and errors[0].endswith(
+        "is of family 'llama3' but "
+        f"{folders['mistral'][0] / 'config.json'} holds a 'transformers' model; "
+        "leave out model.name to take the model from it"
+    )
+
+
+def test_train_refuses_a_folder_with_code_in_one_line(folders, tmp_path, capsys):
+    """``simplefsdp train`` on a folder with its own code: one line, nothing started."""
+    from simplefsdp.train import cli
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    data = json.loads((folders["mistral"][0] / "config.json").read_text())
+    data["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(data))
+    out = ["--metrics.output_dir", str(tmp_path / "runs"), "--data.seq_len", "32"]
+    assert cli.main(["--nproc", "2", "--checkpoint.init_from_hf", str(folder), *out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"simplefsdp train: error: checkpoint.init_from_hf {str(folder)!r}: "
+        f"{folder / 'config.json'}: model_type 'mistral' comes with its own modeling code "
+        "(auto_map), which runs only with --checkpoint.trust_remote_code true"
+    )
+    assert not (tmp_path / "runs").exists()
