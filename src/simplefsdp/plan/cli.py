@@ -49,6 +49,7 @@ METHOD_FLAGS = {
     "trace": (
         "--tp",
         "--pp",
+        "--cp",
         "--microbatches",
         "--dtype",
         "--loss-parallel",
@@ -62,6 +63,7 @@ METHOD_FLAGS = {
 _GIVEN = {
     "--tp": lambda ns: ns.tp not in (None, 1),
     "--pp": lambda ns: ns.pp != 1,
+    "--cp": lambda ns: ns.cp != 1,
     "--microbatches": lambda ns: ns.microbatches not in (None, 1),
     "--dtype": lambda ns: ns.dtype != "bf16",
     "--loss-parallel": lambda ns: ns.loss_parallel,
@@ -195,6 +197,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pp", type=int, default=1)
     p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each rank holds 1/cp of every sequence, FSDP shards "
+        "over dp x cp, keys and values all-gathered per attention (default 1)",
+    )
+    p.add_argument(
         "--ep",
         type=int,
         default=None,
@@ -300,6 +309,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         seq=values["seq"],
         tp=values["tp"],
         pp=ns.pp,
+        cp=ns.cp,
         ac=values["ac"],
         microbatches=ns.microbatches if ns.microbatches is not None else max(ns.pp, 1),
         reshard_after_forward=not ns.no_reshard,

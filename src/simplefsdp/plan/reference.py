@@ -125,7 +125,7 @@ def fit_efficiency(hw, row: ReferenceRow, iterations: int = 12, field: str = "ma
     ``fp8_matmul_efficiency`` for a Float8 row) at which ``row``'s predicted
     tokens/s matches the measurement (bisection; traces are cached, so each
     step is cheap)."""
-    lo, hi = 0.2, 1.0
+    lo, hi = 0.2, 1.2
     for _ in range(iterations):
         mid = (lo + hi) / 2
         pred = predict_row(row, dataclasses.replace(hw, **{field: mid}))
@@ -170,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     hw = get_profile(ns.hardware)
     if ns.fit:
-        efficiency = fit_efficiency(hw, TORCHTITAN_H100_202412[CALIBRATION_ROW])
-        print(f"fitted matmul_efficiency = {efficiency:.4f}")
-        hw = dataclasses.replace(hw, matmul_efficiency=efficiency)
+        field = "clock_fraction" if hw.sm_count else "matmul_efficiency"
+        efficiency = fit_efficiency(hw, TORCHTITAN_H100_202412[CALIBRATION_ROW], field=field)
+        print(f"fitted {field} = {efficiency:.4f}")
+        hw = dataclasses.replace(hw, **{field: efficiency})
     if ns.fit_float8:
         row = TORCHTITAN_H100_202412[FLOAT8_CALIBRATION_ROW]
         efficiency = fit_efficiency(hw, row, field="fp8_matmul_efficiency")
