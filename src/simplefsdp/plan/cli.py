@@ -56,6 +56,7 @@ METHOD_FLAGS = {
         "--float8",
         "--bucketing",
         "--sweep",
+        "--measure",
     ),
     "analytic": ("--ep", "--expert-imbalance"),
 }
@@ -70,6 +71,7 @@ _GIVEN = {
     "--float8": lambda ns: ns.float8,
     "--bucketing": lambda ns: ns.bucketing != "auto",
     "--sweep": lambda ns: ns.sweep,
+    "--measure": lambda ns: ns.measure,
     "--ep": lambda ns: ns.ep not in (None, 1),
     "--expert-imbalance": lambda ns: ns.expert_imbalance != 1.0,
 }
@@ -243,6 +245,13 @@ def _parser() -> argparse.ArgumentParser:
         "--no-reshard", action="store_true", help="keep gathered parameters after forward"
     )
     p.add_argument("--sweep", action="store_true", help="rank layouts and options")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run rank 0 of the layout on this machine's GPU (CPU: a smoke test) with a "
+        "fake process group for the other ranks, and print its peak memory and step time "
+        "beside the prediction",
+    )
     p.add_argument("--out", help="directory for plan.json and plan.png")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
@@ -762,6 +771,15 @@ def main(argv: list[str] | None = None) -> int:
         pred = preds[0]
         if not ns.sweep and not pred.fits:
             changes = format_changes(*fitting_changes(spec, config, pred, hw, predict_fn))
+        measured = None
+        if ns.measure:
+            from simplefsdp.plan.measure import measure_errors, measure_step
+
+            if ns.sweep:
+                raise ValueError("--measure measures one layout; leave out --sweep")
+            errors = measure_errors(pred.layout)
+            if errors:
+                raise ValueError(errors[0])
     except ValueError as exc:
         print(f"simplefsdp plan: error: {exc}", file=sys.stderr)
         return 2
@@ -770,7 +788,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_prediction(pred))  # the breakdown shows what to cut
         print(f"simplefsdp plan: error: {does_not_fit(pred, changes)}", file=sys.stderr)
         return 2
+    if ns.measure:
+        measured = measure_step(spec, config, pred.layout)
     result = _result(config, hw, elapsed, preds)
+    if measured is not None:
+        result["measured"] = dataclasses.asdict(measured)
     if ns.sweep:
         result["skipped"] = skipped
     if ns.json:
@@ -781,6 +803,10 @@ def main(argv: list[str] | None = None) -> int:
             print(format_skipped(skipped))
     else:
         print(format_prediction(pred))
+        if measured is not None:
+            from simplefsdp.plan.measure import format_measured
+
+            print(format_measured(measured, pred))
     if ns.out:
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
