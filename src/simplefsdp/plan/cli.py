@@ -743,6 +743,15 @@ def main(argv: list[str] | None = None) -> int:
         values, defaulted = plan_defaults(ns, spec, config)
         base = make_layout(ns, spec, values)
         validate_layout(spec, config, base)
+        measured = None
+        if ns.measure:
+            from simplefsdp.plan.measure import measure_errors, measure_step
+
+            if ns.sweep:
+                raise ValueError("--measure measures one layout; leave out --sweep")
+            errors = measure_errors(base)
+            if errors:
+                raise ValueError(errors[0])
         if ns.sweep:
             layouts = sweep_layouts(config, base, hw.gpus_per_node)
             preds, skipped = sweep_predictions(config, layouts, hw, predict_fn)
@@ -771,15 +780,6 @@ def main(argv: list[str] | None = None) -> int:
         pred = preds[0]
         if not ns.sweep and not pred.fits:
             changes = format_changes(*fitting_changes(spec, config, pred, hw, predict_fn))
-        measured = None
-        if ns.measure:
-            from simplefsdp.plan.measure import measure_errors, measure_step
-
-            if ns.sweep:
-                raise ValueError("--measure measures one layout; leave out --sweep")
-            errors = measure_errors(pred.layout)
-            if errors:
-                raise ValueError(errors[0])
     except ValueError as exc:
         print(f"simplefsdp plan: error: {exc}", file=sys.stderr)
         return 2

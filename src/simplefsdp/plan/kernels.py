@@ -10,13 +10,16 @@ Note: [Kernel model]
                    matmul rate of that GPU generation (the best shape, no
                    quantisation losses) and ``shape`` what this shape loses
                    against it: output tiles (``tile_m x tile_n``, the
-                   tensor-core kernels' CTA tile) padded at the edges and
-                   run in whole waves over the SMs (``M * N / (waves *
-                   sm_count * tile_m * tile_n)``), and the pipeline's fill
-                   and drain per tile against its K loop (``K / (K + k_fill)``
-                   relative to the same at the reference K of the published
-                   measurement); never faster than its bytes (``M*K + K*N``
-                   inputs, ``M*N`` output) at the achievable HBM bandwidth.
+                   tensor-core kernels' CTA tile, or a smaller one where
+                   that loses less, at the rate its lower operand reuse
+                   allows) padded at the edges and run in whole waves over
+                   the SMs (``M * N / (waves * sm_count * tile_m *
+                   tile_n)``; a grid smaller than the SMs splits K), and the
+                   pipeline's fill and drain per tile against its K loop
+                   (``K / (K + k_fill)`` relative to the same at the
+                   reference K of the published measurement); never faster
+                   than its bytes (``M*K + K*N`` inputs, ``M*N`` output) at
+                   the achievable HBM bandwidth.
       attention    fused (FlashAttention-style) by its own FLOPs: ``4 * B * H
                    * Sq * Skv * D`` forward, 2.5 times that backward, halved
                    for the causal mask, at the profile's published
@@ -39,6 +42,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
 #: K at which published maximum-achievable matmul rates were measured (the
 #: best shapes of the mamf-finder tables have K of 2048-2816).
 REFERENCE_K = 2048
+#: Smaller CTA tiles a kernel library picks for small or skinny outputs.
+TILES = ((128, 128), (64, 128))
 
 
 @dataclass(frozen=True)
@@ -74,14 +79,27 @@ class KernelModel:
 
     def shape_efficiency(self, m: int, n: int, k: int, batch: int = 1) -> float:
         """What a ``(batch x) M x N x K`` GEMM keeps of the best shape's rate:
-        tile padding and wave quantisation, and the K loop's fill and drain."""
+        tile padding and wave quantisation for the best of the kernel
+        library's tiles (``TILES``, the largest first; a grid of fewer
+        tiles than SMs splits K over the idle ones), and the K loop's fill
+        and drain per tile."""
         if m <= 0 or n <= 0 or k <= 0:
             return 1.0
-        tiles = batch * math.ceil(m / self.tile_m) * math.ceil(n / self.tile_n)
-        waves = math.ceil(tiles / self.sm_count)
-        quant = batch * m * n / (waves * self.sm_count * self.tile_m * self.tile_n)
-        ramp = (k / (k + self.k_fill)) / (REFERENCE_K / (REFERENCE_K + self.k_fill))
-        return min(quant, 1.0) * min(ramp, 1.0)
+        best = 0.0
+        for tm, tn in ((self.tile_m, self.tile_n), *TILES):
+            tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+            split = max(1, min(self.sm_count // tiles, k // (4 * self.k_fill)))
+            waves = math.ceil(tiles * split / self.sm_count)
+            quant = batch * m * n * split / (waves * self.sm_count * tm * tn)
+            k_part = k / split
+            ramp = (k_part / (k_part + self.k_fill)) / (REFERENCE_K / (REFERENCE_K + self.k_fill))
+            # a smaller tile reuses each operand less: its rate scales with its
+            # arithmetic intensity against the large tile's
+            reuse = (tm * tn / (tm + tn)) / (
+                self.tile_m * self.tile_n / (self.tile_m + self.tile_n)
+            )
+            best = max(best, min(quant, 1.0) * min(ramp, 1.0) * min(reuse, 1.0))
+        return best
 
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str, batch: int = 1) -> float:
         """Seconds of one GEMM (Note: [Kernel model]); ``dtype`` names the

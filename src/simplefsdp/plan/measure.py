@@ -132,8 +132,7 @@ def format_measured(measured: Measured, pred: Any) -> str:
     err_t = 100 * (compute / measured.step_s - 1) if measured.step_s else 0.0
     return "\n".join(
         [
-            f"measured on this {measured.device} (rank 0, other ranks faked, collectives "
-            "skipped):",
+            f"measured on this {measured.device} (rank 0, other ranks faked, collectives skipped):",
             f"  peak memory           {measured.peak_bytes / gib:8.2f} GiB  predicted "
             f"{pred.peak_bytes / gib:.2f} GiB ({err_mem:+.1f}%; {measured.memory_kind})",
             f"  step compute          {measured.step_s:8.3f} s    predicted {compute:.3f} s "
