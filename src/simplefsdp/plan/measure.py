@@ -73,6 +73,7 @@ def measure_step(
         ValueError: a layout ``--measure`` cannot run (``measure_errors``).
     """
     from simplefsdp.engines import EngineSpec, MemoryProbe, parallelize_model
+    from simplefsdp.engines.kinds import get_engine
     from simplefsdp.engines.recipe import RecipeOptions
     from simplefsdp.layout import Layout as Degrees
 
@@ -96,7 +97,7 @@ def measure_step(
             param_dtype="bfloat16" if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
             reshard_after_forward=layout.reshard_after_forward,
-            compile=device.type == "cuda" or layout.engine != "fsdp2",
+            compile=get_engine(layout.engine).fused_buckets,
             backend="inductor" if device.type == "cuda" else "aot_eager",
             bucketing=layout.bucketing,
             activation_checkpoint=layout.ac,
