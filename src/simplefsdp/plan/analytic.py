@@ -35,13 +35,24 @@ Note: [Analytic plan model]
                    one block's recomputed activations.
 
     Step time:
-      compute      matmul FLOPs of the activated parameters (``top_k``
-                   routed experts per token, times ``imbalance`` on the
-                   most loaded rank), attention (causal, fused), at the
-                   profile's bf16 rate; AC's recomputation (full: one more
-                   forward of the blocks; selective: half the blocks'
-                   forward matmuls); elementwise work as three passes over
-                   the no-AC activations at the achievable bandwidth.
+      compute      matmul FLOPs of the dense activated parameters at the
+                   profile's large-GEMM rate; the routed experts (``top_k``
+                   per token, times ``imbalance`` on the most loaded rank)
+                   as grouped GEMMs of ``tokens * top_k * ep / num_experts``
+                   rows per local expert, priced by the kernel model (Note:
+                   [Kernel model]) where the profile has one; attention
+                   (causal, fused) at the FlashAttention rates; AC's
+                   recomputation (full: one more forward of the blocks;
+                   selective: half the blocks' forward matmuls);
+                   elementwise work as three passes over the no-AC
+                   activations compiled, six eager, at the achievable
+                   bandwidth. MoE terms: the router's matmul; the token
+                   permutation and un-permutation (each routed row read
+                   and written, forward, backward, recomputation); the
+                   host syncs (per MoE forward and recomputation the
+                   token counts go to the host and the GPU waits for the
+                   host to launch the layer's remaining ``OPS_AFTER_SYNC``
+                   ops at ``HOST_OP_S`` each).
       all-to-all   per MoE layer, dispatch and combine in forward and again
                    in backward (and once more under full AC's
                    recomputation), each moving ``tokens * top_k * dim`` bf16
@@ -61,10 +72,7 @@ Note: [Analytic plan model]
     causal mask) over the bf16 peak.
     Load imbalance: ``imbalance`` (default 1.0, perfectly balanced routing)
     is the ratio of the most loaded EP rank's routed tokens to the mean; the
-    step waits for that rank. Not modelled: the host's device-to-host sync
-    of the token counts before each dispatch, token permutation kernels
-    beyond the elementwise passes, grouped-matmul efficiency at small
-    per-expert token counts, Float8, TP and PP.
+    step waits for that rank. Not modelled: Float8, TP and PP.
 """
 
 from __future__ import annotations
@@ -375,7 +383,7 @@ def predict_analytic(
         f"({'NVLink' if intra else 'NIC'}), exposed; expert load imbalance "
         f"{layout.imbalance:g} (1: balanced)",
         "planned from the model's shapes (docs/scale.md, expert parallelism): per-block "
-        "FSDP groups for both engines",
+        "FSDP groups for both engines; TP, PP and Float8 of experts not modelled",
     ]
     return Prediction(
         layout=layout,
