@@ -11,7 +11,7 @@ Every published row we can reproduce the settings of, each with its source
   float8 tensorwise; tokens/s only);
 - torchtitan ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md`` (8B
   Float8 on 32 and 64 H200s);
-- torchtitan PR #2080 (DeepSeek-V3 16B, FSDP 4 x EP 2 on 8 H100s,
+- pytorch/torchtitan#2080 (DeepSeek-V3 16B, FSDP 4 x EP 2 on 8 H100s,
   SimpleFSDP and FSDP2).
 
 Rows with a setting the plan does not model (AsyncTP, which overlaps TP's
@@ -35,7 +35,7 @@ GiB = 2**30
 _TT_2024 = "torchtitan llama3_h100_202412"
 _TT_ASYNC = "torchtitan asyncTP_llama3_h100_2025-06"
 _TRAINY = "torchtitan llama3-8b_h200_202506_trainy-whitefiber"
-_DSV3 = "torchtitan PR #2080"
+_DSV3 = "pytorch/torchtitan#2080"
 
 
 @dataclass(frozen=True)
