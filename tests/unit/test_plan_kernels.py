@@ -114,9 +114,13 @@ def test_context_parallel_gathers_keys_and_scales_attention() -> None:
     )
 
 
-def test_context_parallel_needs_a_sequence_it_splits() -> None:
+def test_context_parallel_needs_a_sequence_and_gpus_it_splits() -> None:
     with pytest.raises(ValueError, match=r"--seq 250 does not split over --cp 2 .* 4"):
         validate(get_config("debug"), Layout(gpus=4, batch=1, seq=250, cp=2))
+    with pytest.raises(
+        ValueError, match=r"--cp 3 does not divide the 4 GPUs .*valid --cp: 1, 2, 4$"
+    ):
+        validate(get_config("debug"), Layout(gpus=4, batch=1, seq=240, cp=3))
 
 
 # ------------------------------------------------------------ reference rows

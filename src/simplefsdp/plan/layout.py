@@ -136,6 +136,13 @@ def validate(args: Any, layout: Layout) -> None:
     for name, value in (("--batch", layout.batch), ("--seq", layout.seq), ("--cp", layout.cp)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    rest = layout.tp * layout.pp
+    if layout.cp > 1 and (layout.gpus % (rest * layout.cp) or layout.gpus < rest * layout.cp):
+        valid = [c for c in range(1, layout.gpus // rest + 1) if layout.gpus % (rest * c) == 0]
+        raise ValueError(
+            f"--cp {layout.cp} does not divide the {layout.gpus} GPUs over tp x pp = {rest}; "
+            f"valid --cp: {', '.join(map(str, valid))}"
+        )
     if layout.cp > 1 and layout.seq % (2 * layout.cp):
         raise ValueError(
             f"--seq {layout.seq} does not split over --cp {layout.cp} (load-balanced causal "
