@@ -483,7 +483,7 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
                                 validate(args, layout)
                             except ValueError:
                                 continue
-                            if layout.dp == 1 and (bucketing != "auto" or not reshard):
+                            if layout.fsdp == 1 and (bucketing != "auto" or not reshard):
                                 continue  # nothing to gather: these options do not apply
                             layouts.append(layout)
     return layouts
