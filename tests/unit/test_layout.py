@@ -275,6 +275,8 @@ def test_meshes_come_only_from_the_layout():
 _NAMES_FLAVORS = {
     # the workload presets name the model each runs: data, like train/presets/*.toml
     "bench/configs.py",
+    # the published measurements name the model each ran: data, like the presets
+    "plan/reference.py",
 }
 
 

@@ -34,13 +34,24 @@ Note: [Analytic plan model]
                    one block's recomputed activations.
 
     Step time:
-      compute      matmul FLOPs of the activated parameters (``top_k``
-                   routed experts per token, times ``imbalance`` on the
-                   most loaded rank), attention (causal, fused), at the
-                   profile's bf16 rate; AC's recomputation (full: one more
-                   forward of the blocks; selective: half the blocks'
-                   forward matmuls); elementwise work as three passes over
-                   the no-AC activations at the achievable bandwidth.
+      compute      matmul FLOPs of the dense activated parameters at the
+                   profile's large-GEMM rate; the routed experts (``top_k``
+                   per token, times ``imbalance`` on the most loaded rank)
+                   as grouped GEMMs of ``tokens * top_k * ep / num_experts``
+                   rows per local expert, priced by the kernel model (Note:
+                   [Kernel model]) where the profile has one; attention
+                   (causal, fused) at the FlashAttention rates; AC's
+                   recomputation (full: one more forward of the blocks;
+                   selective: half the blocks' forward matmuls);
+                   elementwise work as three passes over the no-AC
+                   activations compiled, six eager, at the achievable
+                   bandwidth. MoE terms: the router's matmul; the token
+                   permutation and un-permutation (each routed row read
+                   and written, forward, backward, recomputation); the
+                   host syncs (per MoE forward and recomputation the
+                   token counts go to the host and the GPU waits for the
+                   host to launch the layer's remaining ``OPS_AFTER_SYNC``
+                   ops at ``HOST_OP_S`` each).
       all-to-all   per MoE layer, dispatch and combine in forward and again
                    in backward (and once more under full AC's
                    recomputation), each moving ``tokens * top_k * dim`` bf16
@@ -60,10 +71,7 @@ Note: [Analytic plan model]
     causal mask) over the bf16 peak.
     Load imbalance: ``imbalance`` (default 1.0, perfectly balanced routing)
     is the ratio of the most loaded EP rank's routed tokens to the mean; the
-    step waits for that rank. Not modelled: the host's device-to-host sync
-    of the token counts before each dispatch, token permutation kernels
-    beyond the elementwise passes, grouped-matmul efficiency at small
-    per-expert token counts, Float8, TP and PP.
+    step waits for that rank. Not modelled: Float8, TP and PP.
 """
 
 from __future__ import annotations
@@ -72,11 +80,21 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.hardware import HardwareProfile
+from simplefsdp.plan.kernels import kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
 
 ADAMW_BYTES_PER_PARAM = 28
+#: Host time of one eager op (Python, dispatcher, launch): what a step
+#: costs per op where the GPU waits for the host after a device-to-host
+#: sync. An assumption (PyTorch eager ops cost 5-20 us on the host).
+HOST_OP_S = 10e-6
+#: Ops a MoE layer's forward issues after its token-count sync (all-to-all
+#: splits, permutation, grouped matmuls, un-permutation, combine), counted
+#: in torchtitan's MoE forward; an estimate.
+OPS_AFTER_SYNC = 30
 
 
 @dataclass(frozen=True)
@@ -266,18 +284,60 @@ def predict_analytic(
     # ---- compute
     rate = hw.peak_bf16_flops * hw.matmul_efficiency
     bw = hw.memory_bandwidth * hw.memory_efficiency
+    kernels = kernel_model(hw, bw)
+    fused = get_engine(layout.engine).fused_buckets
     attn_flops = flops_per_token - 6.0 * active_blocks
     routed = 6.0 * args.n_moe_layers * args.top_k * per_expert  # per token, fwd + bwd
     linear = 6.0 * active_blocks - routed
     routed *= layout.imbalance  # the most loaded rank's routed tokens
     block_fw = (linear - 6.0 * embed) / 3 + routed / 3  # blocks' forward matmuls
     recompute = {"full": block_fw, "selective": block_fw / 2, "none": 0.0}[layout.ac]
-    matmul_s = tokens * (linear + routed + recompute) / rate
+    # Routed experts as grouped GEMMs at the per-expert token count (Note:
+    # [Analytic plan model]: MoE terms); forward (3), backward (6) per layer.
+    local_experts = args.num_experts // ep
+    per_expert_tokens = max(int(tokens * args.top_k * layout.imbalance * ep / args.num_experts), 1)
+    routed_share = {"full": 1.0, "selective": 0.5, "none": 0.0}[layout.ac]
+    if kernels is not None and args.n_moe_layers:
+        d, h, m = args.dim, args.moe_hidden_dim, per_expert_tokens
+        fwd = 2 * kernels.gemm_seconds(m, h, d, "bfloat16", local_experts)
+        fwd += kernels.gemm_seconds(m, d, h, "bfloat16", local_experts)
+        # input and weight gradients: the same FLOPs, transposed shapes
+        bwd = (
+            2 * kernels.gemm_seconds(m, d, h, "bfloat16", local_experts)
+            + kernels.gemm_seconds(m, h, d, "bfloat16", local_experts)
+            + 2 * kernels.gemm_seconds(h, d, m, "bfloat16", local_experts)
+            + kernels.gemm_seconds(d, h, m, "bfloat16", local_experts)
+        )
+        grouped_s = args.n_moe_layers * ((1 + routed_share) * fwd + bwd)
+        matmul_s = tokens * (linear + (recompute - routed_share * routed / 3)) / rate + grouped_s
+    else:
+        matmul_s = tokens * (linear + routed + recompute) / rate
     attention_s = tokens * attn_flops / (rate * hw.attention_efficiency)
+    if kernels is not None:
+        # FlashAttention rates, causal halving (Note: [Kernel model]).
+        forward = tokens * attn_flops / 3 / 2  # the spec counts 1 + 2 forwards; causal half
+        tensor_peak = hw.peak_bf16_flops * hw.clock_fraction
+        attention_s = forward / (tensor_peak * hw.flash_fwd_efficiency)
+        attention_s += 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
     if layout.ac == "full":
         attention_s *= 4 / 3  # its forward again
-    elementwise_s = 3 * 2 * acts["none"] * tokens / bw
-    compute_s = matmul_s + attention_s + elementwise_s
+    # Elementwise work: three passes over the no-AC activations where the
+    # compiler fuses them, one read and one write per op's output unfused
+    # (eager FSDP2, aot_eager): about twice the bytes.
+    elementwise_s = (3 if fused else 6) * 2 * acts["none"] * tokens / bw
+    # Router (scores over the experts, top-k) and the token permutation and
+    # un-permutation: each routed token's row read and written, forward and
+    # backward (Note: [Analytic plan model]: MoE terms).
+    moe_tokens = tokens * args.top_k * layout.imbalance
+    router_s = args.n_moe_layers * tokens * (2 * args.dim * args.num_experts) * 3 / rate
+    permute_s = args.n_moe_layers * 2 * 2 * (2 * 2 * moe_tokens * args.dim) / bw
+    permute_s *= 1 + routed_share
+    # Host syncs: each MoE forward (and its recomputation) reads the token
+    # counts to the host; the GPU idles for the sync and then for the host
+    # to launch the layer's remaining ops.
+    passes = 1 + (1.0 if layout.ac != "none" else 0.0)
+    sync_s = args.n_moe_layers * passes * (hw.kernel_overhead_s + OPS_AFTER_SYNC * HOST_OP_S)
+    compute_s = matmul_s + attention_s + elementwise_s + router_s + permute_s + sync_s
 
     # ---- all-to-all
     intra = ep <= hw.gpus_per_node
@@ -321,12 +381,13 @@ def predict_analytic(
         f"parameters: {total / 1e9:.2f}B total, {active / 1e9:.2f}B activated per token "
         f"({experts / 1e9:.2f}B in routed experts, {args.num_experts // ep} of "
         f"{args.num_experts} per EP rank)",
+        f"MoE: grouped GEMMs of {per_expert_tokens} tokens per local expert; router "
+        f"{router_s:.3f} s, permutation {permute_s:.3f} s, host syncs {sync_s:.3f} s",
         f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
         f"({'NVLink' if intra else 'NIC'}), exposed; expert load imbalance "
         f"{layout.imbalance:g} (1: balanced)",
         "planned from the model's shapes (docs/scale.md, expert parallelism): per-block "
-        "FSDP groups for both engines; host syncs of token counts and grouped-matmul "
-        "efficiency at small expert batches not modelled",
+        "FSDP groups for both engines; TP, PP and Float8 of experts not modelled",
     ]
     return Prediction(
         layout=layout,

@@ -49,12 +49,14 @@ METHOD_FLAGS = {
     "trace": (
         "--tp",
         "--pp",
+        "--cp",
         "--microbatches",
         "--dtype",
         "--loss-parallel",
         "--float8",
         "--bucketing",
         "--sweep",
+        "--measure",
     ),
     "analytic": ("--ep", "--expert-imbalance"),
 }
@@ -62,12 +64,14 @@ METHOD_FLAGS = {
 _GIVEN = {
     "--tp": lambda ns: ns.tp not in (None, 1),
     "--pp": lambda ns: ns.pp != 1,
+    "--cp": lambda ns: ns.cp != 1,
     "--microbatches": lambda ns: ns.microbatches not in (None, 1),
     "--dtype": lambda ns: ns.dtype != "bf16",
     "--loss-parallel": lambda ns: ns.loss_parallel,
     "--float8": lambda ns: ns.float8,
     "--bucketing": lambda ns: ns.bucketing != "auto",
     "--sweep": lambda ns: ns.sweep,
+    "--measure": lambda ns: ns.measure,
     "--ep": lambda ns: ns.ep not in (None, 1),
     "--expert-imbalance": lambda ns: ns.expert_imbalance != 1.0,
 }
@@ -195,6 +199,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pp", type=int, default=1)
     p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each rank holds 1/cp of every sequence, FSDP shards "
+        "over dp x cp, keys and values all-gathered per attention (default 1)",
+    )
+    p.add_argument(
         "--ep",
         type=int,
         default=None,
@@ -234,6 +245,13 @@ def _parser() -> argparse.ArgumentParser:
         "--no-reshard", action="store_true", help="keep gathered parameters after forward"
     )
     p.add_argument("--sweep", action="store_true", help="rank layouts and options")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run rank 0 of the layout on this machine's GPU (CPU: a smoke test) with a "
+        "fake process group for the other ranks, and print its peak memory and step time "
+        "beside the prediction",
+    )
     p.add_argument("--out", help="directory for plan.json and plan.png")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
@@ -300,6 +318,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         seq=values["seq"],
         tp=values["tp"],
         pp=ns.pp,
+        cp=ns.cp,
         ac=values["ac"],
         microbatches=ns.microbatches if ns.microbatches is not None else max(ns.pp, 1),
         reshard_after_forward=not ns.no_reshard,
@@ -464,7 +483,7 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
                                 validate(args, layout)
                             except ValueError:
                                 continue
-                            if layout.dp == 1 and (bucketing != "auto" or not reshard):
+                            if layout.fsdp == 1 and (bucketing != "auto" or not reshard):
                                 continue  # nothing to gather: these options do not apply
                             layouts.append(layout)
     return layouts
@@ -724,6 +743,15 @@ def main(argv: list[str] | None = None) -> int:
         values, defaulted = plan_defaults(ns, spec, config)
         base = make_layout(ns, spec, values)
         validate_layout(spec, config, base)
+        measured = None
+        if ns.measure:
+            from simplefsdp.plan.measure import measure_errors, measure_step
+
+            if ns.sweep:
+                raise ValueError("--measure measures one layout; leave out --sweep")
+            errors = measure_errors(base)
+            if errors:
+                raise ValueError(errors[0])
         if ns.sweep:
             layouts = sweep_layouts(config, base, hw.gpus_per_node)
             preds, skipped = sweep_predictions(config, layouts, hw, predict_fn)
@@ -760,7 +788,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_prediction(pred))  # the breakdown shows what to cut
         print(f"simplefsdp plan: error: {does_not_fit(pred, changes)}", file=sys.stderr)
         return 2
+    if ns.measure:
+        measured = measure_step(spec, config, pred.layout)
     result = _result(config, hw, elapsed, preds)
+    if measured is not None:
+        result["measured"] = dataclasses.asdict(measured)
     if ns.sweep:
         result["skipped"] = skipped
     if ns.json:
@@ -771,6 +803,10 @@ def main(argv: list[str] | None = None) -> int:
             print(format_skipped(skipped))
     else:
         print(format_prediction(pred))
+        if measured is not None:
+            from simplefsdp.plan.measure import format_measured
+
+            print(format_measured(measured, pred))
     if ns.out:
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)

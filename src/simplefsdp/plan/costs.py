@@ -95,18 +95,19 @@ def prefetch_extra_bytes(buckets: list[list[GatherUnit]], kept: Collection[str] 
 def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 2.0) -> CostModel:
     """The compiler's ``CostModel`` for ``hw`` and the layout's groups.
 
-    Data-parallel groups are strided by ``tp`` (TP is the inner mesh dim), so a
-    DP group of ``dp`` ranks spans ``dp * tp`` GPUs. The reduce-scatter fit is
+    Data-parallel groups are strided by ``tp`` (TP is the inner mesh dim), so
+    an FSDP group of ``dp * cp`` ranks spans ``dp * cp * tp`` GPUs. The reduce-scatter fit is
     scaled by ``rs_to_ag_ratio`` because the planner sizes it by the gathered
     (bf16) bytes while the gradients are reduced in fp32.
     """
     comm: dict[str, LinearFit] = {}
-    span_dp = layout.dp * layout.tp
+    fsdp = getattr(layout, "fsdp", layout.dp)  # FSDP shards over dp x cp
+    span_dp = fsdp * layout.tp
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-        one = hw.comm_seconds(kind, layout.dp, 0.0, span_dp)
-        per_byte = hw.comm_seconds(kind, layout.dp, 1e9, span_dp) - one
+        one = hw.comm_seconds(kind, fsdp, 0.0, span_dp)
+        per_byte = hw.comm_seconds(kind, fsdp, 1e9, span_dp) - one
         scale = rs_to_ag_ratio if kind == "reduce_scatter" else 1.0
-        comm[f"{kind}/{layout.dp}"] = LinearFit(one, scale * per_byte / 1e9)
+        comm[f"{kind}/{fsdp}"] = LinearFit(one, scale * per_byte / 1e9)
         if layout.tp > 1:
             one = hw.comm_seconds(kind, layout.tp, 0.0, layout.tp)
             per_byte = hw.comm_seconds(kind, layout.tp, 1e9, layout.tp) - one

@@ -90,7 +90,21 @@ class HardwareProfile:
             then refused).
         fp8_matmul_efficiency: achievable fraction of ``peak_fp8_flops``
             for the float8 matmuls of converted linears (0: as
-            ``matmul_efficiency``).
+            ``matmul_efficiency``); with an ``sm_count``, at the best shape
+            (as ``gemm_efficiency``).
+        sm_count: streaming multiprocessors; non-zero turns on the
+            per-kernel model (Note: [Kernel model] in
+            ``simplefsdp/plan/kernels.py``): each GEMM priced by its shape,
+            attention by its FLOPs at the FlashAttention rates below,
+            ``matmul_efficiency`` then only sizing the bucket planner's
+            windows.
+        gemm_efficiency: the published maximum achievable fraction of the
+            bf16 peak for one GEMM at its best shape.
+        clock_fraction: sustained tensor clock under the part's power limit
+            against the datasheet's (1 at the datasheet's power).
+        flash_fwd_efficiency, flash_bwd_efficiency: fused causal attention's
+            achievable fraction of the bf16 peak, forward and backward
+            (published FlashAttention-2 measurements, causal FLOPs halved).
     """
 
     name: str
@@ -119,6 +133,11 @@ class HardwareProfile:
     fsdp2_sharded_group_s: float = 0.0
     peak_fp8_flops: float = 0.0
     fp8_matmul_efficiency: float = 0.0
+    sm_count: int = 0
+    gemm_efficiency: float = 0.0
+    clock_fraction: float = 1.0
+    flash_fwd_efficiency: float = 0.0
+    flash_bwd_efficiency: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,107 +162,112 @@ class HardwareProfile:
         return latency + factor * num_bytes / bandwidth
 
 
-# The float8 matmuls' achievable fraction of the fp8 peak: one number fitted
-# on one published row (torchtitan's 8B on 8 H100s with Float8, see
-# ``simplefsdp.plan.reference``); the casts to float8 are priced apart, by
-# the bytes they move (Note: [Plan model]).
-FP8_EFFICIENCY = 0.4882
+# Constants fitted on published rows (``python -m simplefsdp.plan.reference
+# --fit``); every other number below is a datasheet value, a published
+# measurement or a marked assumption.
+#
+# CLOCK_500W: the sustained tensor clock of torchtitan's 500 W H100 (96 GB
+# HBM2e) against the 700 W SXM datasheet part, fitted on one row only:
+# llama3_h100_202412 Table 1, 8B on 8 GPUs, FSDP + torch.compile, 6,667
+# TPS/GPU. FP8_EFFICIENCY: the float8 GEMM's maximum achievable fraction of
+# the fp8 peak, fitted on one row only: the same table's FSDP +
+# torch.compile + Float8 row, 8,532 TPS/GPU (with CLOCK_500W).
+CLOCK_500W = 0.6799
+FP8_EFFICIENCY = 0.8207
 
-# Numbers: NVIDIA's datasheets (dense, i.e. without 2:4 sparsity). Where no
-# public number exists (achievable fractions, latencies) the value is an
-# assumption, marked so; ``--calibrate`` replaces all of them with
-# measurements on a real machine.
-PROFILES: dict[str, HardwareProfile] = {
-    "h100": HardwareProfile(
-        name="h100",
-        description="NVIDIA H100 SXM5 80GB, 8 per node, NVLink 4, 400 Gb/s InfiniBand per GPU",
+# Maximum achievable matmul FLOPS (bf16, best shape), Stas Bekman's
+# ml-engineering "Maximum Achievable FLOPS" table (mamf-finder): A100 SXM
+# 267.9 of 312 TFLOPS, H100 SXM 792.1 of 989 TFLOPS.
+_MAMF_A100 = 267.9 / 312
+_MAMF_H100 = 792.1 / 989
+# FlashAttention-2 forward and backward rates, causal, head dim 128, long
+# sequences, as fractions of the bf16 peak: A100 from the FlashAttention-2
+# paper (Dao 2023, fig. 4-5: about 220 and 170 TFLOPS), H100 from the
+# FlashAttention-3 paper's FlashAttention-2 baseline (Shah et al. 2024,
+# fig. 5-6: about 360 and 300 TFLOPS). Read off the figures: +-5%.
+_FA2_A100 = (220 / 312, 170 / 312)
+_FA2_H100 = (360 / 989, 300 / 989)
+
+
+def _hopper(**fields) -> HardwareProfile:
+    """An H100-die profile: 132 SMs, NVLink 4, 400 Gb/s NIC per GPU."""
+    base = dict(
         # H100 SXM datasheet (nvidia.com/en-us/data-center/h100): 989 TFLOPS
-        # bf16 dense (1979 with sparsity), 67 TFLOPS fp32, 80 GB HBM3 at 3.35 TB/s.
+        # bf16 dense, 1,979 fp8 dense, 67 TFLOPS fp32; 132 SMs (Hopper
+        # whitepaper, SXM5).
         peak_bf16_flops=989 * TFLOPS,
         peak_fp32_flops=67 * TFLOPS,
-        # Same datasheet: 1,979 TFLOPS fp8 dense (3,958 with sparsity).
         peak_fp8_flops=1979 * TFLOPS,
+        sm_count=132,
+        gemm_efficiency=_MAMF_H100,
         fp8_matmul_efficiency=FP8_EFFICIENCY,
-        # torchtitan's 500 W H100 fitted value (see h100-96gb-500w); a 700 W
-        # SXM part likely sustains more: a conservative assumption.
-        matmul_efficiency=0.5021,
-        memory_bytes=80 * GB,
+        flash_fwd_efficiency=_FA2_H100[0],
+        flash_bwd_efficiency=_FA2_H100[1],
         usable_memory_fraction=0.95,  # assumption (context, NCCL buffers)
-        memory_bandwidth=3.35e12,
         memory_efficiency=0.7,  # assumption
         kernel_overhead_s=4e-6,  # assumption: launch + tail of a small kernel
         gpus_per_node=8,
-        # NVLink 4: 900 GB/s bidirectional per GPU (same datasheet) = 450 GB/s
-        # each way; ~80% achievable bus bandwidth is an assumption.
+        # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s each way; ~80%
+        # achievable bus bandwidth is an assumption.
         intra_bandwidth=360 * GB,
         intra_latency_s=20e-6,  # assumption
-        # ConnectX-7 400 Gb/s (50 GB/s) per GPU (DGX H100 user guide);
-        # ~85% achievable is an assumption.
+        # ConnectX-7 400 Gb/s (50 GB/s) per GPU (DGX H100 user guide); ~85%
+        # achievable is an assumption.
         inter_bandwidth=42.5 * GB,
         inter_latency_s=50e-6,  # assumption
-        source="NVIDIA H100 datasheet, DGX H100 user guide; efficiencies assumed",
+    )
+    base.update(fields)
+    # The bucket planner's windows: the large-GEMM rate.
+    base.setdefault("matmul_efficiency", base["gemm_efficiency"] * base.get("clock_fraction", 1.0))
+    return HardwareProfile(**base)
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    "h100": _hopper(
+        name="h100",
+        description="NVIDIA H100 SXM5 80GB (700 W), 8 per node, NVLink 4, 400 Gb/s NIC per GPU",
+        memory_bytes=80 * GB,
+        memory_bandwidth=3.35e12,  # datasheet: 80 GB HBM3 at 3.35 TB/s
+        source="NVIDIA H100 datasheet, DGX H100 user guide, mamf-finder; efficiencies noted",
     ),
-    "h100-96gb-500w": HardwareProfile(
+    "h100-96gb-500w": _hopper(
         name="h100-96gb-500w",
         description="torchtitan's 2024-12 benchmark H100 (Grand Teton): 96 GB HBM2e, 500 W",
         # torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e,
         # 2.4 TB/s, 500 W power limit, NVLink within a host of 8, 400 Gb/s
-        # RDMA per GPU; peak FLOPs "between SXM and NVL", unknown, so the SXM
-        # peak (what torchtitan's MFU uses) and a calibrated efficiency.
-        peak_bf16_flops=989 * TFLOPS,
-        peak_fp32_flops=67 * TFLOPS,
-        peak_fp8_flops=1979 * TFLOPS,  # SXM datasheet, as the bf16 peak
-        # Fitted (python -m simplefsdp.plan.reference --fit-float8) on one
-        # row only: 8B, 8 GPUs, FSDP + torch.compile + Float8, 8,532 TPS/GPU.
-        fp8_matmul_efficiency=FP8_EFFICIENCY,
-        # Fitted (python -m simplefsdp.plan.reference --fit) on one row only:
-        # 8B, 8 GPUs, FSDP + torch.compile, 6,667 TPS/GPU; docs/scale.md.
-        matmul_efficiency=0.5021,
+        # RDMA per GPU; peak FLOPs "between SXM and NVL", unknown: the SXM
+        # datasheet's and the fitted sustained clock (CLOCK_500W).
+        clock_fraction=CLOCK_500W,
         memory_bytes=96 * GiB,  # "96GB" HBM2e; torchtitan reports GiB readings
-        usable_memory_fraction=0.95,
         memory_bandwidth=2.4e12,
-        memory_efficiency=0.7,  # assumption
-        kernel_overhead_s=4e-6,  # assumption
-        gpus_per_node=8,
-        intra_bandwidth=360 * GB,  # as h100 (NVLink 4), assumption on efficiency
-        intra_latency_s=20e-6,
-        inter_bandwidth=42.5 * GB,  # 400 Gb/s per GPU, 85% assumed
-        inter_latency_s=50e-6,
-        source="torchtitan llama3_h100_202412 benchmark hardware section; H100 datasheet",
+        source="torchtitan llama3_h100_202412 benchmark hardware section; H100 datasheet; "
+        "clock_fraction fitted (CLOCK_500W)",
     ),
-    "h200": HardwareProfile(
+    "h200": _hopper(
         name="h200",
-        description="NVIDIA H200 SXM 141GB, 8 per node, NVLink 4, 400 Gb/s InfiniBand per GPU",
-        # H200 datasheet (nvidia.com/en-us/data-center/h200): 989 TFLOPS bf16
-        # dense, 67 TFLOPS fp32, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s;
-        # 1,979 TFLOPS fp8 dense.
-        peak_bf16_flops=989 * TFLOPS,
-        peak_fp32_flops=67 * TFLOPS,
-        peak_fp8_flops=1979 * TFLOPS,
-        fp8_matmul_efficiency=FP8_EFFICIENCY,  # assumption: as h100
-        matmul_efficiency=0.5021,  # assumption: as h100
+        description="NVIDIA H200 SXM 141GB (700 W), 8 per node, NVLink 4, 400 Gb/s NIC per GPU",
+        # H200 datasheet (nvidia.com/en-us/data-center/h200): the H100's
+        # compute (989 TFLOPS bf16 dense), 141 GB HBM3e at 4.8 TB/s,
+        # NVLink 900 GB/s; HGX H200: ConnectX-7 400 Gb/s per GPU.
         memory_bytes=141 * GB,
-        usable_memory_fraction=0.95,
         memory_bandwidth=4.8e12,
-        memory_efficiency=0.7,
-        kernel_overhead_s=4e-6,
-        gpus_per_node=8,
-        intra_bandwidth=360 * GB,
-        intra_latency_s=20e-6,
-        inter_bandwidth=42.5 * GB,  # ConnectX-7 400 Gb/s per GPU (HGX H200), 85% assumed
-        inter_latency_s=50e-6,
-        source="NVIDIA H200 datasheet; efficiencies assumed as for h100",
+        source="NVIDIA H200 datasheet; rates as the H100 die's (mamf-finder, FlashAttention)",
     ),
     "a100": HardwareProfile(
         name="a100",
         description="NVIDIA A100 SXM4 80GB, 8 per node, NVLink 3, 200 Gb/s InfiniBand per GPU",
         # A100 datasheet (nvidia.com/en-us/data-center/a100): 312 TFLOPS bf16
         # dense, 19.5 TFLOPS fp32, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s
-        # bidirectional (300 each way). DGX A100: 8x 200 Gb/s HDR per node.
-        # No float8 tensor cores (peak_fp8_flops 0: --float8 is refused).
+        # bidirectional (300 each way); 108 SMs (Ampere whitepaper). DGX
+        # A100: 8x 200 Gb/s HDR per node. No float8 tensor cores
+        # (peak_fp8_flops 0: --float8 is refused).
         peak_bf16_flops=312 * TFLOPS,
         peak_fp32_flops=19.5 * TFLOPS,
-        matmul_efficiency=0.6,  # assumption
+        sm_count=108,
+        gemm_efficiency=_MAMF_A100,
+        matmul_efficiency=_MAMF_A100,
+        flash_fwd_efficiency=_FA2_A100[0],
+        flash_bwd_efficiency=_FA2_A100[1],
         memory_bytes=80 * GB,
         usable_memory_fraction=0.95,
         memory_bandwidth=2.039e12,
@@ -254,7 +278,61 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_latency_s=20e-6,
         inter_bandwidth=21 * GB,  # 85% of 25 GB/s, assumption
         inter_latency_s=50e-6,
-        source="NVIDIA A100 datasheet, DGX A100 user guide; efficiencies assumed",
+        source="NVIDIA A100 datasheet, DGX A100 user guide, mamf-finder, FlashAttention-2",
+    ),
+    "a100-40gb": HardwareProfile(
+        name="a100-40gb",
+        description="NVIDIA A100 SXM4 40GB, 8 per node, NVLink 3, 200 Gb/s InfiniBand per GPU",
+        # A100 datasheet: the 80 GB part's compute; 40 GB HBM2 at 1,555 GB/s.
+        peak_bf16_flops=312 * TFLOPS,
+        peak_fp32_flops=19.5 * TFLOPS,
+        sm_count=108,
+        gemm_efficiency=_MAMF_A100,
+        matmul_efficiency=_MAMF_A100,
+        flash_fwd_efficiency=_FA2_A100[0],
+        flash_bwd_efficiency=_FA2_A100[1],
+        memory_bytes=40 * GB,
+        usable_memory_fraction=0.95,
+        memory_bandwidth=1.555e12,
+        memory_efficiency=0.7,
+        kernel_overhead_s=4e-6,
+        gpus_per_node=8,
+        intra_bandwidth=240 * GB,
+        intra_latency_s=20e-6,
+        inter_bandwidth=21 * GB,
+        inter_latency_s=50e-6,
+        source="NVIDIA A100 datasheet, DGX A100 user guide, mamf-finder, FlashAttention-2",
+    ),
+    "b200": HardwareProfile(
+        name="b200",
+        description="NVIDIA B200 180GB (1000 W), 8 per node, NVLink 5, 400 Gb/s NIC per GPU",
+        # DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 72
+        # PFLOPS fp8 training and 1,440 GB HBM3e at 64 TB/s for 8 GPUs, i.e.
+        # per GPU 4.5 PFLOPS fp8 dense, 2.25 PFLOPS bf16 dense, 180 GB at
+        # 8 TB/s; NVLink 5 1.8 TB/s bidirectional per GPU; 8x ConnectX-7
+        # 400 Gb/s. 148 SMs (Blackwell whitepaper). The achievable rates of
+        # the H100 are assumed (no published mamf-finder / FlashAttention-2
+        # rates for it here).
+        peak_bf16_flops=2250 * TFLOPS,
+        peak_fp32_flops=80 * TFLOPS,
+        peak_fp8_flops=4500 * TFLOPS,
+        sm_count=148,
+        gemm_efficiency=_MAMF_H100,  # assumption: as H100
+        matmul_efficiency=_MAMF_H100,
+        fp8_matmul_efficiency=FP8_EFFICIENCY,  # assumption: as H100
+        flash_fwd_efficiency=_FA2_H100[0],  # assumption: as H100
+        flash_bwd_efficiency=_FA2_H100[1],
+        memory_bytes=180 * GB,
+        usable_memory_fraction=0.95,
+        memory_bandwidth=8.0e12,
+        memory_efficiency=0.7,
+        kernel_overhead_s=4e-6,
+        gpus_per_node=8,
+        intra_bandwidth=720 * GB,  # 80% of 900 GB/s each way, assumption
+        intra_latency_s=20e-6,
+        inter_bandwidth=42.5 * GB,
+        inter_latency_s=50e-6,
+        source="NVIDIA DGX B200 datasheet; achievable rates assumed as the H100's",
     ),
     # Measured on a 2-core, 24 GB CPU machine (gloo) by
     # ``simplefsdp plan --calibrate`` at a 1-minute load

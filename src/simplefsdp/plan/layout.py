@@ -25,6 +25,7 @@ _LAYOUT_NAMES = {
     "batch": "--batch",
     "seq_len": "--seq",
     "float8": "--float8",
+    "cp": "--cp",
 }
 
 
@@ -49,15 +50,24 @@ class Layout:
     float8: bool = False
     # With tp > 1: the logits stay sharded over the vocabulary for the loss.
     loss_parallel: bool = False
+    # Context parallelism: each of ``cp`` ranks holds 1/cp of every sequence;
+    # FSDP shards over dp x cp.
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        """Data-parallel ranks (distinct batches): the GPUs over tp, pp and cp."""
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def fsdp(self) -> int:
+        """The ranks FSDP shards over: ``dp x cp``."""
+        return self.dp * self.cp
 
     @property
     def degrees(self) -> Degrees:
         """The degrees as the job's :class:`simplefsdp.layout.Layout` (dp_shard: the rest)."""
-        return Degrees(tp=self.tp, pp=self.pp)
+        return Degrees(tp=self.tp, pp=self.pp, cp=self.cp)
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}"]
@@ -67,6 +77,8 @@ class Layout:
             parts.append("float8")
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + (" loss-parallel" if self.loss_parallel else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.pp > 1:
             parts.append(f"pp{self.pp} m{self.microbatches}")
         elif self.microbatches > 1:  # gradient accumulation
@@ -121,13 +133,29 @@ def validate(args: Any, layout: Layout) -> None:
         )
     if layout.ac not in AC_MODES:
         raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
-    for name, value in (("--batch", layout.batch), ("--seq", layout.seq)):
+    for name, value in (("--batch", layout.batch), ("--seq", layout.seq), ("--cp", layout.cp)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    rest = layout.tp * layout.pp
+    if layout.cp > 1 and (layout.gpus % (rest * layout.cp) or layout.gpus < rest * layout.cp):
+        valid = [c for c in range(1, layout.gpus // rest + 1) if layout.gpus % (rest * c) == 0]
+        raise ValueError(
+            f"--cp {layout.cp} does not divide the {layout.gpus} GPUs over tp x pp = {rest}; "
+            f"valid --cp: {', '.join(map(str, valid))}"
+        )
+    if layout.cp > 1 and layout.seq % (2 * layout.cp):
+        raise ValueError(
+            f"--seq {layout.seq} does not split over --cp {layout.cp} (load-balanced causal "
+            f"attention needs a multiple of 2 * cp = {2 * layout.cp})"
+        )
+    spec = _spec_of(args)
+    # A family that does not declare context parallelism yet is planned with
+    # cp folded into FSDP's degree (the note of the prediction says so).
+    degrees = layout.degrees if spec.supports("cp") else Degrees(tp=layout.tp, pp=layout.pp)
     errors = job_errors(
-        _spec_of(args),
+        spec,
         args,
-        layout.degrees,
+        degrees,
         layout.gpus,
         layout.engine,
         float8=layout.float8,

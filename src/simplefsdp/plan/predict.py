@@ -98,6 +98,23 @@ Note: [Float8 in the plan]
                    after the optimizer.
     Activations are as bf16's: torchao saves the bf16 inputs and casts again
     in backward. MFU stays against the bf16 peak (torchtitan's convention).
+
+Note: [Context parallelism in the plan]
+    ``--cp N`` (torchtitan's layout: FSDP over ``dp x cp``, each CP rank
+    1/cp of every sequence, causal attention load-balanced over the ranks,
+    keys and values all-gathered per attention) is planned from the trace
+    of one CP rank: FSDP group ``dp * cp``, sequence ``seq / cp``. What
+    the trace cannot see is added:
+      attention    each rank's queries meet all ``seq`` keys: its FLOPs and
+                   time are ``cp`` times the traced (local x local) ones;
+      K/V comm     per attention node of either graph (forward, recomputed
+                   forward, backward) one collective of the gathered keys
+                   and values (``cp`` times the local ones) over the CP
+                   group (ranks ``tp`` apart), exposed: attention waits for
+                   it;
+      memory       the gathered keys and values beyond the local ones,
+                   saved for backward per block (no or selective AC) or one
+                   block's at a time (full AC, temporary).
 """
 
 from __future__ import annotations
@@ -136,6 +153,7 @@ from simplefsdp.plan.costs import (
     prefetch_extra_bytes,
 )
 from simplefsdp.plan.hardware import HardwareProfile
+from simplefsdp.plan.kernels import KernelModel, kernel_model
 from simplefsdp.plan.layout import Layout, validate
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
@@ -174,6 +192,44 @@ def _dims(node) -> tuple[int, ...]:
     return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
 
 
+def _gemm_dims(node: fx.Node) -> tuple[int, int, int, int] | None:
+    """``(batch, M, N, K)`` of a matmul node, ``None`` for other nodes."""
+    target, args = node.target, node.args
+    if target is aten.mm.default:
+        a, b = _dims(args[0]), _dims(args[1])
+        return (1, a[0], b[1], a[1]) if len(a) == 2 and len(b) == 2 else None
+    if target is aten.addmm.default:
+        a, b = _dims(args[1]), _dims(args[2])
+        return (1, a[0], b[1], a[1]) if len(a) == 2 and len(b) == 2 else None
+    if target in (aten.bmm.default, aten.baddbmm.default):
+        a, b = (args[0], args[1]) if target is aten.bmm.default else (args[1], args[2])
+        a, b = _dims(a), _dims(b)
+        return (a[0], a[1], b[2], a[2]) if len(a) == 3 and len(b) == 3 else None
+    return None
+
+
+def _dtype_name(node: fx.Node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)) and val:
+        val = val[0]
+    dtype = getattr(val, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else "bfloat16"
+
+
+def kernel_seconds(node: fx.Node, kernels: KernelModel, cost_model: CostModel) -> float:
+    """Seconds of a matmul, attention or embedding node by the kernel model
+    (Note: [Kernel model]); other nodes as the cost model prices them."""
+    dims = _gemm_dims(node)
+    if dims is not None:
+        batch, m, n, k = dims
+        return kernels.gemm_seconds(m, n, k, _dtype_name(node), batch)
+    name = str(node.target)
+    if "scaled_dot_product" in name:
+        moved = node_bytes(node) + sum(node_bytes(i) for i in node.all_input_nodes)
+        return kernels.attention_seconds(node_flops(node), moved, "backward" in name)
+    return cost_model.node_time(node)
+
+
 @dataclass(frozen=True)
 class Float8Matmuls:
     """Which matmuls of a traced graph run in float8, and their cost (Note:
@@ -190,6 +246,7 @@ class Float8Matmuls:
     flops_per_s: float
     tokens: int
     skip_dim: int
+    kernels: KernelModel | None = None
 
     def converts(self, node: fx.Node) -> bool:
         """A 2-D matmul of a converted linear."""
@@ -205,10 +262,16 @@ class Float8Matmuls:
         elements = sum(_dims(n)[0] * _dims(n)[1] for n in cast)
         per_element = 3.0 if fused else 5.0  # amax fused into the producer, or its own pass
         kernels = len(cast) * (1 if fused else 2)
+        dims = _gemm_dims(node)
+        if self.kernels is not None and dims is not None:
+            batch, m, n, k = dims
+            matmul = self.kernels.gemm_seconds(m, n, k, "float8", batch)
+        else:
+            matmul = node_flops(node) / self.flops_per_s + cost_model.kernel_overhead_s
         return (
-            node_flops(node) / self.flops_per_s
+            matmul
             + per_element * elements / cost_model.bytes_per_s
-            + (1 + kernels) * cost_model.kernel_overhead_s
+            + kernels * cost_model.kernel_overhead_s
         )
 
 
@@ -217,6 +280,8 @@ def compute_time(
     cost_model: CostModel,
     fused: bool,
     float8: Float8Matmuls | None = None,
+    model: KernelModel | None = None,
+    attention_scale: int = 1,
 ) -> dict[str, float]:
     """Seconds and FLOPs of the compute nodes of ``gm``.
 
@@ -224,7 +289,11 @@ def compute_time(
     [Plan model]): such a node pays for the inputs it reads from outside the
     chain and for its output only if something outside the chain reads it;
     one kernel overhead per chain output. ``float8``: the matmuls it
-    converts run in float8 (Note: [Float8 in the plan]).
+    converts run in float8 (Note: [Float8 in the plan]). ``model``: matmuls
+    and attention priced by their shapes (Note: [Kernel model]).
+    ``attention_scale``: attention's keys are that many times the traced
+    ones (context parallelism: local queries against every key, Note:
+    [Context parallelism in the plan]).
     """
     flops = matmul_s = other_s = 0.0
     kernels = chains = 0
@@ -237,8 +306,12 @@ def compute_time(
             kernels += 1
             continue
         if _is_heavy(node) or not fused:
-            flops += node_flops(node)
-            matmul_s += cost_model.node_time(node)  # includes its kernel overhead
+            scale = attention_scale if "scaled_dot_product" in str(node.target) else 1
+            flops += scale * node_flops(node)
+            if model is not None and _is_heavy(node):
+                matmul_s += scale * kernel_seconds(node, model, cost_model)
+            else:
+                matmul_s += scale * cost_model.node_time(node)  # includes its kernel overhead
             kernels += 1
             continue
         moved = 0
@@ -275,6 +348,12 @@ class GraphMeasures:
     # Activations eager autograd saves beyond what the partitioned forward
     # saves (what the min-cut partitioner recomputes instead).
     eager_extra_saved_bytes: float = 0.0
+    # Attention's local keys and values (bytes): over every attention node
+    # of both graphs (what context parallelism gathers), and over the
+    # forward graph's forward attention nodes (what it saves gathered).
+    kv_bytes: float = 0.0
+    kv_forward_bytes: float = 0.0
+    attention_nodes: float = 0.0
 
     def extrapolate(self, other: GraphMeasures, blocks: float) -> GraphMeasures:
         """``self`` at 1 block, ``other`` at 2: the value at ``blocks``."""
@@ -296,12 +375,26 @@ class GraphMeasures:
 
 
 def measure(
-    traced: Traced, cost_model: CostModel, fused: bool, float8: Float8Matmuls | None = None
+    traced: Traced,
+    cost_model: CostModel,
+    fused: bool,
+    float8: Float8Matmuls | None = None,
+    kernels: KernelModel | None = None,
+    attention_scale: int = 1,
 ) -> GraphMeasures:
     fw, bw = traced.forward, traced.backward
     fw_mem, bw_mem = estimate_memory(fw), estimate_memory(bw)
-    fw_t = compute_time(fw, cost_model, fused, float8)
-    bw_t = compute_time(bw, cost_model, fused, float8)
+    fw_t = compute_time(fw, cost_model, fused, float8, kernels, attention_scale)
+    bw_t = compute_time(bw, cost_model, fused, float8, kernels, attention_scale)
+    kv = kv_forward = nodes = 0.0
+    for gm in (fw, bw):
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or "scaled_dot_product" not in str(n.target):
+                continue
+            pair = sum(node_bytes(a) for a in n.args[1:3] if isinstance(a, fx.Node))
+            kv, nodes = kv + pair, nodes + 1
+            if gm is fw and "backward" not in str(n.target):
+                kv_forward += pair
     params = traced.local_param_bytes
     # Data-parallel bytes reduced per byte gathered (fp32 reduce / bf16 gather).
     dp = traced.groups.is_data_parallel
@@ -326,6 +419,9 @@ def measure(
         bw_transient=bw_mem.transient_peak_bytes,
         rs_to_ag_ratio=(rs / fw_ag) if fw_ag and rs else 1.0,
         eager_extra_saved_bytes=max(traced.eager_saved_bytes - traced.compiled_saved_bytes, 0),
+        kv_bytes=kv,
+        kv_forward_bytes=kv_forward,
+        attention_nodes=nodes,
     )
 
 
@@ -418,10 +514,12 @@ def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Ma
             "(peak_fp8_flops; built-in profiles with one: h100, h100-96gb-500w, h200)"
         )
     efficiency = hw.fp8_matmul_efficiency or hw.matmul_efficiency
+    probe = cost_model_for(hw, layout, 1.0)
     return Float8Matmuls(
         flops_per_s=hw.peak_fp8_flops * efficiency,
-        tokens=(layout.batch // layout.microbatches) * layout.seq,
+        tokens=(layout.batch // layout.microbatches) * (layout.seq // layout.cp),
         skip_dim=config.vocab_size // layout.tp,
+        kernels=kernel_model(hw, probe.bytes_per_s),
     )
 
 
@@ -475,10 +573,10 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         TraceKey(
             spec.family,
             layer_variant(config, n),
-            layout.dp,
+            layout.fsdp,  # FSDP shards over dp x cp
             layout.tp,
             mb,
-            layout.seq,
+            layout.seq // layout.cp,  # each CP rank's part of the sequence
             layout.ac,
             layout.reshard_after_forward,
             layout.dtype,
@@ -489,9 +587,12 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     t1, t2 = traced(keys[0]), traced(keys[1])
     fused = _compiled(layout.engine)
     probe = cost_model_for(hw, layout, 1.0)
-    m1, m2 = measure(t1, probe, fused, fp8), measure(t2, probe, fused, fp8)
+    kernels = kernel_model(hw, probe.bytes_per_s)
+    m1 = measure(t1, probe, fused, fp8, kernels, layout.cp)
+    m2 = measure(t2, probe, fused, fp8, kernels, layout.cp)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
     per_block = m1.per_block(m2)
+    kv_per_block = per_block.kv_forward_bytes
     # Pipeline stages: the blocks of the most loaded stage plus all the rest
     # (embedding, norm, output, loss; the last stage holds the costly part of
     # it): conservative by the embedding.
@@ -573,7 +674,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     dp_comm_s = sum(
         bucket_comm_s(b, cost_model, layout.reshard_after_forward, kept) for b in buckets
     )
-    if layout.dp == 1:
+    if layout.fsdp == 1:
         pipe_s, dp_comm_s = compute_s + fixed_s, 0.0
     # Bucket copies on the compute stream (Note: [Plan model]).
     copy_s = 0.0
@@ -583,19 +684,28 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         copy_s = fsdp2_copy_seconds(
             buckets, hw, layout.reshard_after_forward, param_bytes * dtype_bytes / 4
         )
-    elif layout.dp > 1:
+    elif layout.fsdp > 1:
         copy_s = copy_seconds(
             buckets, cost_model, layout.reshard_after_forward, hw.copy_bytes_per_byte, kept
         )
     # Eager FSDP2's hooks, per group: one per block and the root (Note:
     # [Plan model]). Host time on the compute stream, at any world size.
     group_s = hw.fsdp2_group_s
-    if layout.dp > 1 and hw.fsdp2_sharded_group_s > 0:
+    if layout.fsdp > 1 and hw.fsdp2_sharded_group_s > 0:
         group_s = hw.fsdp2_sharded_group_s  # measured sharding, with collectives
     hooks_s = (blocks_of_stage + 1) * group_s if not _compiled(layout.engine) else 0.0
     # The replay counts communication competing with compute for the CPU
     # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
-    mb_s = max(pipe_s, compute_s) + copy_s + hooks_s
+    # Context parallelism: every attention gathers its keys and values from
+    # the CP ranks (backward: reduce-scatters their gradients), exposed
+    # (Note: [Context parallelism in the plan]).
+    cp_s = 0.0
+    if layout.cp > 1:
+        span = layout.cp * layout.tp
+        cp_s = stage.attention_nodes * hw.comm_seconds("all_gather", layout.cp, 0.0, span)
+        cp_s += hw.comm_seconds("all_gather", layout.cp, layout.cp * stage.kv_bytes, span)
+        cp_s -= hw.comm_seconds("all_gather", layout.cp, 0.0, span)
+    mb_s = max(pipe_s, compute_s) + copy_s + hooks_s + cp_s
     compute_s += copy_s + hooks_s
     exposed_s = mb_s - compute_s
     slots = layout.microbatches + (layout.pp - 1 if layout.pp > 1 else 0)
@@ -606,16 +716,24 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)  # grad norm
     if float8_units:
         # The amaxes of the converted weights, one all-reduce per step.
-        span = layout.dp * layout.tp
-        optimizer_s += hw.comm_seconds("all_reduce", layout.dp, 4 * float8_units, span)
+        span = layout.fsdp * layout.tp
+        optimizer_s += hw.comm_seconds("all_reduce", layout.fsdp, 4 * float8_units, span)
     step_s = slots * mb_s + optimizer_s
-    gathered = prefetch_extra_bytes(buckets, kept) if layout.dp > 1 else 0.0
+    gathered = prefetch_extra_bytes(buckets, kept) if layout.fsdp > 1 else 0.0
     activations = first_stage_saved
     if not _compiled(layout.engine):
         # Eager autograd saves what the derivative formulas need, where the
         # compiled step's partitioner recomputes cheap ops (Note: [Plan model]).
         activations += max(stage.eager_extra_saved_bytes, 0.0) * inflight
     temporary = max(base_peak - stage.saved_bytes, 0.0)
+    if layout.cp > 1:
+        # Gathered keys and values: saved for backward, or under full AC one
+        # block's at a time (Note: [Context parallelism in the plan]).
+        gathered_kv = (layout.cp - 1) * kv_per_block
+        if layout.ac == "full":
+            temporary += gathered_kv
+        else:
+            activations += gathered_kv * blocks_of_stage * inflight
     memory = {
         "parameters": param_bytes,
         "gradients": grad_bytes,
@@ -639,10 +757,21 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         "optimizer": optimizer_s,
         "dp_comm_total": layout.microbatches * dp_comm_s,
         "tp_comm_total": layout.microbatches * fixed_s,
+        "cp_comm_total": layout.microbatches * cp_s,
         "flops": layout.microbatches * (stage.fw_flops + stage.bw_flops),
     }
     if layout.pp > 1:
         notes.append("pipeline: 1F1B; activation send/recv between stages not modelled")
+    if layout.cp > 1:
+        notes.append(
+            f"context parallel {layout.cp}: {layout.seq // layout.cp} tokens per rank, keys and "
+            f"values all-gathered per attention ({layout.microbatches * cp_s:.3f} s, exposed)"
+        )
+        if not spec.supports("cp"):
+            notes.append(
+                f"family {spec.family!r} does not declare context parallelism: simplefsdp "
+                "train refuses this layout"
+            )
     if fp8 is not None:
         notes.append(
             f"float8: {float8_units} weights gathered and multiplied in float8 at "

@@ -1,18 +1,26 @@
 """Published measurements to check ``simplefsdp plan`` against.
 
-``TORCHTITAN_H100_202412``: torchtitan's 2024-12 Llama 3.1 benchmark on H100
-(pytorch/torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md``, commit
-31a17bf as stored): TPS/GPU and peak memory (GiB, the maximum across GPUs) per
-row, with the row's layout. Float8 rows are predicted with ``--float8``
-(Note: [Float8 in the plan]); rows with AsyncTP are kept with
-``modelled=False``: we predict TP's collectives exposed, so their errors are
-shown but not held to the accuracy goal. Context parallelism (Tables 2 and
-6) and the interleaved 1F1B schedule are left out.
+Every published row we can reproduce the settings of, each with its source
+(``REFERENCE_ROWS``):
 
-``python -m simplefsdp.plan.reference`` prints the comparison table of
-``docs/scale.md``; ``--fit`` fits the ``h100-96gb-500w`` profile's matmul
-efficiency on the bf16 calibration row only, ``--fit-float8`` its float8
-matmul efficiency on the Float8 calibration row only.
+- torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (Llama 3.1
+  8B/70B/405B on 500 W H100s: FSDP, compile, Float8, 2D, 3D 1F1B, and
+  context parallelism in Tables 2 and 6);
+- torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (its
+  vanilla-TP rows: 70B FSDP 32 x TP 8 and 8B FSDP 8 x TP 8, bf16 and
+  float8 tensorwise; tokens/s only);
+- torchtitan ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md`` (8B
+  Float8 on 32 and 64 H200s);
+- pytorch/torchtitan#2080 (DeepSeek-V3 16B, FSDP 4 x EP 2 on 8 H100s,
+  SimpleFSDP and FSDP2).
+
+Rows with a setting the plan does not model (AsyncTP, which overlaps TP's
+collectives that we count exposed; rowwise float8) are shown with
+``modelled=False`` and not held to the accuracy goal. Two constants are
+fitted, each on one row only (``fitted``; ``--fit`` refits them):
+``CLOCK_500W`` on the 8B FSDP + torch.compile row of Table 1 and
+``FP8_EFFICIENCY`` on the Float8 row of the same table. All other rows are
+held out: ``python -m simplefsdp.plan.reference`` prints them apart.
 """
 
 from __future__ import annotations
@@ -24,9 +32,17 @@ from dataclasses import dataclass
 
 GiB = 2**30
 
+_TT_2024 = "torchtitan llama3_h100_202412"
+_TT_ASYNC = "torchtitan asyncTP_llama3_h100_2025-06"
+_TRAINY = "torchtitan llama3-8b_h200_202506_trainy-whitefiber"
+_DSV3 = "pytorch/torchtitan#2080"
+
 
 @dataclass(frozen=True)
 class ReferenceRow:
+    """One published measurement and the layout it ran (``memory_gib``
+    ``None`` where the source gives none)."""
+
     table: str
     model: str
     gpus: int
@@ -38,11 +54,16 @@ class ReferenceRow:
     microbatches: int
     engine: str  # simplefsdp = compiled, fsdp2 = eager FSDP2
     tokens_per_s_per_gpu: float
-    memory_gib: float
+    memory_gib: float | None
     modelled: bool
     note: str = ""
     float8: bool = False
     loss_parallel: bool = False  # torchtitan's default wherever TP is on
+    cp: int = 1
+    ep: int = 1
+    hardware: str = "h100-96gb-500w"
+    source: str = _TT_2024
+    fitted: str = ""  # the constant fitted on this row, if any
 
 
 def _table(
@@ -51,20 +72,22 @@ def _table(
     gpus: int,
     batch: int,
     ac: str,
-    measured: tuple[tuple[str, str, bool, float, float], ...],
+    measured: tuple[tuple[str, str, bool, float, float | None], ...],
     *,
     tp: int = 1,
     pp: int = 1,
     microbatches: int = 1,
     modelled: bool = True,
+    seq: int = 8192,
+    **extra,
 ) -> tuple[ReferenceRow, ...]:
     """The rows of one published layout: ``measured`` holds ``(note, engine,
     float8, TPS/GPU, GiB)`` per setup measured on it. Loss parallelism is
     torchtitan's default wherever TP is on."""
     return tuple(
         ReferenceRow(
-            table, model, gpus, batch, 8192, ac, tp, pp, microbatches, engine, tps, gib,
-            modelled, note, float8=float8, loss_parallel=tp > 1,
+            table, model, gpus, batch, seq, ac, tp, pp, microbatches, engine, tps, gib,
+            modelled, note, float8=float8, loss_parallel=tp > 1, **extra,
         )
         for note, engine, float8, tps, gib in measured
     )  # fmt: skip
@@ -74,13 +97,21 @@ _FSDP = "FSDP", "fsdp2", False
 _COMPILE = "FSDP + torch.compile", "simplefsdp", False
 _FLOAT8 = "FSDP + torch.compile + Float8", "simplefsdp", True
 
-# From the table's text: local batch per data-parallel rank; Tables 1/3 use
-# selective AC, 4/5 full AC; 405B's microbatch count is not given (torchtitan's
-# default at the time, one per stage, is assumed).
+# From the tables' text: local batch per data-parallel rank; Tables 1/3 use
+# selective AC, 2/4/5/6 full AC; 405B's microbatch count is not given
+# (torchtitan's default at the time, one per stage, is assumed). Table 2's
+# and 6's sequences exceed the flavors' max_seq_len: planned with it raised.
 TORCHTITAN_H100_202412 = (
-    *_table(
-        "1", "8B", 8, 2, "selective",
-        ((*_FSDP, 5762, 82.4), (*_COMPILE, 6667, 77.0), (*_FLOAT8, 8532, 76.8)),
+    ReferenceRow(
+        "1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "fsdp2", 5762, 82.4, True, "FSDP"
+    ),
+    ReferenceRow(
+        "1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "simplefsdp", 6667, 77.0, True,
+        "FSDP + torch.compile", fitted="CLOCK_500W",
+    ),
+    ReferenceRow(
+        "1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "simplefsdp", 8532, 76.8, True,
+        "FSDP + torch.compile + Float8", float8=True, fitted="FP8_EFFICIENCY",
     ),
     *_table(
         "3", "8B", 128, 2, "selective",
@@ -95,29 +126,106 @@ TORCHTITAN_H100_202412 = (
         (("3D 1F1B + compile + Float8 + AsyncTP", "simplefsdp", True, 100, 82.5),),
         tp=8, pp=8, microbatches=8, modelled=False,
     ),
+    *(
+        row
+        for cp, tps, gib in ((1, 3890, 83.9), (2, 2540, 84.2), (4, 1071, 84.0), (8, 548, 84.5))
+        for row in _table(
+            "2", "8B", 8, 1, "full",
+            ((f"FSDP {8 // cp} x CP {cp} + compile + Float8", "simplefsdp", True, tps, gib),),
+            seq=32768 * cp, cp=cp,
+        )
+    ),
+    *(
+        row
+        for cp, tps, gib in ((1, 76, 75.3), (2, 47, 75.9), (4, 31, 77.1), (8, 16, 84.9))
+        for row in _table(
+            "6", "405B", 512, 8, "full",
+            ((f"4D CP {cp} + compile + Float8 + AsyncTP + 1F1B", "simplefsdp", True, tps, gib),),
+            seq=32768 * cp, cp=cp, tp=8, pp=8, microbatches=8, modelled=False,
+        )
+    ),
 )  # fmt: skip
-CALIBRATION_ROW = 1  # index of the row the matmul efficiency is fitted on
-FLOAT8_CALIBRATION_ROW = 2  # the row the float8 matmul efficiency is fitted on
+
+# Vanilla TP (no AsyncTP) rows; tokens/s only. Float8 tensorwise as above;
+# the rowwise rows are left out (rowwise scaling is not modelled).
+TORCHTITAN_ASYNCTP_202506 = (
+    *_table(
+        "70B", "70B", 256, 16, "full",
+        (("2D + compile", "simplefsdp", False, 597.3, None),
+         ("2D + compile + Float8", "simplefsdp", True, 809.8, None)),
+        tp=8, source=_TT_ASYNC,
+    ),
+    *_table(
+        "8B", "8B", 64, 12, "selective",
+        (("2D + compile", "simplefsdp", False, 4378, None),
+         ("2D + compile + Float8", "simplefsdp", True, 5078.1, None)),
+        tp=8, source=_TT_ASYNC,
+    ),
+)  # fmt: skip
+
+# Trainy on WhiteFiber H200s: llama3_8b.toml (seq 8192, selective AC) with
+# local batch 2, compile, Float8 with float8 all-gather.
+TRAINY_H200_202506 = tuple(
+    ReferenceRow(
+        f"{n} nodes", "8B", 8 * n, 2, 8192, "selective", 1, 1, 1, "simplefsdp", tps, gib,
+        True, "FSDP + torch.compile + Float8", float8=True, hardware="h200", source=_TRAINY,
+    )
+    for n, tps, gib in ((4, 10938, 47.96), (8, 10753, 46.97))
+)  # fmt: skip
+
+# DeepSeek-V3 16B, FSDP 4 x EP 2 on one node; batch 1; seq 4096 and
+# selective AC from deepseek_v3_16b.toml of the time (assumed). SimpleFSDP
+# ran aot_eager (no fusion), which the plan's eager engine models.
+DEEPSEEK_V3_2080 = tuple(
+    ReferenceRow(
+        "EP", "deepseek_v3_16b", 8, 1, 4096, "selective", 1, 1, 1, "fsdp2", tps, gib, True,
+        note, ep=2, source=_DSV3,
+    )
+    for note, tps, gib in (("SimpleFSDP (aot_eager)", 5136, 51.1), ("FSDP2 eager", 5942, 59.5))
+)  # fmt: skip
+
+REFERENCE_ROWS = (
+    *TORCHTITAN_H100_202412,
+    *TORCHTITAN_ASYNCTP_202506,
+    *TRAINY_H200_202506,
+    *DEEPSEEK_V3_2080,
+)
+CALIBRATION_ROW = 1  # index of the row CLOCK_500W is fitted on
+FLOAT8_CALIBRATION_ROW = 2  # the row FP8_EFFICIENCY is fitted on
 
 
-def predict_row(row: ReferenceRow, hw):
-    """The plan's prediction of ``row``'s layout on ``hw``."""
+def predict_row(row: ReferenceRow, hw=None):
+    """The plan's prediction of ``row``'s layout on ``hw`` (default: the
+    row's hardware profile)."""
     from simplefsdp.models.registry import resolve_flavor
+    from simplefsdp.plan.hardware import get_profile
     from simplefsdp.plan.predict import Layout, predict
 
+    hw = hw or get_profile(row.hardware)
+    spec, config = resolve_flavor(row.model)
+    if row.seq > config.max_seq_len:
+        spec, config = resolve_flavor(row.model, max_seq_len=row.seq)
+    if spec.plan_method == "analytic":
+        from simplefsdp.plan.analytic import ExpertLayout
+
+        layout = ExpertLayout(
+            gpus=row.gpus, batch=row.batch, seq=row.seq, ep=row.ep, ac=row.ac, engine=row.engine
+        )
+        return predict(spec, config, layout, hw)
     layout = Layout(
         gpus=row.gpus,
         batch=row.batch,
         seq=row.seq,
         tp=row.tp,
         pp=row.pp,
+        cp=row.cp,
         ac=row.ac,
         microbatches=row.microbatches,
         engine=row.engine,
         float8=row.float8,
         loss_parallel=row.loss_parallel,
     )
-    return predict(*resolve_flavor(row.model), layout, hw)
+    return predict(spec, config, layout, hw)
 
 
 def fit_efficiency(hw, row: ReferenceRow, iterations: int = 12, field: str = "matmul_efficiency"):
@@ -125,7 +233,7 @@ def fit_efficiency(hw, row: ReferenceRow, iterations: int = 12, field: str = "ma
     ``fp8_matmul_efficiency`` for a Float8 row) at which ``row``'s predicted
     tokens/s matches the measurement (bisection; traces are cached, so each
     step is cheap)."""
-    lo, hi = 0.2, 1.0
+    lo, hi = 0.2, 1.2
     for _ in range(iterations):
         mid = (lo + hi) / 2
         pred = predict_row(row, dataclasses.replace(hw, **{field: mid}))
@@ -136,21 +244,29 @@ def fit_efficiency(hw, row: ReferenceRow, iterations: int = 12, field: str = "ma
     return (lo + hi) / 2
 
 
-def comparison_table(hw, rows=TORCHTITAN_H100_202412) -> str:
+def _error(predicted: float, measured: float | None) -> str:
+    return "n/a" if not measured else f"{100 * (predicted / measured - 1):+.1f}%"
+
+
+def comparison_table(hw=None, rows=REFERENCE_ROWS) -> str:
+    """The markdown table of ``rows``: measured, predicted and the errors;
+    ``hw`` replaces each row's own profile (for fitting)."""
     lines = [
-        "| table | model | GPUs | layout | engine | measured TPS | predicted TPS | error | "
-        "measured GiB | predicted GiB | error | modelled |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| source | table | model | GPUs | hardware | layout | setup | measured TPS | "
+        "predicted TPS | error | measured GiB | predicted GiB | error | held to goal |",
+        "|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
-        pred = predict_row(row, hw)
+        pred = predict_row(row, hw if hw is None or hw.name == row.hardware else None)
         tps, mem = pred.tokens_per_s_per_gpu, pred.peak_bytes / GiB
+        held = "fitted" if row.fitted else ("yes" if row.modelled else "no")
+        measured_mem = "" if row.memory_gib is None else f"{row.memory_gib:.1f}"
         lines.append(
-            f"| {row.table} | {row.model} | {row.gpus} | {pred.layout.describe()} | "
-            f"{row.note} | {row.tokens_per_s_per_gpu:,.0f} | {tps:,.0f} | "
-            f"{100 * (tps / row.tokens_per_s_per_gpu - 1):+.1f}% | {row.memory_gib:.1f} | "
-            f"{mem:.1f} | {100 * (mem / row.memory_gib - 1):+.1f}% | "
-            f"{'yes' if row.modelled else 'no (AsyncTP)'} |"
+            f"| {row.source.split()[-1]} | {row.table} | {row.model} | {row.gpus} | "
+            f"{row.hardware} | {pred.layout.describe()} | {row.note} | "
+            f"{row.tokens_per_s_per_gpu:,.0f} | {tps:,.0f} | "
+            f"{_error(tps, row.tokens_per_s_per_gpu)} | {measured_mem} | {mem:.1f} | "
+            f"{_error(mem, row.memory_gib)} | {held} |"
         )
     return "\n".join(lines)
 
@@ -159,30 +275,33 @@ def main(argv: list[str] | None = None) -> int:
     from simplefsdp.plan.hardware import get_profile
 
     parser = argparse.ArgumentParser(prog="python -m simplefsdp.plan.reference")
-    parser.add_argument("--hardware", default="h100-96gb-500w")
-    parser.add_argument("--fit", action="store_true", help="fit the matmul efficiency first")
     parser.add_argument(
-        "--fit-float8",
+        "--fit",
         action="store_true",
-        help="fit the float8 matmul efficiency on the Float8 calibration row (after --fit)",
+        help="refit CLOCK_500W and FP8_EFFICIENCY on their rows first",
     )
     parser.add_argument("--rows", help="comma-separated row indices (default: all)")
     ns = parser.parse_args(argv)
-    hw = get_profile(ns.hardware)
+    hw = get_profile("h100-96gb-500w")
     if ns.fit:
-        efficiency = fit_efficiency(hw, TORCHTITAN_H100_202412[CALIBRATION_ROW])
-        print(f"fitted matmul_efficiency = {efficiency:.4f}")
-        hw = dataclasses.replace(hw, matmul_efficiency=efficiency)
-    if ns.fit_float8:
-        row = TORCHTITAN_H100_202412[FLOAT8_CALIBRATION_ROW]
+        clock = fit_efficiency(hw, REFERENCE_ROWS[CALIBRATION_ROW], field="clock_fraction")
+        print(f"fitted CLOCK_500W (clock_fraction of h100-96gb-500w) = {clock:.4f}")
+        hw = dataclasses.replace(hw, clock_fraction=clock)
+        row = REFERENCE_ROWS[FLOAT8_CALIBRATION_ROW]
         efficiency = fit_efficiency(hw, row, field="fp8_matmul_efficiency")
-        print(f"fitted fp8_matmul_efficiency = {efficiency:.4f}")
+        print(f"fitted FP8_EFFICIENCY (fp8_matmul_efficiency) = {efficiency:.4f}")
         hw = dataclasses.replace(hw, fp8_matmul_efficiency=efficiency)
+    rows = REFERENCE_ROWS
     if ns.rows:
-        rows = tuple(TORCHTITAN_H100_202412[int(i)] for i in ns.rows.split(","))
-        print(comparison_table(hw, rows))
-        return 0
-    print(comparison_table(hw))
+        rows = tuple(REFERENCE_ROWS[int(i)] for i in ns.rows.split(","))
+    fitted = tuple(r for r in rows if r.fitted)
+    held_out = tuple(r for r in rows if not r.fitted)
+    if fitted:
+        print("Rows the constants are fitted on:\n")
+        print(comparison_table(hw, fitted))
+    if held_out:
+        print("\nHeld-out rows (nothing fitted on them):\n")
+        print(comparison_table(hw, held_out))
     return 0
 
 

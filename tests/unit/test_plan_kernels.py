@@ -1,0 +1,161 @@
+"""``simplefsdp plan``'s per-kernel GPU model, profiles as data, context
+parallelism, the published reference rows, and ``--measure`` on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import plan_profiles
+from simplefsdp.models.llama3 import get_config
+from simplefsdp.models.registry import get_spec
+from simplefsdp.plan import cli as plan_cli
+from simplefsdp.plan.hardware import PROFILES
+from simplefsdp.plan.kernels import KernelModel, kernel_model
+from simplefsdp.plan.predict import Layout, predict, validate
+from simplefsdp.plan.reference import REFERENCE_ROWS
+
+LLAMA = get_spec("llama3")
+H100 = PROFILES["h100"]
+
+
+def _kernels(**overrides) -> KernelModel:
+    base = kernel_model(H100, H100.memory_bandwidth * H100.memory_efficiency)
+    assert base is not None
+    return dataclasses.replace(base, **overrides)
+
+
+# ------------------------------------------------------------ GEMMs
+
+
+def test_a_large_gemm_runs_at_the_published_maximum_rate() -> None:
+    k = _kernels(kernel_overhead_s=0.0)
+    m, n, kk = 132 * 128 * 4, 256 * 8, 8192  # whole waves, long K
+    seconds = k.gemm_seconds(m, n, kk, "bfloat16")
+    rate = 2 * m * n * kk / seconds
+    assert rate == pytest.approx(989e12 * 792.1 / 989, rel=1e-9)  # mamf-finder's H100
+
+
+def test_one_tile_more_than_a_wave_costs_a_second_wave() -> None:
+    k = _kernels(kernel_overhead_s=0.0)
+    full = k.shape_efficiency(128 * 132, 256, 8192)
+    one_more = k.shape_efficiency(128 * 133, 256, 8192)
+    assert full == pytest.approx(1.0)
+    assert one_more == pytest.approx(133 / 264)
+
+
+def test_small_expert_gemms_lose_to_tile_padding_and_waves() -> None:
+    # DeepSeek-V3 16B on EP 2: 768 tokens per expert, hidden 1408, dim 2048.
+    # One expert: 6 x 6 large tiles on 132 SMs, or 6 x 11 smaller tiles with
+    # K split in two (one wave) at the smaller tile's lower operand reuse.
+    k = _kernels()
+    eff = k.shape_efficiency(768, 1408, 2048)
+    ramp = (1024 / (1024 + 128)) / (2048 / (2048 + 128))
+    assert eff == pytest.approx((128 * 128 / 256) / (128 * 256 / 384) * ramp, rel=1e-9)
+    grouped = k.shape_efficiency(768, 1408, 2048, batch=32)  # one grouped kernel
+    assert eff < grouped < 1.0
+
+
+def test_a_skinny_gemm_is_bound_by_its_bytes() -> None:
+    k = _kernels(kernel_overhead_s=0.0)
+    n = kk = 8192
+    seconds = k.gemm_seconds(1, n, kk, "bfloat16")
+    assert seconds == pytest.approx((kk + kk * n + n) * 2 / k.bytes_per_s)
+
+
+def test_causal_attention_is_half_its_unmasked_flops_at_flash_rates() -> None:
+    k = _kernels(kernel_overhead_s=0.0)
+    flops = 4.0 * 2 * 32 * 8192 * 8192 * 128
+    fwd = k.attention_seconds(flops, 0.0, backward=False)
+    bwd = k.attention_seconds(2.5 * flops, 0.0, backward=True)
+    assert fwd == pytest.approx(flops / 2 / (989e12 * H100.flash_fwd_efficiency))
+    assert bwd / fwd == pytest.approx(2.5 * H100.flash_fwd_efficiency / H100.flash_bwd_efficiency)
+
+
+def test_profiles_are_data_with_sources_and_gpu_generations() -> None:
+    for name in ("a100", "a100-40gb", "h100", "h100-96gb-500w", "h200", "b200"):
+        hw = PROFILES[name]
+        assert hw.sm_count and hw.gemm_efficiency and hw.flash_fwd_efficiency, name
+        assert hw.source, name
+    assert PROFILES["a100-40gb"].memory_bytes == 40e9
+    assert PROFILES["h100-96gb-500w"].clock_fraction < 1.0 == PROFILES["h100"].clock_fraction
+    assert PROFILES["b200"].peak_bf16_flops > PROFILES["h200"].peak_bf16_flops
+    assert kernel_model(PROFILES["cpu-gloo"], 1.0) is None  # CPU: one measured rate
+
+
+def test_the_same_job_runs_faster_on_faster_parts() -> None:
+    args = get_config("debug")
+    layout = Layout(gpus=2, batch=2, seq=64)  # the trace test_plan.py takes too
+    steps = {n: predict(LLAMA, args, layout, PROFILES[n]).step_s for n in ("a100", "h100", "b200")}
+    assert steps["a100"] > steps["h100"] > steps["b200"]
+
+
+# ------------------------------------------------------------ context parallelism
+
+
+def test_context_parallel_gathers_keys_and_scales_attention() -> None:
+    # The same tokens per rank: FSDP 2 at 64 tokens, or CP 2 of 128 tokens
+    # (one trace: each CP rank holds 64); CP's queries meet twice the keys.
+    args = get_config("debug")
+    hw = plan_profiles.FIXED
+    one = predict(LLAMA, args, Layout(gpus=2, batch=2, seq=64), hw)
+    two = predict(LLAMA, args, Layout(gpus=2, batch=2, seq=128, cp=2), hw)
+    assert two.layout.describe().startswith("dp1 cp2")
+    assert two.time["cp_comm_total"] > 0 == one.time["cp_comm_total"]
+    assert two.time["flops"] > one.time["flops"]
+    assert two.step_s > one.step_s
+    # FSDP shards over dp x cp: the same parameter shards
+    assert two.memory["parameters"] == one.memory["parameters"]
+    # the gathered keys and values are saved for backward (selective AC)
+    assert two.memory["activations"] > one.memory["activations"]
+    assert two.tokens_per_s_per_gpu * two.step_s == pytest.approx(
+        one.tokens_per_s_per_gpu * one.step_s
+    )
+
+
+def test_context_parallel_needs_a_sequence_and_gpus_it_splits() -> None:
+    with pytest.raises(ValueError, match=r"--seq 250 does not split over --cp 2 .* 4"):
+        validate(get_config("debug"), Layout(gpus=4, batch=1, seq=250, cp=2))
+    with pytest.raises(
+        ValueError, match=r"--cp 3 does not divide the 4 GPUs .*valid --cp: 1, 2, 4$"
+    ):
+        validate(get_config("debug"), Layout(gpus=4, batch=1, seq=240, cp=3))
+
+
+# ------------------------------------------------------------ reference rows
+
+
+def test_reference_rows_name_their_source_and_two_fitted_constants() -> None:
+    fitted = [r for r in REFERENCE_ROWS if r.fitted]
+    assert sorted(r.fitted for r in fitted) == ["CLOCK_500W", "FP8_EFFICIENCY"]
+    assert all(r.source and r.hardware in PROFILES for r in REFERENCE_ROWS)
+    held_out = [r for r in REFERENCE_ROWS if not r.fitted]
+    assert {r.hardware for r in held_out} >= {"h200", "h100-96gb-500w"}
+    assert any(r.cp > 1 for r in held_out) and any(r.ep > 1 for r in held_out)
+
+
+# ------------------------------------------------------------ --measure
+
+
+def test_measure_refuses_a_pipeline_in_one_line(capsys) -> None:
+    argv = ["--model", "debug", "--gpus", "4", "--pp", "2", "--batch", "2", "--seq", "64"]
+    argv += ["--measure", "--hardware", "cpu-gloo"]
+    assert plan_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "simplefsdp plan: error: --measure runs one rank without a pipeline or CP; got --pp 2"
+    )
+
+
+def test_measure_runs_one_rank_on_cpu_with_a_fake_group() -> None:
+    import torch
+
+    from simplefsdp.plan.measure import measure_step
+
+    args = get_config("debug", n_layers=1)
+    layout = Layout(gpus=4, batch=1, seq=32, ac="none", dtype="fp32", engine="fsdp2")
+    measured = measure_step(LLAMA, args, layout, torch.device("cpu"), warmup=1)
+    assert measured.device == "cpu" and measured.step_s > 0
+    assert measured.memory_kind == "cpu_peak_rss_over_baseline"
+    assert not torch.distributed.is_initialized()  # the fake group is gone
