@@ -72,8 +72,9 @@ def _cp_run(cases: list[tuple[str, bool, bool]], cp: int, seq: int) -> list[dict
     refs: dict = {}
     for backend, documents, compiled in cases:
         spec, model = _model()
-        engine = EngineSpec(engine="simplefsdp", mode="fully_shard", compile=compiled,
-                            backend="aot_eager")
+        engine = EngineSpec(
+            engine="simplefsdp", mode="fully_shard", compile=compiled, backend="aot_eager"
+        )
         options = RecipeOptions(cp_backend=backend, eos_id=EOS if documents else None)
         parallel = parallelize_model(model, spec, meshes, engine, torch.device("cpu"), options)
         opt = torch.optim.SGD(parallel.module.parameters(), lr=LR)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cli_runs import checkpoint_as_run, checkpoints, losses, only_run, small_args, train_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]

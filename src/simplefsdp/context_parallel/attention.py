@@ -98,8 +98,9 @@ class SequenceContext:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.cp == 1:
             pos = self.index[0]
-            return _attention(q, k, v, pos, pos, self._docs(pos), self._docs(pos),
-                              scale, sliding_window, sinks)
+            return _attention(
+                q, k, v, pos, pos, self._docs(pos), self._docs(pos), scale, sliding_window, sinks
+            )
         if self.backend == "ring":
             return self._ring(q, k, v, scale, sliding_window, sinks)
         if self.backend == "ulysses":
@@ -107,8 +108,18 @@ class SequenceContext:
         q_pos = self.index[self.rank]
         kv_pos = self.index.flatten()
         k, v = _gather_seq(k, self.group), _gather_seq(v, self.group)
-        return _attention(q, k, v, q_pos, kv_pos, self._docs(q_pos), self._docs(kv_pos),
-                          scale, sliding_window, sinks)
+        return _attention(
+            q,
+            k,
+            v,
+            q_pos,
+            kv_pos,
+            self._docs(q_pos),
+            self._docs(kv_pos),
+            scale,
+            sliding_window,
+            sinks,
+        )
 
     def _docs(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None if self.document_ids is None else self.document_ids[:, positions]
@@ -123,9 +134,13 @@ class SequenceContext:
             if step:
                 k, v = _rotate(k, cp, rank, self.group), _rotate(v, cp, rank, self.group)
             kv_pos = self.index[(rank - step) % cp]
-            out, lse = _block(q, _repeat(k, n_rep), _repeat(v, n_rep),
-                              _allowed(q_pos, kv_pos, q_doc, self._docs(kv_pos), sliding_window),
-                              scale)
+            out, lse = _block(
+                q,
+                _repeat(k, n_rep),
+                _repeat(v, n_rep),
+                _allowed(q_pos, kv_pos, q_doc, self._docs(kv_pos), sliding_window),
+                scale,
+            )
             outs.append(out)
             lses.append(lse)
         return _merge(outs, lses, sinks, q.shape[1]).to(q.dtype)
@@ -228,7 +243,9 @@ def _rotate(x: torch.Tensor, cp: int, rank: int, group: str) -> torch.Tensor:
 def _seq_to_heads(x: torch.Tensor, cp: int, group: str) -> torch.Tensor:
     """``(B, H, T_l, d)`` sequence shard -> ``(B, H / cp, cp T_l, d)`` head shard."""
     b, h, t, d = x.shape
-    parts = x.reshape(b, cp, h // cp, t, d).permute(1, 0, 2, 3, 4).contiguous()  # (cp, B, H/cp, T_l, d)
+    parts = (
+        x.reshape(b, cp, h // cp, t, d).permute(1, 0, 2, 3, 4).contiguous()
+    )  # (cp, B, H/cp, T_l, d)
     got = funcol.all_to_all_single_autograd(parts.view(cp, -1), None, None, group)
     got = got.view(cp, b, h // cp, t, d)  # source rank's sequence chunk
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)

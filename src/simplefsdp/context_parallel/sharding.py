@@ -27,7 +27,9 @@ def check_divisible(seq_len: int, cp: int) -> None:
         )
 
 
-def head_tail_index(seq_len: int, cp: int, device: torch.device | str | None = None) -> torch.Tensor:
+def head_tail_index(
+    seq_len: int, cp: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The head-tail split: rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``.
 
     Args:

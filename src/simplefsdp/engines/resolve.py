@@ -188,7 +188,5 @@ def _sequence_errors(
         )
     if pp > 1 and (cp > 1 or document_masks):
         what = f"{flag} {cp}" if cp > 1 else n.get("mask_document_boundaries", "document masks")
-        errors.append(
-            f"{what}: pipeline stages take no sequence context; use {n['pp']} 1 with it"
-        )
+        errors.append(f"{what}: pipeline stages take no sequence context; use {n['pp']} 1 with it")
     return errors

@@ -142,7 +142,9 @@ class Attention(nn.Module):
             trunc_normal_(linear.weight, 0.02)
         trunc_normal_(self.wo.weight, init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None
+    ) -> torch.Tensor:
         """Attend over ``x``.
 
         Args:

@@ -74,7 +74,9 @@ class DecoderBlock(nn.Module):
         else:
             self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None
+    ) -> torch.Tensor:
         """Apply the block.
 
         Args:
