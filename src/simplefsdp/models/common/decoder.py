@@ -88,7 +88,7 @@ class DecoderBlock(nn.Module):
         Returns:
             Output of shape ``(B, T, D)``.
         """
-        h = x + self.attention(self.attention_norm(x), freqs_cis, context)  # (B, T, D)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, context=context)  # (B, T, D)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))  # (B, T, D)
 
