@@ -109,9 +109,10 @@ def parallelize_model(
     if missing:
         raise ValueError(f"model family {spec.family!r} has no {' or '.join(missing)}")
     sequence = _sequence_options(meshes, options)
-    if pipelined and sequence.active:
+    if pipelined and sequence.eos_id is not None:
         raise ValueError(
-            "pipeline stages take no sequence context: use pp 1 with cp > 1 or document masks"
+            "pipeline stages split micro-batches by rows, which document masks depend on: "
+            "use pp 1 with document masks"
         )
     if not spec.fullgraph and engine.fullgraph:
         engine = dataclasses.replace(engine, fullgraph=False)
@@ -136,6 +137,7 @@ def parallelize_model(
             device,
             split_fn=spec.pipeline_split,
             measure_times=options.measure_times,
+            sequence=sequence,
             **kwargs,
         )
     parallel = parallelize(model, engine, meshes, device, **kwargs)

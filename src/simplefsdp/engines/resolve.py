@@ -168,7 +168,7 @@ def _sequence_errors(
     The rules of :mod:`simplefsdp.context_parallel` that any family's job
     meets: the head-tail split cuts the sequence into ``2 x cp`` chunks;
     Ulysses splits each rank's ``n_heads / tp`` heads over ``cp``; pipeline
-    stages take no sequence context.
+    schedules split micro-batches by rows, which document masks depend on.
     """
     cp = layout.cp if isinstance(layout.cp, int) else 1
     tp = layout.tp if isinstance(layout.tp, int) else 1
@@ -186,7 +186,10 @@ def _sequence_errors(
             f"{backend_flag} 'ulysses': the {heads} attention heads of {model} do not divide "
             f"by tp x cp = {tp * cp}; use {backend_flag} allgather or ring"
         )
-    if pp > 1 and (cp > 1 or document_masks):
-        what = f"{flag} {cp}" if cp > 1 else n.get("mask_document_boundaries", "document masks")
-        errors.append(f"{what}: pipeline stages take no sequence context; use {n['pp']} 1 with it")
+    if pp > 1 and document_masks:
+        what = n.get("mask_document_boundaries", "document masks")
+        errors.append(
+            f"{what}: pipeline schedules split micro-batches by rows, which document masks "
+            f"depend on; use {n['pp']} 1 with document masks"
+        )
     return errors
