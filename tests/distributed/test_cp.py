@@ -89,7 +89,6 @@ def _cp_run(
     from simplefsdp.layout import Layout
 
     meshes = Layout(dp_shard=dp, cp=cp, tp=tp, ep=ep, pp=pp).build("cpu")
-    world = dist.get_world_size()
     results = []
     refs: dict = {}
     for backend, documents, compiled in cases:
