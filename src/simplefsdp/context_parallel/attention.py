@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 BACKENDS = ("allgather", "ring", "ulysses")
 
@@ -128,18 +129,22 @@ class SequenceContext:
         cp, rank = self.cp, self.rank
         q_pos = self.index[rank]
         q_doc = self._docs(q_pos)
-        n_rep = q.shape[1] // k.shape[1]
         outs, lses = [], []
         for step in range(cp):
             if step:
                 k, v = _rotate(k, cp, rank, self.group), _rotate(v, cp, rank, self.group)
             kv_pos = self.index[(rank - step) % cp]
-            out, lse = _block(
+            # Recomputed in backward: a block keeps its inputs (this rank's
+            # queries, one block of H_kv keys and values), not its scores.
+            out, lse = checkpoint(
+                _ring_block,
                 q,
-                _repeat(k, n_rep),
-                _repeat(v, n_rep),
-                _allowed(q_pos, kv_pos, q_doc, self._docs(kv_pos), sliding_window),
+                k,
+                v,
+                (q_pos, kv_pos, q_doc, self._docs(kv_pos)),
+                sliding_window,
                 scale,
+                use_reentrant=False,
             )
             outs.append(out)
             lses.append(lse)
@@ -209,6 +214,13 @@ def _block(q, k, v, allowed, scale) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, Tq)
     probs = torch.exp(scores - lse[..., None])
     return torch.matmul(probs.to(v.dtype), v).to(acc), lse
+
+
+def _ring_block(q, k, v, where, sliding_window, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_block` of one ring step; ``where``: query and key positions and documents."""
+    n_rep = q.shape[1] // k.shape[1]
+    allowed = _allowed(*where, sliding_window)
+    return _block(q, _repeat(k, n_rep), _repeat(v, n_rep), allowed, scale)
 
 
 def _merge(outs, lses, sinks, heads) -> torch.Tensor:

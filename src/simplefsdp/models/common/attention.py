@@ -170,12 +170,15 @@ class Attention(nn.Module):
             xq, xk = xq.view(bs, seqlen, *xq.shape[2:]), xk.view(bs, seqlen, *xk.shape[2:])
         else:
             xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-        keys = repeat_kv(xk, self.n_rep)  # (B, T, H, hd)
-        values = repeat_kv(xv, self.n_rep)  # (B, T, H, hd)
+        if context is None:
+            keys = repeat_kv(xk, self.n_rep)  # (B, T, H, hd)
+            values = repeat_kv(xv, self.n_rep)  # (B, T, H, hd)
+        else:  # the context moves H_kv heads between ranks and repeats them after
+            keys, values = xk, xv  # (B, T, H_kv, hd)
         out = attend(
             xq.transpose(1, 2),  # (B, H, T, hd)
-            keys.transpose(1, 2),  # (B, H, T, hd)
-            values.transpose(1, 2),  # (B, H, T, hd)
+            keys.transpose(1, 2),  # (B, H or H_kv, T, hd)
+            values.transpose(1, 2),  # (B, H or H_kv, T, hd)
             context=context,
         )  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (B, T, H * hd)
