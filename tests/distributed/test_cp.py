@@ -200,3 +200,69 @@ def test_cp2_composes_at_parity(family: str, degrees: dict) -> None:
     )
     for rank in results:
         _check(cases, rank, 1e-4 if family == "moe" else TOL)
+
+
+def _attend_run(windows: list[int | None]) -> list[dict]:
+    """``attend`` with sinks, a sliding window, grouped keys, ``d_v != d_qk`` and
+    documents on 2 ranks, per backend: forward and gradient differences
+    (queries, keys, values, sinks) against one process's whole sequence."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from simplefsdp.context_parallel import SequenceOptions
+    from simplefsdp.models.common.attention import attend
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    g = torch.Generator().manual_seed(5)
+    b, h, h_kv, t, d, d_v = 2, 4, 2, 16, 8, 6
+    q = torch.randn(b, h, t, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, h_kv, t, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, h_kv, t, d_v, generator=g, dtype=torch.float64)
+    sinks = torch.randn(h, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(b, h, t, d_v, generator=g, dtype=torch.float64)
+    tokens = torch.randint(1, 9, (b, t), generator=g)
+    tokens[0, [4, 11]] = EOS
+    tokens[1, 6] = EOS
+
+    def run(options: SequenceOptions, window) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+        _, _, context = options.prepare(tokens)
+        local = context.index[context.rank]
+        lq, lk, lv = (x[:, :, local] for x in leaves[:3])
+        out = attend(lq, lk, lv, sliding_window=window, sinks=leaves[3], context=context)
+        out.backward(grad_out[:, :, local])
+        grads = [x.grad for x in leaves]
+        for grad in grads:  # each rank holds its queries' part of every gradient
+            dist.all_reduce(grad)
+        return out, grads
+
+    results = []
+    for window in windows:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+        full = SequenceOptions(eos_id=EOS).prepare(tokens)[2]  # one process, whole sequence
+        ref = attend(*leaves[:3], sliding_window=window, sinks=leaves[3], context=full)
+        ref.backward(grad_out)
+        for backend in ("allgather", "ring", "ulysses"):
+            options = SequenceOptions(
+                cp=2, rank=mesh.get_local_rank(), group=mesh.get_group().group_name,
+                backend=backend, eos_id=EOS,
+            )  # fmt: skip
+            out, grads = run(options, window)
+            local = options.prepare(tokens)[2].index[options.rank]
+            results.append(
+                {
+                    "case": (window, backend),
+                    "out": (out - ref.detach()[:, :, local]).abs().max().item(),
+                    "grads": max((a - x.grad).abs().max().item() for a, x in zip(grads, leaves)),
+                }
+            )
+    return results
+
+
+def test_attend_with_sinks_and_windows_across_ranks() -> None:
+    """What families with sinks and sliding windows (and grouped keys, and
+    values of another head size) get from ``attend`` under cp 2."""
+    for rank in run_distributed(_attend_run, 2, args=([None, 5],)):
+        assert len(rank) == 6
+        for diff in rank:
+            assert max(diff["out"], diff["grads"]) < 1e-12, diff
