@@ -136,3 +136,33 @@ def test_resolve_refuses_bad_cp_jobs() -> None:
     assert _job_errors(pp=2, seq_len=64) == []  # pipeline stages run cp inside
     (line,) = _job_errors(cp=2, pp=2, seq_len=64, document_masks=True)
     assert "pipeline schedules split micro-batches by rows" in line
+
+
+def test_context_parallel_losses_average_to_the_batch_mean() -> None:
+    """Ranks hold different numbers of trained targets: their weighted losses
+    average to the mean over the whole batch's trained targets."""
+    import torch.nn.functional as F
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 16, 10, generator=g)
+    targets = torch.randint(0, 10, (2, 16), generator=g)
+    targets[0, :7] = -100  # most of rank 0's first chunk is not trained on
+    want = loss_fn(logits, targets)
+    losses, plain = [], []
+    for rank in range(2):
+        options = SequenceOptions(cp=2, rank=rank)
+        local_logits, local_targets, _ = options.prepare(logits, targets)
+        losses.append(options.local_loss(loss_fn, local_logits, local_targets, targets))
+        plain.append(loss_fn(local_logits, local_targets))
+    torch.testing.assert_close(sum(losses) / 2, want)
+    assert abs(sum(plain) / 2 - want) > 1e-3  # unweighted means would not be the batch's
+    targets[:] = -100
+    targets[1, 4:12] = 3  # rank 0 (chunks 0 and 3) holds no trained target
+    rank0 = SequenceOptions(cp=2, rank=0)
+    local_logits, local_targets, _ = rank0.prepare(logits.requires_grad_(), targets)
+    zero = rank0.local_loss(loss_fn, local_logits, local_targets, targets)
+    zero.backward()
+    assert zero.item() == 0.0 and logits.grad.abs().sum() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ class SequenceOptions:
             (with ``eos_id``); otherwise they count along the packed row.
         load_balance: ``head_tail`` (causal) or ``documents`` (balance the
             block-causal work of the batch; the default with ``eos_id``).
+        ignore_index: the target the loss leaves out (``cross_entropy``'s).
     """
 
     cp: int = 1
@@ -50,6 +52,7 @@ class SequenceOptions:
     eos_id: int | None = None
     restart_positions: bool = False
     load_balance: str | None = None
+    ignore_index: int = -100
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -98,3 +101,34 @@ class SequenceOptions:
         )
         local_targets = None if targets is None else targets[:, local]
         return inputs[:, local], local_targets, context
+
+    def local_loss(
+        self,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        output: torch.Tensor,
+        local_targets: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        """This rank's loss, weighted so that its mean over the context-parallel
+        group is the batch's mean over every trained target.
+
+        ``loss_fn`` is a mean over this rank's trained targets; ranks hold
+        different numbers of them (targets after a document boundary, chat
+        data's prompts are left out), so each mean is weighted by its share.
+        A rank without a trained target returns a zero that still reaches
+        every parameter (its backward runs the same collectives as the
+        others').
+
+        Args:
+            loss_fn: ``loss_fn(output, targets)``, a mean.
+            output: this rank's logits.
+            local_targets: this rank's targets (:meth:`prepare`).
+            targets: the whole batch's targets.
+        """
+        if self.cp == 1:
+            return loss_fn(output, local_targets)
+        local = (local_targets != self.ignore_index).sum()
+        if int(local) == 0:
+            return output.sum() * 0.0
+        total = (targets != self.ignore_index).sum()
+        return loss_fn(output, local_targets) * (local * self.cp / total)

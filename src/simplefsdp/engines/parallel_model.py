@@ -77,8 +77,9 @@ class ParallelModel:
         if self.loss_fn is None:
             raise ValueError("this ParallelModel has no loss_fn; pass one to parallelize")
         if self.sequence is not None and self.sequence.active:
-            inputs, targets, context = self.sequence.prepare(inputs, targets)
-            return self.loss_fn(self.forward(inputs, context=context), targets)
+            local_inputs, local_targets, context = self.sequence.prepare(inputs, targets)
+            output = self.forward(local_inputs, context=context)
+            return self.sequence.local_loss(self.loss_fn, output, local_targets, targets)
         return self.loss_fn(self.forward(inputs), targets)
 
     def step(
