@@ -139,16 +139,15 @@ def test_train_resolve_returns_every_error_at_once():
 
 
 def test_train_refuses_cp_in_one_line(tmp_path, capsys):
-    """No family declares context parallelism yet: one line, nothing started."""
+    """A sequence the context-parallel split cannot cut: one line, nothing started."""
     from simplefsdp.train import cli
 
-    out = ["--metrics.output_dir", str(tmp_path / "runs")]
+    out = ["--metrics.output_dir", str(tmp_path / "runs"), "--data.seq_len", "130"]
     assert cli.main(["--nproc", "4", "--parallel.cp", "2", *out]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
-        "simplefsdp train: error: parallel.cp 2: model 'debug' (family 'llama3') does not "
-        "compose with context parallelism; use parallel.cp 1 (the family composes with: float8, "
-        "hf, pp, tp)"
+        "simplefsdp train: error: data.seq_len 130 is not divisible by 2 x parallel.cp = 4 "
+        "(the head-tail split); use a multiple of 4, or parallel.cp 1"
     )
     assert not (tmp_path / "runs").exists()
 

@@ -36,6 +36,7 @@ from simplefsdp.bench.configs import (
     COMM_ONLY,
     PHASE_SUFFIX,
     PUBLIC_CONFIGS,
+    TORCH_CP_ON_CPU,
     WORKLOADS,
     BenchConfig,
     BenchSpec,
@@ -114,6 +115,20 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1,
         help="expert-parallel size of a mixture-of-experts workload (--workload moe): ranks per "
         "group exchanging tokens by all-to-all, each holding num_experts/ep experts (default 1)",
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size: ranks that split each sequence (--workload long); with "
+        "--cp > 1 the configurations run simplefsdp's context parallelism, and on CUDA "
+        "fsdp2-torch-cp runs torch's (default 1)",
+    )
+    parser.add_argument(
+        "--cp-backend",
+        default="allgather",
+        choices=("allgather", "ring", "ulysses"),
+        help="simplefsdp's attention across context-parallel ranks (default allgather)",
     )
     parser.add_argument(
         "--grad-accum",
@@ -206,6 +221,8 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         nproc = default_nproc()
     if args.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
+    if args.cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {args.cp}")
     microbatches = args.microbatches if args.microbatches is not None else args.pp
     if _has_experts(workload.model):
         from types import SimpleNamespace
@@ -217,6 +234,11 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         errors = model_spec.validate(config, SimpleNamespace(), model_name=workload.model)
         if errors:
             raise ValueError("; ".join(errors))
+        if args.cp != 1:
+            raise ValueError(
+                f"--cp {args.cp}: the mixture-of-experts workload does not run context "
+                "parallelism; use --cp 1 (simplefsdp train composes them)"
+            )
         _check_moe_layout(nproc, args.tp, args.pp, args.ep, workload)
     else:
         from simplefsdp.models.registry import resolve_flavor
@@ -227,7 +249,10 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
                 f"--ep {args.ep} applies to mixture-of-experts models (--workload moe); "
                 f"{workload.model!r} has no experts"
             )
-        _check_layout(nproc, args.tp, args.pp, args.pp_schedule, microbatches, workload)
+        _check_layout(
+            nproc, args.tp, args.pp, args.pp_schedule, microbatches, workload, args.cp,
+            args.cp_backend,
+        )  # fmt: skip
     return BenchSpec(
         workload=workload,
         nproc=nproc,
@@ -240,7 +265,15 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         grad_accum=args.grad_accum,
         param_dtype=None if args.param_dtype in (None, "float32") else args.param_dtype,
         ep=args.ep,
+        cp=args.cp,
+        cp_backend=args.cp_backend,
     )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _has_experts(flavor: str) -> bool:
@@ -293,11 +326,20 @@ _LAYOUT_NAMES = {
     "microbatches": "--microbatches",
     "batch": "--batch-size",
     "seq_len": "--seq-len",
+    "cp": "--cp",
+    "cp_backend": "--cp-backend",
 }
 
 
 def _check_layout(
-    nproc: int, tp: int, pp: int, schedule: str, microbatches: int, workload: Any
+    nproc: int,
+    tp: int,
+    pp: int,
+    schedule: str,
+    microbatches: int,
+    workload: Any,
+    cp: int = 1,
+    cp_backend: str = "allgather",
 ) -> None:
     """The degrees against the ranks and the workload's model: the one check of
     train, bench and plan (:func:`simplefsdp.engines.resolve.job_errors`).
@@ -316,7 +358,7 @@ def _check_layout(
     errors = job_errors(
         spec,
         args,
-        Layout(tp=tp, pp=pp),
+        Layout(tp=tp, pp=pp, cp=cp),
         nproc,
         seq_len=workload.seq_len,
         sequence_parallel=True,
@@ -325,6 +367,7 @@ def _check_layout(
         microbatches=microbatches if pp > 1 else None,
         model_name=workload.model,
         names=_LAYOUT_NAMES,
+        cp_backend=cp_backend,
     )
     if errors:  # every error, on the bench's one error line
         raise ValueError("; ".join(errors))
@@ -652,9 +695,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The configurations first: their names need no torch (a family's
         # capabilities do: its spec imports torch).
-        resolve_configs(args.configs, tp=args.tp, pp=args.pp)
+        cuda = args.cp > 1 and _cuda()  # torch's context parallelism runs on CUDA only
+        resolve_configs(args.configs, tp=args.tp, pp=args.pp, cp=args.cp, cuda=cuda)
         model = args.model or get_workload(args.workload).model
-        configs = resolve_configs(args.configs, tp=args.tp, pp=args.pp, moe=_has_experts(model))
+        configs = resolve_configs(
+            args.configs, tp=args.tp, pp=args.pp, moe=_has_experts(model), cp=args.cp, cuda=cuda
+        )
         spec = build_spec(args)
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
@@ -663,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     import torch
 
+    if args.cp > 1 and not cuda and args.configs in (None, "all"):
+        print(f"simplefsdp bench: fsdp2-torch-cp skipped: {TORCH_CP_ON_CPU}", flush=True)
     warning = oversubscription_warning(spec.nproc, cuda=torch.cuda.is_available())
     if warning:
         print(f"simplefsdp bench: warning: {warning}", file=sys.stderr, flush=True)

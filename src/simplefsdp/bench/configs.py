@@ -51,6 +51,10 @@ class BenchConfig:
             (tensorwise scaling, weights all-gathered in float8), as
             ``simplefsdp train --float8.enable true`` does (the output layer
             and layers with dims not multiples of 16 stay high precision).
+        torch_cp: run torch's context parallelism
+            (``torch.distributed.tensor.experimental.context_parallel``
+            around SDPA) instead of simplefsdp's (``--cp > 1``; CUDA only:
+            torch's has no CPU attention handler).
         description: one line for ``--help`` and the docs.
     """
 
@@ -65,6 +69,7 @@ class BenchConfig:
     syncs_grads: bool = True
     lr_scale: float = 1.0
     float8: bool = False
+    torch_cp: bool = False
 
     def __post_init__(self) -> None:
         engine = get_engine(self.engine, bench=True)
@@ -195,6 +200,24 @@ FLOAT8_CONFIGS: dict[str, BenchConfig] = {
     )
 }
 
+# Run with --cp > 1 only: torch's context parallelism, the peer of simplefsdp's.
+CP_CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            "fsdp2-torch-cp",
+            "fsdp2",
+            False,
+            "fully_shard with torch's context parallelism (SDPA, head-tail load balance; CUDA)",
+            torch_cp=True,
+        ),
+    )
+}
+#: Why :data:`CP_CONFIGS` do not run on this machine's CPU (one line).
+TORCH_CP_ON_CPU = (
+    "torch's context parallelism does not run on CPU (its SDPA handlers cover the CUDA "
+    "kernels only)"
+)
 # Not listed in --help nor run by default: candidates being measured, and a
 # deliberately wrong configuration (10x learning rate) that the
 # loss-agreement check must flag.
@@ -237,7 +260,34 @@ COMM_ONLY = BenchConfig(
 DEFAULT_CONFIGS: tuple[str, ...] = tuple(CONFIGS)
 
 #: Every configuration a user can name (``all`` runs :data:`DEFAULT_CONFIGS`).
-PUBLIC_CONFIGS: tuple[str, ...] = (*CONFIGS, *FLOAT8_CONFIGS)
+PUBLIC_CONFIGS: tuple[str, ...] = (*CONFIGS, *FLOAT8_CONFIGS, *CP_CONFIGS)
+
+
+def _names(names: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    if names is None or names == "all":
+        return []
+    if isinstance(names, str):
+        return [n.strip() for n in names.split(",") if n.strip()]
+    return list(names)
+
+
+def _cp_configs(
+    names: str | list[str] | tuple[str, ...] | None, cp: int, cuda: bool
+) -> list[BenchConfig]:
+    """:func:`resolve_configs` with context parallelism (or a torch CP configuration named)."""
+    if cp == 1:
+        raise ValueError(f"configurations {', '.join(CP_CONFIGS)} run with --cp > 1; add --cp 2")
+    allowed = [n for n in DEFAULT_CONFIGS if get_engine(CONFIGS[n].engine).supports("cp")]
+    chosen = _names(names) or [*allowed, *(CP_CONFIGS if cuda else ())]
+    for name in chosen:
+        if name in CP_CONFIGS and not cuda:
+            raise ValueError(f"configuration {name!r}: {TORCH_CP_ON_CPU}")
+        if name not in allowed and name not in CP_CONFIGS:
+            raise ValueError(
+                f"configuration {name!r} does not run with --cp {cp}; valid: "
+                f"{', '.join([*allowed, *CP_CONFIGS])}"
+            )
+    return [CP_CONFIGS.get(n) or CONFIGS[n] for n in dict.fromkeys(chosen)]
 
 
 def _torchao_missing() -> bool:
@@ -252,8 +302,14 @@ def resolve_configs(
     pp: int = 1,
     *,
     moe: bool = False,
+    cp: int = 1,
+    cuda: bool = False,
 ) -> list[BenchConfig]:
     """The configurations named by ``--configs`` (comma-separated or a list).
+
+    With ``cp > 1``, ``None`` or ``"all"`` selects the default configurations
+    whose engine composes with context parallelism, and with ``cuda`` torch's
+    (:data:`CP_CONFIGS`), which run only with ``cp > 1`` and on CUDA.
 
     ``None`` or ``"all"`` selects every public configuration (with ``tp > 1``
     or ``pp > 1``, every one that composes with tensor and pipeline
@@ -269,6 +325,8 @@ def resolve_configs(
             a float8 configuration without torchao, a configuration the MoE
             workload does not run, or an empty selection.
     """
+    if cp > 1 or any(n in CP_CONFIGS for n in _names(names)):
+        return _cp_configs(names, cp, cuda)
     flag = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
     tp = max(tp, pp)  # the same engines compose with both
     if moe:
@@ -323,7 +381,7 @@ class Workload:
     """What is trained: model, per-rank batch, sequence length and step counts.
 
     Attributes:
-        name: preset name (``compute``, ``comm``, ``memory``, ``moe``).
+        name: preset name (``compute``, ``comm``, ``memory``, ``long``, ``moe``).
         model: a flavor name of ``simplefsdp.models.registry``.
         batch_size: per-rank micro-batch.
         seq_len: tokens per sequence.
@@ -362,6 +420,16 @@ WORKLOADS: dict[str, Workload] = {
         2,
         "parameter-memory-heavy: small model (~101M parameters), batch 1 x 128 per rank",
         lr=1e-4,
+    ),
+    "long": Workload(
+        "long",
+        "debug",
+        1,
+        2048,
+        3,
+        1,
+        "long sequences: debug model, batch 1 x 2048 per context-parallel group, split by "
+        "--cp (docs/long-context.md)",
     ),
     "moe": Workload(
         "moe",
@@ -419,6 +487,10 @@ class BenchSpec:
         param_dtype: mixed precision of the data-parallel engines
             (``"bfloat16"``; ``None``: float32 throughout).
         ep: expert-parallel degree of a MoE model (Note: [Bench MoE recipes]).
+        cp: context-parallel degree: groups of ``cp`` ranks split each
+            sequence (they read the same batches).
+        cp_backend: simplefsdp's attention across those ranks (``allgather``,
+            ``ring``, ``ulysses``).
     """
 
     workload: Workload
@@ -433,6 +505,8 @@ class BenchSpec:
     grad_accum: int = 1
     param_dtype: str | None = None
     ep: int = 1
+    cp: int = 1
+    cp_backend: str = "allgather"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

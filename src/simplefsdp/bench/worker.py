@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ import torch.nn as nn
 from simplefsdp.bench.configs import (
     COMM_ONLY,
     CONFIGS,
+    CP_CONFIGS,
     FLOAT8_CONFIGS,
     PHASE_SUFFIX,
     TEST_CONFIGS,
@@ -91,7 +93,12 @@ def lookup_config(name: str) -> BenchConfig:
     """
     if name == COMM_ONLY.name:
         return COMM_ONLY
-    config = CONFIGS.get(name) or FLOAT8_CONFIGS.get(name) or TEST_CONFIGS.get(name)
+    config = (
+        CONFIGS.get(name)
+        or FLOAT8_CONFIGS.get(name)
+        or CP_CONFIGS.get(name)
+        or TEST_CONFIGS.get(name)
+    )
     if config is None:
         raise ValueError(f"unknown configuration {name!r}; valid: {', '.join(CONFIGS)}")
     return config
@@ -148,15 +155,23 @@ def build_batches(spec: BenchSpec, rank: int, world_size: int, count: int) -> li
 
 
 def _forward_backward(
-    parallel: ParallelModel | PipelinedModel, batch: list[Batch], device: torch.device
+    parallel: ParallelModel | PipelinedModel,
+    batch: list[Batch],
+    device: torch.device,
+    torch_cp: Meshes | None = None,
 ) -> float | None:
     """Forward and backward of ``batch``'s accumulation batches (the mean loss;
     ``None`` on a pipeline rank without the last stage); gradients are
-    reduced on the last one only."""
+    reduced on the last one only. ``torch_cp``: the meshes, to run each
+    batch under torch's context parallelism."""
     total = None
     for i, (inputs, targets) in enumerate(batch):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
-        loss = parallel.step(inputs, targets, scale=1 / len(batch), sync=i == len(batch) - 1)
+        kw = {"scale": 1 / len(batch), "sync": i == len(batch) - 1}
+        if torch_cp is not None:
+            loss = _torch_cp_step(parallel, torch_cp, inputs.clone(), targets.clone(), **kw)
+        else:
+            loss = parallel.step(inputs, targets, **kw)
         if loss is not None:
             total = (total or 0.0) + float(loss.item())
     return total
@@ -206,14 +221,38 @@ def _parallelize(
         pipeline = PipelineSpec(
             spec.pp, spec.pp_schedule, microbatches=spec.microbatches or spec.pp
         )
-    return parallelize_model(
+    parallel = parallelize_model(
         model,
         spec_of(spec.workload.model),
         mesh,
         config.engine_spec(spec.tp, spec.param_dtype),
         device,
-        RecipeOptions(pipeline, sequence_parallel=True, measure_times=True),
+        RecipeOptions(
+            pipeline, sequence_parallel=True, measure_times=True, cp_backend=spec.cp_backend
+        ),
     )
+    if config.torch_cp:
+        parallel.sequence = None  # torch's context parallelism splits the batch instead
+        module = parallel.module
+        module.freqs_cis = module.freqs_cis[: spec.workload.seq_len].clone()
+    return parallel
+
+
+def _torch_cp_step(
+    parallel: ParallelModel, mesh: Meshes, inputs: torch.Tensor, targets: torch.Tensor, **kw: Any
+) -> torch.Tensor:
+    """One step under torch's context parallelism: it shards the batch and the
+    rotary table (head-tail) in place and runs SDPA's context-parallel handler."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    freqs = parallel.module.freqs_cis
+    with context_parallel(
+        mesh.cp,
+        buffers=[inputs, targets, freqs],
+        buffer_seq_dims=[1, 1, 0],
+        no_restore_buffers={inputs, targets},
+    ):
+        return parallel.step(inputs, targets, **kw)
 
 
 def _run_training(
@@ -242,7 +281,9 @@ def _run_training(
         foreach=True,
     )
     pipe = parallel if isinstance(parallel, PipelinedModel) else None  # for its bubble times
-    forward_backward = functools.partial(_forward_backward, parallel, device=device)
+    forward_backward = functools.partial(
+        _forward_backward, parallel, device=device, torch_cp=mesh if config.torch_cp else None
+    )
     after = parallel.after_optimizer_step  # FSDP2's float8 scales
     from simplefsdp.models.registry import spec_of
 
@@ -355,7 +396,12 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
     """Run ``config`` on this rank (process group from torchrun's environment)."""
     device = pick_device()
     rank, world_size = init_distributed(device, datetime.timedelta(seconds=spec.timeout_s))
-    layout = Layout(tp=spec.tp, pp=spec.pp, ep=spec.ep if _has_experts(spec.workload.model) else 1)
+    layout = Layout(
+        tp=spec.tp,
+        pp=spec.pp,
+        ep=spec.ep if _has_experts(spec.workload.model) else 1,
+        cp=spec.cp,
+    )
     mesh = layout.build(device.type, world_size)
     result = {
         "config": config.name,
@@ -364,6 +410,8 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
         "tp": spec.tp,
         "pp": spec.pp,
         "ep": spec.ep,
+        "cp": spec.cp,
+        "cp_backend": spec.cp_backend,
         "grad_accum": spec.grad_accum,
         "numerics": config.numerics(spec.param_dtype),
         "device": str(device),
@@ -375,7 +423,8 @@ def run(config: BenchConfig, spec: BenchSpec) -> dict:
             _import_engine_code()
 
             workload = spec.workload
-            # The ranks of a tensor-parallel group and of a pipeline read the same batches.
+            # The ranks of a tensor-parallel, context-parallel group and of a
+            # pipeline read the same batches.
             dp_rank, dp_size = mesh.batch_rank, mesh.batch_size
             count = (workload.warmup + workload.steps + 1) * spec.grad_accum
             flat = build_batches(spec, dp_rank, dp_size, count)

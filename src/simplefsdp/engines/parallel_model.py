@@ -37,6 +37,11 @@ class ParallelModel:
         notes: remarks for reports (e.g. settings an engine ignored).
         loss_fn: ``loss_fn(output, targets)``, the batch's mean loss, for
             :meth:`step` and :meth:`eval_loss`.
+        sequence: how a step splits and masks its sequences (a
+            :class:`simplefsdp.context_parallel.SequenceOptions`; ``None`` or
+            inactive: the model sees the whole batch, causal): :meth:`step`
+            and :meth:`eval_loss` pass the model this rank's share of each
+            sequence with its context, and the loss its share of the targets.
 
     :class:`ParallelModel` and :class:`~simplefsdp.engines.PipelinedModel`
     share one interface, so that a training loop has no pipeline branch:
@@ -55,6 +60,7 @@ class ParallelModel:
     notes: list[str] = field(default_factory=list)
     tp_mesh: DeviceMesh | None = None
     loss_fn: LossFn | None = None
+    sequence: Any = None
     _float8_weights: bool | None = field(default=None, init=False, repr=False)
 
     @property
@@ -70,6 +76,10 @@ class ParallelModel:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is None:
             raise ValueError("this ParallelModel has no loss_fn; pass one to parallelize")
+        if self.sequence is not None and self.sequence.active:
+            local_inputs, local_targets, context = self.sequence.prepare(inputs, targets)
+            output = self.forward(local_inputs, context=context)
+            return self.sequence.local_loss(self.loss_fn, output, local_targets, targets)
         return self.loss_fn(self.forward(inputs), targets)
 
     def step(

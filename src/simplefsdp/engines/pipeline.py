@@ -193,6 +193,7 @@ class PipelinedModel:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         measure_times: bool = False,
+        sequence: Any = None,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -214,15 +215,15 @@ class PipelinedModel:
         self._device = device
         self.measure_times = measure_times
         self.times = PipelineTimes()
+        self.sequence = sequence
+        self._context: Any = None
+        submods = [p.forward if isinstance(p.forward, nn.Module) else p.module for p in parts]
+        if sequence is not None and sequence.active:
+            for submod in submods:  # outside any compiled region: the context is an input
+                submod.register_forward_pre_hook(self._pass_context, with_kwargs=True)
         stages = [
-            PipelineStage(
-                p.forward if isinstance(p.forward, nn.Module) else p.module,
-                stage_id,
-                self.num_stages,
-                device,
-                group=pp_mesh.get_group(),
-            )
-            for stage_id, p in zip(stage_ids, parts)
+            PipelineStage(submod, stage_id, self.num_stages, device, group=pp_mesh.get_group())
+            for stage_id, submod in zip(stage_ids, submods)
         ]
         for stage in stages:  # the schedule calls these per micro-batch
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -236,6 +237,37 @@ class PipelinedModel:
             n_microbatches=spec.microbatches,
             loss_fn=self._scaled_loss,
             scale_grads=False,
+        )
+
+    def _pass_context(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A stage's forward gets the step's sequence context (Note: [Context
+        parallelism in pipeline stages])."""
+        return args, {**kwargs, "context": self._context}
+
+    def _split(
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's share of the sequences, and the step's context for every stage.
+
+        Note: [Context parallelism in pipeline stages]
+            Every pipeline rank of a replica gets the same batch, so each
+            splits it itself: the first stage feeds its share of the tokens,
+            the last computes the loss on its share of the targets, and every
+            stage's attention gets the context by a forward pre-hook on the
+            stage module (so a compiled stage takes it as an input). The
+            schedule splits the batch into micro-batches along the rows, so
+            the context must not depend on the rows: causal splits only
+            (document masks are refused with pipelines).
+        """
+        if self.sequence is None or not self.sequence.active:
+            return inputs, targets
+        reference = inputs if inputs is not None else targets
+        assert reference is not None, "a pipeline rank gets the batch"
+        _, _, self._context = self.sequence.prepare(reference[:, :1].expand_as(reference))
+        index = self._context.index[self._context.rank]
+        return (
+            None if inputs is None else inputs[:, index],
+            None if targets is None else targets[:, index],
         )
 
     def _sync(self) -> None:
@@ -325,6 +357,7 @@ class PipelinedModel:
         start = time.perf_counter()
         losses: list[torch.Tensor] = []
         accumulate = self.engine == "simplefsdp"
+        inputs, targets = self._split(inputs, targets)
         args = (inputs,) if self.has_first else ()
         with self._accumulating(accumulate):
             if self.engine == "fsdp2" and not sync:
@@ -361,6 +394,7 @@ class PipelinedModel:
             raise NotImplementedError("this torch's pipeline schedules cannot evaluate")
         self._scale = 1.0 / self.spec.microbatches
         losses: list[torch.Tensor] = []
+        inputs, targets = self._split(inputs, targets)
         args = (inputs,) if self.has_first else ()
         self.schedule.eval(*args, target=targets if self.has_last else None, losses=losses)
         if not self.has_last:
@@ -380,6 +414,7 @@ def parallelize_pipeline(
     init_fn: InitFn | None = None,
     tp_fn: TensorParallelFn | None = None,
     measure_times: bool = False,
+    sequence: Any = None,
 ) -> PipelinedModel:
     """Split ``model`` into stages and parallelise this rank's with ``spec``.
 
@@ -395,6 +430,10 @@ def parallelize_pipeline(
         loss_fn: ``loss_fn(output, target)`` of one micro-batch, a mean.
         init_fn / tp_fn: as for :func:`~.parallelize.parallelize`, per stage.
         measure_times: record :attr:`PipelinedModel.times` each step.
+        sequence: how steps split their sequences over context-parallel
+            ranks (a :class:`simplefsdp.context_parallel.SequenceOptions`
+            without document masks; Note: [Context parallelism in pipeline
+            stages]).
 
     Raises:
         ValueError: an engine that cannot be pipelined, or a mesh whose
@@ -422,5 +461,12 @@ def parallelize_pipeline(
         parallelize(module, spec, rest, device, init_fn=init_fn, tp_fn=tp_fn) for module in modules
     ]
     return PipelinedModel(
-        parts, stage_ids, pipeline, pp_mesh, device, loss_fn, measure_times=measure_times
+        parts,
+        stage_ids,
+        pipeline,
+        pp_mesh,
+        device,
+        loss_fn,
+        measure_times=measure_times,
+        sequence=sequence,
     )

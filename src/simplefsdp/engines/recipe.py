@@ -10,7 +10,12 @@
 4. the engine's data parallelism over ``meshes.fsdp`` (the experts over
    ``meshes.expert_dp``), the weights' initialisation after sharding
    (``spec.init_weights``);
-5. compilation (whole graphs unless ``spec.fullgraph`` is ``False``).
+5. compilation (whole graphs unless ``spec.fullgraph`` is ``False``);
+6. context parallelism and document masks: the model's steps split each
+   sequence over ``meshes.cp`` and mask packed documents
+   (:class:`simplefsdp.context_parallel.SequenceOptions`). Nothing in the
+   model changes: parameters keep their shapes, so checkpoints move between
+   cp degrees.
 
 Nothing here names a model family or compares engines: what differs per
 family is the spec's, what differs per engine is its class's.
@@ -27,6 +32,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from simplefsdp.context_parallel import SequenceOptions
 from simplefsdp.engines.adapters import EngineSpec, parallelize
 from simplefsdp.engines.parallel_model import ParallelModel
 from simplefsdp.engines.pipeline import PipelinedModel, PipelineSpec, parallelize_pipeline
@@ -42,12 +48,21 @@ class RecipeOptions:
         sequence_parallel: the TP plan shards activations over the sequence.
         loss_parallel: the TP plan leaves the logits sharded over the vocabulary.
         measure_times: a pipeline measures its stages' times.
+        cp_backend: attention across context-parallel ranks (``allgather``,
+            ``ring`` or ``ulysses``).
+        eos_id: the end-of-document token: attention stays inside packed
+            documents (``None``: plain causal attention).
+        restart_positions: with ``eos_id``, rotary positions restart at 0
+            in each document.
     """
 
     pipeline: PipelineSpec | None = None
     sequence_parallel: bool = True
     loss_parallel: bool = False
     measure_times: bool = False
+    cp_backend: str = "allgather"
+    eos_id: int | None = None
+    restart_positions: bool = False
 
 
 def parallelize_model(
@@ -93,6 +108,12 @@ def parallelize_model(
     ]
     if missing:
         raise ValueError(f"model family {spec.family!r} has no {' or '.join(missing)}")
+    sequence = _sequence_options(meshes, options)
+    if pipelined and sequence.eos_id is not None:
+        raise ValueError(
+            "pipeline stages split micro-batches by rows, which document masks depend on: "
+            "use pp 1 with document masks"
+        )
     if not spec.fullgraph and engine.fullgraph:
         engine = dataclasses.replace(engine, fullgraph=False)
     tp_fn = None
@@ -116,6 +137,28 @@ def parallelize_model(
             device,
             split_fn=spec.pipeline_split,
             measure_times=options.measure_times,
+            sequence=sequence,
             **kwargs,
         )
-    return parallelize(model, engine, meshes, device, **kwargs)
+    parallel = parallelize(model, engine, meshes, device, **kwargs)
+    parallel.sequence = sequence
+    return parallel
+
+
+def _sequence_options(meshes: Meshes | DeviceMesh, options: RecipeOptions) -> SequenceOptions:
+    """How steps split (over ``meshes.cp``) and mask their sequences."""
+    cp_mesh = meshes.cp if isinstance(meshes, Meshes) else None
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return SequenceOptions(
+            backend=options.cp_backend,
+            eos_id=options.eos_id,
+            restart_positions=options.restart_positions,
+        )
+    return SequenceOptions(
+        cp=cp_mesh.size(),
+        rank=cp_mesh.get_local_rank(),
+        group=cp_mesh.get_group().group_name,
+        backend=options.cp_backend,
+        eos_id=options.eos_id,
+        restart_positions=options.restart_positions,
+    )

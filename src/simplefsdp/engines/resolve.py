@@ -55,6 +55,8 @@ def job_errors(
     build: bool = True,
     model_name: str | None = None,
     names: Mapping[str, str] | None = None,
+    cp_backend: str = "allgather",
+    document_masks: bool = False,
 ) -> list[str]:
     """Every error of a job, one line each (empty: it can run).
 
@@ -76,6 +78,8 @@ def job_errors(
             family cannot build yet pass).
         model_name: the model's name, for the messages.
         names: how the caller's user spells each setting (its flags).
+        cp_backend: attention across context-parallel ranks.
+        document_masks: attention is masked to packed documents.
     """
     n = {**_NAMES, **{k: k for k in ("tp", "pp", "ep", "cp")}, **(names or {})}
     model = f"model {model_name!r}" if model_name else "the model"
@@ -141,6 +145,51 @@ def job_errors(
             f"graph breaks, which tensor parallelism does not support; use "
             f"{n.get('compile', 'compile')} false or {n['tp']} 1"
         )
+    errors += _sequence_errors(
+        config, layout, seq_len, cp_backend, document_masks, model, n, spec.supports("cp")
+    )
     pp = layout.pp if isinstance(layout.pp, int) else 1
     errors += pipeline_errors(pp, pp_schedule, microbatches, stages_per_rank, batch=batch, names=n)
+    return errors
+
+
+def _sequence_errors(
+    config: Any,
+    layout: Layout,
+    seq_len: int | None,
+    backend: str,
+    document_masks: bool,
+    model: str,
+    n: Mapping[str, str],
+    supported: bool,
+) -> list[str]:
+    """Context parallelism and document masks against the sequence, heads and stages.
+
+    The rules of :mod:`simplefsdp.context_parallel` that any family's job
+    meets: the head-tail split cuts the sequence into ``2 x cp`` chunks;
+    Ulysses splits each rank's ``n_heads / tp`` heads over ``cp``; pipeline
+    schedules split micro-batches by rows, which document masks depend on.
+    """
+    cp = layout.cp if isinstance(layout.cp, int) else 1
+    tp = layout.tp if isinstance(layout.tp, int) else 1
+    pp = layout.pp if isinstance(layout.pp, int) else 1
+    flag, backend_flag = n["cp"], n.get("cp_backend", "cp_backend")
+    errors = []
+    if cp > 1 and supported and seq_len is not None and seq_len % (2 * cp):
+        errors.append(
+            f"{n['seq_len']} {seq_len} is not divisible by 2 x {flag} = {2 * cp} (the "
+            f"head-tail split); use a multiple of {2 * cp}, or {flag} 1"
+        )
+    heads = getattr(config, "n_heads", None)
+    if cp > 1 and supported and backend == "ulysses" and heads and heads % (tp * cp):
+        errors.append(
+            f"{backend_flag} 'ulysses': the {heads} attention heads of {model} do not divide "
+            f"by tp x cp = {tp * cp}; use {backend_flag} allgather or ring"
+        )
+    if pp > 1 and document_masks:
+        what = n.get("mask_document_boundaries", "document masks")
+        errors.append(
+            f"{what}: pipeline schedules split micro-batches by rows, which document masks "
+            f"depend on; use {n['pp']} 1 with document masks"
+        )
     return errors

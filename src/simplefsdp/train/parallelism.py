@@ -220,6 +220,7 @@ def parallelize_job(
     job: JobConfig,
     device: torch.device,
     mesh: Meshes | DeviceMesh | None = None,
+    eos_id: int | None = None,
 ) -> ParallelModel | PipelinedModel:
     """Parallelise a model built on the meta device (or CPU) as ``job`` says.
 
@@ -227,6 +228,8 @@ def parallelize_job(
     ``mesh`` (default: :func:`job_mesh`), :func:`engine_spec` and, with
     ``parallel.pp > 1``, :func:`pipeline_spec`; a meta model's weights are
     initialised with the spec's ``init_weights`` under the current RNG state.
+    With ``data.mask_document_boundaries``, attention stays inside the
+    documents that ``eos_id`` (the tokenizer's end-of-document token) ends.
     """
     p = job.parallel
     spec = model_spec(job)  # the folder's family with checkpoint.init_from_hf
@@ -236,6 +239,9 @@ def parallelize_job(
         pipeline_spec(job) if p.pp > 1 else None,
         sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel,
+        cp_backend=getattr(p, "cp_backend", "allgather"),
+        eos_id=eos_id if getattr(job.data, "mask_document_boundaries", False) else None,
+        restart_positions=getattr(job.data, "restart_positions", False),
     )
     return parallelize_model(
         model,

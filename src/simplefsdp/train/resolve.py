@@ -26,6 +26,8 @@ FLAGS = {
     "pp": "parallel.pp",
     "ep": "parallel.ep",
     "cp": "parallel.cp",
+    "cp_backend": "parallel.cp_backend",
+    "mask_document_boundaries": "data.mask_document_boundaries",
     "dp_replicate": "dp_replicate (parallel.mesh_shape[0])",
     "dp_shard": "dp_shard (parallel.mesh_shape[1])",
     "world_size": "world size",
@@ -133,6 +135,8 @@ def job_errors(
         compile=job.compile.enable,
         model_name=job.checkpoint.init_from_hf or m.name,
         names=FLAGS,
+        cp_backend=getattr(p, "cp_backend", "allgather"),
+        document_masks=getattr(d, "mask_document_boundaries", False),
     )
     if errors:
         return errors, None

@@ -266,7 +266,7 @@ class Trainer:
         with torch.device(build_on):
             model = self.spec.build(self.model_args)
         self.parallel: ParallelModel | PipelinedModel = parallelize_job(
-            model, self.job, self.device, self.mesh
+            model, self.job, self.device, self.mesh, eos_id=self.tokenizer.eos_id
         )
         # A pipeline's loss exists on its last stage only: see _global_mean.
         self._loss_weight = 1.0 if self.parallel.has_loss else 0.0

@@ -11,6 +11,8 @@ tensor-parallel plan of this module is
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,7 @@ def attend(
     scale: float | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    context: Any = None,
 ) -> torch.Tensor:
     """Causal scaled dot-product attention: the one kernel every family calls.
 
@@ -48,10 +51,19 @@ def attend(
             ``i - sliding_window + 1 .. i``. ``None``: every earlier key.
         sinks: per-head logits ``(H,)`` of a learned "sink" that takes part
             in the softmax normalisation but contributes no value.
+        context: the batch's sequence context (a
+            :class:`simplefsdp.context_parallel.SequenceContext`, which the
+            decoder passes down to its layers): packed documents attend only
+            within themselves, and under context parallelism ``T`` is this
+            rank's share of the sequence and the keys of the other ranks are
+            reached through the context's backend. ``None``: plain causal
+            attention over ``T``.
 
     Returns:
         ``(B, H, T, d_v)``.
     """
+    if context is not None:
+        return context.attend(q, k, v, scale=scale, sliding_window=sliding_window, sinks=sinks)
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
@@ -130,14 +142,19 @@ class Attention(nn.Module):
             trunc_normal_(linear.weight, 0.02)
         trunc_normal_(self.wo.weight, init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None
+    ) -> torch.Tensor:
         """Attend over ``x``.
 
         Args:
             x: Input of shape ``(B, T, D)``.
             freqs_cis: Rotary table of shape ``(>= T, head_dim // 2, 2)``; its
                 first ``T`` positions are used (``T`` is read here, where the
-                sequence is whole even under sequence parallelism).
+                sequence is whole even under sequence parallelism). With
+                positions that restart per document, ``(B, T, head_dim // 2,
+                2)``: a table per row.
+            context: the batch's sequence context, passed to :func:`attend`.
 
         Returns:
             Output of shape ``(B, T, D)``.
@@ -147,13 +164,22 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H, hd)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-        keys = repeat_kv(xk, self.n_rep)  # (B, T, H, hd)
-        values = repeat_kv(xv, self.n_rep)  # (B, T, H, hd)
+        if freqs_cis.dim() == 4:  # a table per row: rotate the rows as one sequence
+            rows = freqs_cis[:, :seqlen].reshape(bs * seqlen, *freqs_cis.shape[2:])
+            xq, xk = apply_rotary_emb(xq.flatten(0, 1)[None], xk.flatten(0, 1)[None], rows)
+            xq, xk = xq.view(bs, seqlen, *xq.shape[2:]), xk.view(bs, seqlen, *xk.shape[2:])
+        else:
+            xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
+        if context is None:
+            keys = repeat_kv(xk, self.n_rep)  # (B, T, H, hd)
+            values = repeat_kv(xv, self.n_rep)  # (B, T, H, hd)
+        else:  # the context moves H_kv heads between ranks and repeats them after
+            keys, values = xk, xv  # (B, T, H_kv, hd)
         out = attend(
             xq.transpose(1, 2),  # (B, H, T, hd)
-            keys.transpose(1, 2),  # (B, H, T, hd)
-            values.transpose(1, 2),  # (B, H, T, hd)
+            keys.transpose(1, 2),  # (B, H or H_kv, T, hd)
+            values.transpose(1, 2),  # (B, H or H_kv, T, hd)
+            context=context,
         )  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (B, T, H * hd)
         return self.wo(out)  # (B, T, D)

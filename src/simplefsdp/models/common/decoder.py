@@ -74,17 +74,21 @@ class DecoderBlock(nn.Module):
         else:
             self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None
+    ) -> torch.Tensor:
         """Apply the block.
 
         Args:
             x: Input of shape ``(B, T, D)``.
-            freqs_cis: Rotary table of shape ``(>= T, head_dim // 2, 2)``.
+            freqs_cis: Rotary table of shape ``(>= T, head_dim // 2, 2)`` (or
+                one per row, ``(B, T, head_dim // 2, 2)``).
+            context: the batch's sequence context (see :meth:`Decoder.forward`).
 
         Returns:
             Output of shape ``(B, T, D)``.
         """
-        h = x + self.attention(self.attention_norm(x), freqs_cis)  # (B, T, D)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, context=context)  # (B, T, D)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))  # (B, T, D)
 
@@ -177,12 +181,18 @@ class Decoder(nn.Module):
         if self.output is not None:
             trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, context: Any = None) -> torch.Tensor:
         """Compute next-token logits.
 
         Args:
             tokens: Token ids of shape ``(B, T)`` with ``T <= max_seq_len``
                 (a stage without the embedding: hidden states ``(B, T, D)``).
+            context: a :class:`simplefsdp.context_parallel.SequenceContext`
+                for packed documents or a sequence split over
+                context-parallel ranks (``tokens`` is then this rank's share):
+                the rotary table is indexed by the context's positions and
+                the context reaches every layer's attention. ``None``: one
+                sequence per row, positions ``0 .. T - 1``.
 
         Returns:
             Logits of shape ``(B, T, vocab_size)`` in the dtype of the
@@ -201,7 +211,12 @@ class Decoder(nn.Module):
         # The whole table: a pipeline stage's input may be a sequence shard
         # (sequence parallelism); attention slices it to the sequence it sees.
         freqs_cis = self.freqs_cis  # (max_seq_len, hd/2, 2)
-        for layer in self.layers.values():
-            h = layer(h, freqs_cis)  # (B, T, D)
+        if context is None:
+            for layer in self.layers.values():
+                h = layer(h, freqs_cis)  # (B, T, D)
+        else:
+            freqs_cis = context.rotary(freqs_cis)  # (T, hd/2, 2) or (B, T, hd/2, 2)
+            for layer in self.layers.values():
+                h = layer(h, freqs_cis, context=context)  # (B, T, D)
         h = self.norm(h) if self.norm is not None else h  # (B, T, D)
         return self.output(h) if self.output is not None else h  # (B, T, V)

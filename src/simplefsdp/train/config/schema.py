@@ -47,6 +47,8 @@ PARALLEL_MODES = DATA_PARALLEL_MODES
 PP_SCHEDULES = PIPELINE_SCHEDULES
 #: Mixed-precision dtypes (``None`` means "keep the parameter dtype").
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+#: Attention across context-parallel ranks (simplefsdp.context_parallel.BACKENDS).
+CP_BACKENDS: tuple[str, ...] = ("allgather", "ring", "ulysses")
 #: Communication bucketing strategies of the compiler passes.
 BUCKETING_MODES = BUCKETINGS
 #: How checkpoints are written (``checkpoint.async_mode``); see Note:
@@ -116,7 +118,12 @@ class DataConfig:
             ``pyarrow``) that holds the text; other files are read as text.
         mask_document_boundaries: Leave out of the loss the targets that
             follow an end-of-document token inside a sequence (the first
-            token of the next document, predicted from another document).
+            token of the next document, predicted from another document),
+            and let attention stay inside each packed document
+            (block-causal). Not with ``parallel.pp``.
+        restart_positions: With ``mask_document_boundaries``, rotary
+            positions restart at 0 in each document; ``false`` (the default,
+            as torchtitan's Llama 3) counts them along the packed sequence.
     """
 
     path: str | None = None
@@ -127,6 +134,7 @@ class DataConfig:
     max_bytes: int | None = None
     text_field: str = "text"
     mask_document_boundaries: bool = False
+    restart_positions: bool = False
 
 
 @dataclass
@@ -214,9 +222,17 @@ class ParallelConfig:
             ``num_experts``; engines ``simplefsdp`` and ``fsdp2``, modes
             ``fully_shard`` and ``replicate``, without ``tp``/``pp``.
         cp: Context-parallel size: groups of ``cp`` ranks split each
-            sequence; they read the same batch and shard the parameters with
-            the data-parallel ranks (``dp_shard x cp``). Refused above 1 until
-            a model family declares context-parallel attention.
+            sequence (load-balanced: head-tail chunks for causal batches,
+            balanced block-causal work with document masks); they read the
+            same batch and shard the parameters with the data-parallel ranks
+            (``dp_shard x cp``); the loss averages over batch x cp.
+            ``data.seq_len`` must divide by ``2 x cp``; not with ``pp``.
+            Families whose attention declares it (``cp`` capability).
+        cp_backend: One of :data:`CP_BACKENDS`: how attention reaches the
+            other ranks' keys: ``allgather`` (gather keys/values; gradients
+            reduce-scattered), ``ring`` (rotate key/value blocks, merge by
+            log-sum-exp) or ``ulysses`` (all-to-all from sequence to head
+            shards; ``n_heads`` must divide by ``tp x cp``).
     """
 
     engine: Engine = field(default="simplefsdp", metadata=_choices(ENGINES))
@@ -235,6 +251,7 @@ class ParallelConfig:
     check_ranks: bool = True
     ep: int = 1
     cp: int = 1
+    cp_backend: str = field(default="allgather", metadata=_choices(CP_BACKENDS))
 
 
 @dataclass

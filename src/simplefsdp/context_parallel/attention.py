@@ -1,0 +1,273 @@
+"""Attention over a sequence split by position: document masks and context parallelism.
+
+:class:`SequenceContext` is what reaches
+:func:`simplefsdp.models.common.attention.attend` (through the decoder) when a
+batch is packed with documents or split over context-parallel ranks. It
+holds the split (which global positions each rank holds), the batch's
+document numbers and the context-parallel group, and computes attention
+with one of three backends:
+
+* ``allgather``: all-gather the keys and values over the group (their
+  gradients are reduce-scattered in backward by the collective's autograd)
+  and attend the local queries to the whole sequence;
+* ``ring``: pass key/value blocks around the ring (``cp - 1`` rotations),
+  attend to each block, and merge the partial results by their
+  log-sum-exp;
+* ``ulysses``: all-to-all from sequence shards to head shards, attend over
+  the whole sequence on ``H / cp`` heads, and all-to-all back.
+
+Masks are built from positions (query position ``p`` sees key position
+``s`` when ``s <= p``, ``s > p - sliding_window`` and both are in the same
+document), so every split, and every order in which a backend assembles the
+keys, is exact. Softmax runs in at least float32; learned sinks join the
+normalisation as an extra logit per head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+BACKENDS = ("allgather", "ring", "ulysses")
+
+_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+@dataclass
+class SequenceContext:
+    """A batch's split over positions, its documents and its context-parallel group.
+
+    Attributes:
+        index: ``(cp, T / cp)`` global positions each rank holds (``cp = 1``:
+            ``(1, T)``, the whole sequence).
+        rank: this rank's row of ``index``.
+        group: the context-parallel process group's name (``None`` when
+            ``cp = 1``).
+        backend: one of :data:`BACKENDS`.
+        document_ids: ``(B, T)`` document numbers over the global sequence
+            (``None``: one document per row, plain causal attention).
+        rope_positions: ``(B, T / cp)`` rotary positions of this rank's
+            tokens when they restart per document (``None``: the global
+            positions ``index[rank]``).
+    """
+
+    index: torch.Tensor
+    rank: int = 0
+    group: str | None = None
+    backend: str = "allgather"
+    document_ids: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree."""
+        return self.index.shape[0]
+
+    def rotary(self, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the rotary table ``(max_seq_len, hd/2, 2)``.
+
+        Returns:
+            ``(T / cp, hd/2, 2)``, or ``(B, T / cp, hd/2, 2)`` when positions
+            restart per document.
+        """
+        if self.rope_positions is not None:
+            return freqs_cis[self.rope_positions]
+        return freqs_cis[self.index[self.rank]]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of this rank's queries ``(B, H, T/cp, d_qk)`` to the whole sequence.
+
+        Arguments as :func:`simplefsdp.models.common.attention.attend`; ``k``
+        and ``v`` are this rank's shards ``(B, H_kv, T/cp, d)``.
+
+        Returns:
+            ``(B, H, T/cp, d_v)``.
+        """
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.cp == 1:
+            pos = self.index[0]
+            return _attention(
+                q, k, v, pos, pos, self._docs(pos), self._docs(pos), scale, sliding_window, sinks
+            )
+        if self.backend == "ring":
+            return self._ring(q, k, v, scale, sliding_window, sinks)
+        if self.backend == "ulysses":
+            return self._ulysses(q, k, v, scale, sliding_window, sinks)
+        q_pos = self.index[self.rank]
+        kv_pos = self.index.flatten()
+        k, v = _gather_seq(k, self.group), _gather_seq(v, self.group)
+        return _attention(
+            q,
+            k,
+            v,
+            q_pos,
+            kv_pos,
+            self._docs(q_pos),
+            self._docs(kv_pos),
+            scale,
+            sliding_window,
+            sinks,
+        )
+
+    def _docs(self, positions: torch.Tensor) -> torch.Tensor | None:
+        return None if self.document_ids is None else self.document_ids[:, positions]
+
+    def _ring(self, q, k, v, scale, sliding_window, sinks) -> torch.Tensor:
+        cp, rank = self.cp, self.rank
+        q_pos = self.index[rank]
+        q_doc = self._docs(q_pos)
+        outs, lses = [], []
+        for step in range(cp):
+            if step:
+                k, v = _rotate(k, cp, rank, self.group), _rotate(v, cp, rank, self.group)
+            kv_pos = self.index[(rank - step) % cp]
+            # Recomputed in backward: a block keeps its inputs (this rank's
+            # queries, one block of H_kv keys and values), not its scores.
+            out, lse = checkpoint(
+                _ring_block,
+                q,
+                k,
+                v,
+                (q_pos, kv_pos, q_doc, self._docs(kv_pos)),
+                sliding_window,
+                scale,
+                use_reentrant=False,
+            )
+            outs.append(out)
+            lses.append(lse)
+        return _merge(outs, lses, sinks, q.shape[1]).to(q.dtype)
+
+    def _ulysses(self, q, k, v, scale, sliding_window, sinks) -> torch.Tensor:
+        cp = self.cp
+        heads = q.shape[1]
+        if heads % cp:
+            raise ValueError(
+                f"the ulysses backend needs the {heads} attention heads of a rank to divide "
+                f"by cp={cp}; use cp_backend allgather or ring"
+            )
+        if k.shape[1] % cp:
+            k, v = _repeat(k, heads // k.shape[1]), _repeat(v, heads // v.shape[1])
+        pos = self.index.flatten()
+        docs = self._docs(pos)
+        if sinks is not None:
+            sinks = sinks.view(cp, -1)[self.rank]
+        q, k, v = (_seq_to_heads(t, cp, self.group) for t in (q, k, v))
+        out = _attention(q, k, v, pos, pos, docs, docs, scale, sliding_window, sinks)
+        return _heads_to_seq(out, cp, self.group)
+
+
+def _repeat(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _allowed(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """``(B or 1, 1, Tq, Tk)`` boolean: which keys each query sees."""
+    allowed = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
+    if sliding_window is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+    allowed = allowed[None, None]
+    if q_doc is not None:
+        allowed = allowed & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+    return allowed
+
+
+def _attention(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, sliding_window, sinks) -> torch.Tensor:
+    """Masked attention of ``q`` to all of ``k``/``v`` (every query sees at least itself)."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _repeat(k, n_rep), _repeat(v, n_rep)
+    allowed = _allowed(q_pos, k_pos, q_doc, k_doc, sliding_window)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    out, lse = _block(q, k, v, allowed, scale)
+    return _merge([out], [lse], sinks, q.shape[1]).to(q.dtype)
+
+
+def _block(q, k, v, allowed, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention to one block of keys: the normalised output and its log-sum-exp.
+
+    A query that sees no key of the block gets a finite, hugely negative
+    log-sum-exp, so that its weight in :func:`_merge` is exactly zero and its
+    gradient finite.
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q, k.transpose(-2, -1)).to(acc) * scale  # (B, H, Tq, Tk)
+    scores = scores.masked_fill(~allowed, torch.finfo(acc).min)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Tq)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs.to(v.dtype), v).to(acc), lse
+
+
+def _ring_block(q, k, v, where, sliding_window, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_block` of one ring step; ``where``: query and key positions and documents."""
+    n_rep = q.shape[1] // k.shape[1]
+    allowed = _allowed(*where, sliding_window)
+    return _block(q, _repeat(k, n_rep), _repeat(v, n_rep), allowed, scale)
+
+
+def _merge(outs, lses, sinks, heads) -> torch.Tensor:
+    """Combine blocks' outputs by their log-sum-exp (and a sink logit per head)."""
+    stacked = torch.stack(lses)  # (n, B, H, Tq)
+    if sinks is not None:
+        sink = sinks.to(stacked.dtype).view(1, 1, heads, 1).expand(1, *stacked.shape[1:])
+        total = torch.logsumexp(torch.cat([stacked, sink]), dim=0)
+    else:
+        total = torch.logsumexp(stacked, dim=0)
+    weights = torch.exp(stacked - total)  # (n, B, H, Tq)
+    return sum(w[..., None] * o for w, o in zip(weights, outs, strict=True))
+
+
+def _gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
+    """All-gather ``(B, H, T_l, d)`` over the group along the sequence: ``(B, H, cp T_l, d)``."""
+    front = x.permute(2, 0, 1, 3).contiguous()  # (T_l, B, H, d)
+    gathered = _gather(front, 0, group)  # (cp T_l, B, H, d)
+    return gathered.permute(1, 2, 0, 3)
+
+
+def _rotate(x: torch.Tensor, cp: int, rank: int, group: str) -> torch.Tensor:
+    """Send ``x`` to rank ``rank + 1`` and receive rank ``rank - 1``'s (autograd: the reverse)."""
+    flat = x.contiguous().view(-1)
+    send = [0] * cp
+    recv = [0] * cp
+    send[(rank + 1) % cp] = flat.numel()
+    recv[(rank - 1) % cp] = flat.numel()
+    return funcol.all_to_all_single_autograd(flat, recv, send, group).view(x.shape)
+
+
+def _seq_to_heads(x: torch.Tensor, cp: int, group: str) -> torch.Tensor:
+    """``(B, H, T_l, d)`` sequence shard -> ``(B, H / cp, cp T_l, d)`` head shard."""
+    b, h, t, d = x.shape
+    parts = (
+        x.reshape(b, cp, h // cp, t, d).permute(1, 0, 2, 3, 4).contiguous()
+    )  # (cp, B, H/cp, T_l, d)
+    got = funcol.all_to_all_single_autograd(parts.view(cp, -1), None, None, group)
+    got = got.view(cp, b, h // cp, t, d)  # source rank's sequence chunk
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
+
+
+def _heads_to_seq(x: torch.Tensor, cp: int, group: str) -> torch.Tensor:
+    """``(B, H / cp, cp T_l, d)`` head shard -> ``(B, H, T_l, d)`` sequence shard."""
+    b, hl, tt, d = x.shape
+    t = tt // cp
+    parts = x.reshape(b, hl, cp, t, d).permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, H/cp, T_l, d)
+    got = funcol.all_to_all_single_autograd(parts.view(cp, -1), None, None, group)
+    got = got.view(cp, b, hl, t, d)  # source rank's heads
+    return got.permute(1, 0, 2, 3, 4).reshape(b, cp * hl, t, d)
