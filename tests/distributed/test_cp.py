@@ -16,6 +16,7 @@ import torch
 from simplefsdp.testing import run_distributed
 
 STEPS, BATCH, SEQ, LR, EOS = 3, 2, 16, 0.5, 0
+MOE = ("moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 TOL = 2e-6  # relative; gradients are reduced in float32
 
 
@@ -27,10 +28,14 @@ def _model(family: str = "llama3") -> tuple[object, torch.nn.Module]:
         sizes.update(
             dense_hidden_dim=64, num_experts=4, top_k=2, moe_hidden_dim=16, load_balance="none"
         )
+    if family not in ("llama3", "moe"):  # the published families' debug flavors, smaller
+        sizes = {"n_layers": 2, "vocab_size": 64}
+        if family in MOE:  # an auxiliary loss is a statistic of each rank's tokens
+            sizes["load_balance"] = "none"
     spec, config = resolve_flavor(f"{family}_debug", max_seq_len=64, **sizes)
     torch.manual_seed(0)
     # float64 but for MoE (grouped matmuls run in float32 at most)
-    model = spec.build(config).to(torch.float32 if family == "moe" else torch.float64)
+    model = spec.build(config).to(torch.float32 if family in MOE else torch.float64)
     with torch.no_grad():  # decisive routing: rounding must not flip a token's experts
         for name, param in model.named_parameters():
             if name.endswith("router.gate.weight"):
@@ -199,7 +204,29 @@ def test_cp2_composes_at_parity(family: str, degrees: dict) -> None:
         _cp_run, 4, args=(cases, 2, SEQ), kwargs={"family": family, **degrees}
     )
     for rank in results:
-        _check(cases, rank, 1e-4 if family == "moe" else TOL)
+        _check(cases, rank, 1e-4 if family in MOE else TOL)
+
+
+# Each published family's attention (QK-norm; sinks and sliding windows;
+# multi-head latent attention) under one backend with documents, the MoE
+# families in float32 as above.
+FAMILIES = {
+    "qwen3": ("ulysses", True, False),
+    "qwen3_moe": ("allgather", False, False),
+    "gpt_oss": ("ring", True, False),
+    "deepseek_v3": ("allgather", True, False),
+}
+
+
+def _families_run(families: dict) -> dict:
+    return {family: _cp_run([case], 2, SEQ, family)[0] for family, case in families.items()}
+
+
+def test_cp2_published_families_at_parity() -> None:
+    results = run_distributed(_families_run, 2, args=(FAMILIES,))
+    for rank in results:
+        for family, diff in rank.items():
+            _check([FAMILIES[family]], [diff], 1e-4 if family in MOE else TOL)
 
 
 def _attend_run(windows: list[int | None]) -> list[dict]:

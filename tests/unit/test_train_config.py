@@ -60,7 +60,7 @@ def test_defaults():
     assert cfg.checkpoint.resume is False
     assert cfg.metrics.output_dir == "outputs"
     assert {"llama3_debug", "moe_debug", "debug", "8B"} <= set(C.VALID_MODELS)
-    assert cfg.parallel.ep == 1 and cfg.model.load_balance == "bias"
+    assert cfg.parallel.ep == 1 and cfg.model.load_balance == "auto"
     validate_config(cfg)
 
 

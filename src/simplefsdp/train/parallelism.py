@@ -185,7 +185,7 @@ def hf_model(job: JobConfig) -> tuple[Any, Any]:
             f"model.vocab_size {m.vocab_size} differs from vocab_size {config.vocab_size} "
             f"of {source}; leave out model.vocab_size"
         )
-    if "load_balance" in {f.name for f in dataclasses.fields(config)}:
+    if m.load_balance != "auto" and "load_balance" in {f.name for f in dataclasses.fields(config)}:
         config = dataclasses.replace(config, load_balance=m.load_balance)
     return spec, config
 
@@ -210,7 +210,9 @@ def model_config(job: JobConfig, **overrides: Any) -> Any:
     if job.checkpoint.init_from_hf is not None:
         return hf_model(job)[1]
     spec = model_spec(job)
-    if "load_balance" in {f.name for f in dataclasses.fields(spec.config_type)}:
+    if job.model.load_balance != "auto" and "load_balance" in {
+        f.name for f in dataclasses.fields(spec.config_type)
+    }:
         overrides.setdefault("load_balance", job.model.load_balance)
     return resolve_flavor(job.model.name, **overrides)[1]
 

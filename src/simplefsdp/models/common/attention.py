@@ -109,6 +109,27 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     )
 
 
+def rotate_qk(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embeddings of queries ``(B, T, H, d)`` and keys ``(B, T, H_k, d)``.
+
+    Args:
+        xq: queries.
+        xk: keys (any number of heads, e.g. one shared rotary key head).
+        freqs_cis: the table the decoder hands a layer: ``(>= T, d // 2, 2)``
+            (the first ``T`` positions are used), or ``(B, T, d // 2, 2)``, a
+            table per row (positions that restart per document, or a
+            context-parallel rank's share of the positions).
+    """
+    bs, seqlen = xq.shape[:2]
+    if freqs_cis.dim() == 4:  # a table per row: rotate the rows as one sequence
+        rows = freqs_cis[:, :seqlen].reshape(bs * seqlen, *freqs_cis.shape[2:])
+        xq, xk = apply_rotary_emb(xq.flatten(0, 1)[None], xk.flatten(0, 1)[None], rows)
+        return xq.view(bs, seqlen, *xq.shape[2:]), xk.view(bs, seqlen, *xk.shape[2:])
+    return apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings.
 
@@ -164,12 +185,7 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H, hd)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
-        if freqs_cis.dim() == 4:  # a table per row: rotate the rows as one sequence
-            rows = freqs_cis[:, :seqlen].reshape(bs * seqlen, *freqs_cis.shape[2:])
-            xq, xk = apply_rotary_emb(xq.flatten(0, 1)[None], xk.flatten(0, 1)[None], rows)
-            xq, xk = xq.view(bs, seqlen, *xq.shape[2:]), xk.view(bs, seqlen, *xk.shape[2:])
-        else:
-            xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
+        xq, xk = rotate_qk(xq, xk, freqs_cis)
         if context is None:
             keys = repeat_kv(xk, self.n_rep)  # (B, T, H, hd)
             values = repeat_kv(xv, self.n_rep)  # (B, T, H, hd)

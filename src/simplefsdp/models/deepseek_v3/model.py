@@ -16,17 +16,18 @@ Parameter FQNs follow torchtitan: ``layers.0.attention.wq_a.weight``
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
-from simplefsdp.models.common.attention import attend
+from simplefsdp.models.common.attention import attend, rotate_qk
 from simplefsdp.models.common.config import YarnScaling
 from simplefsdp.models.common.decoder import Decoder, DecoderBlock
 from simplefsdp.models.common.feed_forward import FeedForward
 from simplefsdp.models.common.moe import MoE
 from simplefsdp.models.common.norms import RMSNorm, trunc_normal_
-from simplefsdp.models.common.rotary import apply_rotary_emb, precompute_freqs_cis
+from simplefsdp.models.common.rotary import precompute_freqs_cis
 
 from .args import DeepSeekV3Args
 
@@ -97,12 +98,18 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm.reset_parameters()
         trunc_normal_(self.wo.weight, init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None
+    ) -> torch.Tensor:
         """Attend over ``x``.
 
         Args:
             x: input ``(B, T, D)``.
-            freqs_cis: rotary table ``(>= T, qk_rope_head_dim // 2, 2)``.
+            freqs_cis: rotary table of the rotary part, ``(>= T,
+                qk_rope_head_dim // 2, 2)`` or a table per row (see
+                :func:`~simplefsdp.models.common.attention.rotate_qk`).
+            context: the batch's sequence context (document masks, context
+                parallelism), passed to ``attend``.
 
         Returns:
             ``(B, T, D)``.
@@ -116,7 +123,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv = self.wkv_a(x)  # (B, T, kv_lora + rope)
         latent, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        q_pe, k_pe = apply_rotary_emb(q_pe, k_pe.unsqueeze(2), freqs_cis[:seqlen])
+        q_pe, k_pe = rotate_qk(q_pe, k_pe.unsqueeze(2), freqs_cis)
         kv = self.wkv_b(self.kv_norm(latent))  # (B, T, H * (nope + v))
         kv = kv.view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -128,6 +135,7 @@ class MultiHeadLatentAttention(nn.Module):
             k.transpose(1, 2),  # (B, H, T, qk)
             v.transpose(1, 2),  # (B, H, T, v)
             scale=self.softmax_scale,
+            context=context,
         )  # (B, H, T, v)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (B, T, H * v)
         return self.wo(out)  # (B, T, D)

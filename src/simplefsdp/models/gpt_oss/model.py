@@ -13,16 +13,17 @@ rows alternating gate and up), ``mlp1_bias``, ``mlp2_weight``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from simplefsdp.models.common.attention import Attention, attend
+from simplefsdp.models.common.attention import Attention, attend, rotate_qk
 from simplefsdp.models.common.decoder import Decoder, DecoderBlock
 from simplefsdp.models.common.moe import MoE, _ContiguousGrad, grouped_mm_supported
 from simplefsdp.models.common.norms import RMSNorm, trunc_normal_
-from simplefsdp.models.common.rotary import apply_rotary_emb
 
 from .args import GptOssArgs
 
@@ -60,13 +61,17 @@ class GptOssAttention(Attention):
             nn.init.zeros_(linear.bias)
         trunc_normal_(self.sinks, 0.02)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` ``(B, T, D)``; returns ``(B, T, D)``."""
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None
+    ) -> torch.Tensor:
+        """Attend over ``x`` ``(B, T, D)``; returns ``(B, T, D)``. ``context``:
+        the batch's sequence context (document masks, context parallelism),
+        passed to ``attend``."""
         bs, seqlen, _ = x.shape
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H, hd)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
+        xq, xk = rotate_qk(xq, xk, freqs_cis)
         # Under tensor parallelism ``sinks`` is sharded over heads like ``wq``.
         out = attend(
             xq.transpose(1, 2),  # (B, H, T, hd)
@@ -74,6 +79,7 @@ class GptOssAttention(Attention):
             xv.transpose(1, 2),  # (B, H_kv, T, hd)
             sliding_window=self.sliding_window,
             sinks=_local(self.sinks),
+            context=context,
         )  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (B, T, H * hd)
         return self.wo(out)  # (B, T, D)

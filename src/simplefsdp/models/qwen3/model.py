@@ -15,12 +15,13 @@ Parameter FQNs follow torchtitan's Qwen3: ``layers.0.attention.q_norm.weight``,
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from simplefsdp.models.common.attention import Attention, attend
+from simplefsdp.models.common.attention import Attention, attend, rotate_qk
 from simplefsdp.models.common.decoder import Decoder, DecoderBlock
 from simplefsdp.models.common.norms import RMSNorm
-from simplefsdp.models.common.rotary import apply_rotary_emb
 
 from .args import Qwen3Args
 
@@ -47,20 +48,26 @@ class Qwen3Attention(Attention):
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, context: Any = None
+    ) -> torch.Tensor:
         """Attend over ``x`` of shape ``(B, T, D)``; returns ``(B, T, D)``.
 
         Args:
             x: the block's normalised input.
-            freqs_cis: rotary table ``(>= T, head_dim // 2, 2)``.
+            freqs_cis: rotary table (see :func:`~simplefsdp.models.common.attention.rotate_qk`).
+            context: the batch's sequence context (document masks, context
+                parallelism), passed to ``attend``.
         """
         bs, seqlen, _ = x.shape
         # ``-1`` head counts keep this usable when heads are split across devices.
         xq = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))  # (B, T, H, hd)
         xk = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))  # (B, T, H_kv, hd)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H_kv, hd)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-        out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))  # (B, H, T, hd)
+        xq, xk = rotate_qk(xq, xk, freqs_cis)
+        out = attend(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), context=context
+        )  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (B, T, H * hd)
         return self.wo(out)  # (B, T, D)
 

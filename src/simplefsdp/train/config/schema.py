@@ -40,7 +40,8 @@ from simplefsdp.parallel_dims import (
 #: then the accepted aliases; :mod:`simplefsdp.models.registry`).
 VALID_MODELS: tuple[str, ...] = flavor_names(aliases=True)
 #: Load balancing of a mixture-of-experts model (``model.load_balance``).
-LOAD_BALANCE_MODES: tuple[str, ...] = ("bias", "aux_loss", "none")
+#: ``"auto"`` keeps the model's own.
+LOAD_BALANCE_MODES: tuple[str, ...] = ("auto", "bias", "aux_loss", "none")
 #: Data-parallel sharding modes (``parallel.mode``).
 PARALLEL_MODES = DATA_PARALLEL_MODES
 #: Pipeline schedules (``parallel.pp_schedule``), torch's GPipe, 1F1B and interleaved 1F1B.
@@ -83,8 +84,11 @@ class ModelConfig:
         vocab_size: Overrides the model's vocabulary size (``None``: use the
             tokenizer's / model's own).
         max_seq_len: Overrides the model's maximum sequence length.
-        load_balance: Mixture-of-experts models only, one of
-            :data:`LOAD_BALANCE_MODES`: ``"bias"`` (DeepSeek-V3's
+        load_balance: Mixture-of-experts models only; ``"auto"`` (the
+            default) keeps the model's own (its flavor's, or its Hugging Face folder's:
+            ``moe`` and ``deepseek_v3`` flavors route with ``"bias"``,
+            Qwen3-MoE with ``"aux_loss"``, GPT-OSS with ``"none"``), else one
+            of :data:`LOAD_BALANCE_MODES`: ``"bias"`` (DeepSeek-V3's
             auxiliary-loss-free routing bias, updated after every optimizer
             step from the tokens each expert received on all ranks),
             ``"aux_loss"`` (a switch-style auxiliary loss whose gradient
@@ -94,7 +98,7 @@ class ModelConfig:
     name: str = field(default="debug", metadata=_choices(VALID_MODELS))
     vocab_size: int | None = None
     max_seq_len: int | None = None
-    load_balance: str = field(default="bias", metadata=_choices(LOAD_BALANCE_MODES))
+    load_balance: str = field(default="auto", metadata=_choices(LOAD_BALANCE_MODES))
 
 
 @dataclass
@@ -680,7 +684,7 @@ def config_warnings(job: JobConfig) -> list[str]:
             f"parallel.reshard_after_forward={p.reshard_after_forward} needs compile.enable "
             "true; uncompiled, simplefsdp regathers over the whole shard group"
         )
-    if job.model.load_balance != "bias" and not _has_field(job.model.name, "load_balance"):
+    if job.model.load_balance != "auto" and not _has_field(job.model.name, "load_balance"):
         warnings.append(
             f"model.load_balance is only used by the mixture-of-experts models "
             f"(model.name is {job.model.name!r})"
