@@ -140,3 +140,13 @@ def test_readme_commands_are_what_ci_runs():
 
 def test_readme_is_an_overview():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 300
+
+
+def test_models_page_lists_every_family_and_flavor():
+    """docs/models/index.md names every registered family and flavor."""
+    from simplefsdp.models.registry import family_names, flavor_names
+
+    page = (ROOT / "docs" / "models" / "index.md").read_text()
+    missing = [f"`{name}`" for name in (*family_names(), *flavor_names())]
+    missing = [name for name in missing if name not in page]
+    assert not missing, f"docs/models/index.md lacks {missing}"

@@ -104,8 +104,16 @@ class ModelSpec:
             through :class:`simplefsdp.checkpoint.hf.HFCheckpoint`'s
             ``read_hf``/``hf_shape``/``has``),
             ``config_from_hf``/``config_to_hf``, ``config_differences`` and
-            ``hf_sort_key``; see
-            :class:`simplefsdp.models.llama3.hf_adapter.LlamaHFAdapter`.
+            ``hf_sort_key``; optionally ``architectures`` (the
+            ``config.json`` class names it reads when the ``model_type``
+            is another; default: ``transformers``' causal-LM class of each
+            of its model types), ``any_model_type`` (it reads every model
+            type no other family reads: the ``transformers`` family) and
+            ``hf_files(config)`` (extra files an export copies, such as a
+            model's own code); see
+            :class:`simplefsdp.models.llama3.hf_adapter.LlamaHFAdapter` and
+            Note: [Which family reads a folder] in
+            :mod:`simplefsdp.checkpoint.hf`.
         plan_method: how ``simplefsdp plan`` predicts a job of this family:
             ``"trace"`` (trace ``build`` with 1 and 2 blocks on the meta
             device) or ``"analytic"`` (from the config's shapes, for
