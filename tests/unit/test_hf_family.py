@@ -274,3 +274,26 @@ def test_train_refuses_a_folder_with_code_in_one_line(folders, tmp_path, capsys)
         "(auto_map), which runs only with --checkpoint.trust_remote_code true"
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_experts_picked_by_the_data_need_an_engine_that_gathers_blocks(tmp_path):
+    """A transformers mixture-of-experts block runs only the experts its
+    tokens picked: simplefsdp (gathering each parameter where it is read)
+    refuses it in one line; the engines that gather whole blocks take it."""
+    from simplefsdp.train.resolve import job_errors
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)  # config.json is all the resolve step reads
+    errors, _ = job_errors(_job(tmp_path, "--data.seq_len", "32"), 2)
+    assert errors == [
+        f"parallel.engine simplefsdp: model {str(tmp_path)!r} runs only the experts its "
+        "tokens picked, so ranks with different data would gather different parameters; "
+        "use parallel.engine simplefsdp_eager or fsdp2 (they gather whole blocks)"
+    ]
+    for engine in ("simplefsdp_eager", "fsdp2"):
+        flags = ("--data.seq_len", "32", "--parallel.engine", engine)
+        assert job_errors(_job(tmp_path, *flags), 2)[0] == []

@@ -224,10 +224,10 @@ def _materialize(
         init_fn(model)
 
 
-def _compile_blocks(model: nn.Module, backend: str) -> None:
+def _compile_blocks(model: nn.Module, backend: str, fullgraph: bool = True) -> None:
     """Compile each repeated block in place (``Module.compile``), as torchtitan does."""
     for _, block in repeated_blocks(model):
-        block.compile(backend=backend, fullgraph=True)
+        block.compile(backend=backend, fullgraph=fullgraph)
 
 
 def _eager_plan(bucketing: Any) -> Any:
@@ -387,7 +387,7 @@ def _apply_ddp(
         logger.warning(notes[-1])
     _materialize(model, device, init_fn, sharded_reads=False)
     if spec.compile:
-        _compile_blocks(model, spec.backend)
+        _compile_blocks(model, spec.backend, spec.fullgraph)
     kwargs: dict[str, Any] = {}
     if not spec.broadcast_buffers:
         # torch >= 2.13 renames it (the old name warns); both still sync at init.

@@ -52,6 +52,9 @@ class Engine:
             reshard groups apply); FSDP2 and the eager executor copy into
             flat buffers per block.
         fsdp2_runtime: torch FSDP2's hooks and copy-in/copy-out buffers.
+        gathers_per_read: each parameter is all-gathered where the forward
+            reads it (so every rank must read the same parameters; see
+            ``ModelSpec.data_dependent_reads``), not whole blocks at once.
         replicate_on_2d: ``replicate`` runs as HSDP on a ``(dp, 1)`` mesh.
         trains: it runs a model (``False``: the bench's collectives-only baseline).
         bench_only: a baseline of ``simplefsdp bench``, not a training engine.
@@ -68,6 +71,7 @@ class Engine:
     simplefsdp: ClassVar[bool] = False
     fused_buckets: ClassVar[bool] = False
     fsdp2_runtime: ClassVar[bool] = False
+    gathers_per_read: ClassVar[bool] = False
     replicate_on_2d: ClassVar[bool] = False
     trains: ClassVar[bool] = True
     bench_only: ClassVar[bool] = False
@@ -111,6 +115,7 @@ class SimpleFSDP(Engine):
     shards = True
     simplefsdp = True
     fused_buckets = True
+    gathers_per_read = True
     plannable = True
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from simplefsdp.engines.kinds import FEATURES, composition_errors
+from simplefsdp.engines.kinds import FEATURES, composition_errors, get_engine
 from simplefsdp.layout import Layout
 from simplefsdp.layout.pipeline import num_stages, pipeline_errors
 
@@ -84,6 +84,8 @@ def job_errors(
     n = {**_NAMES, **{k: k for k in ("tp", "pp", "ep", "cp")}, **(names or {})}
     model = f"model {model_name!r}" if model_name else "the model"
     errors: list[str] = []
+    if isinstance(engine, str):
+        engine = get_engine(engine)
     if engine is not None:
         errors += composition_errors(
             engine,
@@ -136,8 +138,23 @@ def job_errors(
         ):
             if not any(line.startswith(f"{n[k]} ") for k in missing if k in n):
                 errors.append(line)
+    if (
+        engine is not None
+        and engine.gathers_per_read
+        and spec.data_dependent_reads is not None
+        and spec.data_dependent_reads(config)
+    ):
+        errors.append(
+            f"{n.get('engine', 'engine')} {engine.name}: {model} runs only the experts its "
+            "tokens picked, so ranks with different data would gather different parameters; "
+            f"use {n.get('engine', 'engine')} simplefsdp_eager or fsdp2 (they gather whole "
+            "blocks)"
+        )
     tp = layout.tp if isinstance(layout.tp, int) else 1
-    if tp > 1 and compile and not spec.fullgraph:
+    breaks = not spec.fullgraph or (
+        spec.data_dependent_reads is not None and spec.data_dependent_reads(config)
+    )
+    if tp > 1 and compile and breaks:
         # A DTensor graph split by graph breaks fails in AOTAutograd ("Mixing
         # fake modes"): tensor parallelism of such a model runs uncompiled.
         errors.append(

@@ -80,6 +80,15 @@ class ModelSpec:
             list[nn.Module]``, copies of the model keeping each stage's part.
         fullgraph: a compiled forward is one graph (``False``: a MoE layer
             reads its token counts to the host).
+        data_dependent_reads: ``data_dependent_reads(config) -> bool``: a
+            forward reads parameters that depend on its data (a
+            mixture-of-experts block that runs only the experts its tokens
+            picked, as Hugging Face Mixtral's), so ranks with different
+            data read different parameters. Engines that gather each
+            parameter where it is read (``simplefsdp``) refuse such a model;
+            engines that gather whole blocks (``simplefsdp_eager``,
+            ``fsdp2``) train it, compiled around the graph breaks such a
+            block makes. ``None``: never.
         after_optimizer_step: ``after_optimizer_step(model, *,
             process_group=None)``, called after each optimizer step (the
             routing-bias update from the tokens each expert received, summed
@@ -138,6 +147,7 @@ class ModelSpec:
     tensor_parallel: Callable[..., None] | None = None
     pipeline_split: Callable[..., list[Any]] | None = None
     fullgraph: bool = True
+    data_dependent_reads: Callable[[Any], bool] | None = None
     after_optimizer_step: Callable[..., Mapping[str, Any] | None] | None = None
     hf_adapter: Any = None
     discard_step_state: Callable[[Any], None] | None = None

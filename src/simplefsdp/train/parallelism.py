@@ -10,6 +10,7 @@ family's spec (the benchmark runs it too).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -245,11 +246,14 @@ def parallelize_job(
         eos_id=eos_id if getattr(job.data, "mask_document_boundaries", False) else None,
         restart_positions=getattr(job.data, "restart_positions", False),
     )
+    engine = engine_spec(job)
+    if spec.data_dependent_reads is not None and spec.data_dependent_reads(model_config(job)):
+        engine = dataclasses.replace(engine, fullgraph=False)  # its expert loop breaks graphs
     return parallelize_model(
         model,
         spec,
         mesh if mesh is not None else job_mesh(job, device),
-        engine_spec(job),
+        engine,
         device,
         options,
     )

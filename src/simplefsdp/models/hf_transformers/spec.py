@@ -111,6 +111,21 @@ def validate(
     return errors
 
 
+#: ``config.json`` keys giving a mixture-of-experts model's routed experts
+#: (Mixtral; Qwen2-MoE, OLMoE; DeepSeek; others).
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def routes_to_experts(config: TransformersConfig) -> bool:
+    """The model has routed experts: ``transformers``' mixture-of-experts
+    blocks run only the experts their tokens picked (data-dependent reads)."""
+    for key in _EXPERT_KEYS:
+        value = config.hf_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return True
+    return False
+
+
 SPEC = ModelSpec(
     family="transformers",
     description="any causal LM of transformers, through its own modeling code",
@@ -124,5 +139,6 @@ SPEC = ModelSpec(
     validate=validate,
     capabilities=frozenset({"tp", "hf"}),
     tensor_parallel=_tensor_parallel,
+    data_dependent_reads=routes_to_experts,
     hf_adapter=TRANSFORMERS_HF_ADAPTER,
 )
