@@ -278,8 +278,8 @@ def test_train_refuses_a_folder_with_code_in_one_line(folders, tmp_path, capsys)
 
 def test_experts_picked_by_the_data_need_an_engine_that_gathers_blocks(tmp_path):
     """A transformers mixture-of-experts block runs only the experts its
-    tokens picked: simplefsdp (gathering each parameter where it is read)
-    refuses it in one line; the engines that gather whole blocks take it."""
+    tokens picked: the engines that need the same reads on every rank
+    refuse it in one line; the eager executor (whole blocks) takes it."""
     from simplefsdp.train.resolve import job_errors
 
     config = transformers.MixtralConfig(
@@ -291,9 +291,10 @@ def test_experts_picked_by_the_data_need_an_engine_that_gathers_blocks(tmp_path)
     errors, _ = job_errors(_job(tmp_path, "--data.seq_len", "32"), 2)
     assert errors == [
         f"parallel.engine simplefsdp: model {str(tmp_path)!r} runs only the experts its "
-        "tokens picked, so ranks with different data would gather different parameters; "
-        "use parallel.engine simplefsdp_eager or fsdp2 (they gather whole blocks)"
+        "tokens picked, so ranks with different data would read different parameters; "
+        "use parallel.engine simplefsdp_eager (it gathers and reduces whole blocks)"
     ]
-    for engine in ("simplefsdp_eager", "fsdp2"):
-        flags = ("--data.seq_len", "32", "--parallel.engine", engine)
-        assert job_errors(_job(tmp_path, *flags), 2)[0] == []
+    errors, _ = job_errors(_job(tmp_path, "--data.seq_len", "32", "--parallel.engine", "fsdp2"), 2)
+    assert len(errors) == 1 and errors[0].startswith("parallel.engine fsdp2: ")
+    flags = ("--data.seq_len", "32", "--parallel.engine", "simplefsdp_eager")
+    assert job_errors(_job(tmp_path, *flags), 2)[0] == []

@@ -52,9 +52,13 @@ class Engine:
             reshard groups apply); FSDP2 and the eager executor copy into
             flat buffers per block.
         fsdp2_runtime: torch FSDP2's hooks and copy-in/copy-out buffers.
-        gathers_per_read: each parameter is all-gathered where the forward
-            reads it (so every rank must read the same parameters; see
-            ``ModelSpec.data_dependent_reads``), not whole blocks at once.
+        needs_same_reads: every rank must read, and give gradients to, the
+            same parameters in each step (``simplefsdp`` gathers each
+            parameter where it is read; FSDP2 reduce-scatters the gradients
+            that exist; DDP expects every gradient), so a model whose reads
+            depend on its data (``ModelSpec.data_dependent_reads``) is
+            refused. The eager executor gathers and reduces whole blocks
+            (zeros for parameters not read).
         replicate_on_2d: ``replicate`` runs as HSDP on a ``(dp, 1)`` mesh.
         trains: it runs a model (``False``: the bench's collectives-only baseline).
         bench_only: a baseline of ``simplefsdp bench``, not a training engine.
@@ -71,7 +75,7 @@ class Engine:
     simplefsdp: ClassVar[bool] = False
     fused_buckets: ClassVar[bool] = False
     fsdp2_runtime: ClassVar[bool] = False
-    gathers_per_read: ClassVar[bool] = False
+    needs_same_reads: ClassVar[bool] = False
     replicate_on_2d: ClassVar[bool] = False
     trains: ClassVar[bool] = True
     bench_only: ClassVar[bool] = False
@@ -115,7 +119,7 @@ class SimpleFSDP(Engine):
     shards = True
     simplefsdp = True
     fused_buckets = True
-    gathers_per_read = True
+    needs_same_reads = True
     plannable = True
 
 
@@ -152,6 +156,7 @@ class FSDP2(Engine):
     }
     ep_modes = ("fully_shard",)
     shards = True
+    needs_same_reads = True
     fsdp2_runtime = True
     replicate_on_2d = True
     plannable = True
@@ -163,6 +168,7 @@ class DDP(Engine):
     name = "ddp"
     description = "torch DDP (replicated parameters, all-reduced gradients)"
     modes = ("replicate",)
+    needs_same_reads = True
     features = frozenset({"compile"})
     why_not = {
         "tp": "use engine 'simplefsdp' with mode 'replicate' for DDP semantics",

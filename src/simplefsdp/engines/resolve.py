@@ -140,14 +140,14 @@ def job_errors(
                 errors.append(line)
     if (
         engine is not None
-        and engine.gathers_per_read
+        and engine.needs_same_reads
         and spec.data_dependent_reads is not None
         and spec.data_dependent_reads(config)
     ):
         errors.append(
             f"{n.get('engine', 'engine')} {engine.name}: {model} runs only the experts its "
-            "tokens picked, so ranks with different data would gather different parameters; "
-            f"use {n.get('engine', 'engine')} simplefsdp_eager or fsdp2 (they gather whole "
+            "tokens picked, so ranks with different data would read different parameters; "
+            f"use {n.get('engine', 'engine')} simplefsdp_eager (it gathers and reduces whole "
             "blocks)"
         )
     tp = layout.tp if isinstance(layout.tp, int) else 1

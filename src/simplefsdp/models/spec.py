@@ -84,11 +84,11 @@ class ModelSpec:
             forward reads parameters that depend on its data (a
             mixture-of-experts block that runs only the experts its tokens
             picked, as Hugging Face Mixtral's), so ranks with different
-            data read different parameters. Engines that gather each
-            parameter where it is read (``simplefsdp``) refuse such a model;
-            engines that gather whole blocks (``simplefsdp_eager``,
-            ``fsdp2``) train it, compiled around the graph breaks such a
-            block makes. ``None``: never.
+            data read different parameters. Engines that need every rank to
+            read the same parameters (``simplefsdp``, ``fsdp2``, ``ddp``)
+            refuse such a model; the eager executor (``simplefsdp_eager``),
+            which gathers and reduces whole blocks, trains it. ``None``:
+            never.
         after_optimizer_step: ``after_optimizer_step(model, *,
             process_group=None)``, called after each optimizer step (the
             routing-bias update from the tokens each expert received, summed
