@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -201,8 +202,10 @@ def test_mxfp4_experts_dequantize_like_transformers(hf_checkpoint, tmp_path) -> 
             )
             scales = torch.randint(120, 132, (e, d_out, d_in // 32), generator=g, dtype=torch.uint8)
             tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-            # transformers' (E, in, out) -> ours (E, out, in)
-            expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            # transformers' (E, in, out) -> ours (E, out, in); on the CPU even
+            # where CUDA is visible (it moves the blocks to a GPU then)
+            with mock.patch.object(torch.cuda, "is_available", return_value=False):
+                expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}
