@@ -151,3 +151,18 @@ def expert_load_metrics(loads: Sequence[ExpertLoad]) -> dict[str, Any]:
     }
     worst = max((entry["imbalance"] for entry in layers.values()), default=None)
     return {"moe_imbalance": worst, "moe_layers": layers}
+
+
+def after_optimizer_step(model: nn.Module, *, process_group=None) -> dict[str, Any]:
+    """The ``ModelSpec.after_optimizer_step`` of a family with
+    :class:`~simplefsdp.models.common.moe.MoE` layers: the routing-bias update
+    (:func:`update_expert_bias`) and the expert-load metrics it returns."""
+    loads = update_expert_bias(model, process_group)
+    return expert_load_metrics(loads) if loads else {}
+
+
+def discard_step_state(model: nn.Module) -> None:
+    """The ``ModelSpec.discard_step_state`` of a family with MoE layers: forget
+    the tokens routed since the last optimizer step (e.g. a validation pass)."""
+    for _, layer in _moe_layers(model):
+        layer.tokens_per_expert.zero_()

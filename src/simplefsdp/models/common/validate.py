@@ -80,3 +80,39 @@ def decoder_errors(
             f"{model} has {config.n_layers} layers; use at most {config.n_layers} stages"
         )
     return errors
+
+
+def expert_errors(
+    num_experts: int,
+    layout: Any,
+    *,
+    model_name: str | None = None,
+    names: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The rules of a mixture-of-experts decoder (with
+    :class:`~simplefsdp.models.common.moe.MoE` layers) against the layout:
+    ``ep`` divides the routed experts, and expert parallelism does not combine
+    with tensor parallelism (the routed experts are replicated over tp).
+
+    Args:
+        num_experts: routed experts per MoE layer.
+        layout: anything with ``ep`` and ``tp`` (missing ones count as 1).
+        model_name / names: as for :func:`decoder_errors`.
+    """
+    n = flag_names(names)
+    model = f"model {model_name!r}" if model_name else "the model"
+    ep, tp = getattr(layout, "ep", 1), getattr(layout, "tp", 1)
+    errors = []
+    if ep > 1 and num_experts % ep:
+        valid = divisors(num_experts)
+        errors.append(
+            f"{n['ep']} {ep} does not divide the {num_experts} experts of {model} (each "
+            f"rank holds num_experts / {n['ep']}); valid: {', '.join(map(str, valid))}"
+        )
+    if ep > 1 and tp > 1:
+        errors.append(
+            f"{n['ep']} {ep} with {n['tp']} {tp}: expert and tensor parallelism do not compose "
+            f"for mixture-of-experts models (routed experts are replicated over tp); use "
+            f"{n['ep']} 1 or {n['tp']} 1"
+        )
+    return errors

@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from simplefsdp.models.common.load_balance import expert_load_metrics, update_expert_bias
-from simplefsdp.models.common.moe import MoE
+from simplefsdp.models.common.load_balance import after_optimizer_step, discard_step_state
 from simplefsdp.models.common.stages import pipeline_split
-from simplefsdp.models.common.validate import decoder_errors, divisors, flag_names
+from simplefsdp.models.common.validate import decoder_errors, expert_errors
 from simplefsdp.models.llama3.spec import cross_entropy
 from simplefsdp.models.qwen3.args import (
     Qwen3MoEArgs,
@@ -35,17 +34,6 @@ from simplefsdp.models.qwen3.hf_adapter import QWEN3_MOE_HF_ADAPTER
 from simplefsdp.models.qwen3.model import Transformer
 from simplefsdp.models.qwen3.spec import init_weights, tensor_parallel, tp_split_sizes
 from simplefsdp.models.spec import ModelSpec
-
-
-def _after_optimizer_step(model: Any, *, process_group: Any = None) -> dict[str, Any]:
-    loads = update_expert_bias(model, process_group)
-    return expert_load_metrics(loads) if loads else {}
-
-
-def _discard_step_state(model: Any) -> None:
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.tokens_per_expert.zero_()
 
 
 def validate(
@@ -64,8 +52,6 @@ def validate(
 
     See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
     """
-    n = flag_names(names)
-    model = f"model {model_name!r}" if model_name else "the model"
     errors = decoder_errors(
         config,
         layout,
@@ -75,19 +61,7 @@ def validate(
         model_name=model_name,
         names=names,
     )
-    ep, tp = getattr(layout, "ep", 1), getattr(layout, "tp", 1)
-    if ep > 1 and config.num_experts % ep:
-        valid = divisors(config.num_experts)
-        errors.append(
-            f"{n['ep']} {ep} does not divide the {config.num_experts} experts of {model} (each "
-            f"rank holds num_experts / {n['ep']}); valid: {', '.join(map(str, valid))}"
-        )
-    if ep > 1 and tp > 1:
-        errors.append(
-            f"{n['ep']} {ep} with {n['tp']} {tp}: expert and tensor parallelism do not compose "
-            f"for mixture-of-experts models (routed experts are replicated over tp); use "
-            f"{n['ep']} 1 or {n['tp']} 1"
-        )
+    errors += expert_errors(config.num_experts, layout, model_name=model_name, names=names)
     return errors
 
 
@@ -108,8 +82,8 @@ SPEC = ModelSpec(
     pipeline_split=pipeline_split,
     fullgraph=False,
     plan_method="analytic",
-    after_optimizer_step=_after_optimizer_step,
-    discard_step_state=_discard_step_state,
+    after_optimizer_step=after_optimizer_step,
+    discard_step_state=discard_step_state,
     float8_skip_fqns=("router.gate",),
     hf_adapter=QWEN3_MOE_HF_ADAPTER,
 )
