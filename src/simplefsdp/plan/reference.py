@@ -204,7 +204,11 @@ def predict_row(row: ReferenceRow, hw=None):
     hw = hw or get_profile(row.hardware)
     spec, config = resolve_flavor(row.model)
     if row.seq > config.max_seq_len:
-        spec, config = resolve_flavor(row.model, max_seq_len=row.seq)
+        # One raised length per model (the longest of its rows), so that rows
+        # whose ranks trace the same shapes share one trace (the CP rows of a
+        # table: FSDP over dp x cp, seq / cp tokens per rank).
+        longest = max(r.seq for r in REFERENCE_ROWS if r.model == row.model)
+        spec, config = resolve_flavor(row.model, max_seq_len=max(longest, row.seq))
     if spec.plan_method == "analytic":
         from simplefsdp.plan.analytic import ExpertLayout
 
