@@ -53,6 +53,7 @@ METHOD_FLAGS = {
         "--microbatches",
         "--dtype",
         "--loss-parallel",
+        "--fused-loss",
         "--float8",
         "--bucketing",
         "--sweep",
@@ -68,6 +69,7 @@ _GIVEN = {
     "--microbatches": lambda ns: ns.microbatches not in (None, 1),
     "--dtype": lambda ns: ns.dtype != "bf16",
     "--loss-parallel": lambda ns: ns.loss_parallel,
+    "--fused-loss": lambda ns: ns.fused_loss,
     "--float8": lambda ns: ns.float8,
     "--bucketing": lambda ns: ns.bucketing != "auto",
     "--sweep": lambda ns: ns.sweep,
@@ -261,6 +263,12 @@ def _parser() -> argparse.ArgumentParser:
         "(simplefsdp train --parallel.loss_parallel true; torchtitan's default)",
     )
     p.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="the loss compiled with Inductor: fp32 upcast, log-softmax and NLL fused, "
+        "their fp32 tensors never held (torchtitan compiles it with compile on since 2025)",
+    )
+    p.add_argument(
         "--float8",
         action="store_true",
         help="torchao float8 training (tensorwise, float8 all-gather) of every linear "
@@ -359,6 +367,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         dtype=ns.dtype,
         float8=ns.float8,
         loss_parallel=ns.loss_parallel,
+        fused_loss=ns.fused_loss,
     )
 
 
