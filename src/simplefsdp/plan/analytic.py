@@ -192,10 +192,12 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
             for e in _divisors(math.gcd(config.num_experts, layout.fsdp))
             if e == 1 or e % layout.cp == 0
         ]
-        raise ValueError(
-            f"--ep {layout.ep} does not divide the {layout.fsdp} FSDP ranks or is not a "
-            f"multiple of --cp {layout.cp}; valid --ep: {', '.join(map(str, valid))}"
+        why = (
+            f"does not divide the {layout.fsdp} FSDP ranks (dp x cp)"
+            if layout.fsdp % layout.ep
+            else f"is not a multiple of --cp {layout.cp} (an EP group spans whole CP groups)"
         )
+        raise ValueError(f"--ep {layout.ep} {why}; valid --ep: {', '.join(map(str, valid))}")
 
 
 def expert_params(args: Any) -> int:
