@@ -151,6 +151,7 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
         ),
         (["--model", "moe_debug", "--float8"], "--float8 is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--sweep"], "--sweep is not planned for 'moe_debug'"),
+        (["--model", "moe_debug", "--fused-loss"], "--fused-loss is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--ep", "0"], "--ep must be >= 1, got 0"),
         (
             ["--model", "moe_debug", "--expert-imbalance", "0.5"],
