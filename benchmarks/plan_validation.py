@@ -5,6 +5,8 @@ machine running nothing else)::
 
     python benchmarks/plan_validation.py --out /tmp/pv [--workloads compute,comm,memory]
         [--configs fsdp2,simplefsdp-auto] [--rounds 3] [--calibrate-rounds 3]
+    python benchmarks/plan_validation.py --out /tmp/pv --workloads long --cp 2
+    python benchmarks/plan_validation.py --out /tmp/pv --workloads moe --ep 2
 
 Why bracketed: on a small shared machine the speed drifts by more than the
 model's error (on a 2-core CPU machine the same configuration took
@@ -17,6 +19,11 @@ order over rounds (A B, B A, ...). Each run is predicted with a profile made
 from the rounds of the two calibrations around it (``median_raw`` over both,
 then ``profile_from``, as ``--calibrate`` makes one), and also with the one
 before it alone, to show what the bracketing changes.
+
+Every workload of ``simplefsdp bench`` is predicted by its model's plan
+method: the traced plan for dense models (``long`` with ``--cp``, forwarded
+to the bench), the analytic plan for models with routed experts (``moe``
+with ``--ep``), with the workload's model overrides.
 
 Measured: the run's median step time and its peak without warm-up residency
 (``peak_mem_bytes_beyond_warmup_resident``: the number comparable with a
@@ -84,25 +91,41 @@ def profile(calibrations: list[dict]):
     return profile_from(median_raw(rounds), "calibrated-cpu-gloo", "cpu")
 
 
-def predict_run(env: dict, config: str, hw) -> tuple[float, int]:
-    """The plan's step time and peak bytes for the bench's job under ``hw``."""
+def predict_run(env: dict, config: str, hw, cp: int = 1) -> tuple[float, int]:
+    """The plan's step time and peak bytes for the bench's job under ``hw``
+    (``cp``: the bench's context-parallel degree, which its record lacks)."""
     from simplefsdp.models.registry import resolve_flavor
     from simplefsdp.plan.predict import Layout, predict
 
-    layout = Layout(
-        gpus=env["world_size"],
-        batch=env["batch_size"],
-        seq=env["seq_len"],
-        tp=1,
-        pp=1,
-        ac="none",
-        microbatches=1,
-        reshard_after_forward=True,
-        bucketing="auto",
-        engine=ENGINES[config],
-        dtype="fp32",
-    )
-    pred = predict(*resolve_flavor(env["model"]), layout, hw)
+    spec, model = resolve_flavor(env["model"], **(env.get("model_overrides") or {}))
+    if env["seq_len"] > model.max_seq_len:  # as the bench's workers build it
+        spec, model = resolve_flavor(
+            env["model"], **(env.get("model_overrides") or {}), max_seq_len=env["seq_len"]
+        )
+    if spec.plan_method == "analytic":
+        from simplefsdp.plan.analytic import ExpertLayout
+
+        layout = ExpertLayout(
+            gpus=env["world_size"],
+            batch=env["batch_size"],
+            seq=env["seq_len"],
+            ep=env.get("ep") or 1,
+            cp=cp,
+            ac="none",
+            engine=ENGINES[config],
+        )
+    else:
+        layout = Layout(
+            gpus=env["world_size"],
+            batch=env["batch_size"],
+            seq=env["seq_len"],
+            cp=cp,
+            ac="none",
+            bucketing="auto",
+            engine=ENGINES[config],
+            dtype="fp32",
+        )
+    pred = predict(spec, model, layout, hw)
     return pred.step_s, pred.peak_bytes
 
 
@@ -115,6 +138,7 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
 def measure_workload(workload: str, ns, out: Path) -> list[dict]:
     """Calibration, run, calibration, run, ... over ``ns.rounds`` rounds."""
     extra = ["--steps", str(ns.steps)] if ns.steps else []
+    extra += ["--cp", str(ns.cp), "--ep", str(ns.ep)]
     cals = [calibrate(out / "cal0", ns.calibrate_rounds)]
     runs = []
     for r in range(ns.rounds):
@@ -130,8 +154,8 @@ def measure_workload(workload: str, ns, out: Path) -> list[dict]:
     for run in runs:
         before, after = cals[run["cal"]], cals[run["cal"] + 1]
         row = run["row"]
-        step, peak = predict_run(run["env"], run["config"], profile([before, after]))
-        step_before, _ = predict_run(run["env"], run["config"], profile([before]))
+        step, peak = predict_run(run["env"], run["config"], profile([before, after]), ns.cp)
+        step_before, _ = predict_run(run["env"], run["config"], profile([before]), ns.cp)
         run.update(
             measured_step_s=row["step_time_s_median"],
             measured_peak_bytes=row["peak_mem_bytes_beyond_warmup_resident"],
@@ -217,11 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calibrate-rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=None, help="measured steps per bench run")
+    p.add_argument("--cp", type=int, default=1, help="context parallel degree (workload long)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel degree (workload moe)")
     ns = p.parse_args(argv)
     ns.configs = ns.configs.split(",")
     unknown = [c for c in ns.configs if c not in ENGINES]
     if unknown:
         p.error(f"unknown --configs {unknown}; valid: {sorted(ENGINES)}")
+    if ns.cp < 1 or ns.ep < 1:
+        p.error(f"--cp and --ep must be >= 1, got {ns.cp}, {ns.ep}")
     if ns.rounds < 1 or ns.calibrate_rounds < 1:
         p.error(
             f"--rounds and --calibrate-rounds must be >= 1, got {ns.rounds}, {ns.calibrate_rounds}"

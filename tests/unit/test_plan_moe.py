@@ -131,13 +131,27 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
         ),
         (
             ["--model", "moe_small", "--gpus", "6", "--ep", "4"],
-            "--ep 4 does not divide the 6 data-parallel ranks; valid --ep: 1, 2",
+            "--ep 4 does not divide the 6 FSDP ranks (dp x cp); valid --ep: 1, 2",
         ),
         (["--model", "debug", "--ep", "2"], "--ep needs a model with expert parallelism"),
         (["--model", "debug", "--expert-imbalance", "2"], "--expert-imbalance is not planned"),
         (["--model", "moe_debug", "--tp", "2"], "--tp is not planned for 'moe_debug'"),
+        (
+            ["--model", "moe_small", "--gpus", "8", "--cp", "4", "--ep", "2"],
+            "--ep 2 is not a multiple of --cp 4 (an EP group spans whole CP groups); "
+            "valid --ep: 1, 4, 8",
+        ),
+        (
+            ["--model", "moe_small", "--gpus", "6", "--cp", "4"],
+            "--cp 4 does not divide the 6 GPUs; valid --cp: 1, 2, 3, 6",
+        ),
+        (
+            ["--model", "moe_small", "--cp", "2", "--seq", "510"],
+            "--seq 510 does not split over --cp 2",
+        ),
         (["--model", "moe_debug", "--float8"], "--float8 is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--sweep"], "--sweep is not planned for 'moe_debug'"),
+        (["--model", "moe_debug", "--fused-loss"], "--fused-loss is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--ep", "0"], "--ep must be >= 1, got 0"),
         (
             ["--model", "moe_debug", "--expert-imbalance", "0.5"],

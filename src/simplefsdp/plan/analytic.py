@@ -72,6 +72,17 @@ Note: [Analytic plan model]
     Load imbalance: ``imbalance`` (default 1.0, perfectly balanced routing)
     is the ratio of the most loaded EP rank's routed tokens to the mean; the
     step waits for that rank. Not modelled: Float8, TP and PP.
+
+    Context parallelism (``cp``, torchtitan's layout as for traced plans):
+    FSDP and EP over all ``gpus`` ranks (``ep`` a multiple of ``cp``), each
+    CP rank ``seq / cp`` tokens of every sequence (load-balanced causal
+    attention: each rank's queries meet ``seq / 2`` keys on average, so
+    attention's work per local token is the full sequence's). Every
+    attention all-gathers its keys and values from the CP ranks (forward,
+    AC's recomputation; backward reduce-scatters their gradients), exposed
+    (the attention waits for them); the gathered keys and values are saved
+    per block under ``none``/``selective`` AC, one block's at a time under
+    ``full``.
 """
 
 from __future__ import annotations
@@ -111,9 +122,16 @@ class ExpertLayout:
     engine: str = "simplefsdp"
     reshard_after_forward: bool = True
     imbalance: float = 1.0
+    cp: int = 1
 
     @property
     def dp(self) -> int:
+        """Ranks that read different batches: the GPUs over ``cp``."""
+        return self.gpus // self.cp
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks FSDP shards over (``dp x cp``: every GPU)."""
         return self.gpus
 
     @property
@@ -124,6 +142,8 @@ class ExpertLayout:
     def describe(self) -> str:
         """One line naming the layout, as in ``--sweep`` tables."""
         parts = [f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [
@@ -147,19 +167,37 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
     for flag, value in (("--gpus", layout.gpus), ("--batch", layout.batch), ("--seq", layout.seq)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if layout.ep < 1:
-        raise ValueError(f"--ep must be >= 1, got {layout.ep}")
+    for flag, value in (("--ep", layout.ep), ("--cp", layout.cp)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if layout.gpus % layout.cp:
+        valid = _divisors(layout.gpus)
+        raise ValueError(
+            f"--cp {layout.cp} does not divide the {layout.gpus} GPUs; "
+            f"valid --cp: {', '.join(map(str, valid))}"
+        )
+    if layout.cp > 1 and layout.seq % (2 * layout.cp):
+        raise ValueError(
+            f"--seq {layout.seq} does not split over --cp {layout.cp} (load-balanced causal "
+            f"attention needs a multiple of 2 * cp = {2 * layout.cp})"
+        )
     if not layout.imbalance >= 1.0:
         raise ValueError(f"--expert-imbalance must be >= 1 (1: balanced), got {layout.imbalance}")
     errors = spec.validate(config, layout, build=False)  # planned, not built
     if errors:
         raise ValueError(errors[0])
-    if layout.dp % layout.ep:
-        valid = _divisors(math.gcd(config.num_experts, layout.dp))
-        raise ValueError(
-            f"--ep {layout.ep} does not divide the {layout.dp} data-parallel ranks; "
-            f"valid --ep: {', '.join(map(str, valid))}"
+    if layout.fsdp % layout.ep or (layout.ep > 1 and layout.ep % layout.cp):
+        valid = [
+            e
+            for e in _divisors(math.gcd(config.num_experts, layout.fsdp))
+            if e == 1 or e % layout.cp == 0
+        ]
+        why = (
+            f"does not divide the {layout.fsdp} FSDP ranks (dp x cp)"
+            if layout.fsdp % layout.ep
+            else f"is not a multiple of --cp {layout.cp} (an EP group spans whole CP groups)"
         )
+        raise ValueError(f"--ep {layout.ep} {why}; valid --ep: {', '.join(map(str, valid))}")
 
 
 def expert_params(args: Any) -> int:
@@ -176,12 +214,14 @@ def _latent_attention(args: Any) -> bool:
 def _attention_elements(args: Any) -> dict[str, float]:
     """Per token, the bf16 elements of attention's tensors backward reads:
     ``inputs`` (norm input and output), ``linear_out`` (the projections'
-    outputs), ``sdpa`` (its query, key, value inputs and output)."""
+    outputs), ``sdpa`` (its query, key, value inputs and output), ``kv``
+    (its keys and values: what context parallelism gathers)."""
     if not _latent_attention(args):
         q = args.n_heads * args.head_dim
         kv = args.n_kv_heads * args.head_dim
         linear_out = q + 2 * kv  # wq, wk, wv
         sdpa = 2 * q + 2 * kv  # q, k, v, out
+        keys_values = 2 * kv
     else:
         qk = args.qk_nope_head_dim + args.qk_rope_head_dim
         q = args.n_heads * qk
@@ -190,7 +230,13 @@ def _attention_elements(args: Any) -> dict[str, float]:
         low = args.q_lora_rank + (args.q_lora_rank if args.q_lora_rank else 0)
         linear_out = q + kv_a + kv_b + low + args.kv_lora_rank  # kv norm output too
         sdpa = 2 * q + args.n_heads * args.v_head_dim * 2  # q, k, v, out
-    return {"inputs": 2 * args.dim, "linear_out": linear_out, "sdpa": sdpa}
+        keys_values = q + args.n_heads * args.v_head_dim
+    return {
+        "inputs": 2 * args.dim,
+        "linear_out": linear_out,
+        "sdpa": sdpa,
+        "kv": keys_values,
+    }
 
 
 def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str, float]:
@@ -248,8 +294,8 @@ def predict_analytic(
     """
     validate_analytic(spec, config, layout)
     args = config
-    dp, ep = layout.dp, layout.ep
-    tokens = layout.batch * layout.seq
+    dp, ep, cp = layout.fsdp, layout.ep, layout.cp
+    tokens = layout.batch * layout.seq // cp  # this rank's
     total = spec.num_params(config)
     experts = expert_params(config)
     dense = total - experts
@@ -270,6 +316,14 @@ def predict_analytic(
     temporary = 10 * args.vocab_size * tokens
     if layout.ac == "full":
         temporary += 2 * acts["layer_none"] * tokens
+    # Context parallelism: the other CP ranks' keys and values, gathered per
+    # attention (bf16), saved per block unless full AC recomputes them.
+    kv_bytes = 2 * _attention_elements(args)["kv"] * tokens  # this rank's, per block
+    gathered_kv = (cp - 1) * kv_bytes
+    if layout.ac == "full":
+        temporary += gathered_kv
+    else:
+        activations += args.n_layers * gathered_kv
     memory = {
         "parameters": 4 * shard_params,
         "gradients": 4 * shard_params,
@@ -370,7 +424,12 @@ def predict_analytic(
     exposed = args.n_moe_layers * max(moe_comm - block_compute, 0.0)
     exposed += args.n_dense_layers * max(dense_comm - block_compute, 0.0)
     exposed += block_comm(embed, 0) / gathers  # the first gather, before any compute
-    exposed_s = exposed + a2a_s
+    # Context parallelism: one all-gather of every attention's keys and
+    # values per forward (and recomputation under full AC), one
+    # reduce-scatter of their gradients in backward; exposed.
+    cp_passes = 3 if layout.ac == "full" else 2
+    cp_s = args.n_layers * cp_passes * hw.comm_seconds("all_gather", cp, cp * kv_bytes, cp)
+    exposed_s = exposed + a2a_s + cp_s
 
     optimizer_s = shard_params * ADAMW_BYTES_PER_PARAM / bw
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)
@@ -386,6 +445,14 @@ def predict_analytic(
         f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
         f"({'NVLink' if intra else 'NIC'}), exposed; expert load imbalance "
         f"{layout.imbalance:g} (1: balanced)",
+        *(
+            [
+                f"context parallel {cp}: {tokens // layout.batch} tokens per rank, keys and "
+                f"values all-gathered per attention ({cp_s:.3f} s, exposed)"
+            ]
+            if cp > 1
+            else []
+        ),
         "planned from the model's shapes (docs/scale.md, expert parallelism): per-block "
         "FSDP groups for both engines; TP, PP and Float8 of experts not modelled",
     ]
@@ -405,6 +472,7 @@ def predict_analytic(
             "dp_comm_total": dp_comm_s,
             "tp_comm_total": 0.0,
             "ep_comm_total": a2a_s,
+            "cp_comm_total": cp_s,
             "flops": tokens * (linear + routed + recompute + attn_flops),
         },
         step_s=step_s,

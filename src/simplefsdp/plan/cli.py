@@ -53,12 +53,13 @@ METHOD_FLAGS = {
         "--microbatches",
         "--dtype",
         "--loss-parallel",
+        "--fused-loss",
         "--float8",
         "--bucketing",
         "--sweep",
         "--measure",
     ),
-    "analytic": ("--ep", "--expert-imbalance"),
+    "analytic": ("--cp", "--ep", "--expert-imbalance"),
 }
 # A flag's value that asks for something (not the default), by flag.
 _GIVEN = {
@@ -68,6 +69,7 @@ _GIVEN = {
     "--microbatches": lambda ns: ns.microbatches not in (None, 1),
     "--dtype": lambda ns: ns.dtype != "bf16",
     "--loss-parallel": lambda ns: ns.loss_parallel,
+    "--fused-loss": lambda ns: ns.fused_loss,
     "--float8": lambda ns: ns.float8,
     "--bucketing": lambda ns: ns.bucketing != "auto",
     "--sweep": lambda ns: ns.sweep,
@@ -84,14 +86,40 @@ _CAPABILITY = {
 }
 
 
-def generic_defaults(spec: Any, config: Any) -> dict:
+def generic_defaults(spec: Any, config: Any, usable_bytes: float | None = None) -> dict:
     """``--gpus``, ``--tp``, ``--batch``, ``--seq`` and ``--ac`` of a model
     without a published layout: 8 GPUs, selective AC, and for traced plans
-    batch 2 of 8192 tokens; for analytic plans batch 1 of at most 4096."""
+    batch 2 of at most 8192 tokens; for analytic plans batch 1 of at most
+    4096 (the model's ``max_seq_len`` where shorter).
+
+    Given the GPU's ``usable_bytes``, the GPUs are doubled from 8 until the
+    sharded fp32 state (16 bytes per parameter) takes at most half of it,
+    and analytic plans also get ``ep``: the smallest degree (dividing the
+    experts and the GPUs) whose gathered block of local experts (bf16,
+    three blocks in flight) takes at most an eighth of it.
+    """
+    gpus = 8
+    if usable_bytes:
+        while 16 * spec.num_params(config) / gpus > usable_bytes / 2:
+            gpus *= 2
     if spec.plan_method == "analytic":
         seq = min(config.max_seq_len, 4096)
-        return {"gpus": 8, "tp": 1, "batch": 1, "seq": seq, "ac": "selective"}
-    return {"gpus": 8, "tp": 1, "batch": 2, "seq": 8192, "ac": "selective"}
+        values = {"gpus": gpus, "tp": 1, "batch": 1, "seq": seq, "ac": "selective", "ep": 1}
+        if usable_bytes and getattr(config, "n_moe_layers", 0):
+            from simplefsdp.plan.analytic import expert_params
+
+            per_expert = expert_params(config) / config.n_moe_layers / config.num_experts
+            ep = 1
+            while (
+                6 * per_expert * config.num_experts / ep > usable_bytes / 8
+                and config.num_experts % (2 * ep) == 0
+                and gpus % (2 * ep) == 0
+            ):
+                ep *= 2
+            values["ep"] = ep
+        return values
+    seq = min(config.max_seq_len, 8192)
+    return {"gpus": gpus, "tp": 1, "batch": 2, "seq": seq, "ac": "selective"}
 
 
 def reference_layout(spec: Any, config: Any) -> dict | None:
@@ -235,6 +263,12 @@ def _parser() -> argparse.ArgumentParser:
         "(simplefsdp train --parallel.loss_parallel true; torchtitan's default)",
     )
     p.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="the loss compiled with Inductor: fp32 upcast, log-softmax and NLL fused, "
+        "their fp32 tensors never held (torchtitan compiles it with compile on since 2025)",
+    )
+    p.add_argument(
         "--float8",
         action="store_true",
         help="torchao float8 training (tensorwise, float8 all-gather) of every linear "
@@ -269,25 +303,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_defaults(ns: argparse.Namespace, spec: Any, config: Any) -> tuple[dict, set[str]]:
-    """The values of ``--gpus``, ``--tp``, ``--batch``, ``--seq`` and ``--ac``:
-    those given, the rest from the flavor's published layout where it has one
-    (:func:`reference_layout`; not for ``--config``), else
-    :func:`generic_defaults`. Returns the values and the names of those taken
-    as defaults.
+def plan_defaults(
+    ns: argparse.Namespace, spec: Any, config: Any, usable_bytes: float | None = None
+) -> tuple[dict, set[str]]:
+    """The values of ``--gpus``, ``--tp``, ``--batch``, ``--seq`` and ``--ac``
+    (and ``--ep`` for analytic plans): those given, the rest from the
+    flavor's published layout where it has one (:func:`reference_layout`;
+    not for ``--config``), else :func:`generic_defaults` for a GPU of
+    ``usable_bytes``. Returns the values and the names of those taken as
+    defaults.
 
     A default TP degree that does not divide the GPUs given is lowered to the
     largest power of two that does.
     """
     preset = None if ns.config is not None else reference_layout(spec, config)
     if preset is None:
-        preset = generic_defaults(spec, config)
+        preset = generic_defaults(spec, config, usable_bytes)
     values, defaulted = {}, set()
     for name, default in preset.items():
-        given = getattr(ns, name)
+        given = getattr(ns, name, None)
         values[name] = default if given is None else given
         if given is None:
             defaulted.add(name)
+    if "ep" in defaulted and values["gpus"] % values["ep"]:
+        values["ep"] = 1
     if "tp" in defaulted and values["gpus"] >= 1:
         while values["tp"] > 1 and values["gpus"] % values["tp"]:
             values["tp"] //= 2
@@ -304,11 +343,12 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
             gpus=values["gpus"],
             batch=values["batch"],
             seq=values["seq"],
-            ep=ns.ep if ns.ep is not None else 1,
+            ep=ns.ep if ns.ep is not None else values.get("ep", 1),
             ac=values["ac"],
             engine=ns.engine,
             reshard_after_forward=not ns.no_reshard,
             imbalance=ns.expert_imbalance,
+            cp=ns.cp,
         )
     from simplefsdp.plan.predict import Layout
 
@@ -327,6 +367,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         dtype=ns.dtype,
         float8=ns.float8,
         loss_parallel=ns.loss_parallel,
+        fused_loss=ns.fused_loss,
     )
 
 
@@ -740,7 +781,9 @@ def main(argv: list[str] | None = None) -> int:
         check_flags(ns, spec)
         predict_fn = functools.partial(predict, spec)
         hw = get_profile(ns.hardware)
-        values, defaulted = plan_defaults(ns, spec, config)
+        values, defaulted = plan_defaults(
+            ns, spec, config, hw.memory_bytes * hw.usable_memory_fraction
+        )
         base = make_layout(ns, spec, values)
         validate_layout(spec, config, base)
         measured = None
@@ -768,10 +811,21 @@ def main(argv: list[str] | None = None) -> int:
                         f"{preds[0].usable_bytes / GiB:.1f} GiB usable"
                     )
                     preds = [fitted]
+                elif "ac" in defaulted and base.ac != "full":
+                    # No batch fits at the default AC: full AC, where it fits.
+                    leaner = predict_fn(config, dataclasses.replace(base, ac="full"), hw)
+                    if leaner.fits:
+                        leaner.notes.append(
+                            f"--ac full: the default {base.ac} is predicted to need "
+                            f"{preds[0].peak_bytes / GiB:.1f} GiB of "
+                            f"{preds[0].usable_bytes / GiB:.1f} GiB usable"
+                        )
+                        preds = [leaner]
+                        values["ac"] = "full"
         shown = ", ".join(
             f"--{name} {values[name]}"
-            for name in ("gpus", "tp", "batch", "seq", "ac")
-            if name in defaulted and not (name == "tp" and values["tp"] == 1)
+            for name in ("gpus", "tp", "ep", "batch", "seq", "ac")
+            if name in defaulted and not (name in ("tp", "ep") and values[name] == 1)
         )
         if shown:
             preset = ns.config is None and reference_layout(spec, config) is not None

@@ -53,6 +53,10 @@ class Layout:
     # Context parallelism: each of ``cp`` ranks holds 1/cp of every sequence;
     # FSDP shards over dp x cp.
     cp: int = 1
+    # The loss compiled (Inductor): the fp32 upcast, log-softmax and NLL of
+    # the logits fused, none of their fp32 tensors materialised (Note: [Plan
+    # model]); else the loss runs eager, as traced.
+    fused_loss: bool = False
 
     @property
     def dp(self) -> int:
@@ -79,6 +83,8 @@ class Layout:
             parts.append(f"tp{self.tp}" + (" loss-parallel" if self.loss_parallel else ""))
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.fused_loss:
+            parts.append("fused-loss")
         if self.pp > 1:
             parts.append(f"pp{self.pp} m{self.microbatches}")
         elif self.microbatches > 1:  # gradient accumulation

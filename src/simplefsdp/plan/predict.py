@@ -38,6 +38,14 @@ Note: [Plan model]
                    then (``transient_peak_bytes``: its peak comes early,
                    before most gradients exist, and the gradients are
                    counted whole above).
+    The traced loss runs eager (fp32 upcast, log-softmax, NLL): it saves
+    the fp32 log-probabilities and its backward holds their gradient and the
+    logits' fp32 gradient, 12 bytes per logit. ``fused_loss`` (the loss
+    compiled by Inductor, as torchtitan's ``build_cross_entropy_loss`` does
+    with compile on) saves the bf16 logits and writes their bf16 gradient in
+    one kernel, 4 bytes per logit: activations lose 2 bytes per logit,
+    temporaries 6 (where the loss's backward is the step's peak, as in every
+    traced Llama layout we checked).
     The peak is the sum; the breakdown adds up to it.
 
     Step time: compute per node from the hardware profile (``CostModel``:
@@ -726,6 +734,16 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # compiled step's partitioner recomputes cheap ops (Note: [Plan model]).
         activations += max(stage.eager_extra_saved_bytes, 0.0) * inflight
     temporary = max(base_peak - stage.saved_bytes, 0.0)
+    if layout.fused_loss:
+        # The traced loss runs eager: it saves the fp32 log-probabilities (4
+        # bytes per logit) and its backward holds their gradient and the
+        # logits' fp32 gradient (8) at the step's peak. Fused, it saves the
+        # bf16 logits (2) and writes their bf16 gradient (2) in one kernel
+        # (Note: [Plan model]).
+        vocab = config.vocab_size // (layout.tp if layout.loss_parallel else 1)
+        logits = mb * (layout.seq // layout.cp) * vocab
+        activations = max(activations - 2 * logits, 0.0)
+        temporary = max(temporary - 6 * logits, 0.0)
     if layout.cp > 1:
         # Gathered keys and values: saved for backward, or under full AC one
         # block's at a time (Note: [Context parallelism in the plan]).

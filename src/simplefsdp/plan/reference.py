@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from dataclasses import dataclass
 
 GiB = 2**30
@@ -59,6 +60,10 @@ class ReferenceRow:
     note: str = ""
     float8: bool = False
     loss_parallel: bool = False  # torchtitan's default wherever TP is on
+    # The loss compiled with the model: torchtitan's build_cross_entropy_loss
+    # (torchtitan/components/loss.py, 2025) compiles it when compile is on;
+    # the December 2024 runs computed it eagerly in train.py.
+    fused_loss: bool = False
     cp: int = 1
     ep: int = 1
     hardware: str = "h100-96gb-500w"
@@ -147,28 +152,31 @@ TORCHTITAN_H100_202412 = (
 )  # fmt: skip
 
 # Vanilla TP (no AsyncTP) rows; tokens/s only. Float8 tensorwise as above;
-# the rowwise rows are left out (rowwise scaling is not modelled).
+# the rowwise rows are left out (rowwise scaling is not modelled). The loss
+# is compiled (torchtitan of 2025).
 TORCHTITAN_ASYNCTP_202506 = (
     *_table(
         "70B", "70B", 256, 16, "full",
         (("2D + compile", "simplefsdp", False, 597.3, None),
          ("2D + compile + Float8", "simplefsdp", True, 809.8, None)),
-        tp=8, source=_TT_ASYNC,
+        tp=8, source=_TT_ASYNC, fused_loss=True,
     ),
     *_table(
         "8B", "8B", 64, 12, "selective",
         (("2D + compile", "simplefsdp", False, 4378, None),
          ("2D + compile + Float8", "simplefsdp", True, 5078.1, None)),
-        tp=8, source=_TT_ASYNC,
+        tp=8, source=_TT_ASYNC, fused_loss=True,
     ),
 )  # fmt: skip
 
 # Trainy on WhiteFiber H200s: llama3_8b.toml (seq 8192, selective AC) with
-# local batch 2, compile, Float8 with float8 all-gather.
+# local batch 2, compile (the loss too: torchtitan of 2025), Float8 with
+# float8 all-gather.
 TRAINY_H200_202506 = tuple(
     ReferenceRow(
         f"{n} nodes", "8B", 8 * n, 2, 8192, "selective", 1, 1, 1, "simplefsdp", tps, gib,
         True, "FSDP + torch.compile + Float8", float8=True, hardware="h200", source=_TRAINY,
+        fused_loss=True,
     )
     for n, tps, gib in ((4, 10938, 47.96), (8, 10753, 46.97))
 )  # fmt: skip
@@ -204,7 +212,11 @@ def predict_row(row: ReferenceRow, hw=None):
     hw = hw or get_profile(row.hardware)
     spec, config = resolve_flavor(row.model)
     if row.seq > config.max_seq_len:
-        spec, config = resolve_flavor(row.model, max_seq_len=row.seq)
+        # One raised length per model (the longest of its rows), so that rows
+        # whose ranks trace the same shapes share one trace (the CP rows of a
+        # table: FSDP over dp x cp, seq / cp tokens per rank).
+        longest = max(r.seq for r in REFERENCE_ROWS if r.model == row.model)
+        spec, config = resolve_flavor(row.model, max_seq_len=max(longest, row.seq))
     if spec.plan_method == "analytic":
         from simplefsdp.plan.analytic import ExpertLayout
 
@@ -224,6 +236,7 @@ def predict_row(row: ReferenceRow, hw=None):
         engine=row.engine,
         float8=row.float8,
         loss_parallel=row.loss_parallel,
+        fused_loss=row.fused_loss,
     )
     return predict(spec, config, layout, hw)
 
@@ -248,22 +261,78 @@ def _error(predicted: float, measured: float | None) -> str:
     return "n/a" if not measured else f"{100 * (predicted / measured - 1):+.1f}%"
 
 
-def comparison_table(hw=None, rows=REFERENCE_ROWS) -> str:
+def _trace_shape(row: ReferenceRow) -> tuple:
+    """What the traces of ``row`` depend on (rows equal here share them):
+    the model, the FSDP degree (``dp x cp``), TP, the microbatch's tokens
+    per rank, AC and loss parallelism."""
+    fsdp = row.gpus // (row.tp * row.pp)
+    return (
+        row.model,
+        fsdp,
+        row.tp,
+        row.pp,
+        row.batch // row.microbatches,
+        row.seq // row.cp,
+        row.ac,
+        row.loss_parallel,
+        row.ep,
+    )
+
+
+def _predict_group(rows: tuple[ReferenceRow, ...], hw) -> list[tuple[str, float, float]]:
+    """``(layout, tokens/s/GPU, peak GiB)`` of each row (one process: the
+    rows share their traces)."""
+    out = []
+    for row in rows:
+        pred = predict_row(row, hw if hw is not None and hw.name == row.hardware else None)
+        out.append((pred.layout.describe(), pred.tokens_per_s_per_gpu, pred.peak_bytes / GiB))
+    return out
+
+
+def predict_rows(rows, hw=None, jobs: int = 1) -> list[tuple[str, float, float]]:
+    """``(layout, tokens/s/GPU, peak GiB)`` of each of ``rows``, ``hw``
+    replacing the profile of the rows on its hardware. The rows are grouped
+    by the traces they need (:func:`_trace_shape`), each group traced once;
+    with ``jobs > 1`` the groups run in that many processes."""
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(_trace_shape(row), []).append(i)
+    results: list = [None] * len(rows)
+    order = list(groups.values())
+    if jobs <= 1 or len(order) <= 1:
+        outputs = [_predict_group(tuple(rows[i] for i in g), hw) for g in order]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(min(jobs, len(order)), mp_context=context) as pool:
+            futures = [pool.submit(_predict_group, tuple(rows[i] for i in g), hw) for g in order]
+            outputs = [f.result() for f in futures]
+    for group, output in zip(order, outputs, strict=True):
+        for i, value in zip(group, output, strict=True):
+            results[i] = value
+    return results
+
+
+def comparison_table(hw=None, rows=REFERENCE_ROWS, jobs: int = 1, results=None) -> str:
     """The markdown table of ``rows``: measured, predicted and the errors;
-    ``hw`` replaces each row's own profile (for fitting)."""
+    ``hw`` replaces the profile of the rows on its hardware (for fitting);
+    ``jobs`` processes predict them (:func:`predict_rows`) unless
+    ``results`` holds their predictions already."""
+    if results is None:
+        results = predict_rows(rows, hw, jobs)
     lines = [
         "| source | table | model | GPUs | hardware | layout | setup | measured TPS | "
         "predicted TPS | error | measured GiB | predicted GiB | error | held to goal |",
         "|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for row in rows:
-        pred = predict_row(row, hw if hw is None or hw.name == row.hardware else None)
-        tps, mem = pred.tokens_per_s_per_gpu, pred.peak_bytes / GiB
+    for row, (layout, tps, mem) in zip(rows, results, strict=True):
         held = "fitted" if row.fitted else ("yes" if row.modelled else "no")
         measured_mem = "" if row.memory_gib is None else f"{row.memory_gib:.1f}"
         lines.append(
             f"| {row.source.split()[-1]} | {row.table} | {row.model} | {row.gpus} | "
-            f"{row.hardware} | {pred.layout.describe()} | {row.note} | "
+            f"{row.hardware} | {layout} | {row.note} | "
             f"{row.tokens_per_s_per_gpu:,.0f} | {tps:,.0f} | "
             f"{_error(tps, row.tokens_per_s_per_gpu)} | {measured_mem} | {mem:.1f} | "
             f"{_error(mem, row.memory_gib)} | {held} |"
@@ -281,7 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         help="refit CLOCK_500W and FP8_EFFICIENCY on their rows first",
     )
     parser.add_argument("--rows", help="comma-separated row indices (default: all)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="processes predicting the rows, one group of rows sharing traces each (default 1)",
+    )
     ns = parser.parse_args(argv)
+    if ns.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {ns.jobs}")
     hw = get_profile("h100-96gb-500w")
     if ns.fit:
         clock = fit_efficiency(hw, REFERENCE_ROWS[CALIBRATION_ROW], field="clock_fraction")
@@ -294,14 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = REFERENCE_ROWS
     if ns.rows:
         rows = tuple(REFERENCE_ROWS[int(i)] for i in ns.rows.split(","))
+    start = time.perf_counter()
+    results = dict(zip(rows, predict_rows(rows, hw, ns.jobs), strict=True))
     fitted = tuple(r for r in rows if r.fitted)
     held_out = tuple(r for r in rows if not r.fitted)
     if fitted:
         print("Rows the constants are fitted on:\n")
-        print(comparison_table(hw, fitted))
+        print(comparison_table(hw, fitted, results=[results[r] for r in fitted]))
     if held_out:
         print("\nHeld-out rows (nothing fitted on them):\n")
-        print(comparison_table(hw, held_out))
+        print(comparison_table(hw, held_out, results=[results[r] for r in held_out]))
+    print(f"\n{len(rows)} rows predicted in {time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -1,0 +1,103 @@
+"""``simplefsdp plan`` on every native flavor: context parallelism in the
+analytic (expert) plan, defaults that fit for the largest flavors, the fused
+loss's memory, and the published rows grouped by the traces they share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import plan_profiles
+from simplefsdp.models.registry import resolve_flavor, spec_for_config
+from simplefsdp.plan import cli as plan_cli
+from simplefsdp.plan import predict
+from simplefsdp.plan import reference as ref
+from simplefsdp.plan.analytic import ExpertLayout
+from simplefsdp.plan.hardware import PROFILES
+from simplefsdp.plan.predict import Layout
+
+GiB = 2**30
+FIXED = dataclasses.replace(plan_profiles.FIXED, memory_bytes=640 * GiB)
+
+
+def _moe(name, **layout):
+    spec, config = resolve_flavor(name)
+    return predict(spec, config, ExpertLayout(**layout), FIXED), config
+
+
+def test_analytic_cp_splits_tokens_and_gathers_keys_and_values() -> None:
+    # CP 2 on the same GPUs: half the tokens per rank, the same sequence;
+    # attention's work per local token is the whole sequence's, so the step
+    # is not halved exactly; the keys and values are gathered per attention.
+    base, config = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2)
+    cp2, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2)
+    assert base.time["cp_comm_total"] == 0 and cp2.time["cp_comm_total"] > 0
+    assert cp2.layout.describe().startswith("dp4 cp2 ep2")
+    kv = 2 * 2 * config.n_kv_heads * config.head_dim * 2048  # bf16 K and V, local tokens
+    one = FIXED.comm_seconds("all_gather", 2, 2 * kv, 2)
+    assert cp2.time["cp_comm_total"] == pytest.approx(config.n_layers * 2 * one)
+    # Sharded state is the same (FSDP over dp x cp); activations about halve,
+    # plus the other rank's keys and values saved per block.
+    for part in ("parameters", "gradients", "optimizer", "gathered"):
+        assert cp2.memory[part] == base.memory[part], part
+    saved = base.memory["activations"] / 2 + config.n_layers * kv
+    assert cp2.memory["activations"] == pytest.approx(saved)
+    # Full AC: one block's gathered keys and values at a time.
+    full, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2, ac="full")
+    none, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=1, ac="full")
+    assert full.memory["temporary"] == pytest.approx(none.memory["temporary"] / 2 + kv)
+
+
+@pytest.mark.parametrize(
+    "flavor", ["deepseek_v3_671b", "qwen3_235b_a22b", "gpt_oss_120b", "qwen3_moe_debug"]
+)
+@pytest.mark.parametrize("cp", ["1", "2"])
+def test_every_expert_flavor_plans_with_its_defaults(flavor, cp, capsys) -> None:
+    # The GPUs, the EP degree and (where selective AC cannot fit) full AC
+    # default to a layout that fits the flavor's state.
+    assert plan_cli.main(["--model", flavor, "--cp", cp]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" not in out and "defaults (generic)" in out
+
+
+def test_generic_defaults_grow_with_the_model() -> None:
+    usable = PROFILES["h100"].memory_bytes * PROFILES["h100"].usable_memory_fraction
+    spec, config = resolve_flavor("deepseek_v3_671b")
+    values = plan_cli.generic_defaults(spec, config, usable)
+    assert values["gpus"] == 512 and values["ep"] == 8
+    assert 16 * spec.num_params(config) / values["gpus"] <= usable / 2
+    assert 16 * spec.num_params(config) / (values["gpus"] // 2) > usable / 2
+    spec, config = resolve_flavor("qwen3_debug")
+    values = plan_cli.generic_defaults(spec, config, usable)
+    assert values["gpus"] == 8 and values["seq"] == config.max_seq_len  # below 8192
+    assert plan_cli.generic_defaults(spec, config) == values  # small: no GPU needed
+
+
+def test_fused_loss_saves_eight_bytes_per_logit() -> None:
+    spec, config = resolve_flavor("llama3_debug")
+    layout = Layout(gpus=2, batch=2, seq=64, ac="none")
+    eager = predict(spec, config, layout, FIXED)
+    fused = predict(spec, config, dataclasses.replace(layout, fused_loss=True), FIXED)
+    logits = 2 * 64 * config.vocab_size
+    assert eager.memory["activations"] - fused.memory["activations"] == 2 * logits
+    assert eager.memory["temporary"] - fused.memory["temporary"] == 6 * logits
+    assert fused.step_s == eager.step_s and "fused-loss" in fused.layout.describe()
+
+
+def test_reference_rows_share_traces_and_keep_their_order(monkeypatch) -> None:
+    # The CP rows of Table 2 trace one shape (FSDP 8, 32k tokens per rank).
+    table2 = [r for r in ref.REFERENCE_ROWS if r.table == "2"]
+    assert len(table2) == 4 and len({ref._trace_shape(r) for r in table2}) == 1
+    calls = []
+
+    def fake(rows, hw):
+        calls.append(rows)
+        return [(r.note, float(r.gpus), 1.0) for r in rows]
+
+    monkeypatch.setattr(ref, "_predict_group", fake)
+    rows = ref.REFERENCE_ROWS
+    results = ref.predict_rows(rows)
+    assert [r[:2] for r in results] == [(r.note, float(r.gpus)) for r in rows]
+    assert len(calls) == len({ref._trace_shape(r) for r in rows}) < len(rows)
+    assert spec_for_config(resolve_flavor("llama3_8b")[1]).family == "llama3"
