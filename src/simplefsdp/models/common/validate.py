@@ -116,3 +116,20 @@ def expert_errors(
             f"{n['ep']} 1 or {n['tp']} 1"
         )
     return errors
+
+
+def moe_decoder_errors(
+    config: Any, layout: Any, *, tp_sizes: Mapping[str, int], **inputs: Any
+) -> list[str]:
+    """:func:`decoder_errors` and :func:`expert_errors` of a decoder with
+    mixture-of-experts layers (``config.num_experts`` routed experts each).
+
+    Args:
+        config / layout / tp_sizes: as for :func:`decoder_errors`.
+        **inputs: ``seq_len``, ``sequence_parallel``, ``model_name``,
+            ``names`` (as for :func:`decoder_errors`).
+    """
+    errors = decoder_errors(config, layout, tp_sizes=tp_sizes, **inputs)
+    return errors + expert_errors(
+        config.num_experts, layout, model_name=inputs.get("model_name"), names=inputs.get("names")
+    )

@@ -10,12 +10,11 @@ Expert and tensor parallelism together are refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from simplefsdp.models.common.load_balance import after_optimizer_step, discard_step_state
 from simplefsdp.models.common.stages import pipeline_split
-from simplefsdp.models.common.validate import decoder_errors, expert_errors
+from simplefsdp.models.common.validate import moe_decoder_errors
 from simplefsdp.models.llama3.spec import cross_entropy
 from simplefsdp.models.moe.args import MoEArgs, num_active_params, num_params
 from simplefsdp.models.moe.configs import MOE_CONFIGS
@@ -60,32 +59,15 @@ def tp_split_sizes(config: MoEArgs, *, loss_parallel: bool = False) -> dict[str,
 
 
 def validate(
-    config: MoEArgs,
-    layout: Any,
-    *,
-    seq_len: int | None = None,
-    sequence_parallel: bool = False,
-    loss_parallel: bool = False,
-    build: bool = True,
-    model_name: str | None = None,
-    names: Mapping[str, str] | None = None,
+    config: MoEArgs, layout: Any, *, loss_parallel: bool = False, build: bool = True, **inputs: Any
 ) -> list[str]:
     """The MoE model against the layout: the decoder's rules, experts vs ep,
     ep with tp (refused).
 
     See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
     """
-    errors = decoder_errors(
-        config,
-        layout,
-        tp_sizes=tp_split_sizes(config, loss_parallel=loss_parallel),
-        seq_len=seq_len,
-        sequence_parallel=sequence_parallel,
-        model_name=model_name,
-        names=names,
-    )
-    errors += expert_errors(config.num_experts, layout, model_name=model_name, names=names)
-    return errors
+    tp_sizes = tp_split_sizes(config, loss_parallel=loss_parallel)
+    return moe_decoder_errors(config, layout, tp_sizes=tp_sizes, **inputs)
 
 
 SPEC = ModelSpec(

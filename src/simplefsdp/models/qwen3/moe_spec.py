@@ -16,12 +16,11 @@ and tensor parallelism together are refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from simplefsdp.models.common.load_balance import after_optimizer_step, discard_step_state
 from simplefsdp.models.common.stages import pipeline_split
-from simplefsdp.models.common.validate import decoder_errors, expert_errors
+from simplefsdp.models.common.validate import moe_decoder_errors
 from simplefsdp.models.llama3.spec import cross_entropy
 from simplefsdp.models.qwen3.args import (
     Qwen3MoEArgs,
@@ -40,29 +39,17 @@ def validate(
     config: Qwen3MoEArgs,
     layout: Any,
     *,
-    seq_len: int | None = None,
-    sequence_parallel: bool = False,
     loss_parallel: bool = False,
     build: bool = True,
-    model_name: str | None = None,
-    names: Mapping[str, str] | None = None,
+    **inputs: Any,
 ) -> list[str]:
     """Qwen3 MoE against the layout: the decoder's rules, experts vs ep, and
     ep with tp (refused).
 
     See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
     """
-    errors = decoder_errors(
-        config,
-        layout,
-        tp_sizes=tp_split_sizes(config, loss_parallel=loss_parallel),
-        seq_len=seq_len,
-        sequence_parallel=sequence_parallel,
-        model_name=model_name,
-        names=names,
-    )
-    errors += expert_errors(config.num_experts, layout, model_name=model_name, names=names)
-    return errors
+    tp_sizes = tp_split_sizes(config, loss_parallel=loss_parallel)
+    return moe_decoder_errors(config, layout, tp_sizes=tp_sizes, **inputs)
 
 
 SPEC = ModelSpec(
