@@ -606,7 +606,12 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     # it): conservative by the embedding.
     stage = m1.extrapolate(m2, blocks_of_stage)
     inflight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
-    first_stage_saved = per_block.saved_bytes * blocks_of_stage * inflight
+    # What the forward saves outside the blocks (the loss's log-probabilities,
+    # the embedding's output) is held once, beside the blocks' activations of
+    # every microbatch in flight (conservative under pipelining: the first
+    # stage holds the most microbatches, the last the loss).
+    outside_saved = max(stage.saved_bytes - per_block.saved_bytes * blocks_of_stage, 0.0)
+    first_stage_saved = per_block.saved_bytes * blocks_of_stage * inflight + outside_saved
     notes = []
 
     # Bucket plan and communication replay for one microbatch of the stage.
