@@ -255,6 +255,12 @@ def _parser() -> argparse.ArgumentParser:
         "accumulation (default 1); --batch is split among them",
     )
     p.add_argument("--engine", default="simplefsdp", help="simplefsdp (compiled) or fsdp2")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --engine fsdp2: each block compiled in place (simplefsdp train "
+        "--parallel.engine fsdp2 --compile.enabled true; torchtitan's FSDP + torch.compile)",
+    )
     p.add_argument("--dtype", default="bf16", help="bf16 (mixed precision, default) or fp32")
     p.add_argument(
         "--loss-parallel",
@@ -368,6 +374,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         float8=ns.float8,
         loss_parallel=ns.loss_parallel,
         fused_loss=ns.fused_loss,
+        compile=ns.compile,
     )
 
 
