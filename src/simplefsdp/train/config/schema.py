@@ -285,7 +285,9 @@ class ActivationCheckpointConfig:
     """Activation checkpointing.
 
     Attributes:
-        mode: One of :data:`AC_MODES`.
+        mode: One of :data:`AC_MODES`: ``full`` recomputes each block in
+            backward; ``selective`` is torchtitan's op policy (attention and
+            every other matmul saved, the rest recomputed).
     """
 
     mode: ACMode = field(default="none", metadata=_choices(AC_MODES))
