@@ -47,11 +47,16 @@ Note: [Analytic plan model]
                    activations compiled, six eager, at the achievable
                    bandwidth. MoE terms: the router's matmul; the token
                    permutation and un-permutation (each routed row read
-                   and written, forward, backward, recomputation); the
-                   host syncs (per MoE forward and recomputation the
-                   token counts go to the host and the GPU waits for the
-                   host to launch the layer's remaining ``OPS_AFTER_SYNC``
-                   ops at ``HOST_OP_S`` each).
+                   and written, forward, backward, recomputation).
+      host         eager engines on a GPU: the kernels the family's model
+                   launches (counted on a tiny model of its structure) at
+                   the profile's host cost per op, against the device's
+                   time, forward and backward each a run of segments
+                   between the token-count syncs of expert parallelism
+                   (Note: [Host-bound steps] in ``plan/host.py``); the
+                   step waits for whichever is longer. Compiled engines
+                   are taken as device bound. Each sync idles the GPU for
+                   a device-to-host copy and the next launch.
       all-to-all   per MoE layer, dispatch and combine in forward and again
                    in backward (and once more under full AC's
                    recomputation), each moving ``tokens * top_k * dim`` bf16
