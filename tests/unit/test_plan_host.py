@@ -91,5 +91,7 @@ def test_host_bound_switch(dsv3, ep):
     )
     assert "host bound" in "".join(slow_pred.notes)
     # compiled (fused kernels): device bound assumed, whatever the per-op cost
-    compiled = predict_analytic(spec, config, dataclasses.replace(layout, engine="simplefsdp"), slow)
+    compiled = predict_analytic(
+        spec, config, dataclasses.replace(layout, engine="simplefsdp"), slow
+    )
     assert compiled.time["host"] == 0.0
