@@ -226,8 +226,7 @@ def _attention_op() -> Any:
 @contextlib.contextmanager
 def _one_kernel_attention() -> Iterator[Any]:
     """``F.scaled_dot_product_attention`` replaced by :func:`_attention_op`
-    (its op is returned, for selective AC to save as it saves the fused
-    attention kernels' outputs)."""
+    (its ``OpOverload`` is yielded)."""
     import torch.nn.functional as F
 
     op = _attention_op()
@@ -239,14 +238,9 @@ def _one_kernel_attention() -> Iterator[Any]:
 
     F.scaled_dot_product_attention = sdpa
     try:
-        yield torch_op(op)
+        yield op._opoverload
     finally:
         F.scaled_dot_product_attention = original
-
-
-def torch_op(op: Any) -> Any:
-    """The ``OpOverload`` behind a ``torch.library.custom_op``."""
-    return op._opoverload
 
 
 def tiny_config(spec: Any, config: Any) -> Any:
@@ -277,13 +271,12 @@ def _one_rank_group() -> Iterator[bool]:
         yield True
 
 
-def _build(spec: Any, config: Any, ac: str, ep: bool, save_op: Any) -> Any:
+def _build(spec: Any, config: Any, ac: str, ep: bool) -> Any:
     """The tiny model in bfloat16 on the CPU, its experts expert-parallel on
-    a one-rank mesh (``ep``), AC applied as the engines apply it."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    from simplefsdp.bucket_plan import repeated_blocks
-    from simplefsdp.engines.activation import _sac_context_fn, _sac_save_ops
+    a one-rank mesh (``ep``), AC applied by the engines' own function."""
+    from simplefsdp import apply_expert_parallel
+    from simplefsdp.engines.activation import apply_activation_checkpointing
+    from simplefsdp.layout import Layout
 
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -292,34 +285,24 @@ def _build(spec: Any, config: Any, ac: str, ep: bool, save_op: Any) -> Any:
     spec.init_weights(model, "cpu")
     model.to(torch.bfloat16)
     if ep:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from simplefsdp.frontend.expert_parallel import ExpertParallel
-
-        mesh = init_device_mesh("cpu", (1,))
-        for name, module in model.named_modules():
-            if name.endswith(".experts") and len(list(module.parameters(recurse=False))):
-                parallelize_module(module, mesh, ExpertParallel())
-    if ac != "none":
-        kwargs: dict[str, Any] = {"preserve_rng_state": False}
-        if ac == "selective":
-            save = frozenset(_sac_save_ops() | {save_op})
-            kwargs["context_fn"] = functools.partial(_sac_context_fn, save)
-        for fqn, block in repeated_blocks(model):
-            parent, _, child = fqn.rpartition(".")
-            model.get_submodule(parent).register_module(child, checkpoint_wrapper(block, **kwargs))
+        # the layout's one-rank mesh stands in for the expert-parallel one
+        apply_expert_parallel(model, Layout(dp_shard=1).build("cpu", 1).world)
+    apply_activation_checkpointing(model, ac)
     return model
 
 
 def _count_step(spec: Any, config: Any, ac: str, ep: bool) -> tuple[int, int, int]:
     """Kernels of one training step of ``config``'s model: ``(forward,
-    backward, recompute)``, the recomputation being what AC adds to backward."""
+    backward, recompute)``, the recomputation being what AC adds to backward.
+
+    Selective AC saves the fused attention kernels' outputs; the counting
+    stand-in for them (:func:`_attention_op`) is not in its list, so its
+    recomputations are taken off."""
     seq = 32
     counts = []
-    with _one_kernel_attention() as op:
+    with _one_kernel_attention() as attention:
         for mode in dict.fromkeys(("none", ac)):
-            model = _build(spec, config, mode, ep, op)
+            model = _build(spec, config, mode, ep)
             tokens = torch.randint(0, config.vocab_size, (1, seq))
             counter = _KernelCounter()
             with counter:
@@ -328,7 +311,10 @@ def _count_step(spec: Any, config: Any, ac: str, ep: bool) -> tuple[int, int, in
             counter = _KernelCounter()
             with counter:
                 loss.backward()
-            counts.append((forward, sum(counter.counts.values())))
+            backward = sum(counter.counts.values())
+            if mode == "selective":
+                backward -= counter.counts[attention._schema.name]
+            counts.append((forward, backward))
     (forward, backward), (_, backward_ac) = counts[0], counts[-1]
     return forward, backward, backward_ac - backward
 
