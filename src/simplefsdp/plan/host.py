@@ -13,8 +13,10 @@ Note: [Host-bound steps]
 
     Where the syncs are: an expert-parallel MoE layer reads its token
     counts to the host before its all-to-all (the split sizes), in forward
-    and again in activation checkpointing's recomputation; backward's
-    all-to-all reuses the saved splits (no sync). So with ``ep > 1`` the
+    and again in activation checkpointing's recomputation (the engines'
+    selective policy recomputes the copy; torchtitan's saves it, and its
+    backward then has no sync); backward's all-to-all reuses the saved
+    splits (no sync). So with ``ep > 1`` the
     forward is one run of equal segments (one per MoE layer) and backward
     another (each MoE block's recomputation syncs once): the step is
     ``max(host_fw, device_fw) + max(host_bw, device_bw)``, and each sync
@@ -29,7 +31,8 @@ Note: [Host-bound steps]
     e.g. no query compression, one expert group, softmax routing) is run in
     bfloat16 on the CPU under a dispatch mode that counts ATen ops, forward,
     backward and (selective or full AC, as the engines apply it)
-    recomputation. One MoE block's count is the difference between models
+    recomputation (the kernels that run again; selective AC's saved ops
+    are not). One MoE block's count is the difference between models
     of ``n_dense + 2`` and ``n_dense + 1`` blocks; the rest of the model
     (embedding, dense blocks, output, loss) is the smaller model less one
     MoE block. What is not a kernel is not counted (``METADATA_OPS``: views,
@@ -48,7 +51,10 @@ Note: [Host-bound steps]
     views and of Python around the ops (module calls, hooks, selective AC's
     dispatch mode), so the host times are lower bounds. Compiled engines
     (Inductor) launch fused kernels, far fewer than eager: they are taken
-    as device bound, only the syncs' latency counted.
+    as device bound, only the syncs' latency counted. ``aot_eager`` (no
+    engine of the plan) would run the same kernels from the FX graph's
+    Python code without autograd recording, about 2 us each plus the
+    launch (pytorch/pytorch#41383): less host time than eager, not more.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: ATen ops that launch no kernel: views and aliases (metadata only),
 #: ``detach``, uninitialised allocations, and the metadata queries a
@@ -151,33 +158,25 @@ class BlockOps:
         )
 
 
-class _KernelCounter:
-    """A dispatch mode counting the ATen ops that launch a kernel (made lazily:
-    this module imports torch only when counting)."""
+class _KernelCounter(TorchDispatchMode):
+    """A dispatch mode counting the ATen ops that launch a kernel (by schema
+    name in ``counts``); a one-rank group's all-to-all is the identity."""
 
-    def __new__(cls) -> Any:
-        from torch.utils._python_dispatch import TorchDispatchMode
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
 
-        class Mode(TorchDispatchMode):
-            def __init__(self) -> None:
-                super().__init__()
-                self.counts: Counter = Counter()
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                name = func._schema.name
-                if name == "_c10d_functional::all_to_all_single":
-                    # a one-rank group: the collective is the identity
-                    self.counts[name] += 1
-                    return args[0].clone()
-                if name == "_c10d_functional::wait_tensor":
-                    return args[0]
-                out = func(*args, **kwargs)
-                if name not in METADATA_OPS and not getattr(func, "is_view", False):
-                    self.counts[name] += 1
-                return out
-
-        return Mode()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name == "_c10d_functional::all_to_all_single":
+            self.counts[name] += 1
+            return args[0].clone()
+        if name == "_c10d_functional::wait_tensor":
+            return args[0]
+        out = func(*args, **(kwargs or {}))
+        if name not in METADATA_OPS and not getattr(func, "is_view", False):
+            self.counts[name] += 1
+        return out
 
 
 @functools.cache
