@@ -132,7 +132,9 @@ class BlockOps:
             (0 for a family without dense blocks).
         dense_blocks: the tiny model's dense blocks (in the rest's count).
         syncs_per_pass: device-to-host syncs per MoE block forward (and per
-            recomputation): 1 with expert parallelism, else 0.
+            recomputation): 1 with expert parallelism, else 0 (the
+            dispatch's own kernels are counted only where torch.distributed
+            is not initialised: the count runs on a fake one-rank group).
     """
 
     forward: int
@@ -299,7 +301,12 @@ def _count_step(spec: Any, config: Any, ac: str, ep: bool) -> tuple[int, int, in
     recomputations are taken off."""
     seq = 32
     counts = []
-    with _one_kernel_attention() as attention:
+    # the global RNG untouched; gradients on whatever the caller's mode
+    with (
+        torch.random.fork_rng(devices=[]),
+        torch.enable_grad(),
+        _one_kernel_attention() as attention,
+    ):
         for mode in dict.fromkeys(("none", ac)):
             model = _build(spec, config, mode, ep)
             tokens = torch.randint(0, config.vocab_size, (1, seq))
@@ -346,7 +353,7 @@ def _block_ops(family: str, config: Any, ac: str, ep: bool) -> BlockOps:
         dense_backward=dense[1],
         dense_recompute=dense[2],
         dense_blocks=n_dense,
-        syncs_per_pass=1 if wrapped else 0,
+        syncs_per_pass=1 if ep else 0,
     )
 
 
