@@ -38,8 +38,10 @@ Note: [Host-bound steps]
     MoE block. What is not a kernel is not counted (``METADATA_OPS``: views,
     aliases, ``detach``, ``empty``). The GPU path is what is counted: the
     routed experts run as ``torch._grouped_mm`` (one kernel per matmul,
-    the path bfloat16 takes on CUDA), attention as one fused kernel each
-    way (as the flash/efficient kernels run on a GPU), and with ``ep > 1``
+    the path bfloat16 takes on CUDA), attention through SDPA as one fused
+    kernel each way (as the flash/efficient kernels run on a GPU; a model
+    whose attention is written out, as with sinks, counts its ops), and
+    with ``ep > 1``
     the expert-parallel dispatch and combine of
     :mod:`simplefsdp.frontend.expert_parallel` on a one-rank mesh, its
     collectives counted as one kernel each.
