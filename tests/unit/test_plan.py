@@ -395,6 +395,26 @@ def test_eager_engine_holds_eager_autograds_activations() -> None:
     assert eager.memory["temporary"] == ours.memory["temporary"]
 
 
+def test_fsdp2_with_compiled_blocks_fuses_kernels_and_keeps_its_groups() -> None:
+    # torchtitan's FSDP + torch.compile: the compiled step's kernels and
+    # activations, FSDP2's per-block groups, hooks and (no) keep.
+    args = _debug()
+    hooked = dataclasses.replace(FIXED, fsdp2_group_s=1e-3)
+    layout = Layout(gpus=2, batch=2, seq=64, ac="none", dtype="fp32", engine="fsdp2")
+    eager = predict(LLAMA, args, layout, hooked)
+    blocks = predict(LLAMA, args, dataclasses.replace(layout, compile=True), hooked)
+    ours = predict(LLAMA, args, dataclasses.replace(layout, engine="simplefsdp"), hooked)
+    assert blocks.time["compute"] - blocks.time["hooks"] == pytest.approx(
+        ours.time["compute"], rel=0.05
+    )
+    assert blocks.time["compute"] < eager.time["compute"]
+    assert blocks.time["hooks"] == eager.time["hooks"] > 0
+    assert blocks.memory["activations"] == ours.memory["activations"]
+    assert blocks.memory["activations"] < eager.memory["activations"]
+    assert blocks.buckets == eager.buckets and blocks.kept == []
+    assert "compiled blocks" in blocks.layout.describe()
+
+
 def test_compiled_engine_keeps_what_the_compiler_keeps_for_free() -> None:
     # The compiler's keep search keeps the buckets gathered at the
     # forward/backward boundary anyway (prefetch distance 1: the last two of

@@ -101,3 +101,44 @@ def test_reference_rows_share_traces_and_keep_their_order(monkeypatch) -> None:
     assert [r[:2] for r in results] == [(r.note, float(r.gpus)) for r in rows]
     assert len(calls) == len({ref._trace_shape(r) for r in rows}) < len(rows)
     assert spec_for_config(resolve_flavor("llama3_8b")[1]).family == "llama3"
+
+
+@pytest.mark.parametrize("flavor", ["qwen3_debug", "qwen3_moe_debug"])
+def test_a_hugging_face_folder_plans_as_its_family(flavor, tmp_path, capsys) -> None:
+    # The folder's config.json picks the family and its shapes, as
+    # simplefsdp train --checkpoint.init_from_hf does; one traced (dense),
+    # one analytic (experts).
+    import json
+
+    spec, config = resolve_flavor(flavor)
+    (tmp_path / "config.json").write_text(json.dumps(spec.hf_adapter.config_to_hf(config)))
+    argv = ["--gpus", "2", "--hardware", "h100", "--seq", "256", "--json"]
+    assert plan_cli.main(["--model", str(tmp_path), *argv]) == 0, capsys.readouterr().err
+    from_folder = json.loads(capsys.readouterr().out)
+    assert plan_cli.main(["--model", flavor, *argv]) == 0
+    from_flavor = json.loads(capsys.readouterr().out)
+    from_folder.pop("planning_s"), from_flavor.pop("planning_s")  # wall time
+    assert from_folder == from_flavor
+
+
+def test_a_folder_transformers_trains_is_refused_in_one_line(tmp_path, capsys) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "mistral",
+                "architectures": ["MistralForCausalLM"],
+                "vocab_size": 128,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+            }
+        )
+    )
+    assert plan_cli.main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'transformers'" in err[0] and "model_type 'mistral'" in err[0]

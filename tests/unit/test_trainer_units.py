@@ -417,6 +417,39 @@ def test_activation_checkpointing_keeps_keys_and_gradients(mode):
         torch.testing.assert_close(p.grad, ref_grads[clean], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("mode", "recomputed"), [("none", 0), ("selective", 3), ("full", 6)])
+def test_selective_ac_recomputes_every_other_matmul_of_a_block(mode, recomputed):
+    """torchtitan's op policy: of a Llama block's seven matmuls wk, wo and w3
+    (the 2nd, 4th and 6th) are recomputed in backward, the others saved. Full
+    AC recomputes all but w2, whose output no gradient needs (the
+    recomputation stops early)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from simplefsdp.models.llama3 import Transformer, get_config
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    args = get_config("debug", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    model = Transformer(args)
+    apply_activation_checkpointing(model, mode)
+    for p in (*model.tok_embeddings.parameters(), *model.output.parameters()):
+        p.requires_grad_(False)  # the block's matmuls only
+    loss = model(torch.randint(0, args.vocab_size, (1, 8))).sum()
+    with CountMatmuls() as counter:
+        loss.backward()
+    # each of the block's 7 linears: input and weight gradients; the output
+    # layer: its input gradient
+    assert counter.count == 2 * 7 + 1 + recomputed
+
+
 # --------------------------------------------------------------------------- CLI
 
 

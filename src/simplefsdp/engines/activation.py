@@ -14,29 +14,74 @@ from simplefsdp.parallel_dims import AC_MODES
 
 logger = logging.getLogger(__name__)
 
+# Note: [Selective activation checkpointing]
+#     ``selective`` is torchtitan's op-level policy: per block forward, the
+#     outputs of attention, matmuls, grouped matmuls, amax reductions
+#     (``max``, for float8 scales), top-k routing and the collectives whose
+#     recomputation would communicate again (reduce-scatter, all-to-all) are
+#     saved, except every second matmul (``mm``/``addmm``/``linear``,
+#     counted per block, forward and recomputation alike), which is
+#     recomputed with everything else (norms, activations, rotary, casts).
+#     Copies to the host (token counts) are saved, so the recomputation
+#     does not sync again. A Llama block saves its ``wq``, ``wv``, ``w1``
+#     and ``w2`` outputs and recomputes ``wk``, ``wo`` and ``w3``.
 
-def _sac_save_ops() -> set[Any]:
-    """Ops whose outputs selective AC keeps: matmuls and attention (expensive to
-    recompute), those that exist in this torch build; everything else (norms,
-    activations, rotary, casts) is recomputed."""
-    ops = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+
+def _sac_save_ops() -> tuple[frozenset[Any], frozenset[Any]]:
+    """``(save, matmuls)``: the ops whose outputs selective AC keeps, those of
+    this torch build, and among them the matmuls, of which every second one
+    per block is recomputed (Note: [Selective activation checkpointing])."""
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default, aten.linear.default}
+    save = set(matmuls) | {aten.bmm.default, aten.baddbmm.default, aten.max.default}
+    save.add(aten.topk.default)
     for name in (
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
+        "_grouped_mm",
+        "_scaled_grouped_mm",
+        "_scaled_mm",
     ):
-        packet = getattr(torch.ops.aten, name, None)
+        packet = getattr(aten, name, None)
         if packet is not None:
-            ops.add(packet.default)
-    return ops
+            save.add(packet.default)
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("reduce_scatter_tensor", "all_to_all_single"):
+        packet = getattr(functional, name, None) if functional is not None else None
+        if packet is not None:
+            save.add(packet.default)
+    return frozenset(save), frozenset(matmuls)
 
 
-def _sac_context_fn(save_ops: frozenset[Any]) -> tuple[Any, Any]:
-    """Selective-checkpoint contexts that save the outputs of ``save_ops`` only."""
+def _to_host(op: Any, args: tuple, kwargs: dict) -> bool:
+    """``op`` copies an accelerator tensor to the host (a token-count sync)."""
+    if op is not torch.ops.aten._to_copy.default or not args:
+        return False
+    device = kwargs.get("device")
+    return (
+        device is not None
+        and torch.device(device).type == "cpu"
+        and (isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu")
+    )
+
+
+def _sac_context_fn(save_ops: frozenset[Any], matmuls: frozenset[Any]) -> tuple[Any, Any]:
+    """Selective-checkpoint contexts of one block's forward (Note: [Selective
+    activation checkpointing])."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    def policy(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if _to_host(op, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        if op in matmuls:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            counts[mode] += 1
+            if counts[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
@@ -47,8 +92,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 
     Must run before sharding, so the sharded parameters live inside the
     wrapped blocks. ``"full"`` recomputes the whole block in backward;
-    ``"selective"`` saves matmul and attention outputs and recomputes the rest
-    (an op-level policy, as torchtitan's selective AC). Checkpoint keys are
+    ``"selective"`` is torchtitan's op-level policy (Note: [Selective
+    activation checkpointing]). Checkpoint keys are
     unchanged: DCP and the wrapper's state-dict hooks strip its prefix.
 
     Returns:
@@ -67,7 +112,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 
     kwargs: dict[str, Any] = {"preserve_rng_state": False}
     if mode == "selective":
-        kwargs["context_fn"] = partial(_sac_context_fn, frozenset(_sac_save_ops()))
+        kwargs["context_fn"] = partial(_sac_context_fn, *_sac_save_ops())
     blocks = repeated_blocks(model)
     for fqn, block in blocks:
         parent_fqn, _, name = fqn.rpartition(".")

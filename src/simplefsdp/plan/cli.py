@@ -132,11 +132,26 @@ def reference_layout(spec: Any, config: Any) -> dict | None:
 
 
 def resolve_model(ns: argparse.Namespace) -> tuple[Any, Any]:
-    """``(spec, config)`` from ``--model`` (a flavor name of the registry) or
-    ``--config`` (a JSON file of the config's fields, optionally with
-    ``"base"``: the flavor it overrides, default ``--model``'s)."""
+    """``(spec, config)`` from ``--model`` (a flavor name of the registry, or
+    a Hugging Face model folder: the family that reads its ``config.json``
+    and that configuration, as ``simplefsdp train --checkpoint.init_from_hf``
+    builds it) or ``--config`` (a JSON file of the config's fields,
+    optionally with ``"base"``: the flavor it overrides, default
+    ``--model``'s)."""
     from simplefsdp.models.registry import resolve_flavor
 
+    if ns.config is None and Path(ns.model).is_dir():
+        from simplefsdp.checkpoint.hf import hf_model_of_folder
+
+        spec, config = hf_model_of_folder(ns.model)
+        if getattr(spec.hf_adapter, "any_model_type", False):
+            # transformers' own modeling code: no blocks of ours to trace
+            raise ValueError(
+                f"--model {ns.model!r} trains through {spec.family!r} (model_type "
+                f"{getattr(config, 'model_type', '?')!r}), which simplefsdp plan does not "
+                "predict; valid: a folder a native family reads (docs/models/index.md), or a flavor"
+            )
+        return spec, config
     if ns.config is None:
         return resolve_flavor(ns.model)
     try:
@@ -184,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         default=DEFAULT_MODEL,
         help=f"a flavor of a model family (default {DEFAULT_MODEL}; "
-        "simplefsdp train --help lists them)",
+        "simplefsdp train --help lists them) or a Hugging Face model folder",
     )
     p.add_argument(
         "--config",
@@ -255,6 +270,12 @@ def _parser() -> argparse.ArgumentParser:
         "accumulation (default 1); --batch is split among them",
     )
     p.add_argument("--engine", default="simplefsdp", help="simplefsdp (compiled) or fsdp2")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --engine fsdp2: each block compiled in place (simplefsdp train "
+        "--parallel.engine fsdp2 --compile.enabled true; torchtitan's FSDP + torch.compile)",
+    )
     p.add_argument("--dtype", default="bf16", help="bf16 (mixed precision, default) or fp32")
     p.add_argument(
         "--loss-parallel",
@@ -368,6 +389,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         float8=ns.float8,
         loss_parallel=ns.loss_parallel,
         fused_loss=ns.fused_loss,
+        compile=ns.compile,
     )
 
 

@@ -57,6 +57,17 @@ class Layout:
     # the logits fused, none of their fp32 tensors materialised (Note: [Plan
     # model]); else the loss runs eager, as traced.
     fused_loss: bool = False
+    # fsdp2 with each block compiled in place (``--parallel.engine fsdp2
+    # --compile.enabled true``, torchtitan's "FSDP + torch.compile"): Inductor's
+    # fused kernels and the compiled step's activations under FSDP2's
+    # per-block groups and hooks. simplefsdp is always planned compiled.
+    compile: bool = False
+
+    @property
+    def compiled(self) -> bool:
+        """The step's kernels are compiled (fused chains of non-matmul ops,
+        the partitioner's activations): simplefsdp, or fsdp2 with ``compile``."""
+        return self.compile or get_engine(self.engine).fused_buckets
 
     @property
     def dp(self) -> int:
@@ -92,6 +103,11 @@ class Layout:
         parts += [
             f"ac={self.ac}",
             "per_block" if get_engine(self.engine).fsdp2_runtime else self.bucketing,
+            *(
+                ["compiled blocks"]
+                if self.compile and not get_engine(self.engine).fused_buckets
+                else []
+            ),
             "reshard" if self.reshard_after_forward else "no-reshard",
         ]
         return " ".join(parts)

@@ -69,7 +69,10 @@ Note: [Plan model]
     one-rank collectives (``fsdp2_copy_seconds``). For the
     compiled engine (simplefsdp) chains of non-matmul ops count as one fused
     kernel each, moving only the tensors that enter and leave the chain (what
-    Inductor generates); for the eager engine (FSDP2) each op is a kernel.
+    Inductor generates), and so for FSDP2 with its blocks compiled
+    (``--compile``, torchtitan's "FSDP + torch.compile": the compiled step's
+    kernels and activations, FSDP2's groups, hooks and copies); for eager
+    FSDP2 each op is a kernel.
     The bucket plan (our greedy planner under the compiler's default
     budget, Note: [Keeping what eager FSDP2 would hold], with its keep
     search; or FSDP2's per-block groups) is
@@ -174,10 +177,10 @@ aten = torch.ops.aten
 
 
 def _compiled(engine: str) -> bool:
-    """``engine`` compiles the step (simplefsdp: Inductor fuses chains of
-    non-matmul ops, the bucket planner and its keep search run); the other
-    engine is eager FSDP2 (per-block groups, eager autograd's activations,
-    hooks per group)."""
+    """``engine`` is simplefsdp compiled (the bucket planner and its keep
+    search run); the other is FSDP2 (per-block groups, hooks per group),
+    whose kernels are fused only where ``Layout.compile`` compiles its
+    blocks (``Layout.compiled``)."""
     return get_engine(engine).fused_buckets
 
 
@@ -593,7 +596,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         for n in (1, 2)
     ]
     t1, t2 = traced(keys[0]), traced(keys[1])
-    fused = _compiled(layout.engine)
+    fused = layout.compiled
     probe = cost_model_for(hw, layout, 1.0)
     kernels = kernel_model(hw, probe.bytes_per_s)
     m1 = measure(t1, probe, fused, fp8, kernels, layout.cp)
@@ -606,7 +609,12 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     # it): conservative by the embedding.
     stage = m1.extrapolate(m2, blocks_of_stage)
     inflight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
-    first_stage_saved = per_block.saved_bytes * blocks_of_stage * inflight
+    # What the forward saves outside the blocks (the loss's log-probabilities,
+    # the embedding's output) is held once, beside the blocks' activations of
+    # every microbatch in flight (conservative under pipelining: the first
+    # stage holds the most microbatches, the last the loss).
+    outside_saved = max(stage.saved_bytes - per_block.saved_bytes * blocks_of_stage, 0.0)
+    first_stage_saved = per_block.saved_bytes * blocks_of_stage * inflight + outside_saved
     notes = []
 
     # Bucket plan and communication replay for one microbatch of the stage.
@@ -729,7 +737,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     step_s = slots * mb_s + optimizer_s
     gathered = prefetch_extra_bytes(buckets, kept) if layout.fsdp > 1 else 0.0
     activations = first_stage_saved
-    if not _compiled(layout.engine):
+    if not layout.compiled:
         # Eager autograd saves what the derivative formulas need, where the
         # compiled step's partitioner recomputes cheap ops (Note: [Plan model]).
         activations += max(stage.eager_extra_saved_bytes, 0.0) * inflight

@@ -53,7 +53,7 @@ class ReferenceRow:
     tp: int
     pp: int
     microbatches: int
-    engine: str  # simplefsdp = compiled, fsdp2 = eager FSDP2
+    engine: str  # fsdp2 for every torchtitan row
     tokens_per_s_per_gpu: float
     memory_gib: float | None
     modelled: bool
@@ -69,6 +69,8 @@ class ReferenceRow:
     hardware: str = "h100-96gb-500w"
     source: str = _TT_2024
     fitted: str = ""  # the constant fitted on this row, if any
+    # torchtitan's torch.compile: each block compiled in place under FSDP2
+    compile: bool = False
 
 
 def _table(
@@ -77,7 +79,7 @@ def _table(
     gpus: int,
     batch: int,
     ac: str,
-    measured: tuple[tuple[str, str, bool, float, float | None], ...],
+    measured: tuple[tuple[str, bool, bool, float, float | None], ...],
     *,
     tp: int = 1,
     pp: int = 1,
@@ -86,21 +88,22 @@ def _table(
     seq: int = 8192,
     **extra,
 ) -> tuple[ReferenceRow, ...]:
-    """The rows of one published layout: ``measured`` holds ``(note, engine,
-    float8, TPS/GPU, GiB)`` per setup measured on it. Loss parallelism is
-    torchtitan's default wherever TP is on."""
+    """The rows of one published layout: ``measured`` holds ``(note, compile,
+    float8, TPS/GPU, GiB)`` per setup measured on it (FSDP2, its blocks
+    compiled with ``compile``). Loss parallelism is torchtitan's default
+    wherever TP is on."""
     return tuple(
         ReferenceRow(
-            table, model, gpus, batch, seq, ac, tp, pp, microbatches, engine, tps, gib,
-            modelled, note, float8=float8, loss_parallel=tp > 1, **extra,
+            table, model, gpus, batch, seq, ac, tp, pp, microbatches, "fsdp2", tps, gib,
+            modelled, note, float8=float8, loss_parallel=tp > 1, compile=compile, **extra,
         )
-        for note, engine, float8, tps, gib in measured
+        for note, compile, float8, tps, gib in measured
     )  # fmt: skip
 
 
-_FSDP = "FSDP", "fsdp2", False
-_COMPILE = "FSDP + torch.compile", "simplefsdp", False
-_FLOAT8 = "FSDP + torch.compile + Float8", "simplefsdp", True
+_FSDP = "FSDP", False, False
+_COMPILE = "FSDP + torch.compile", True, False
+_FLOAT8 = "FSDP + torch.compile + Float8", True, True
 
 # From the tables' text: local batch per data-parallel rank; Tables 1/3 use
 # selective AC, 2/4/5/6 full AC; 405B's microbatch count is not given
@@ -111,24 +114,24 @@ TORCHTITAN_H100_202412 = (
         "1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "fsdp2", 5762, 82.4, True, "FSDP"
     ),
     ReferenceRow(
-        "1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "simplefsdp", 6667, 77.0, True,
-        "FSDP + torch.compile", fitted="CLOCK_500W",
+        "1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "fsdp2", 6667, 77.0, True,
+        "FSDP + torch.compile", fitted="CLOCK_500W", compile=True,
     ),
     ReferenceRow(
-        "1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "simplefsdp", 8532, 76.8, True,
-        "FSDP + torch.compile + Float8", float8=True, fitted="FP8_EFFICIENCY",
+        "1", "8B", 8, 2, 8192, "selective", 1, 1, 1, "fsdp2", 8532, 76.8, True,
+        "FSDP + torch.compile + Float8", float8=True, fitted="FP8_EFFICIENCY", compile=True,
     ),
     *_table(
         "3", "8B", 128, 2, "selective",
         ((*_FSDP, 5605, 67.0), (*_COMPILE, 6514, 62.0), (*_FLOAT8, 8380, 61.8)),
     ),
     *_table(
-        "4", "70B", 256, 16, "full", (("2D + compile + Float8", "simplefsdp", True, 829, 71.9),),
+        "4", "70B", 256, 16, "full", (("2D + compile + Float8", True, True, 829, 71.9),),
         tp=8,
     ),
     *_table(
         "5", "405B", 512, 32, "full",
-        (("3D 1F1B + compile + Float8 + AsyncTP", "simplefsdp", True, 100, 82.5),),
+        (("3D 1F1B + compile + Float8 + AsyncTP", True, True, 100, 82.5),),
         tp=8, pp=8, microbatches=8, modelled=False,
     ),
     *(
@@ -136,7 +139,7 @@ TORCHTITAN_H100_202412 = (
         for cp, tps, gib in ((1, 3890, 83.9), (2, 2540, 84.2), (4, 1071, 84.0), (8, 548, 84.5))
         for row in _table(
             "2", "8B", 8, 1, "full",
-            ((f"FSDP {8 // cp} x CP {cp} + compile + Float8", "simplefsdp", True, tps, gib),),
+            ((f"FSDP {8 // cp} x CP {cp} + compile + Float8", True, True, tps, gib),),
             seq=32768 * cp, cp=cp,
         )
     ),
@@ -145,7 +148,7 @@ TORCHTITAN_H100_202412 = (
         for cp, tps, gib in ((1, 76, 75.3), (2, 47, 75.9), (4, 31, 77.1), (8, 16, 84.9))
         for row in _table(
             "6", "405B", 512, 8, "full",
-            ((f"4D CP {cp} + compile + Float8 + AsyncTP + 1F1B", "simplefsdp", True, tps, gib),),
+            ((f"4D CP {cp} + compile + Float8 + AsyncTP + 1F1B", True, True, tps, gib),),
             seq=32768 * cp, cp=cp, tp=8, pp=8, microbatches=8, modelled=False,
         )
     ),
@@ -157,14 +160,14 @@ TORCHTITAN_H100_202412 = (
 TORCHTITAN_ASYNCTP_202506 = (
     *_table(
         "70B", "70B", 256, 16, "full",
-        (("2D + compile", "simplefsdp", False, 597.3, None),
-         ("2D + compile + Float8", "simplefsdp", True, 809.8, None)),
+        (("2D + compile", True, False, 597.3, None),
+         ("2D + compile + Float8", True, True, 809.8, None)),
         tp=8, source=_TT_ASYNC, fused_loss=True,
     ),
     *_table(
         "8B", "8B", 64, 12, "selective",
-        (("2D + compile", "simplefsdp", False, 4378, None),
-         ("2D + compile + Float8", "simplefsdp", True, 5078.1, None)),
+        (("2D + compile", True, False, 4378, None),
+         ("2D + compile + Float8", True, True, 5078.1, None)),
         tp=8, source=_TT_ASYNC, fused_loss=True,
     ),
 )  # fmt: skip
@@ -174,9 +177,9 @@ TORCHTITAN_ASYNCTP_202506 = (
 # float8 all-gather.
 TRAINY_H200_202506 = tuple(
     ReferenceRow(
-        f"{n} nodes", "8B", 8 * n, 2, 8192, "selective", 1, 1, 1, "simplefsdp", tps, gib,
+        f"{n} nodes", "8B", 8 * n, 2, 8192, "selective", 1, 1, 1, "fsdp2", tps, gib,
         True, "FSDP + torch.compile + Float8", float8=True, hardware="h200", source=_TRAINY,
-        fused_loss=True,
+        fused_loss=True, compile=True,
     )
     for n, tps, gib in ((4, 10938, 47.96), (8, 10753, 46.97))
 )  # fmt: skip
@@ -237,6 +240,7 @@ def predict_row(row: ReferenceRow, hw=None):
         float8=row.float8,
         loss_parallel=row.loss_parallel,
         fused_loss=row.fused_loss,
+        compile=row.compile,
     )
     return predict(spec, config, layout, hw)
 
