@@ -47,11 +47,16 @@ Note: [Analytic plan model]
                    activations compiled, six eager, at the achievable
                    bandwidth. MoE terms: the router's matmul; the token
                    permutation and un-permutation (each routed row read
-                   and written, forward, backward, recomputation); the
-                   host syncs (per MoE forward and recomputation the
-                   token counts go to the host and the GPU waits for the
-                   host to launch the layer's remaining ``OPS_AFTER_SYNC``
-                   ops at ``HOST_OP_S`` each).
+                   and written, forward, backward, recomputation).
+      host         eager engines on a GPU: the kernels the family's model
+                   launches (counted on a tiny model of its structure) at
+                   the profile's host cost per op, against the device's
+                   time, forward and backward each a run of segments
+                   between the token-count syncs of expert parallelism
+                   (Note: [Host-bound steps] in ``plan/host.py``); the
+                   step waits for whichever is longer. Compiled engines
+                   are taken as device bound. Each sync idles the GPU for
+                   a device-to-host copy and the next launch.
       all-to-all   per MoE layer, dispatch and combine in forward and again
                    in backward (and once more under full AC's
                    recomputation), each moving ``tokens * top_k * dim`` bf16
@@ -93,19 +98,12 @@ from typing import Any
 
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.hardware import HardwareProfile
+from simplefsdp.plan.host import HostStep, block_ops, host_step
 from simplefsdp.plan.kernels import kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
 
 ADAMW_BYTES_PER_PARAM = 28
-#: Host time of one eager op (Python, dispatcher, launch): what a step
-#: costs per op where the GPU waits for the host after a device-to-host
-#: sync. An assumption (PyTorch eager ops cost 5-20 us on the host).
-HOST_OP_S = 10e-6
-#: Ops a MoE layer's forward issues after its token-count sync (all-to-all
-#: splits, permutation, grouped matmuls, un-permutation, combine), counted
-#: in torchtitan's MoE forward; an estimate.
-OPS_AFTER_SYNC = 30
 
 
 @dataclass(frozen=True)
@@ -283,6 +281,56 @@ def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str,
     return {"saved": saved, "layer_none": layer_none, "none": none}
 
 
+def _host_step(
+    spec: Any,
+    config: Any,
+    layout: ExpertLayout,
+    hw: HardwareProfile,
+    *,
+    gpu: bool,
+    eager: bool,
+    device_fw: float,
+    device_bw: float,
+) -> HostStep:
+    """The step's compute as host against device (Note: [Host-bound steps]):
+    for an eager engine on a GPU, the kernels counted on the family's model
+    at the profile's host cost per op, forward and backward (with AC's
+    recomputation) each a run of segments where expert parallelism syncs;
+    compiled on a GPU device bound, each sync costing its copy and one
+    launch; on a CPU (``gpu`` false) host and device are one.
+
+    ``device_fw``, ``device_bw``: the device's seconds of each pass."""
+    n_moe, n_dense = config.n_moe_layers, config.n_dense_layers
+    passes = 2 if layout.ac != "none" else 1  # forward, and AC's recomputation
+    sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
+    syncs = n_moe * passes if layout.ep > 1 and gpu else 0
+    if not (gpu and eager):
+        return host_step([(0.0, device_fw + device_bw)], syncs=syncs, sync_s=sync_s, overlap=True)
+    ops = block_ops(spec, config, layout.ac, layout.ep)
+    forward, backward, recompute = ops.step_counts(n_moe, n_dense)
+    host_fw = forward * hw.host_forward_op_s
+    host_bw = backward * hw.host_backward_op_s + recompute * hw.host_forward_op_s
+    syncs = n_moe * passes * ops.syncs_per_pass
+    return host_step(
+        [(host_fw, device_fw), (host_bw, device_bw)], syncs=syncs, sync_s=sync_s, overlap=not syncs
+    )
+
+
+def _host_note(host: HostStep, *, eager: bool) -> str:
+    """One line: whether the step waits for the host (Note: [Host-bound steps])."""
+    if not eager:
+        return (
+            "host: device bound assumed (compiled kernels, or host and device one CPU); "
+            f"syncs {host.sync_s:.3f} s"
+        )
+    verdict = "host bound" if host.host_bound else "device bound"
+    return (
+        f"host: {verdict}: {host.host_s:.3f} s launching eager ops against "
+        f"{host.device_s:.3f} s on the device; waits {host.wait_s:.3f} s for the host "
+        f"(syncs {host.sync_s:.3f} s)"
+    )
+
+
 def predict_analytic(
     spec: Any, config: Any, layout: ExpertLayout, hw: HardwareProfile
 ) -> Prediction:
@@ -348,9 +396,12 @@ def predict_analytic(
     recompute = {"full": block_fw, "selective": block_fw / 2, "none": 0.0}[layout.ac]
     # Routed experts as grouped GEMMs at the per-expert token count (Note:
     # [Analytic plan model]: MoE terms); forward (3), backward (6) per layer.
+    # Each term is split into the forward pass and the backward pass (with
+    # AC's recomputation) for the host model (Note: [Host-bound steps]).
     local_experts = args.num_experts // ep
     per_expert_tokens = max(int(tokens * args.top_k * layout.imbalance * ep / args.num_experts), 1)
     routed_share = {"full": 1.0, "selective": 0.5, "none": 0.0}[layout.ac]
+    dense_recompute = recompute - routed_share * routed / 3  # the recomputed non-expert matmuls
     if kernels is not None and args.n_moe_layers:
         d, h, m = args.dim, args.moe_hidden_dim, per_expert_tokens
         fwd = 2 * kernels.gemm_seconds(m, h, d, "bfloat16", local_experts)
@@ -362,17 +413,20 @@ def predict_analytic(
             + 2 * kernels.gemm_seconds(h, d, m, "bfloat16", local_experts)
             + kernels.gemm_seconds(d, h, m, "bfloat16", local_experts)
         )
-        grouped_s = args.n_moe_layers * ((1 + routed_share) * fwd + bwd)
-        matmul_s = tokens * (linear + (recompute - routed_share * routed / 3)) / rate + grouped_s
+        matmul_fw = tokens * linear / 3 / rate + args.n_moe_layers * fwd
+        matmul_s = tokens * (linear + dense_recompute) / rate
+        matmul_s += args.n_moe_layers * ((1 + routed_share) * fwd + bwd)
     else:
+        matmul_fw = tokens * (linear + routed) / 3 / rate
         matmul_s = tokens * (linear + routed + recompute) / rate
     attention_s = tokens * attn_flops / (rate * hw.attention_efficiency)
+    attention_fw = attention_s / 3
     if kernels is not None:
         # FlashAttention rates, causal halving (Note: [Kernel model]).
         forward = tokens * attn_flops / 3 / 2  # the spec counts 1 + 2 forwards; causal half
         tensor_peak = hw.peak_bf16_flops * hw.clock_fraction
-        attention_s = forward / (tensor_peak * hw.flash_fwd_efficiency)
-        attention_s += 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
+        attention_fw = forward / (tensor_peak * hw.flash_fwd_efficiency)
+        attention_s = attention_fw + 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
     if layout.ac == "full":
         attention_s *= 4 / 3  # its forward again
     # Elementwise work: three passes over the no-AC activations where the
@@ -384,14 +438,10 @@ def predict_analytic(
     # backward (Note: [Analytic plan model]: MoE terms).
     moe_tokens = tokens * args.top_k * layout.imbalance
     router_s = args.n_moe_layers * tokens * (2 * args.dim * args.num_experts) * 3 / rate
-    permute_s = args.n_moe_layers * 2 * 2 * (2 * 2 * moe_tokens * args.dim) / bw
-    permute_s *= 1 + routed_share
-    # Host syncs: each MoE forward (and its recomputation) reads the token
-    # counts to the host; the GPU idles for the sync and then for the host
-    # to launch the layer's remaining ops.
-    passes = 1 + (1.0 if layout.ac != "none" else 0.0)
-    sync_s = args.n_moe_layers * passes * (hw.kernel_overhead_s + OPS_AFTER_SYNC * HOST_OP_S)
-    compute_s = matmul_s + attention_s + elementwise_s + router_s + permute_s + sync_s
+    permute_fw = args.n_moe_layers * 2 * (2 * 2 * moe_tokens * args.dim) / bw
+    permute_s = 2 * permute_fw * (1 + routed_share)
+    device_s = matmul_s + attention_s + elementwise_s + router_s + permute_s
+    device_fw = matmul_fw + attention_fw + elementwise_s / 3 + router_s / 3 + permute_fw
 
     # ---- all-to-all
     intra = ep <= hw.gpus_per_node
@@ -401,6 +451,18 @@ def predict_analytic(
     per_a2a = latency + (ep - 1) / ep * a2a_bytes / link if ep > 1 else 0.0
     a2a_count = args.n_moe_layers * (6 if layout.ac == "full" else 4)
     a2a_s = a2a_count * per_a2a
+    a2a_fw = args.n_moe_layers * 2 * per_a2a
+
+    # ---- host: the kernels' launches against the device, run by run of
+    # segments between the token-count syncs (Note: [Host-bound steps])
+    host = _host_step(
+        spec, config, layout, hw,
+        gpu=kernels is not None,
+        eager=not fused,
+        device_fw=device_fw + a2a_fw,
+        device_bw=device_s - device_fw + a2a_s - a2a_fw,
+    )  # fmt: skip
+    compute_s = device_s + host.wait_s
 
     # ---- FSDP collectives, per block, overlapped with the block's compute
     span = dp  # the dp / ep ranks holding the same experts are ep apart
@@ -416,7 +478,7 @@ def predict_analytic(
         return seconds
 
     blocks = args.n_layers
-    block_compute = (compute_s - tokens * 6.0 * embed / rate) / blocks
+    block_compute = (device_s - tokens * 6.0 * embed / rate) / blocks
     moe_comm = block_comm(block_dense, args.num_experts // ep * per_expert)
     dense_comm = block_comm(block_dense + 3 * args.dim * args.dense_hidden_dim, 0)
     dp_comm_s = args.n_moe_layers * moe_comm + args.n_dense_layers * dense_comm
@@ -441,7 +503,8 @@ def predict_analytic(
         f"({experts / 1e9:.2f}B in routed experts, {args.num_experts // ep} of "
         f"{args.num_experts} per EP rank)",
         f"MoE: grouped GEMMs of {per_expert_tokens} tokens per local expert; router "
-        f"{router_s:.3f} s, permutation {permute_s:.3f} s, host syncs {sync_s:.3f} s",
+        f"{router_s:.3f} s, permutation {permute_s:.3f} s, host syncs {host.sync_s:.3f} s",
+        _host_note(host, eager=kernels is not None and not fused),
         f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
         f"({'NVLink' if intra else 'NIC'}), exposed; expert load imbalance "
         f"{layout.imbalance:g} (1: balanced)",
@@ -474,6 +537,8 @@ def predict_analytic(
             "ep_comm_total": a2a_s,
             "cp_comm_total": cp_s,
             "flops": tokens * (linear + routed + recompute + attn_flops),
+            "host": host.host_s,
+            "host_wait": host.wait_s,
         },
         step_s=step_s,
         tokens_per_s_per_gpu=tps,

@@ -25,6 +25,17 @@ GB = 1e9
 GiB = 2**30
 TFLOPS = 1e12
 
+# Host time per eager op (Note: [Host-bound steps] in simplefsdp/plan/host.py),
+# for a CUDA host; published microbenchmarks, not fitted. Forward, Python with
+# autograd recording: pytorch/pytorch#41383 measures about 7 us per op with
+# requires_grad (5 us without; Python, dispatcher, autograd node) on CPU
+# tensors, to which a CUDA launch (cudaLaunchKernel, 1-3 us) adds: ~10 us.
+# Backward, autograd's C++ engine: the same op from C++ costs about 1 us of
+# dispatch (ngimel, same thread), and pytorch/pytorch#82793 measures about
+# 4 us of overhead per op on CUDA: ~4 us with the launch.
+HOST_FORWARD_OP_S = 10e-6
+HOST_BACKWARD_OP_S = 4e-6
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
@@ -105,6 +116,12 @@ class HardwareProfile:
         flash_fwd_efficiency, flash_bwd_efficiency: fused causal attention's
             achievable fraction of the bf16 peak, forward and backward
             (published FlashAttention-2 measurements, causal FLOPs halved).
+        host_forward_op_s: host time to issue one eager forward op from
+            Python with autograd recording and launch its kernel (Note:
+            [Host-bound steps] in ``simplefsdp/plan/host.py``); also what a
+            device-to-host sync leaves the GPU idle before its next kernel.
+        host_backward_op_s: host time of one op issued by autograd's C++
+            engine in backward (no Python) and its launch.
     """
 
     name: str
@@ -138,6 +155,8 @@ class HardwareProfile:
     clock_fraction: float = 1.0
     flash_fwd_efficiency: float = 0.0
     flash_bwd_efficiency: float = 0.0
+    host_forward_op_s: float = HOST_FORWARD_OP_S
+    host_backward_op_s: float = HOST_BACKWARD_OP_S
 
     def to_dict(self) -> dict:
         return asdict(self)
