@@ -274,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="with --engine fsdp2: each block compiled in place (simplefsdp train "
-        "--parallel.engine fsdp2 --compile.enabled true; torchtitan's FSDP + torch.compile)",
+        "--parallel.engine fsdp2 --compile.enable true; torchtitan's FSDP + torch.compile)",
     )
     p.add_argument("--dtype", default="bf16", help="bf16 (mixed precision, default) or fp32")
     p.add_argument(

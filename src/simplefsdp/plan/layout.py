@@ -58,7 +58,7 @@ class Layout:
     # model]); else the loss runs eager, as traced.
     fused_loss: bool = False
     # fsdp2 with each block compiled in place (``--parallel.engine fsdp2
-    # --compile.enabled true``, torchtitan's "FSDP + torch.compile"): Inductor's
+    # --compile.enable true``, torchtitan's "FSDP + torch.compile"): Inductor's
     # fused kernels and the compiled step's activations under FSDP2's
     # per-block groups and hooks. simplefsdp is always planned compiled.
     compile: bool = False
