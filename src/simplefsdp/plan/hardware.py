@@ -105,6 +105,9 @@ class HardwareProfile:
         flash_fwd_efficiency, flash_bwd_efficiency: fused causal attention's
             achievable fraction of the bf16 peak, forward and backward
             (published FlashAttention-2 measurements, causal FLOPs halved).
+        caching_allocator: memory comes from PyTorch's CUDA caching
+            allocator, whose reserved peak the plan reports (Note: [Caching
+            allocator simulation]); ``False`` on CPU profiles.
     """
 
     name: str
@@ -138,6 +141,7 @@ class HardwareProfile:
     clock_fraction: float = 1.0
     flash_fwd_efficiency: float = 0.0
     flash_bwd_efficiency: float = 0.0
+    caching_allocator: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -356,6 +360,7 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_latency_s=0.0,
         comm_overlap=0.0,  # an all-reduce and matmuls took turns (no overlap measured)
         source="measured by simplefsdp plan --calibrate on a 2-core, 24 GB CPU machine",
+        caching_allocator=False,
     ),
 }
 

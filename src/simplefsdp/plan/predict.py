@@ -46,6 +46,22 @@ Note: [Plan model]
     one kernel, 4 bytes per logit: activations lose 2 bytes per logit,
     temporaries 6 (where the loss's backward is the step's peak, as in every
     traced Llama layout we checked).
+      cached       where the profile's memory comes from PyTorch's CUDA
+                   caching allocator (``caching_allocator``): what it
+                   reserves beyond the tensors, the free blocks it holds at
+                   its reserved peak (``torch.cuda.memory_stats()``'s
+                   ``reserved_bytes.all.peak``, torchtitan's
+                   ``max_reserved_gib``): the allocator simulated (Note:
+                   [Caching allocator simulation]) over two steps of the
+                   2-block trace (Note: [Events of a training step]), its
+                   reserved minus allocated peak taken whole, not
+                   extrapolated: the blocks repeat each other's sizes, so
+                   the cache they leave fits the next, and what does not
+                   fit is the loss's: the bf16 logits' freed block is half
+                   the fp32 tensors that follow it. The device's usable
+                   memory, less the plan's bytes beyond the simulated ones,
+                   is the allocator's capacity: past it the cache is
+                   released and the allocation retried (noted).
     The peak is the sum; the breakdown adds up to it.
 
     Step time: compute per node from the hardware profile (``CostModel``:
@@ -154,6 +170,7 @@ from simplefsdp.compiler.planning import (
     step_extra_bytes,
 )
 from simplefsdp.engines.kinds import get_engine
+from simplefsdp.plan.allocator import simulate_traced
 from simplefsdp.plan.costs import (
     copy_seconds,
     cost_model_for,
@@ -531,6 +548,19 @@ def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Ma
     )
 
 
+def _cached_bytes(t2: Traced, allocated: float, usable: float) -> tuple[float, int]:
+    """Reserved minus allocated bytes at the caching allocator's peaks over
+    two steps of ``t2``'s graphs, and its allocation retries, on a device
+    of ``usable`` bytes of which the plan's ``allocated`` bytes beyond the
+    simulated tensors are taken (Note: [Plan model])."""
+    free = simulate_traced(t2)
+    capacity = usable - max(allocated - free.allocated_peak_bytes, 0.0)
+    if capacity <= 0 or free.reserved_peak_bytes <= capacity:
+        return float(free.cached_bytes), 0
+    capped = simulate_traced(t2, capacity_bytes=int(capacity))
+    return float(max(capped.cached_bytes, 0)), capped.retries
+
+
 def predict(spec: Any, config: Any, layout: Any, hw: HardwareProfile) -> Prediction:
     """Predict ``layout`` of ``config`` (a flavor of the family ``spec``) on
     ``hw`` by the spec's ``plan_method``: traced graphs (``"trace"``,
@@ -765,6 +795,16 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         "gathered": gathered,
         "temporary": temporary,
     }
+    if hw.caching_allocator:
+        # What the caching allocator holds free at its reserved peak, from the
+        # 2-block trace's steps (Note: [Plan model]).
+        cached, retries = _cached_bytes(t2, sum(memory.values()), usable)
+        memory["cached"] = cached
+        notes.append(
+            f"peak is the caching allocator's reserved memory: {cached / 2**30:.1f} GiB cached "
+            f"beyond the tensors' {(sum(memory.values()) - cached) / 2**30:.1f} GiB"
+            + (f"; {retries} allocation retries (cache released at capacity)" if retries else "")
+        )
     peak = sum(memory.values())
     tokens = layout.batch * layout.seq * layout.dp
     tps = tokens / step_s / layout.gpus
