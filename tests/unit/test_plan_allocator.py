@@ -8,13 +8,14 @@ import dataclasses
 import pytest
 
 from plan_profiles import FIXED
-from simplefsdp.compiler.planning import estimate_memory
+from simplefsdp.compiler.planning import collective_kind, estimate_memory
 from simplefsdp.models.llama3 import get_config
 from simplefsdp.models.registry import get_spec
 from simplefsdp.plan.allocator import (
     Alloc,
     CachingAllocator,
     Free,
+    fsdp2_stream,
     graph_events,
     round_size,
     segment_size,
@@ -111,10 +112,21 @@ def test_a_graphs_events_peak_at_its_estimated_memory() -> None:
         stats = _run(events)
         assert stats.requested_peak_bytes == estimate_memory(gm).peak_bytes
         assert stats.reserved_peak_bytes >= stats.allocated_peak_bytes
+    # Eager FSDP2's streams: every all-gather and its copy-in on stream 1,
+    # every reduce-scatter and its copy-in on stream 2.
+    gathers = [n for n in t.forward.graph.nodes if collective_kind(n) == "all_gather"]
+    scatters = [n for n in t.backward.graph.nodes if collective_kind(n) == "reduce_scatter"]
+    assert gathers and scatters
+    assert all(fsdp2_stream(n) == fsdp2_stream(n.args[0]) == 1 for n in gathers)
+    assert all(fsdp2_stream(n) == fsdp2_stream(n.args[0]) == 2 for n in scatters)
+    assert sum(fsdp2_stream(n) > 0 for n in t.forward.graph.nodes) == 2 * len(gathers)
     # The step: parameters, two steps of both graphs, AdamW; steady by the second.
     two, three = simulate_traced(t), simulate_traced(t, steps=3)
     assert two == three
     assert two.requested_peak_bytes >= 4 * t.local_param_bytes  # parameters, moments, grads
+    streams = simulate_traced(t, collective_streams=True)
+    assert streams.requested_peak_bytes == two.requested_peak_bytes
+    assert streams.reserved_peak_bytes > two.reserved_peak_bytes  # pools apart
 
 
 def test_the_plans_peak_is_the_reserved_one_on_a_caching_allocator() -> None:

@@ -63,14 +63,16 @@ Note: [Events of a training step]
     optimizer) and the tensors saved for backward, each freed after its
     last use in the backward graph (matched by name: AOTAutograd names a
     backward input after the forward node it saves). The backward's
-    outputs are the gradients.
+    outputs are the gradients. Every tensor is allocated on the compute
+    stream unless ``stream_of`` says otherwise (eager FSDP2's collective
+    streams: :func:`fsdp2_stream`).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -387,25 +389,28 @@ class CachingAllocator:
 
 
 def graph_events(
-    gm: fx.GraphModule, tag: str, inputs: dict[str, object]
+    gm: fx.GraphModule,
+    tag: str,
+    inputs: dict[str, object],
+    stream_of: Callable[[fx.Node], int] | None = None,
 ) -> tuple[list[Event], dict[str, object]]:
     """Events of one run of ``gm`` (Note: [Events of a training step]).
 
     ``inputs``: placeholder name -> key of a tensor allocated before the
     graph that this graph frees after its last use (saved activations;
     several placeholders may share a key); the keys of those the graph
-    never uses are left in ``inputs``. Returns the events and, per output
-    name, the key of the tensor it leaves allocated.
+    never uses are left in ``inputs``. ``stream_of``: the stream a node's
+    output is allocated on (default: all on stream 0). Returns the events
+    and, per output name, the key of the tensor it leaves allocated.
     """
-    from simplefsdp.compiler.memory_estimate import _collective_waits, _is_alias
-    from simplefsdp.compiler.planning import node_bytes
+    from simplefsdp.compiler.planning import collective_waits, is_alias, node_bytes
 
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
     for node in nodes:
         args = node.all_input_nodes
-        root[node] = root[args[0]] if _is_alias(node) and args else node
+        root[node] = root[args[0]] if is_alias(node) and args else node
     leaves = nodes[-1].all_input_nodes
     outputs = {root[n] for n in leaves}
     last_use: dict[fx.Node, int] = {}
@@ -413,7 +418,7 @@ def graph_events(
         for user in node.users:
             r = root[node]
             last_use[r] = max(last_use.get(r, -1), index[user])
-    for node, wait in _collective_waits(nodes, index).items():
+    for node, wait in collective_waits(nodes, index).items():
         for arg in node.all_input_nodes:
             last_use[root[arg]] = max(last_use[root[arg]], wait)
     frees: dict[int, list[fx.Node]] = {}
@@ -429,7 +434,8 @@ def graph_events(
         if root[node] is node and node.op == "call_function":
             size = node_bytes(node)
             if size:
-                events.append(Alloc((tag, node.name), size))
+                stream = stream_of(node) if stream_of is not None else 0
+                events.append(Alloc((tag, node.name), size, stream))
                 allocated.add(node)
         for r in frees.get(i, ()):
             if r in allocated:
@@ -451,10 +457,12 @@ def step_events(
     param_bytes: Sequence[int],
     *,
     steps: int = 2,
+    stream_of: Callable[[fx.Node], int] | None = None,
 ) -> list[Event]:
     """Allocation and free events of ``steps`` training steps of the traced
     ``forward`` and ``backward`` graphs with AdamW over parameter shards of
-    ``param_bytes`` (Note: [Events of a training step]).
+    ``param_bytes`` (Note: [Events of a training step]); ``stream_of`` as
+    for :func:`graph_events`.
 
     Raises:
         ValueError: ``steps`` is below 1.
@@ -465,14 +473,14 @@ def step_events(
     grads: list[object] = []
     for step in range(steps):
         events += [Free(g) for g in grads]
-        fw, saved = graph_events(forward, f"fw{step}", {})
+        fw, saved = graph_events(forward, f"fw{step}", {}, stream_of)
         bw_inputs = {
             n.name: saved[n.name]
             for n in backward.graph.find_nodes(op="placeholder")
             if n.name in saved
         }
         passed = set(bw_inputs.values())
-        bw, left = graph_events(backward, f"bw{step}", bw_inputs)
+        bw, left = graph_events(backward, f"bw{step}", bw_inputs, stream_of)
         events += fw + bw
         # Saved tensors backward never reads: released with autograd's graph.
         events += [Free(k) for k in dict.fromkeys(bw_inputs.values())]
@@ -484,6 +492,24 @@ def step_events(
         events += [Free(("sqrt", step, i)) for i in range(len(param_bytes))]
         events += [Free(k) for k in dict.fromkeys(saved.values()) if k not in passed]  # the loss
     return events
+
+
+def fsdp2_stream(node: fx.Node) -> int:
+    """The stream eager FSDP2 allocates ``node``'s output on: 1 for an
+    all-gather's output and its copy-in (the parameter shards cast to the
+    compute dtype), 2 for a reduce-scatter's output (the gradient shards)
+    and its copy-in (the gradients cast to the reduce dtype), 0 (compute)
+    for the rest."""
+    from simplefsdp.compiler.planning import collective_kind
+
+    def stream(n: fx.Node) -> int:
+        kind = collective_kind(n)
+        return {"all_gather": 1, "reduce_scatter": 2}.get(kind or "", 0)
+
+    own = stream(node)
+    if own or len(node.users) != 1:
+        return own
+    return stream(next(iter(node.users)))
 
 
 def parameter_shard_bytes(forward: fx.GraphModule, primal_names: dict[str, str]) -> list[int]:
@@ -502,15 +528,19 @@ def simulate_traced(
     capacity_bytes: int | None = None,
     expandable_segments: bool = False,
     steps: int = 2,
+    collective_streams: bool = False,
 ) -> AllocatorStats:
     """The caching allocator over ``steps`` training steps of a trace
     (``simplefsdp.plan.trace.Traced``; Notes: [Caching allocator
-    simulation], [Events of a training step]).
+    simulation], [Events of a training step]); with
+    ``collective_streams`` the collectives' buffers on streams of their
+    own, as eager FSDP2 allocates them (:func:`fsdp2_stream`).
 
     Raises:
         ValueError: ``steps`` below 1 or ``capacity_bytes`` not positive.
     """
     params = parameter_shard_bytes(traced.forward, traced.primal_names)
-    events = step_events(traced.forward, traced.backward, params, steps=steps)
+    stream_of = fsdp2_stream if collective_streams else None
+    events = step_events(traced.forward, traced.backward, params, steps=steps, stream_of=stream_of)
     allocator = CachingAllocator(capacity_bytes, expandable_segments=expandable_segments)
     return allocator.run(events)

@@ -61,7 +61,13 @@ Note: [Plan model]
                    the fp32 tensors that follow it. The device's usable
                    memory, less the plan's bytes beyond the simulated ones,
                    is the allocator's capacity: past it the cache is
-                   released and the allocation retried (noted).
+                   released and the allocation retried (noted). For the
+                   eager engine (FSDP2) the all-gathers' and the
+                   reduce-scatters' buffers and copy-ins are allocated on
+                   streams of their own, whose cached blocks the compute
+                   stream cannot use (``fsdp2_stream``): the gradients
+                   freed by ``zero_grad`` stay cached on the
+                   reduce-scatter stream through the next forward.
     The peak is the sum; the breakdown adds up to it.
 
     Step time: compute per node from the hardware profile (``CostModel``:
@@ -548,16 +554,17 @@ def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Ma
     )
 
 
-def _cached_bytes(t2: Traced, allocated: float, usable: float) -> tuple[float, int]:
+def _cached_bytes(t2: Traced, allocated: float, usable: float, streams: bool) -> tuple[float, int]:
     """Reserved minus allocated bytes at the caching allocator's peaks over
     two steps of ``t2``'s graphs, and its allocation retries, on a device
     of ``usable`` bytes of which the plan's ``allocated`` bytes beyond the
-    simulated tensors are taken (Note: [Plan model])."""
-    free = simulate_traced(t2)
+    simulated tensors are taken; ``streams``: the collectives' buffers on
+    streams of their own, as eager FSDP2 allocates them (Note: [Plan model])."""
+    free = simulate_traced(t2, collective_streams=streams)
     capacity = usable - max(allocated - free.allocated_peak_bytes, 0.0)
     if capacity <= 0 or free.reserved_peak_bytes <= capacity:
         return float(free.cached_bytes), 0
-    capped = simulate_traced(t2, capacity_bytes=int(capacity))
+    capped = simulate_traced(t2, capacity_bytes=int(capacity), collective_streams=streams)
     return float(max(capped.cached_bytes, 0)), capped.retries
 
 
@@ -798,7 +805,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     if hw.caching_allocator:
         # What the caching allocator holds free at its reserved peak, from the
         # 2-block trace's steps (Note: [Plan model]).
-        cached, retries = _cached_bytes(t2, sum(memory.values()), usable)
+        cached, retries = _cached_bytes(t2, sum(memory.values()), usable, not fused)
         memory["cached"] = cached
         notes.append(
             f"peak is the caching allocator's reserved memory: {cached / 2**30:.1f} GiB cached "
