@@ -142,7 +142,8 @@ def test_the_plans_peak_is_the_reserved_one_on_a_caching_allocator() -> None:
 
 
 @pytest.mark.heavy
-def test_the_two_block_cache_matches_a_full_trace() -> None:
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_the_two_block_cache_matches_a_full_trace(ac: str) -> None:
     # Larger tensors than the debug model's (meta: no memory is used), so that
     # the large pool's segments matter; the cached bytes of 2 blocks stand for 4.
     def key(n: int) -> TraceKey:
@@ -150,8 +151,9 @@ def test_the_two_block_cache_matches_a_full_trace() -> None:
             "debug", dim=1024, n_layers=n, n_heads=8, n_kv_heads=4, vocab_size=32000,
             max_seq_len=4096,
         )  # fmt: skip
-        return TraceKey("llama3", config, 8, 1, 2, 4096, "selective")
+        return TraceKey("llama3", config, 8, 1, 2, 4096, ac)
 
-    two, four = (simulate_traced(traced(key(n))) for n in (2, 4))
-    assert four.allocated_peak_bytes > two.allocated_peak_bytes
-    assert two.cached_bytes == pytest.approx(four.cached_bytes, rel=0.1)
+    for streams in (False, True):
+        two, four = (simulate_traced(traced(key(n)), collective_streams=streams) for n in (2, 4))
+        assert four.allocated_peak_bytes > two.allocated_peak_bytes
+        assert two.cached_bytes == pytest.approx(four.cached_bytes, rel=0.1), streams
