@@ -99,6 +99,11 @@ def test_expandable_segments_grow_by_pages_from_their_free_end() -> None:
     stats = _run([*events, Free("a"), Alloc("c", 11 * MiB)], expandable_segments=True)
     assert stats.reserved_peak_bytes == 40 * MiB  # a's block, split (large pool too)
     assert stats.allocated_peak_bytes == 24 * MiB
+    # At capacity the whole pages of free blocks are unmapped (here another
+    # stream's) and the allocation retried.
+    events = [Alloc("a", 12 * MiB, stream=1), Free("a"), Alloc("b", 12 * MiB)]
+    stats = _run(events, capacity_bytes=30 * MiB, expandable_segments=True)
+    assert (stats.reserved_peak_bytes, stats.retries, stats.ooms) == (20 * MiB, 1, 0)
 
 
 def _key(n_layers: int) -> TraceKey:

@@ -9,7 +9,7 @@ the wrong stream, for the requests that came after them.
 
 Note: [Caching allocator simulation]
     :class:`CachingAllocator` replays allocation and free events with the
-    rules of ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch 2.5 to 2.11):
+    rules of ``c10/cuda/CUDACachingAllocator.cpp`` (its defaults):
 
       rounding     every request rounds up to a multiple of 512 bytes;
       pools        requests of at most 1 MiB come from the small pool,
@@ -71,7 +71,6 @@ Note: [Events of a training step]
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -147,10 +146,13 @@ class AllocatorStats:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "pool", "stream", "prev", "next", "allocated", "mapped", "seg")
+    """A block of a segment: ``pool`` is True for the small pool; ``prev``
+    and ``next`` its neighbours in the segment."""
 
-    def __init__(self, addr, size, pool, stream, seg, mapped=True):
-        self.addr, self.size, self.pool, self.stream, self.seg = addr, size, pool, stream, seg
+    __slots__ = ("addr", "size", "pool", "stream", "prev", "next", "allocated", "mapped")
+
+    def __init__(self, addr, size, pool, stream, mapped=True):
+        self.addr, self.size, self.pool, self.stream = addr, size, pool, stream
         self.prev = self.next = None
         self.allocated = False
         self.mapped = mapped
@@ -185,7 +187,6 @@ class CachingAllocator:
         self._tails: dict[tuple[bool, int], _Block] = {}
         self._blocks: dict[object, tuple[_Block, int]] = {}
         self._next_addr = 0
-        self._segments = itertools.count()
         self.requested = self.allocated = self.reserved = 0
         self.requested_peak = self.allocated_peak = self.reserved_peak = 0
         self.retries = self.ooms = 0
@@ -218,7 +219,7 @@ class CachingAllocator:
         if block.size - rounded >= (
             MIN_BLOCK_BYTES if small or self.expandable else SMALL_SIZE_BYTES + 1
         ):
-            rest = _Block(block.addr + rounded, block.size - rounded, small, stream, block.seg)
+            rest = _Block(block.addr + rounded, block.size - rounded, small, stream)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -295,7 +296,7 @@ class CachingAllocator:
         if not self.expandable:
             addr = self._next_addr
             self._next_addr += need
-            return _Block(addr, need, small, stream, next(self._segments))
+            return _Block(addr, need, small, stream)
         return self._extend(small, stream, size, need)
 
     def _page(self, small: bool) -> int:
@@ -304,7 +305,7 @@ class CachingAllocator:
     def _tail(self, small: bool, stream: int) -> _Block:
         tail = self._tails.get((small, stream))
         if tail is None:
-            tail = _Block(0, 1 << 62, small, stream, next(self._segments), mapped=False)
+            tail = _Block(0, 1 << 62, small, stream, mapped=False)
             self._tails[(small, stream)] = tail
         return tail
 
@@ -322,7 +323,7 @@ class CachingAllocator:
         """Map ``need`` bytes at the end of the pool's expandable segment and
         return the free block ending there (holding ``size``)."""
         tail = self._tail(small, stream)
-        mapped = _Block(tail.addr, need, small, stream, tail.seg)
+        mapped = _Block(tail.addr, need, small, stream)
         mapped.prev, mapped.next = tail.prev, tail
         if tail.prev is not None:
             tail.prev.next = mapped
@@ -358,19 +359,15 @@ class CachingAllocator:
                 # stays, as an unmapped block no request uses again here
                 # (the segment grows at its end), a conservative simplification.
                 self.reserved -= end - start
-                hole = _Block(start, end - start, block.pool, block.stream, block.seg, False)
+                hole = _Block(start, end - start, block.pool, block.stream, False)
                 hole.allocated = True  # never merged with, never cached
                 pieces = []
                 if start > block.addr:
-                    pieces.append(
-                        _Block(block.addr, start - block.addr, block.pool, block.stream, block.seg)
-                    )
+                    pieces.append(_Block(block.addr, start - block.addr, block.pool, block.stream))
                 pieces.append(hole)
                 if block.addr + block.size > end:
                     pieces.append(
-                        _Block(
-                            end, block.addr + block.size - end, block.pool, block.stream, block.seg
-                        )
+                        _Block(end, block.addr + block.size - end, block.pool, block.stream)
                     )
                 prev = block.prev
                 for piece in pieces:
