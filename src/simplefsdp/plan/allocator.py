@@ -390,6 +390,7 @@ def graph_events(
     tag: str,
     inputs: dict[str, object],
     stream_of: Callable[[fx.Node], int] | None = None,
+    skip: Callable[[fx.Node], bool] | None = None,
 ) -> tuple[list[Event], dict[str, object]]:
     """Events of one run of ``gm`` (Note: [Events of a training step]).
 
@@ -429,7 +430,7 @@ def graph_events(
     allocated: set[fx.Node] = set()
     for i, node in enumerate(nodes):
         if root[node] is node and node.op == "call_function":
-            size = node_bytes(node)
+            size = node_bytes(node) if skip is None or not skip(node) else 0
             if size:
                 stream = stream_of(node) if stream_of is not None else 0
                 events.append(Alloc((tag, node.name), size, stream))
@@ -455,11 +456,12 @@ def step_events(
     *,
     steps: int = 2,
     stream_of: Callable[[fx.Node], int] | None = None,
+    skip: Callable[[fx.Node], bool] | None = None,
 ) -> list[Event]:
     """Allocation and free events of ``steps`` training steps of the traced
     ``forward`` and ``backward`` graphs with AdamW over parameter shards of
-    ``param_bytes`` (Note: [Events of a training step]); ``stream_of`` as
-    for :func:`graph_events`.
+    ``param_bytes`` (Note: [Events of a training step]); ``stream_of`` and
+    ``skip`` as for :func:`graph_events`.
 
     Raises:
         ValueError: ``steps`` is below 1.
@@ -470,14 +472,14 @@ def step_events(
     grads: list[object] = []
     for step in range(steps):
         events += [Free(g) for g in grads]
-        fw, saved = graph_events(forward, f"fw{step}", {}, stream_of)
+        fw, saved = graph_events(forward, f"fw{step}", {}, stream_of, skip)
         bw_inputs = {
             n.name: saved[n.name]
             for n in backward.graph.find_nodes(op="placeholder")
             if n.name in saved
         }
         passed = set(bw_inputs.values())
-        bw, left = graph_events(backward, f"bw{step}", bw_inputs, stream_of)
+        bw, left = graph_events(backward, f"bw{step}", bw_inputs, stream_of, skip)
         events += fw + bw
         # Saved tensors backward never reads: released with autograd's graph.
         events += [Free(k) for k in dict.fromkeys(bw_inputs.values())]
@@ -509,6 +511,25 @@ def fsdp2_stream(node: fx.Node) -> int:
     return stream(next(iter(node.users)))
 
 
+def fused_loss_skips(vocab: int) -> Callable[[fx.Node], bool]:
+    """Whether a node is one a fused (compiled) cross-entropy never
+    materialises: an fp32 tensor whose last dimension is ``vocab`` (the
+    upcast logits, their log-probabilities and the gradients of both; the
+    fused kernels read the bf16 logits and write their bf16 gradient)."""
+    import torch
+
+    def skip(node: fx.Node) -> bool:
+        val = node.meta.get("val")
+        return (
+            isinstance(val, torch.Tensor)
+            and val.dtype == torch.float32
+            and val.dim() > 0
+            and val.shape[-1] == vocab
+        )
+
+    return skip
+
+
 def parameter_shard_bytes(forward: fx.GraphModule, primal_names: dict[str, str]) -> list[int]:
     """Bytes of each parameter shard the traced ``forward`` graph takes as an
     input (``primal_names``: placeholder name -> parameter FQN), in order."""
@@ -526,18 +547,25 @@ def simulate_traced(
     expandable_segments: bool = False,
     steps: int = 2,
     collective_streams: bool = False,
+    fused_loss_vocab: int = 0,
 ) -> AllocatorStats:
     """The caching allocator over ``steps`` training steps of a trace
     (``simplefsdp.plan.trace.Traced``; Notes: [Caching allocator
     simulation], [Events of a training step]); with
     ``collective_streams`` the collectives' buffers on streams of their
-    own, as eager FSDP2 allocates them (:func:`fsdp2_stream`).
+    own, as eager FSDP2 allocates them (:func:`fsdp2_stream`); with
+    ``fused_loss_vocab`` (the logits' local vocabulary) the loss compiled
+    into one kernel, which materialises none of the traced eager loss's
+    fp32 tensors of the vocabulary's width (:func:`fused_loss_skips`).
 
     Raises:
         ValueError: ``steps`` below 1 or ``capacity_bytes`` not positive.
     """
     params = parameter_shard_bytes(traced.forward, traced.primal_names)
     stream_of = fsdp2_stream if collective_streams else None
-    events = step_events(traced.forward, traced.backward, params, steps=steps, stream_of=stream_of)
+    skip = fused_loss_skips(fused_loss_vocab) if fused_loss_vocab else None
+    events = step_events(
+        traced.forward, traced.backward, params, steps=steps, stream_of=stream_of, skip=skip
+    )
     allocator = CachingAllocator(capacity_bytes, expandable_segments=expandable_segments)
     return allocator.run(events)

@@ -67,7 +67,10 @@ Note: [Plan model]
                    streams of their own, whose cached blocks the compute
                    stream cannot use (``fsdp2_stream``): the gradients
                    freed by ``zero_grad`` stay cached on the
-                   reduce-scatter stream through the next forward.
+                   reduce-scatter stream through the next forward. With
+                   ``fused_loss`` the traced loss's fp32 tensors of the
+                   vocabulary's width allocate nothing
+                   (``fused_loss_skips``).
     The peak is the sum; the breakdown adds up to it.
 
     Step time: compute per node from the hardware profile (``CostModel``:
@@ -554,17 +557,21 @@ def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Ma
     )
 
 
-def _cached_bytes(t2: Traced, allocated: float, usable: float, streams: bool) -> tuple[float, int]:
+def _cached_bytes(
+    t2: Traced, allocated: float, usable: float, streams: bool, fused_vocab: int
+) -> tuple[float, int]:
     """Reserved minus allocated bytes at the caching allocator's peaks over
     two steps of ``t2``'s graphs, and its allocation retries, on a device
     of ``usable`` bytes of which the plan's ``allocated`` bytes beyond the
     simulated tensors are taken; ``streams``: the collectives' buffers on
-    streams of their own, as eager FSDP2 allocates them (Note: [Plan model])."""
-    free = simulate_traced(t2, collective_streams=streams)
+    streams of their own, as eager FSDP2 allocates them; ``fused_vocab``:
+    the local vocabulary of a fused loss (0: eager) (Note: [Plan model])."""
+    kw = dict(collective_streams=streams, fused_loss_vocab=fused_vocab)
+    free = simulate_traced(t2, **kw)
     capacity = usable - max(allocated - free.allocated_peak_bytes, 0.0)
     if capacity <= 0 or free.reserved_peak_bytes <= capacity:
         return float(free.cached_bytes), 0
-    capped = simulate_traced(t2, capacity_bytes=int(capacity), collective_streams=streams)
+    capped = simulate_traced(t2, capacity_bytes=int(capacity), **kw)
     return float(max(capped.cached_bytes, 0)), capped.retries
 
 
@@ -805,7 +812,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     if hw.caching_allocator:
         # What the caching allocator holds free at its reserved peak, from the
         # 2-block trace's steps (Note: [Plan model]).
-        cached, retries = _cached_bytes(t2, sum(memory.values()), usable, not fused)
+        vocab = config.vocab_size // (layout.tp if layout.loss_parallel else 1)
+        fused_vocab = vocab if layout.fused_loss else 0
+        cached, retries = _cached_bytes(t2, sum(memory.values()), usable, not fused, fused_vocab)
         memory["cached"] = cached
         notes.append(
             f"peak is the caching allocator's reserved memory: {cached / 2**30:.1f} GiB cached "
