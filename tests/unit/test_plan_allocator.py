@@ -16,6 +16,7 @@ from simplefsdp.plan.allocator import (
     CachingAllocator,
     Free,
     fsdp2_stream,
+    fused_loss_skips,
     graph_events,
     round_size,
     segment_size,
@@ -125,6 +126,16 @@ def test_a_graphs_events_peak_at_its_estimated_memory() -> None:
     assert all(fsdp2_stream(n) == fsdp2_stream(n.args[0]) == 1 for n in gathers)
     assert all(fsdp2_stream(n) == fsdp2_stream(n.args[0]) == 2 for n in scatters)
     assert sum(fsdp2_stream(n) > 0 for n in t.forward.graph.nodes) == 2 * len(gathers)
+    # A fused loss materialises none of the eager loss's fp32 tensors of the
+    # vocabulary's width.
+    skip = fused_loss_skips(t.key.config.vocab_size)
+    nodes = {n.name: n for n in t.forward.graph.nodes}
+    eager, _ = graph_events(t.forward, "g", {})
+    fused, _ = graph_events(t.forward, "g", {}, skip=skip)
+    allocated = [{e.key[1] for e in ev if isinstance(e, Alloc)} for ev in (eager, fused)]
+    wide = {name for name in allocated[0] if skip(nodes[name])}
+    assert wide  # the upcast logits and their log-probabilities
+    assert allocated[1] == allocated[0] - wide
     # The step: parameters, two steps of both graphs, AdamW; steady by the second.
     two, three = simulate_traced(t), simulate_traced(t, steps=3)
     assert two == three
