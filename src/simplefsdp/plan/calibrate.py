@@ -429,6 +429,7 @@ def profile_from(raw: dict, name: str, device_type: str) -> HardwareProfile:
         fsdp2_copy_s_per_byte=raw.get("fsdp2_copy_s_per_byte", 0.0),
         fsdp2_sharded_group_s=raw.get("fsdp2_sharded_group_s", 0.0),
         source=f"measured by simplefsdp plan --calibrate ({WORLD} ranks), {time.strftime('%Y-%m-%d')}",
+        caching_allocator=device_type == "cuda",
     )
 
 

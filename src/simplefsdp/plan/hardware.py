@@ -122,6 +122,9 @@ class HardwareProfile:
             device-to-host sync leaves the GPU idle before its next kernel.
         host_backward_op_s: host time of one op issued by autograd's C++
             engine in backward (no Python) and its launch.
+        caching_allocator: memory comes from PyTorch's CUDA caching
+            allocator, whose reserved peak the plan reports (Note: [Caching
+            allocator simulation]); ``False`` on CPU profiles.
     """
 
     name: str
@@ -157,6 +160,7 @@ class HardwareProfile:
     flash_bwd_efficiency: float = 0.0
     host_forward_op_s: float = HOST_FORWARD_OP_S
     host_backward_op_s: float = HOST_BACKWARD_OP_S
+    caching_allocator: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -375,6 +379,7 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_latency_s=0.0,
         comm_overlap=0.0,  # an all-reduce and matmuls took turns (no overlap measured)
         source="measured by simplefsdp plan --calibrate on a 2-core, 24 GB CPU machine",
+        caching_allocator=False,
     ),
 }
 

@@ -129,13 +129,16 @@ def format_measured(measured: Measured, pred: Any) -> str:
     """Lines of ``measured`` beside the prediction ``pred``."""
     gib = 2**30
     compute = pred.time["compute"] + pred.time["optimizer"]
-    err_mem = 100 * (pred.peak_bytes / measured.peak_bytes - 1) if measured.peak_bytes else 0.0
+    # The probe reads allocated bytes: against the plan's less what the
+    # caching allocator holds cached (Note: [Plan model]).
+    allocated = pred.peak_bytes - pred.memory.get("cached", 0.0)
+    err_mem = 100 * (allocated / measured.peak_bytes - 1) if measured.peak_bytes else 0.0
     err_t = 100 * (compute / measured.step_s - 1) if measured.step_s else 0.0
     return "\n".join(
         [
             f"measured on this {measured.device} (rank 0, other ranks faked, collectives skipped):",
             f"  peak memory           {measured.peak_bytes / gib:8.2f} GiB  predicted "
-            f"{pred.peak_bytes / gib:.2f} GiB ({err_mem:+.1f}%; {measured.memory_kind})",
+            f"{allocated / gib:.2f} GiB ({err_mem:+.1f}%; {measured.memory_kind})",
             f"  step compute          {measured.step_s:8.3f} s    predicted {compute:.3f} s "
             f"(compute + optimizer, {err_t:+.1f}%)",
         ]

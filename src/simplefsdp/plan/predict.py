@@ -46,6 +46,31 @@ Note: [Plan model]
     one kernel, 4 bytes per logit: activations lose 2 bytes per logit,
     temporaries 6 (where the loss's backward is the step's peak, as in every
     traced Llama layout we checked).
+      cached       where the profile's memory comes from PyTorch's CUDA
+                   caching allocator (``caching_allocator``): what it
+                   reserves beyond the tensors, the free blocks it holds at
+                   its reserved peak (``torch.cuda.memory_stats()``'s
+                   ``reserved_bytes.all.peak``, torchtitan's
+                   ``max_reserved_gib``): the allocator simulated (Note:
+                   [Caching allocator simulation]) over two steps of the
+                   2-block trace (Note: [Events of a training step]), its
+                   reserved minus allocated peak taken whole, not
+                   extrapolated: the blocks repeat each other's sizes, so
+                   the cache they leave fits the next, and what does not
+                   fit is the loss's: the bf16 logits' freed block is half
+                   the fp32 tensors that follow it. The device's usable
+                   memory, less the plan's bytes beyond the simulated ones,
+                   is the allocator's capacity: past it the cache is
+                   released and the allocation retried (noted). For the
+                   eager engine (FSDP2) the all-gathers' and the
+                   reduce-scatters' buffers and copy-ins are allocated on
+                   streams of their own, whose cached blocks the compute
+                   stream cannot use (``fsdp2_stream``): the gradients
+                   freed by ``zero_grad`` stay cached on the
+                   reduce-scatter stream through the next forward. With
+                   ``fused_loss`` the traced loss's fp32 tensors of the
+                   vocabulary's width allocate nothing
+                   (``fused_loss_skips``).
     The peak is the sum; the breakdown adds up to it.
 
     Step time: compute per node from the hardware profile (``CostModel``:
@@ -157,6 +182,7 @@ from simplefsdp.compiler.planning import (
     step_extra_bytes,
 )
 from simplefsdp.engines.kinds import get_engine
+from simplefsdp.plan.allocator import simulate_traced
 from simplefsdp.plan.costs import (
     copy_seconds,
     cost_model_for,
@@ -534,6 +560,24 @@ def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Ma
     )
 
 
+def _cached_bytes(
+    t2: Traced, allocated: float, usable: float, streams: bool, fused_vocab: int
+) -> tuple[float, int]:
+    """Reserved minus allocated bytes at the caching allocator's peaks over
+    two steps of ``t2``'s graphs, and its allocation retries, on a device
+    of ``usable`` bytes of which the plan's ``allocated`` bytes beyond the
+    simulated tensors are taken; ``streams``: the collectives' buffers on
+    streams of their own, as eager FSDP2 allocates them; ``fused_vocab``:
+    the local vocabulary of a fused loss (0: eager) (Note: [Plan model])."""
+    kw = dict(collective_streams=streams, fused_loss_vocab=fused_vocab)
+    free = simulate_traced(t2, **kw)
+    capacity = usable - max(allocated - free.allocated_peak_bytes, 0.0)
+    if capacity <= 0 or free.reserved_peak_bytes <= capacity:
+        return float(free.cached_bytes), 0
+    capped = simulate_traced(t2, capacity_bytes=int(capacity), **kw)
+    return float(max(capped.cached_bytes, 0)), capped.retries
+
+
 def predict(spec: Any, config: Any, layout: Any, hw: HardwareProfile) -> Prediction:
     """Predict ``layout`` of ``config`` (a flavor of the family ``spec``) on
     ``hw`` by the spec's ``plan_method``: traced graphs (``"trace"``,
@@ -768,6 +812,18 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         "gathered": gathered,
         "temporary": temporary,
     }
+    if hw.caching_allocator:
+        # What the caching allocator holds free at its reserved peak, from the
+        # 2-block trace's steps (Note: [Plan model]).
+        vocab = config.vocab_size // (layout.tp if layout.loss_parallel else 1)
+        fused_vocab = vocab if layout.fused_loss else 0
+        cached, retries = _cached_bytes(t2, sum(memory.values()), usable, not fused, fused_vocab)
+        memory["cached"] = cached
+        notes.append(
+            f"peak is the caching allocator's reserved memory: {cached / 2**30:.1f} GiB cached "
+            f"beyond the tensors' {(sum(memory.values()) - cached) / 2**30:.1f} GiB"
+            + (f"; {retries} allocation retries (cache released at capacity)" if retries else "")
+        )
     peak = sum(memory.values())
     tokens = layout.batch * layout.seq * layout.dp
     tps = tokens / step_s / layout.gpus

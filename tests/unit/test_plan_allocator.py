@@ -1,0 +1,175 @@
+"""The caching-allocator simulation of ``simplefsdp plan`` (Notes: [Caching
+allocator simulation], [Events of a training step])."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from plan_profiles import FIXED
+from simplefsdp.compiler.planning import collective_kind, estimate_memory
+from simplefsdp.models.llama3 import get_config
+from simplefsdp.models.registry import get_spec
+from simplefsdp.plan.allocator import (
+    Alloc,
+    CachingAllocator,
+    Free,
+    fsdp2_stream,
+    fused_loss_skips,
+    graph_events,
+    round_size,
+    segment_size,
+    simulate_traced,
+)
+from simplefsdp.plan.predict import Layout, predict, traced
+from simplefsdp.plan.trace import TraceKey
+
+MiB = 1 << 20
+
+
+def _run(events, **kw):
+    return CachingAllocator(**kw).run(events)
+
+
+def test_requests_round_up_to_512_bytes_and_segments_by_size() -> None:
+    assert [round_size(n) for n in (1, 512, 513, 4096)] == [512, 512, 1024, 4096]
+    assert segment_size(512) == segment_size(MiB) == 2 * MiB  # small pool
+    assert segment_size(MiB + 512) == segment_size(10 * MiB - 512) == 20 * MiB
+    assert segment_size(11 * MiB) == 12 * MiB  # rounded up to 2 MiB
+    stats = _run([Alloc("a", 1)])
+    assert (stats.requested_peak_bytes, stats.allocated_peak_bytes) == (1, 512)
+    assert stats.reserved_peak_bytes == 2 * MiB
+
+
+def test_a_freed_block_is_reused_whole_when_the_rest_is_too_small_to_split() -> None:
+    stats = _run([Alloc("a", 12 * MiB), Free("a"), Alloc("b", 11 * MiB)])
+    assert stats.reserved_peak_bytes == 12 * MiB  # no second segment
+    assert stats.allocated_peak_bytes == 12 * MiB  # 1 MiB left is not split off
+
+
+def test_a_freed_block_splits_and_its_rest_serves_the_next_request() -> None:
+    events = [Alloc("a", 12 * MiB), Free("a"), Alloc("b", 4 * MiB), Alloc("c", 8 * MiB)]
+    stats = _run(events)
+    assert stats.reserved_peak_bytes == 12 * MiB
+    assert stats.allocated_peak_bytes == 12 * MiB
+
+
+def test_best_fit_takes_the_smallest_cached_block_that_holds_the_request() -> None:
+    events = [Alloc("a", 14 * MiB), Alloc("b", 12 * MiB), Free("a"), Free("b")]
+    events += [Alloc("c", 11 * MiB), Alloc("d", 13 * MiB)]
+    assert _run(events).reserved_peak_bytes == 26 * MiB  # first fit would need a third
+    events[-2:] = [Alloc("c", 13 * MiB), Alloc("d", 11 * MiB)]
+    assert _run(events).reserved_peak_bytes == 26 * MiB
+
+
+def test_freed_neighbours_merge_into_one_block() -> None:
+    events = [Alloc("a", 4 * MiB), Alloc("b", 4 * MiB), Free("a"), Free("b")]
+    assert _run(events).reserved_peak_bytes == 20 * MiB  # one segment for both
+    assert _run([*events, Alloc("c", 18 * MiB)]).reserved_peak_bytes == 20 * MiB
+    unmerged = [Alloc("a", 4 * MiB), Alloc("b", 4 * MiB), Free("a"), Alloc("c", 18 * MiB)]
+    assert _run(unmerged).reserved_peak_bytes == 38 * MiB
+
+
+def test_a_stream_reuses_only_its_own_cached_blocks() -> None:
+    same = [Alloc("a", 12 * MiB), Free("a"), Alloc("b", 12 * MiB, stream=0)]
+    other = [Alloc("a", 12 * MiB), Free("a"), Alloc("b", 12 * MiB, stream=1)]
+    assert _run(same).reserved_peak_bytes == 12 * MiB
+    assert _run(other).reserved_peak_bytes == 24 * MiB
+
+
+def test_at_capacity_the_cache_is_released_and_the_allocation_retried() -> None:
+    events = [Alloc("a", 12 * MiB), Free("a"), Alloc("b", 20 * MiB)]
+    assert _run(events).reserved_peak_bytes == 32 * MiB
+    stats = _run(events, capacity_bytes=30 * MiB)
+    assert (stats.reserved_peak_bytes, stats.retries, stats.ooms) == (20 * MiB, 1, 0)
+    # A split segment is not released: the request cannot fit.
+    split = [Alloc("a", 12 * MiB), Alloc("k", 4 * MiB), Free("a"), Alloc("b", 20 * MiB)]
+    stats = _run(split, capacity_bytes=35 * MiB)
+    assert (stats.retries, stats.ooms) == (1, 1)
+    with pytest.raises(ValueError, match="capacity_bytes must be positive"):
+        CachingAllocator(0)
+
+
+def test_expandable_segments_grow_by_pages_from_their_free_end() -> None:
+    events = [Alloc("a", 12 * MiB), Alloc("b", 12 * MiB)]
+    stats = _run(events, expandable_segments=True)
+    # [a 12 | free 8] + one 20 MiB page: b takes the free 8 and 4 of it.
+    assert stats.reserved_peak_bytes == 40 * MiB
+    assert _run(events).reserved_peak_bytes == 24 * MiB  # two 12 MiB segments
+    stats = _run([*events, Free("a"), Alloc("c", 11 * MiB)], expandable_segments=True)
+    assert stats.reserved_peak_bytes == 40 * MiB  # a's block, split (large pool too)
+    assert stats.allocated_peak_bytes == 24 * MiB
+    # At capacity the whole pages of free blocks are unmapped (here another
+    # stream's) and the allocation retried.
+    events = [Alloc("a", 12 * MiB, stream=1), Free("a"), Alloc("b", 12 * MiB)]
+    stats = _run(events, capacity_bytes=30 * MiB, expandable_segments=True)
+    assert (stats.reserved_peak_bytes, stats.retries, stats.ooms) == (20 * MiB, 1, 0)
+
+
+def _key(n_layers: int) -> TraceKey:
+    return TraceKey("llama3", get_config("debug", n_layers=n_layers), 2, 1, 2, 64, "selective")
+
+
+def test_a_graphs_events_peak_at_its_estimated_memory() -> None:
+    t = traced(_key(2))
+    for gm in (t.forward, t.backward):
+        events, _ = graph_events(gm, "g", {})
+        stats = _run(events)
+        assert stats.requested_peak_bytes == estimate_memory(gm).peak_bytes
+        assert stats.reserved_peak_bytes >= stats.allocated_peak_bytes
+    # Eager FSDP2's streams: every all-gather and its copy-in on stream 1,
+    # every reduce-scatter and its copy-in on stream 2.
+    gathers = [n for n in t.forward.graph.nodes if collective_kind(n) == "all_gather"]
+    scatters = [n for n in t.backward.graph.nodes if collective_kind(n) == "reduce_scatter"]
+    assert gathers and scatters
+    assert all(fsdp2_stream(n) == fsdp2_stream(n.args[0]) == 1 for n in gathers)
+    assert all(fsdp2_stream(n) == fsdp2_stream(n.args[0]) == 2 for n in scatters)
+    assert sum(fsdp2_stream(n) > 0 for n in t.forward.graph.nodes) == 2 * len(gathers)
+    # A fused loss materialises none of the eager loss's fp32 tensors of the
+    # vocabulary's width.
+    skip = fused_loss_skips(t.key.config.vocab_size)
+    nodes = {n.name: n for n in t.forward.graph.nodes}
+    eager, _ = graph_events(t.forward, "g", {})
+    fused, _ = graph_events(t.forward, "g", {}, skip=skip)
+    allocated = [{e.key[1] for e in ev if isinstance(e, Alloc)} for ev in (eager, fused)]
+    wide = {name for name in allocated[0] if skip(nodes[name])}
+    assert wide  # the upcast logits and their log-probabilities
+    assert allocated[1] == allocated[0] - wide
+    # The step: parameters, two steps of both graphs, AdamW; steady by the second.
+    two, three = simulate_traced(t), simulate_traced(t, steps=3)
+    assert two == three
+    assert two.requested_peak_bytes >= 4 * t.local_param_bytes  # parameters, moments, grads
+    streams = simulate_traced(t, collective_streams=True)
+    assert streams.requested_peak_bytes == two.requested_peak_bytes
+    assert streams.reserved_peak_bytes > two.reserved_peak_bytes  # pools apart
+
+
+def test_the_plans_peak_is_the_reserved_one_on_a_caching_allocator() -> None:
+    spec, args = get_spec("llama3"), get_config("debug")
+    layout = Layout(gpus=2, batch=2, seq=64)
+    pred = predict(spec, args, layout, FIXED)
+    assert pred.memory["cached"] > 0
+    assert pred.peak_bytes == pytest.approx(sum(pred.memory.values()))
+    assert any("reserved memory" in n for n in pred.notes)
+    cpu = predict(spec, args, layout, dataclasses.replace(FIXED, caching_allocator=False))
+    assert "cached" not in cpu.memory
+    assert cpu.peak_bytes == pytest.approx(pred.peak_bytes - pred.memory["cached"])
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_the_two_block_cache_matches_a_full_trace(ac: str) -> None:
+    # Larger tensors than the debug model's (meta: no memory is used), so that
+    # the large pool's segments matter; the cached bytes of 2 blocks stand for 4.
+    def key(n: int) -> TraceKey:
+        config = get_config(
+            "debug", dim=1024, n_layers=n, n_heads=8, n_kv_heads=4, vocab_size=32000,
+            max_seq_len=4096,
+        )  # fmt: skip
+        return TraceKey("llama3", config, 8, 1, 2, 4096, ac)
+
+    for streams in (False, True):
+        two, four = (simulate_traced(traced(key(n)), collective_streams=streams) for n in (2, 4))
+        assert four.allocated_peak_bytes > two.allocated_peak_bytes
+        assert two.cached_bytes == pytest.approx(four.cached_bytes, rel=0.1), streams
