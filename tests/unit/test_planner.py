@@ -156,6 +156,20 @@ def test_flops_and_memory_estimates_on_a_traced_graph() -> None:
     )
 
 
+def test_each_output_of_a_multi_output_op_is_counted() -> None:
+    # torch.sort returns values and indices: the op's value is a tuple (no
+    # bytes of its own), each getitem its own tensor; both stay alive as
+    # outputs, as attention's output and log-sum-exp do when saved.
+    def f(x):
+        values, indices = torch.sort(x)
+        return values, indices
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(64))
+    estimate = estimate_memory(gm)
+    assert estimate.output_bytes == 64 * 4 + 64 * 8
+    assert estimate.peak_bytes == 64 * 4 + 64 * 8
+
+
 def _reduce_scatter_waited_late() -> torch.fx.GraphModule:
     """A backward-like graph: a gradient reduce-scattered, then more compute
     before the wait (as the reordering pass leaves it). float32, 1 KiB per

@@ -201,8 +201,8 @@ def estimate_memory(
     state = {n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")}
     root: dict[fx.Node, fx.Node] = {}
     for node in nodes:
-        inputs = node.all_input_nodes
-        root[node] = root[inputs[0]] if _is_alias(node) and inputs else node
+        source = storage_root(node)
+        root[node] = node if source is node else root[source]
     output = nodes[-1]
     outputs = {root[n] for n in output.all_input_nodes}
     last_use: dict[fx.Node, int] = {}

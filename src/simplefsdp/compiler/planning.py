@@ -27,8 +27,10 @@ from simplefsdp.compiler.cost_model import (  # noqa: F401 (re-exported for simp
 )
 from simplefsdp.compiler.keep_gathered import choose_kept, free_keep_count  # noqa: F401 (re-exported for simplefsdp.plan)
 from simplefsdp.compiler.memory_estimate import _collective_waits as collective_waits  # noqa: F401 (re-exported: the allocator simulation frees as estimate_memory counts)
-from simplefsdp.compiler.memory_estimate import _is_alias as is_alias  # noqa: F401 (re-exported: the allocator simulation allocates as estimate_memory counts)
-from simplefsdp.compiler.memory_estimate import estimate_memory  # noqa: F401 (re-exported for simplefsdp.plan)
+from simplefsdp.compiler.memory_estimate import (
+    estimate_memory,  # noqa: F401 (re-exported for simplefsdp.plan)
+    storage_root,  # noqa: F401 (re-exported: the allocator simulation allocates as estimate_memory counts)
+)
 from simplefsdp.compiler.passes.bucketing import find_sites  # noqa: F401 (re-exported for simplefsdp.plan)
 from simplefsdp.compiler.patterns import (  # noqa: F401 (re-exported for simplefsdp.plan)
     collective_kind,

@@ -401,14 +401,14 @@ def graph_events(
     output is allocated on (default: all on stream 0). Returns the events
     and, per output name, the key of the tensor it leaves allocated.
     """
-    from simplefsdp.compiler.planning import collective_waits, is_alias, node_bytes
+    from simplefsdp.compiler.planning import collective_waits, node_bytes, storage_root
 
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
     for node in nodes:
-        args = node.all_input_nodes
-        root[node] = root[args[0]] if is_alias(node) and args else node
+        source = storage_root(node)
+        root[node] = node if source is node else root[source]
     leaves = nodes[-1].all_input_nodes
     outputs = {root[n] for n in leaves}
     last_use: dict[fx.Node, int] = {}
