@@ -575,7 +575,10 @@ def _cached_bytes(
     if capacity <= 0 or free.reserved_peak_bytes <= capacity:
         return float(free.cached_bytes), 0
     capped = simulate_traced(t2, capacity_bytes=int(capacity), **kw)
-    return float(max(capped.cached_bytes, 0)), capped.retries
+    # Released at capacity: the reserved peak is the device's usable memory
+    # at most, whenever in the step the cache was largest.
+    cached = min(max(capped.cached_bytes, 0), max(usable - allocated, 0.0))
+    return float(cached), capped.retries
 
 
 def predict(spec: Any, config: Any, layout: Any, hw: HardwareProfile) -> Prediction:
