@@ -167,7 +167,6 @@ def test_at_capacity_the_plans_reserved_peak_stays_within_the_usable_memory() ->
     usable = tensors + free.memory["cached"] / 4
     tight = dataclasses.replace(FIXED, memory_bytes=usable / FIXED.usable_memory_fraction)
     pred = predict(spec, args, layout, tight)
-    assert pred.memory["cached"] < free.memory["cached"]
     assert pred.peak_bytes <= usable
     assert any("retries" in n for n in pred.notes)
 
