@@ -1,0 +1,239 @@
+"""The shape of a family's Hugging Face adapter, and the parts decoders share.
+
+:mod:`simplefsdp.checkpoint.hf` does the generic sliced safetensors I/O and
+asks the family's adapter (``ModelSpec.hf_adapter``, an :class:`HFAdapter`)
+for each name, region and configuration. A family subclasses
+:class:`HFAdapter` and supplies only what differs (see "Adding a model
+family" in ``docs/design.md``):
+
+* :class:`HFAdapter`: the protocol, documented once, with the defaults of a
+  decoder stored as ``model.embed_tokens``, ``model.layers.{i}.*``,
+  ``model.norm`` and ``lm_head``;
+* :class:`NameMap`: our names to and from Hugging Face names, one to one;
+* :func:`pairs_to_halves` / :func:`halves_to_pairs` /
+  :func:`rotary_rows_region`: the rotary layouts (Note: [Rotary channel
+  order]).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+#: The top-level tensors of a decoder: ours -> Hugging Face's.
+DECODER_TOP_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+)
+#: A decoder's output projection, filled from the embedding where the
+#: checkpoint ties them.
+TIED_OUTPUT: Mapping[str, str] = MappingProxyType({"output.weight": "model.embed_tokens.weight"})
+
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class HFAdapter:
+    """Converts one family's models to and from Hugging Face checkpoints.
+
+    Note: [The Hugging Face adapter]
+        :mod:`simplefsdp.checkpoint.hf` finds a folder's family by
+        ``model_types``, ``architectures`` and ``any_model_type`` (Note:
+        [Which family reads a folder]), builds our configuration with
+        :meth:`config_from_hf` and reads each tensor of ours region by
+        region: through the optional ``read_region(name, offsets, sizes,
+        config, checkpoint)`` where the family defines one (it assembles the
+        region from any number of stored tensors through
+        ``HFCheckpoint.read_hf``/``hf_shape``/``has``, e.g. one stacked
+        expert tensor of ours from one tensor per expert), else from the
+        tensor :meth:`to_hf_name` names (``tied`` where the checkpoint ties
+        it) through :meth:`hf_region`. An export writes :meth:`to_hf` of
+        each full tensor, sorted by :meth:`hf_sort_key`, the files
+        :meth:`hf_files` names and :meth:`config_to_hf`;
+        :meth:`config_differences` says why a folder does not fit a model.
+
+    A family subclasses it, sets ``model_types`` (and ``architectures``
+    where ``transformers`` has no causal-LM class of that name) and supplies
+    the name and configuration conversions (module functions assigned as
+    ``staticmethod`` where they take no state); the tensor conversions
+    default to a one-to-one layout.
+
+    Attributes:
+        model_types: the ``config.json`` ``model_type`` values it reads.
+        architectures: the ``config.json`` ``architectures`` it reads when
+            the ``model_type`` is another (``None``: ``transformers``'
+            causal-LM class of each of its model types).
+        any_model_type: it reads every ``model_type`` no other family reads.
+        tied: our tensor -> the Hugging Face tensor that fills it when the
+            checkpoint ties the output projection to the embedding.
+    """
+
+    model_types: tuple[str, ...] = ()
+    architectures: tuple[str, ...] | None = None
+    any_model_type: bool = False
+    tied: Mapping[str, str] = TIED_OUTPUT
+
+    def to_hf_name(self, name: str) -> str:
+        """Our state-dict name -> the Hugging Face name.
+
+        Raises:
+            ValueError: ``name`` is not one of the family's tensors.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not map names")
+
+    def from_hf_name(self, name: str) -> str:
+        """A Hugging Face name -> our state-dict name.
+
+        Raises:
+            ValueError: ``name`` is not one of the family's tensors.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not map names")
+
+    def config_from_hf(self, config: Mapping[str, Any], source: str = "config.json") -> Any:
+        """Our configuration from a parsed ``config.json`` (``source`` names
+        it in messages).
+
+        Raises:
+            ValueError: not the family's model, or a feature ours lacks (one
+                line naming the key and its value).
+        """
+        raise NotImplementedError(f"{type(self).__name__} reads no config.json")
+
+    def config_to_hf(self, args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """The ``config.json`` of our model with configuration ``args``,
+        weights stored in ``dtype``."""
+        raise NotImplementedError(f"{type(self).__name__} writes no config.json")
+
+    def config_differences(self, ours: Any, theirs: Any) -> list[str]:
+        """``field=ours vs theirs`` for each architecture field in which two
+        configurations differ."""
+        raise NotImplementedError(f"{type(self).__name__} compares no configurations")
+
+    def to_hf(
+        self, name: str, tensor: torch.Tensor, args: Any
+    ) -> tuple[str, torch.Tensor] | list[tuple[str, torch.Tensor]]:
+        """Our full tensor ``name`` -> ``(Hugging Face name, tensor)``, or a
+        list of such pairs (one per expert of a stacked tensor, none for
+        state with no Hugging Face counterpart). Default: the tensor as it
+        is, under :meth:`to_hf_name`."""
+        return self.to_hf_name(name), tensor
+
+    def hf_region(
+        self, name: str, offsets: Sequence[int], sizes: Sequence[int], args: Any
+    ) -> tuple[list[int], list[int], Callable[[torch.Tensor], torch.Tensor]]:
+        """Which region of the Hugging Face tensor holds region
+        ``offsets``/``sizes`` of our tensor ``name``, and how to turn it into
+        ours: ``(hf_offsets, hf_sizes, convert)``. Default: the same region,
+        unchanged."""
+        return list(offsets), list(sizes), _identity
+
+    def hf_files(self, args: Any) -> list[Path]:
+        """Files an export copies besides the weights (default: none)."""
+        return []
+
+    def hf_sort_key(self, hf_name: str) -> tuple[int, str]:
+        """Order in the written shards: embeddings, layer by layer, norm and head."""
+        match = _HF_LAYER.match(hf_name)
+        if match:
+            return int(match.group(1)) + 1, match.group(2)
+        return (0 if "embed_tokens" in hf_name else 1 << 30), hf_name
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """Our state-dict names <-> Hugging Face names of a decoder, one to one:
+    ``layers.{i}.<ours>`` is ``model.layers.{i}.<theirs>`` for each pair of
+    ``layer``, and ``top`` maps the rest.
+
+    Attributes:
+        layer: a layer's tensors, ours (relative to the layer) -> Hugging Face's.
+        top: the tensors outside the layers, ours -> Hugging Face's.
+    """
+
+    layer: Mapping[str, str]
+    top: Mapping[str, str] = field(default_factory=lambda: DECODER_TOP_NAMES)
+    _from_layer: Mapping[str, str] = field(init=False, repr=False, compare=False)
+    _from_top: Mapping[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        inverse = {v: k for k, v in self.layer.items()}
+        object.__setattr__(self, "_from_layer", MappingProxyType(inverse))
+        object.__setattr__(self, "_from_top", MappingProxyType({v: k for k, v in self.top.items()}))
+
+    def to_hf(self, name: str) -> str | None:
+        """The Hugging Face name of our tensor ``name``, or ``None``."""
+        if name in self.top:
+            return self.top[name]
+        match = _OURS_LAYER.match(name)
+        if match and match.group(2) in self.layer:
+            return f"model.layers.{match.group(1)}.{self.layer[match.group(2)]}"
+        return None
+
+    def from_hf(self, name: str) -> str | None:
+        """Our name of the Hugging Face tensor ``name``, or ``None``."""
+        if name in self._from_top:
+            return self._from_top[name]
+        match = _HF_LAYER.match(name)
+        if match and match.group(2) in self._from_layer:
+            return f"layers.{match.group(1)}.{self._from_layer[match.group(2)]}"
+        return None
+
+
+# Note: [Rotary channel order]
+#     Our rotary embedding rotates adjacent channel pairs ``(2i, 2i + 1)`` of
+#     each head (Meta's layout); Hugging Face's rotates channel ``i`` with
+#     ``i + head_dim / 2`` ("rotate half"). Within each head our channel
+#     ``2i + j`` is Hugging Face's channel ``j * head_dim / 2 + i``, so the
+#     rows of the query and key projections (and of whatever scales those
+#     channels before the rotation) are permuted within each head. The
+#     permutation stays inside a head: a shard covering part of the heads
+#     reads only the whole heads it overlaps.
+
+
+def halves_to_pairs(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Whole heads along dim 0 in Hugging Face's rotary layout -> ours
+    (Note: [Rotary channel order]); any trailing dims."""
+    heads, tail = w.shape[0] // head_dim, w.shape[1:]
+    return w.reshape(heads, 2, head_dim // 2, *tail).transpose(1, 2).reshape(w.shape)
+
+
+def pairs_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Whole heads along dim 0 in our rotary layout -> Hugging Face's
+    (Note: [Rotary channel order]); any trailing dims."""
+    heads, tail = w.shape[0] // head_dim, w.shape[1:]
+    return w.reshape(heads, head_dim // 2, 2, *tail).transpose(1, 2).reshape(w.shape)
+
+
+def rotary_rows_region(
+    offsets: Sequence[int], sizes: Sequence[int], head_dim: int
+) -> tuple[list[int], list[int], Callable[[torch.Tensor], torch.Tensor]]:
+    """The region of a Hugging Face tensor whose rows (dim 0) are heads in
+    the rotate-half layout that holds region ``offsets``/``sizes`` of ours:
+    the whole heads it overlaps, and the conversion that permutes them
+    (:func:`halves_to_pairs`) and cuts the region out.
+
+    Returns:
+        ``(hf_offsets, hf_sizes, convert)``, as :meth:`HFAdapter.hf_region`.
+    """
+    first, last = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
+    start = offsets[0] - first * head_dim
+
+    def convert(block: torch.Tensor) -> torch.Tensor:
+        return halves_to_pairs(block, head_dim)[start : start + sizes[0]]
+
+    hf_offsets = [first * head_dim, *offsets[1:]]
+    hf_sizes = [(last - first) * head_dim, *sizes[1:]]
+    return hf_offsets, hf_sizes, convert
