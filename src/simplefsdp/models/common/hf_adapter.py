@@ -34,6 +34,25 @@ DECODER_TOP_NAMES: Mapping[str, str] = MappingProxyType(
         "output.weight": "lm_head.weight",
     }
 )
+#: The query, key, value and output projections of attention: ours -> Hugging Face's.
+ATTENTION_NAMES: Mapping[str, str] = MappingProxyType(
+    {f"attention.w{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"}
+)
+#: The SwiGLU feed-forward network: ours -> Hugging Face's.
+FEED_FORWARD_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "feed_forward.w1.weight": "mlp.gate_proj.weight",
+        "feed_forward.w2.weight": "mlp.down_proj.weight",
+        "feed_forward.w3.weight": "mlp.up_proj.weight",
+    }
+)
+#: A block's two norms: ours -> Hugging Face's.
+NORM_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "attention_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    }
+)
 #: A decoder's output projection, filled from the embedding where the
 #: checkpoint ties them.
 TIED_OUTPUT: Mapping[str, str] = MappingProxyType({"output.weight": "model.embed_tokens.weight"})
@@ -63,9 +82,10 @@ class HFAdapter:
 
     A family subclasses it, sets ``model_types`` (and ``architectures``
     where ``transformers`` has no causal-LM class of that name) and supplies
-    the name and configuration conversions (module functions assigned as
-    ``staticmethod`` where they take no state); the tensor conversions
-    default to a one-to-one layout.
+    the configuration conversions (module functions assigned as
+    ``staticmethod`` where they take no state) and its names (a
+    :class:`NameMap`, or :meth:`to_hf_name`/:meth:`from_hf_name` of its
+    own); the tensor conversions default to a one-to-one layout.
 
     Attributes:
         model_types: the ``config.json`` ``model_type`` values it reads.
@@ -75,28 +95,36 @@ class HFAdapter:
         any_model_type: it reads every ``model_type`` no other family reads.
         tied: our tensor -> the Hugging Face tensor that fills it when the
             checkpoint ties the output projection to the embedding.
+        names: the one-to-one name map :meth:`to_hf_name` and
+            :meth:`from_hf_name` use by default.
     """
 
     model_types: tuple[str, ...] = ()
     architectures: tuple[str, ...] | None = None
     any_model_type: bool = False
     tied: Mapping[str, str] = TIED_OUTPUT
+    names: NameMap | None = None
 
     def to_hf_name(self, name: str) -> str:
-        """Our state-dict name -> the Hugging Face name.
+        """Our state-dict name -> the Hugging Face name (default: by ``names``).
 
         Raises:
             ValueError: ``name`` is not one of the family's tensors.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not map names")
+        return self._name_map().to_hf_name(name)
 
     def from_hf_name(self, name: str) -> str:
-        """A Hugging Face name -> our state-dict name.
+        """A Hugging Face name -> our state-dict name (default: by ``names``).
 
         Raises:
             ValueError: ``name`` is not one of the family's tensors.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not map names")
+        return self._name_map().from_hf_name(name)
+
+    def _name_map(self) -> NameMap:
+        if self.names is None:
+            raise NotImplementedError(f"{type(self).__name__} sets no names (a NameMap)")
+        return self.names
 
     def config_from_hf(self, config: Mapping[str, Any], source: str = "config.json") -> Any:
         """Our configuration from a parsed ``config.json`` (``source`` names
@@ -159,10 +187,13 @@ class NameMap:
     ``layer``, and ``top`` maps the rest.
 
     Attributes:
-        layer: a layer's tensors, ours (relative to the layer) -> Hugging Face's.
+        family: the model's name in messages (``"Llama"``).
+        layer: a layer's tensors, ours (relative to the layer) -> Hugging
+            Face's (e.g. ``{**ATTENTION_NAMES, **NORM_NAMES, ...}``).
         top: the tensors outside the layers, ours -> Hugging Face's.
     """
 
+    family: str
     layer: Mapping[str, str]
     top: Mapping[str, str] = field(default_factory=lambda: DECODER_TOP_NAMES)
     _from_layer: Mapping[str, str] = field(init=False, repr=False, compare=False)
@@ -175,21 +206,47 @@ class NameMap:
 
     def to_hf(self, name: str) -> str | None:
         """The Hugging Face name of our tensor ``name``, or ``None``."""
-        if name in self.top:
-            return self.top[name]
-        match = _OURS_LAYER.match(name)
-        if match and match.group(2) in self.layer:
-            return f"model.layers.{match.group(1)}.{self.layer[match.group(2)]}"
-        return None
+        return _rename(name, self.top, self.layer, _OURS_LAYER, "model.layers")
 
     def from_hf(self, name: str) -> str | None:
         """Our name of the Hugging Face tensor ``name``, or ``None``."""
-        if name in self._from_top:
-            return self._from_top[name]
-        match = _HF_LAYER.match(name)
-        if match and match.group(2) in self._from_layer:
-            return f"layers.{match.group(1)}.{self._from_layer[match.group(2)]}"
-        return None
+        return _rename(name, self._from_top, self._from_layer, _HF_LAYER, "layers")
+
+    def to_hf_name(self, name: str) -> str:
+        """Our state-dict name -> the Hugging Face name.
+
+        Raises:
+            ValueError: ``name`` is none of the family's tensors.
+        """
+        return _found(self.to_hf(name), f"no Hugging Face name for {self.family} parameter", name)
+
+    def from_hf_name(self, name: str) -> str:
+        """A Hugging Face name -> our state-dict name.
+
+        Raises:
+            ValueError: ``name`` is none of the family's tensors.
+        """
+        return _found(self.from_hf(name), f"unknown Hugging Face {self.family} tensor", name)
+
+
+def _found(value: str | None, what: str, name: str) -> str:
+    """``value``; a ``ValueError`` "``what`` ``name``" when it is ``None``."""
+    if value is None:
+        raise ValueError(f"{what} {name!r}")
+    return value
+
+
+def _rename(
+    name: str, top: Mapping[str, str], layer: Mapping[str, str], pattern: re.Pattern, prefix: str
+) -> str | None:
+    """``top[name]``, or ``{prefix}.{i}.{layer[rest]}`` for ``name`` matching
+    ``pattern`` (layer ``i``, then ``rest``), or ``None``."""
+    if name in top:
+        return top[name]
+    match = pattern.match(name)
+    if match and match.group(2) in layer:
+        return f"{prefix}.{match.group(1)}.{layer[match.group(2)]}"
+    return None
 
 
 # Note: [Rotary channel order]

@@ -153,28 +153,14 @@ def dense_decoder_validate(
     """
 
     def validate(
-        config: Any,
-        layout: Any,
-        *,
-        seq_len: int | None = None,
-        sequence_parallel: bool = False,
-        loss_parallel: bool = False,
-        build: bool = True,
-        model_name: str | None = None,
-        names: Mapping[str, str] | None = None,
+        config: Any, layout: Any, *, loss_parallel: bool = False, build: bool = True, **inputs: Any
     ) -> list[str]:
         """A dense decoder against the layout: sequence vs ``max_seq_len``,
         the TP-split sizes vs tp, layers vs stages, no experts for ep (see
         :class:`~simplefsdp.models.spec.ModelSpec` for the arguments)."""
-        errors = decoder_errors(
-            config,
-            layout,
-            tp_sizes=tp_split_sizes(config, loss_parallel=loss_parallel),
-            seq_len=seq_len,
-            sequence_parallel=sequence_parallel,
-            model_name=model_name,
-            names=names,
-        )
+        tp_sizes = tp_split_sizes(config, loss_parallel=loss_parallel)
+        errors = decoder_errors(config, layout, tp_sizes=tp_sizes, **inputs)
+        model_name, names = inputs.get("model_name"), inputs.get("names")
         ep = getattr(layout, "ep", 1)
         if ep > 1:
             model = f"model {model_name!r}" if model_name else unnamed

@@ -42,13 +42,16 @@ from typing import Any
 
 import torch
 
+from simplefsdp.models.common import hf_adapter as hf_common
 from simplefsdp.models.common.config import YarnScaling, rope_scaling_from_mapping
-from simplefsdp.models.common.hf_adapter import HFAdapter, NameMap, halves_to_pairs
 
 from .args import DeepSeekV3Args
 
-_NAMES = NameMap(
+_NAMES = hf_common.NameMap(
+    "DeepSeek-V3",
     {
+        **hf_common.FEED_FORWARD_NAMES,
+        **hf_common.NORM_NAMES,
         "attention.wq.weight": "self_attn.q_proj.weight",
         "attention.wq_a.weight": "self_attn.q_a_proj.weight",
         "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -57,17 +60,12 @@ _NAMES = NameMap(
         "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
         "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
         "attention.wo.weight": "self_attn.o_proj.weight",
-        "feed_forward.w1.weight": "mlp.gate_proj.weight",
-        "feed_forward.w2.weight": "mlp.down_proj.weight",
-        "feed_forward.w3.weight": "mlp.up_proj.weight",
         "moe.router.gate.weight": "mlp.gate.weight",
         "moe.expert_bias": "mlp.gate.e_score_correction_bias",
         "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
         "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
         "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-        "attention_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-    }
+    },
 )
 # Our stacked routed experts -> the per-expert Hugging Face projection.
 _EXPERT_NAMES = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj",
@@ -85,13 +83,10 @@ def to_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a DeepSeek-V3 tensor name.
     """
-    hf_name = _NAMES.to_hf(name)
-    if hf_name is not None:
-        return hf_name
     match = _OURS_LAYER.match(name)
     if match and match.group(2) in _EXPERT_NAMES:
         return expert_hf_name(int(match.group(1)), match.group(2), 0)
-    raise ValueError(f"no Hugging Face name for DeepSeek-V3 tensor {name!r}")
+    return _NAMES.to_hf_name(name)
 
 
 def expert_hf_name(layer: int, ours: str, expert: int) -> str:
@@ -107,13 +102,10 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a DeepSeek-V3 tensor name.
     """
-    ours = _NAMES.from_hf(name)
-    if ours is not None:
-        return ours
     expert = _HF_EXPERT.match(name)
     if expert and expert.group(3) in _FROM_EXPERT:
         return f"layers.{expert.group(1)}.{_FROM_EXPERT[expert.group(3)]}"
-    raise ValueError(f"unknown Hugging Face DeepSeek-V3 tensor {name!r}")
+    return _NAMES.from_hf_name(name)
 
 
 def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> DeepSeekV3Args:
@@ -285,7 +277,7 @@ def config_differences(ours: DeepSeekV3Args, theirs: DeepSeekV3Args) -> list[str
     ]
 
 
-class DeepSeekV3HFAdapter(HFAdapter):
+class DeepSeekV3HFAdapter(hf_common.HFAdapter):
     """Converts DeepSeek-V3 models to and from Hugging Face
     ``DeepseekV3ForCausalLM`` (see [DeepSeek-V3 Hugging Face names and
     layouts] and :class:`~simplefsdp.models.common.hf_adapter.HFAdapter`);
@@ -346,13 +338,13 @@ class DeepSeekV3HFAdapter(HFAdapter):
             )
             block = block.reshape(last - first, head, -1).clone()
             for h in range(last - first):
-                block[h, head - rope :] = halves_to_pairs(block[h, head - rope :], rope)
+                block[h, head - rope :] = hf_common.halves_to_pairs(block[h, head - rope :], rope)
             start = offsets[0] - first * head
             return block.reshape(-1, sizes[1])[start : start + sizes[0]]
         if interleaved is False and name.endswith("attention.wkv_a.weight"):
             rows = args.kv_lora_rank + rope
             block = checkpoint.read_hf(hf_name, [0, offsets[1]], [rows, sizes[1]]).clone()
-            block[args.kv_lora_rank :] = halves_to_pairs(block[args.kv_lora_rank :], rope)
+            block[args.kv_lora_rank :] = hf_common.halves_to_pairs(block[args.kv_lora_rank :], rope)
             return block[offsets[0] : offsets[0] + sizes[0]]
         return checkpoint.read_hf(hf_name, offsets, sizes)
 

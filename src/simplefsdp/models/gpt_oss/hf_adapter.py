@@ -31,36 +31,28 @@ from typing import Any
 
 import torch
 
+from simplefsdp.models.common import hf_adapter as hf_common
 from simplefsdp.models.common.config import YarnScaling
-from simplefsdp.models.common.hf_adapter import (
-    HFAdapter,
-    NameMap,
-    pairs_to_halves,
-    rotary_rows_region,
-)
 
 from .args import GptOssArgs
 
-_NAMES = NameMap(
+_NAMES = hf_common.NameMap(
+    "GPT-OSS",
     {
-        "attention.wq.weight": "self_attn.q_proj.weight",
+        **hf_common.ATTENTION_NAMES,
+        **hf_common.NORM_NAMES,
         "attention.wq.bias": "self_attn.q_proj.bias",
-        "attention.wk.weight": "self_attn.k_proj.weight",
         "attention.wk.bias": "self_attn.k_proj.bias",
-        "attention.wv.weight": "self_attn.v_proj.weight",
         "attention.wv.bias": "self_attn.v_proj.bias",
-        "attention.wo.weight": "self_attn.o_proj.weight",
         "attention.wo.bias": "self_attn.o_proj.bias",
         "attention.sinks": "self_attn.sinks",
-        "attention_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
         "moe.router.gate.weight": "mlp.router.weight",
         "moe.router.gate.bias": "mlp.router.bias",
         "moe.experts.mlp1_weight": "mlp.experts.gate_up_proj",
         "moe.experts.mlp1_bias": "mlp.experts.gate_up_proj_bias",
         "moe.experts.mlp2_weight": "mlp.experts.down_proj",
         "moe.experts.mlp2_bias": "mlp.experts.down_proj_bias",
-    }
+    },
 )
 _ROUTING_BIAS = "moe.expert_bias"
 _TRANSPOSED = ("moe.experts.mlp1_weight", "moe.experts.mlp2_weight")
@@ -74,10 +66,7 @@ def to_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a GPT-OSS parameter name.
     """
-    hf_name = _NAMES.to_hf(name)
-    if hf_name is None:
-        raise ValueError(f"no Hugging Face name for GPT-OSS parameter {name!r}")
-    return hf_name
+    return _NAMES.to_hf_name(name)
 
 
 def from_hf_name(name: str) -> str:
@@ -86,10 +75,7 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a GPT-OSS tensor name.
     """
-    ours = _NAMES.from_hf(name)
-    if ours is None:
-        raise ValueError(f"unknown Hugging Face GPT-OSS tensor {name!r}")
-    return ours
+    return _NAMES.from_hf_name(name)
 
 
 def _is_rotary(name: str) -> bool:
@@ -319,7 +305,7 @@ def read_mxfp4(
     return values.flatten(-2).narrow(-1, c0 - first * MXFP4_BLOCK, nc)  # (ne, nr, nc)
 
 
-class GptOssHFAdapter(HFAdapter):
+class GptOssHFAdapter(hf_common.HFAdapter):
     """Converts GPT-OSS models to and from Hugging Face ``GptOssForCausalLM``
     (see [GPT-OSS Hugging Face layout] and
     :class:`~simplefsdp.models.common.hf_adapter.HFAdapter`).
@@ -327,8 +313,7 @@ class GptOssHFAdapter(HFAdapter):
 
     model_types: tuple[str, ...] = ("gpt_oss",)
     architectures: tuple[str, ...] | None = ("GptOssForCausalLM",)
-    to_hf_name = staticmethod(to_hf_name)
-    from_hf_name = staticmethod(from_hf_name)
+    names = _NAMES
     config_from_hf = staticmethod(model_args_from_hf_config)
     config_to_hf = staticmethod(hf_config_from_model_args)
     config_differences = staticmethod(model_args_differences)
@@ -352,7 +337,7 @@ class GptOssHFAdapter(HFAdapter):
                 )
             return []
         if _is_rotary(name):
-            tensor = pairs_to_halves(tensor, args.head_dim)
+            tensor = hf_common.pairs_to_halves(tensor, args.head_dim)
         elif name.endswith(_TRANSPOSED):
             tensor = tensor.transpose(-2, -1)
         return to_hf_name(name), tensor
@@ -369,7 +354,7 @@ class GptOssHFAdapter(HFAdapter):
             hf_sizes = [sizes[0], sizes[2], sizes[1]]
             return hf_offsets, hf_sizes, lambda t: t.transpose(-2, -1)
         if _is_rotary(name):
-            return rotary_rows_region(offsets, sizes, args.head_dim)
+            return hf_common.rotary_rows_region(offsets, sizes, args.head_dim)
         return super().hf_region(name, offsets, sizes, args)
 
     def read_region(

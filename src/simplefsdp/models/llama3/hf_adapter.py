@@ -29,29 +29,14 @@ from typing import Any
 
 import torch
 
+from simplefsdp.models.common import hf_adapter as hf_common
 from simplefsdp.models.common.config import RopeScaling
 from simplefsdp.models.common.feed_forward import ffn_hidden_dim
-from simplefsdp.models.common.hf_adapter import (
-    HFAdapter,
-    NameMap,
-    pairs_to_halves,
-    rotary_rows_region,
-)
 
 from .args import ModelArgs
 
-_NAMES = NameMap(
-    {
-        "attention.wq.weight": "self_attn.q_proj.weight",
-        "attention.wk.weight": "self_attn.k_proj.weight",
-        "attention.wv.weight": "self_attn.v_proj.weight",
-        "attention.wo.weight": "self_attn.o_proj.weight",
-        "feed_forward.w1.weight": "mlp.gate_proj.weight",
-        "feed_forward.w2.weight": "mlp.down_proj.weight",
-        "feed_forward.w3.weight": "mlp.up_proj.weight",
-        "attention_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-    }
+_NAMES = hf_common.NameMap(
+    "Llama", {**hf_common.ATTENTION_NAMES, **hf_common.FEED_FORWARD_NAMES, **hf_common.NORM_NAMES}
 )
 _ROTARY = ("attention.wq.weight", "attention.wk.weight")
 
@@ -66,10 +51,7 @@ def to_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a Llama 3 parameter name.
     """
-    hf_name = _NAMES.to_hf(name)
-    if hf_name is None:
-        raise ValueError(f"no Hugging Face name for parameter {name!r}")
-    return hf_name
+    return _NAMES.to_hf_name(name)
 
 
 def from_hf_name(name: str) -> str:
@@ -78,10 +60,7 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a Llama parameter name.
     """
-    ours = _NAMES.from_hf(name)
-    if ours is None:
-        raise ValueError(f"unknown Hugging Face Llama tensor {name!r}")
-    return ours
+    return _NAMES.from_hf_name(name)
 
 
 def _ffn_args(dim: int, intermediate: int) -> tuple[int, float | None]:
@@ -236,7 +215,7 @@ def model_args_differences(ours: Any, theirs: Any) -> list[str]:
     return out
 
 
-class LlamaHFAdapter(HFAdapter):
+class LlamaHFAdapter(hf_common.HFAdapter):
     """Converts Llama 3 models to and from Hugging Face ``LlamaForCausalLM``.
 
     The object ``ModelSpec.hf_adapter`` of the Llama 3 family; see
@@ -245,8 +224,7 @@ class LlamaHFAdapter(HFAdapter):
     """
 
     model_types: tuple[str, ...] = ("llama",)
-    to_hf_name = staticmethod(to_hf_name)
-    from_hf_name = staticmethod(from_hf_name)
+    names = _NAMES
     config_from_hf = staticmethod(model_args_from_hf_config)
     config_to_hf = staticmethod(hf_config_from_model_args)
     config_differences = staticmethod(model_args_differences)
@@ -254,7 +232,7 @@ class LlamaHFAdapter(HFAdapter):
     def to_hf(self, name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
         """Our full tensor ``name`` -> ``(Hugging Face name, tensor)``."""
         if name.endswith(_ROTARY):
-            tensor = pairs_to_halves(tensor, args.head_dim)
+            tensor = hf_common.pairs_to_halves(tensor, args.head_dim)
         return to_hf_name(name), tensor
 
     def hf_region(
@@ -263,7 +241,7 @@ class LlamaHFAdapter(HFAdapter):
         """For ``wq``/``wk`` the whole heads the region overlaps, permuted
         and cut by ``convert``; for every other tensor the same region."""
         if name.endswith(_ROTARY):
-            return rotary_rows_region(offsets, sizes, args.head_dim)
+            return hf_common.rotary_rows_region(offsets, sizes, args.head_dim)
         return super().hf_region(name, offsets, sizes, args)
 
 

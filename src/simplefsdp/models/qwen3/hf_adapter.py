@@ -37,30 +37,20 @@ from typing import Any
 
 import torch
 
-from simplefsdp.models.common.hf_adapter import (
-    HFAdapter,
-    NameMap,
-    pairs_to_halves,
-    rotary_rows_region,
-)
+from simplefsdp.models.common import hf_adapter as hf_common
 
 from .args import Qwen3Args, Qwen3MoEArgs
 
-_NAMES = NameMap(
+_NAMES = hf_common.NameMap(
+    "Qwen3",
     {
-        "attention.wq.weight": "self_attn.q_proj.weight",
-        "attention.wk.weight": "self_attn.k_proj.weight",
-        "attention.wv.weight": "self_attn.v_proj.weight",
-        "attention.wo.weight": "self_attn.o_proj.weight",
+        **hf_common.ATTENTION_NAMES,
         "attention.q_norm.weight": "self_attn.q_norm.weight",
         "attention.k_norm.weight": "self_attn.k_norm.weight",
-        "feed_forward.w1.weight": "mlp.gate_proj.weight",
-        "feed_forward.w2.weight": "mlp.down_proj.weight",
-        "feed_forward.w3.weight": "mlp.up_proj.weight",
-        "attention_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
+        **hf_common.FEED_FORWARD_NAMES,
+        **hf_common.NORM_NAMES,
         "moe.router.gate.weight": "mlp.gate.weight",
-    }
+    },
 )
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _FROM_EXPERT = {v: k for k, v in _EXPERT_NAMES.items()}
@@ -91,10 +81,7 @@ def to_hf_name(name: str) -> str:
     experts = _OURS_EXPERTS.match(name)
     if experts:
         return _expert_hf_name(experts.group(1), "*", experts.group(2))
-    hf_name = _NAMES.to_hf(name)
-    if hf_name is not None:
-        return hf_name
-    raise ValueError(f"no Hugging Face name for Qwen3 parameter {name!r}")
+    return _NAMES.to_hf_name(name)
 
 
 def from_hf_name(name: str) -> str:
@@ -107,10 +94,7 @@ def from_hf_name(name: str) -> str:
     expert = _HF_EXPERT.match(name)
     if expert and expert.group(3) in _FROM_EXPERT:
         return f"layers.{expert.group(1)}.moe.experts.{_FROM_EXPERT[expert.group(3)]}"
-    ours = _NAMES.from_hf(name)
-    if ours is not None:
-        return ours
-    raise ValueError(f"unknown Hugging Face Qwen3 tensor {name!r}")
+    return _NAMES.from_hf_name(name)
 
 
 _UNSUPPORTED_TRUE = {
@@ -254,7 +238,7 @@ def config_differences(ours: Qwen3Args, theirs: Qwen3Args) -> list[str]:
     ]
 
 
-class Qwen3HFAdapter(HFAdapter):
+class Qwen3HFAdapter(hf_common.HFAdapter):
     """Converts Qwen3 models to and from Hugging Face ``Qwen3ForCausalLM``
     (``moe=False``) or ``Qwen3MoeForCausalLM`` (``moe=True``); the
     ``ModelSpec.hf_adapter`` of the ``qwen3`` and ``qwen3_moe`` families.
@@ -287,7 +271,7 @@ class Qwen3HFAdapter(HFAdapter):
         if name.endswith(_ROUTING_BIAS):
             return []  # training state with no Hugging Face counterpart
         if name.endswith(_ROTARY):
-            tensor = pairs_to_halves(tensor, args.head_dim)
+            tensor = hf_common.pairs_to_halves(tensor, args.head_dim)
         return to_hf_name(name), tensor
 
     def read_region(
@@ -323,7 +307,7 @@ class Qwen3HFAdapter(HFAdapter):
         hf_name = to_hf_name(name)
         if not name.endswith(_ROTARY):
             return checkpoint.read_hf(hf_name, offsets, sizes)
-        hf_offsets, hf_sizes, convert = rotary_rows_region(offsets, sizes, args.head_dim)
+        hf_offsets, hf_sizes, convert = hf_common.rotary_rows_region(offsets, sizes, args.head_dim)
         return convert(checkpoint.read_hf(hf_name, hf_offsets, hf_sizes))
 
 
