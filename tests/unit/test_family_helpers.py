@@ -44,6 +44,23 @@ def test_rotary_layouts_and_region() -> None:
     assert torch.equal(convert(block), ours[5:11, 1:2])
 
 
+def test_stacked_experts() -> None:
+    experts = hf_common.StackedExperts()
+    stacked = torch.arange(24.0).reshape(3, 2, 4)  # (E, out, in)
+    pairs = experts.to_hf("layers.1.moe.experts.w2", stacked)
+    assert [n for n, _ in pairs] == [
+        f"model.layers.1.mlp.experts.{j}.down_proj.weight" for j in range(3)
+    ]
+    assert experts.from_hf(pairs[2][0]) == "layers.1.moe.experts.w2"
+    assert experts.to_hf("layers.1.moe.router.gate.weight", stacked) is None
+    stored = dict(pairs)
+    checkpoint = SimpleNamespace(
+        read_hf=lambda n, o, s: stored[n][o[0] : o[0] + s[0], o[1] : o[1] + s[1]]
+    )
+    region = experts.read("layers.1.moe.experts.w2", [1, 1, 2], [2, 1, 2], checkpoint)
+    assert torch.equal(region, stacked[1:3, 1:2, 2:4])
+
+
 def test_adapter_defaults() -> None:
     adapter = type("ToyAdapter", (hf_common.HFAdapter,), {"names": NAMES})()
     weight = torch.ones(2)

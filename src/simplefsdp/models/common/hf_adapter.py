@@ -10,6 +10,8 @@ family" in ``docs/design.md``):
   decoder stored as ``model.embed_tokens``, ``model.layers.{i}.*``,
   ``model.norm`` and ``lm_head``;
 * :class:`NameMap`: our names to and from Hugging Face names, one to one;
+* :class:`StackedExperts`: our stacked routed experts to and from one
+  Hugging Face tensor per expert;
 * :func:`pairs_to_halves` / :func:`halves_to_pairs` /
   :func:`rotary_rows_region`: the rotary layouts (Note: [Rotary channel
   order]).
@@ -53,12 +55,18 @@ NORM_NAMES: Mapping[str, str] = MappingProxyType(
         "ffn_norm.weight": "post_attention_layernorm.weight",
     }
 )
+#: Stacked SwiGLU experts: ours (relative to a layer) -> the projection of
+#: one Hugging Face expert (see :class:`StackedExperts`).
+SWIGLU_EXPERT_NAMES: Mapping[str, str] = MappingProxyType(
+    {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
+)
 #: A decoder's output projection, filled from the embedding where the
 #: checkpoint ties them.
 TIED_OUTPUT: Mapping[str, str] = MappingProxyType({"output.weight": "model.embed_tokens.weight"})
 
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 class HFAdapter:
@@ -247,6 +255,65 @@ def _rename(
     if match and match.group(2) in layer:
         return f"{prefix}.{match.group(1)}.{layer[match.group(2)]}"
     return None
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """Our routed experts stacked on dim 0 (``layers.{i}.moe.experts.w1``,
+    ``(E, out, in)``) <-> Hugging Face's one tensor per expert
+    (``model.layers.{i}.mlp.experts.{j}.gate_proj.weight``). A rank reads
+    only the experts its region covers.
+
+    Attributes:
+        names: our stacked tensor (relative to the layer) -> the name of the
+            projection in each Hugging Face expert.
+    """
+
+    names: Mapping[str, str] = field(default_factory=lambda: SWIGLU_EXPERT_NAMES)
+
+    def locate(self, name: str) -> tuple[str, str] | None:
+        """``(layer, ours)`` of our stacked expert tensor ``name``, or ``None``."""
+        match = _OURS_LAYER.match(name)
+        if match and match.group(2) in self.names:
+            return match.group(1), match.group(2)
+        return None
+
+    def hf_name(self, layer: int | str, ours: str, expert: int | str) -> str:
+        """The Hugging Face name of expert ``expert``'s part of our stacked
+        tensor ``layers.{layer}.{ours}``."""
+        return f"model.layers.{layer}.mlp.experts.{expert}.{self.names[ours]}.weight"
+
+    def from_hf(self, hf_name: str) -> str | None:
+        """Our stacked tensor holding the Hugging Face expert tensor
+        ``hf_name``, or ``None``."""
+        match = _HF_EXPERT.match(hf_name)
+        inverse = {v: k for k, v in self.names.items()}
+        if match and match.group(3) in inverse:
+            return f"layers.{match.group(1)}.{inverse[match.group(3)]}"
+        return None
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """One ``(Hugging Face name, tensor)`` pair per expert of our full
+        stacked tensor ``name``, or ``None`` for another tensor."""
+        located = self.locate(name)
+        if located is None:
+            return None
+        return [(self.hf_name(*located, j), t) for j, t in enumerate(tensor.unbind(0))]
+
+    def read(
+        self, name: str, offsets: Sequence[int], sizes: Sequence[int], checkpoint: Any
+    ) -> torch.Tensor | None:
+        """Region ``offsets``/``sizes`` of our stacked tensor ``name`` from
+        ``checkpoint`` (an ``HFCheckpoint``), reading only the experts and
+        the rows and columns it covers; ``None`` for another tensor."""
+        located = self.locate(name)
+        if located is None:
+            return None
+        experts = range(offsets[0], offsets[0] + sizes[0])
+        parts = [
+            checkpoint.read_hf(self.hf_name(*located, j), offsets[1:], sizes[1:]) for j in experts
+        ]
+        return torch.stack(parts)  # (experts, *sizes[1:])
 
 
 # Note: [Rotary channel order]

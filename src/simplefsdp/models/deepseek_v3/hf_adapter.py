@@ -36,7 +36,6 @@ Note: [DeepSeek-V3 Hugging Face names and layouts]
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,32 +66,20 @@ _NAMES = hf_common.NameMap(
         "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
     },
 )
-# Our stacked routed experts -> the per-expert Hugging Face projection.
-_EXPERT_NAMES = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj",
-                 "moe.experts.w3": "up_proj"}  # fmt: skip
-_FROM_EXPERT = {v: k for k, v in _EXPERT_NAMES.items()}
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERTS = hf_common.StackedExperts()
 
 
 def to_hf_name(name: str) -> str:
     """Our state-dict name -> the Hugging Face name (a stacked expert tensor
-    -> the name of expert 0's, with ``{j}`` for the expert: see
-    :func:`expert_hf_name`).
+    -> the name of expert 0's part).
 
     Raises:
         ValueError: ``name`` is not a DeepSeek-V3 tensor name.
     """
-    match = _OURS_LAYER.match(name)
-    if match and match.group(2) in _EXPERT_NAMES:
-        return expert_hf_name(int(match.group(1)), match.group(2), 0)
+    located = _EXPERTS.locate(name)
+    if located is not None:
+        return _EXPERTS.hf_name(*located, 0)
     return _NAMES.to_hf_name(name)
-
-
-def expert_hf_name(layer: int, ours: str, expert: int) -> str:
-    """The Hugging Face name of expert ``expert``'s part of our stacked
-    tensor ``layers.{layer}.{ours}`` (``ours`` e.g. ``moe.experts.w1``)."""
-    return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_NAMES[ours]}.weight"
 
 
 def from_hf_name(name: str) -> str:
@@ -102,10 +89,7 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a DeepSeek-V3 tensor name.
     """
-    expert = _HF_EXPERT.match(name)
-    if expert and expert.group(3) in _FROM_EXPERT:
-        return f"layers.{expert.group(1)}.{_FROM_EXPERT[expert.group(3)]}"
-    return _NAMES.from_hf_name(name)
+    return _EXPERTS.from_hf(name) or _NAMES.from_hf_name(name)
 
 
 def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> DeepSeekV3Args:
@@ -296,11 +280,8 @@ class DeepSeekV3HFAdapter(hf_common.HFAdapter):
     ) -> tuple[str, torch.Tensor] | list[tuple[str, torch.Tensor]]:
         """Our full tensor ``name`` -> ``(Hugging Face name, tensor)``, or one
         pair per expert for a stacked routed-expert tensor."""
-        match = _OURS_LAYER.match(name)
-        if match and match.group(2) in _EXPERT_NAMES:
-            layer, ours = int(match.group(1)), match.group(2)
-            return [(expert_hf_name(layer, ours, j), tensor[j]) for j in range(tensor.shape[0])]
-        return super().to_hf(name, tensor, args)
+        experts = _EXPERTS.to_hf(name, tensor)
+        return super().to_hf(name, tensor, args) if experts is None else experts
 
     def read_region(
         self,
@@ -316,15 +297,9 @@ class DeepSeekV3HFAdapter(hf_common.HFAdapter):
         rows converted where the checkpoint pairs channels ``i`` and
         ``i + d/2``, the output from the embedding where tied."""
         offsets, sizes = list(offsets), list(sizes)
-        match = _OURS_LAYER.match(name)
-        if match and match.group(2) in _EXPERT_NAMES:
-            layer, ours = int(match.group(1)), match.group(2)
-            experts = range(offsets[0], offsets[0] + sizes[0])
-            parts = [
-                checkpoint.read_hf(expert_hf_name(layer, ours, j), offsets[1:], sizes[1:])
-                for j in experts
-            ]
-            return torch.stack(parts)
+        experts = _EXPERTS.read(name, offsets, sizes, checkpoint)
+        if experts is not None:
+            return experts
         hf_name = to_hf_name(name)
         if checkpoint.tied and name in self.tied:
             hf_name = self.tied[name]

@@ -31,7 +31,6 @@ Note: [Qwen3 Hugging Face layout]
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,12 +51,9 @@ _NAMES = hf_common.NameMap(
         "moe.router.gate.weight": "mlp.gate.weight",
     },
 )
-_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_FROM_EXPERT = {v: k for k, v in _EXPERT_NAMES.items()}
-_OURS_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
+_EXPERTS = hf_common.StackedExperts()
 # The routing bias of load_balance="bias" (a persistent buffer of ours).
 _ROUTING_BIAS = ".moe.expert_bias"
-_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 # Rows (or channels) permuted within each head (see the note).
 _ROTARY = (
     "attention.wq.weight",
@@ -67,10 +63,6 @@ _ROTARY = (
 )
 
 
-def _expert_hf_name(layer: str, expert: int | str, weight: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_NAMES[weight]}.weight"
-
-
 def to_hf_name(name: str) -> str:
     """Our state-dict name -> the Hugging Face name (for the stacked experts,
     the per-expert name with ``*`` for the expert index).
@@ -78,9 +70,9 @@ def to_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a Qwen3 parameter name.
     """
-    experts = _OURS_EXPERTS.match(name)
-    if experts:
-        return _expert_hf_name(experts.group(1), "*", experts.group(2))
+    located = _EXPERTS.locate(name)
+    if located is not None:
+        return _EXPERTS.hf_name(*located, "*")
     return _NAMES.to_hf_name(name)
 
 
@@ -91,10 +83,7 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a Qwen3 tensor name.
     """
-    expert = _HF_EXPERT.match(name)
-    if expert and expert.group(3) in _FROM_EXPERT:
-        return f"layers.{expert.group(1)}.moe.experts.{_FROM_EXPERT[expert.group(3)]}"
-    return _NAMES.from_hf_name(name)
+    return _EXPERTS.from_hf(name) or _NAMES.from_hf_name(name)
 
 
 _UNSUPPORTED_TRUE = {
@@ -264,10 +253,9 @@ class Qwen3HFAdapter(hf_common.HFAdapter):
     ) -> tuple[str, torch.Tensor] | list[tuple[str, torch.Tensor]]:
         """Our full tensor ``name`` -> ``(Hugging Face name, tensor)``, or one
         pair per expert for a stacked expert tensor."""
-        experts = _OURS_EXPERTS.match(name)
-        if experts:
-            layer, weight = experts.groups()
-            return [(_expert_hf_name(layer, j, weight), t) for j, t in enumerate(tensor.unbind(0))]
+        experts = _EXPERTS.to_hf(name, tensor)
+        if experts is not None:
+            return experts
         if name.endswith(_ROUTING_BIAS):
             return []  # training state with no Hugging Face counterpart
         if name.endswith(_ROTARY):
@@ -291,15 +279,9 @@ class Qwen3HFAdapter(hf_common.HFAdapter):
                 hold the region.
         """
         offsets, sizes = list(offsets), list(sizes)
-        experts = _OURS_EXPERTS.match(name)
-        if experts:
-            layer, weight = experts.groups()
-            first, count = offsets[0], sizes[0]
-            parts = [
-                checkpoint.read_hf(_expert_hf_name(layer, j, weight), offsets[1:], sizes[1:])
-                for j in range(first, first + count)
-            ]
-            return torch.stack(parts)  # (count, *sizes[1:])
+        experts = _EXPERTS.read(name, offsets, sizes, checkpoint)
+        if experts is not None:
+            return experts
         if name.endswith(_ROUTING_BIAS):
             return torch.zeros(sizes)  # not in Hugging Face checkpoints: starts at zero
         if checkpoint.tied and name in self.tied:
