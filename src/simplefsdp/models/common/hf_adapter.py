@@ -184,6 +184,23 @@ class HFAdapter:
         return (0 if "embed_tokens" in hf_name else 1 << 30), hf_name
 
 
+#: The ``config.json`` keys every decoder's configuration is built from.
+DECODER_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def require_keys(
+    config: Mapping[str, Any], source: str, keys: Sequence[str] = DECODER_KEYS
+) -> None:
+    """Refuse a ``config.json`` (``source`` in the message) that lacks any of ``keys``.
+
+    Raises:
+        ValueError: ``{source}: missing key(s) ...`` naming each missing key.
+    """
+    missing = [k for k in keys if k not in config]
+    if missing:
+        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+
+
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 

@@ -142,10 +142,7 @@ def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> De
         raise ValueError(
             f"{source}: rope_scaling type {rope_type!r} is not supported (only 'yarn' or none)"
         )
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in required if k not in config]
-    if missing:
-        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+    hf_common.require_keys(config, source)
     try:
         return DeepSeekV3Args(
             dim=int(config["hidden_size"]),

@@ -126,13 +126,7 @@ def model_args_from_hf_config(config: Mapping[str, Any], source: str = "config.j
             )
     if get("attention_bias", True) is not True:
         raise ValueError(f"{source}: attention_bias={config['attention_bias']!r} is not supported")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+    hf_common.require_keys(config, source)
     scaling_cfg = get("rope_scaling")
     scaling = None
     if scaling_cfg:

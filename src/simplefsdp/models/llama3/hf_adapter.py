@@ -106,13 +106,7 @@ def model_args_from_hf_config(config: Mapping[str, Any], source: str = "config.j
     act = get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+    hf_common.require_keys(config, source)
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = get("head_dim")
     if head_dim is not None and n_heads and int(head_dim) * n_heads != dim:
