@@ -120,7 +120,8 @@ class ModelSpec:
             type no other family reads: the ``transformers`` family) and
             ``hf_files(config)`` (extra files an export copies, such as a
             model's own code); see
-            :class:`simplefsdp.models.llama3.hf_adapter.LlamaHFAdapter` and
+            :class:`simplefsdp.models.common.hf_adapter.HFAdapter` (the
+            protocol, documented once, with the defaults families share) and
             Note: [Which family reads a folder] in
             :mod:`simplefsdp.checkpoint.hf`.
         plan_method: how ``simplefsdp plan`` predicts a job of this family:

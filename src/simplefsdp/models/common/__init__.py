@@ -11,6 +11,10 @@
 * :mod:`.stages`: the pipeline split of a decoder;
 * :mod:`.tensor_parallel`: per-component tensor-parallel plans (imports
   ``torch.distributed``; not loaded by this package).
+* :mod:`.validate` (the model-against-layout rules and the ``validate``
+  factories), :mod:`.decoder_spec` (a ``ModelSpec`` with the defaults
+  decoders share) and :mod:`.hf_adapter` (the shape of a Hugging Face
+  adapter, name maps, rotary layouts); not loaded by this package.
 
 A family is a folder ``simplefsdp/models/<family>/`` that subclasses these
 (see "Adding a model family" in ``docs/design.md``).

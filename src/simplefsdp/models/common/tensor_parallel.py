@@ -71,6 +71,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -173,7 +174,11 @@ def moe_plan(prefix: str, moe: nn.Module, seq: Placement, styles: Any) -> dict[s
 
 
 def decoder_plan(
-    model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = False
+    model: nn.Module,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+    attention: Callable[..., dict[str, ParallelStyle]] = attention_plan,
 ) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of a :class:`~.decoder.Decoder`: FQN -> style.
 
@@ -190,6 +195,9 @@ def decoder_plan(
             batch's sequence length to be divisible by the TP size.
         loss_parallel: Leave the logits sharded on the vocabulary dim (a
             ``Shard(-1)`` DTensor) for :func:`loss_parallel_context`.
+        attention: ``attention(prefix, module, seq, styles)``, the entries of
+            one block's attention (default :func:`attention_plan`; another
+            attention variant passes its own).
 
     Returns:
         A new dict mapping module FQNs (e.g. ``"layers.0.attention.wq"``) to
@@ -213,7 +221,7 @@ def decoder_plan(
         if sequence_parallel:
             plan[prefix + "attention_norm"] = SequenceParallel()
             plan[prefix + "ffn_norm"] = SequenceParallel()
-        plan.update(attention_plan(prefix + "attention", block.attention, seq, styles))
+        plan.update(attention(prefix + "attention", block.attention, seq, styles))
         if getattr(block, "moe_enabled", False):
             plan.update(moe_plan(prefix + "moe", block.moe, seq, styles))
         else:
@@ -337,6 +345,7 @@ def apply_decoder_tp(
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
+    attention: Callable[..., dict[str, ParallelStyle]] = attention_plan,
 ) -> nn.Module:
     """Shard a decoder over ``tp_mesh`` with :func:`decoder_plan`.
 
@@ -359,6 +368,7 @@ def apply_decoder_tp(
         tp_mesh: A 1-D ``DeviceMesh`` (the TP group).
         sequence_parallel: See :func:`decoder_plan`.
         loss_parallel: See :func:`decoder_plan`.
+        attention: See :func:`decoder_plan`.
 
     Returns:
         ``model``, parallelized in place.
@@ -380,7 +390,9 @@ def apply_decoder_tp(
                 "mesh: gloo cannot all-gather float8 activations; use sequence_parallel=False "
                 "on CPU (GPUs gather them in float8)"
             )
-    plan = decoder_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    plan = decoder_plan(
+        model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, attention=attention
+    )
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel:
         model.register_forward_pre_hook(_SequenceLengthCheck(tp_mesh.size()), with_kwargs=True)

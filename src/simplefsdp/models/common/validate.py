@@ -2,14 +2,16 @@
 
 A family's ``validate(config, layout, **inputs)`` (see
 :class:`~simplefsdp.models.spec.ModelSpec`) returns :func:`decoder_errors`
-plus its own rules. Each error is one line naming the value, the flag that set
-it and what would be valid.
+plus its own rules: :func:`dense_decoder_validate` and
+:func:`moe_decoder_validate` build it from the sizes the family's TP plan
+splits. Each error is one line naming the value, the flag that set it and
+what would be valid.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: How a degree or input is spelled in messages by default; a command line
@@ -133,3 +135,58 @@ def moe_decoder_errors(
     return errors + expert_errors(
         config.num_experts, layout, model_name=inputs.get("model_name"), names=inputs.get("names")
     )
+
+
+def dense_decoder_validate(
+    tp_split_sizes: Callable[..., Mapping[str, int]], *, unnamed: str, with_experts: str
+) -> Callable[..., list[str]]:
+    """The ``ModelSpec.validate`` of a decoder without experts:
+    :func:`decoder_errors`, and expert parallelism refused.
+
+    Args:
+        tp_split_sizes: ``tp_split_sizes(config, *, loss_parallel) -> {name:
+            size}``, the sizes the family's TP plan splits over ``tp``.
+        unnamed: how the refusal names the model when the caller gives no
+            ``model_name`` (``"this Llama 3 model"``).
+        with_experts: the valid choice the refusal offers (``"a
+            mixture-of-experts model (e.g. moe_debug)"``).
+    """
+
+    def validate(
+        config: Any, layout: Any, *, loss_parallel: bool = False, build: bool = True, **inputs: Any
+    ) -> list[str]:
+        """A dense decoder against the layout: sequence vs ``max_seq_len``,
+        the TP-split sizes vs tp, layers vs stages, no experts for ep (see
+        :class:`~simplefsdp.models.spec.ModelSpec` for the arguments)."""
+        tp_sizes = tp_split_sizes(config, loss_parallel=loss_parallel)
+        errors = decoder_errors(config, layout, tp_sizes=tp_sizes, **inputs)
+        model_name, names = inputs.get("model_name"), inputs.get("names")
+        ep = getattr(layout, "ep", 1)
+        if ep > 1:
+            model = f"model {model_name!r}" if model_name else unnamed
+            errors.append(
+                f"{flag_names(names)['ep']} {ep}: expert parallelism needs a model with experts "
+                f"and {model} has none; valid: 1, or {with_experts}"
+            )
+        return errors
+
+    return validate
+
+
+def moe_decoder_validate(
+    tp_split_sizes: Callable[..., Mapping[str, int]],
+) -> Callable[..., list[str]]:
+    """The ``ModelSpec.validate`` of a decoder with mixture-of-experts
+    layers: :func:`moe_decoder_errors` with the sizes ``tp_split_sizes(config,
+    *, loss_parallel)`` names (as for :func:`dense_decoder_validate`)."""
+
+    def validate(
+        config: Any, layout: Any, *, loss_parallel: bool = False, build: bool = True, **inputs: Any
+    ) -> list[str]:
+        """A mixture-of-experts decoder against the layout: the decoder's
+        rules, experts vs ep, ep with tp refused (see
+        :class:`~simplefsdp.models.spec.ModelSpec` for the arguments)."""
+        tp_sizes = tp_split_sizes(config, loss_parallel=loss_parallel)
+        return moe_decoder_errors(config, layout, tp_sizes=tp_sizes, **inputs)
+
+    return validate

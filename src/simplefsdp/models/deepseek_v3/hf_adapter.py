@@ -36,74 +36,50 @@ Note: [DeepSeek-V3 Hugging Face names and layouts]
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from simplefsdp.models.common import hf_adapter as hf_common
 from simplefsdp.models.common.config import YarnScaling, rope_scaling_from_mapping
 
 from .args import DeepSeekV3Args
 
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "moe.router.gate.weight": "mlp.gate.weight",
-    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
-    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# Our stacked routed experts -> the per-expert Hugging Face projection.
-_EXPERT_NAMES = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj",
-                 "moe.experts.w3": "up_proj"}  # fmt: skip
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_FROM_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_FROM_TOP = {v: k for k, v in _TOP_NAMES.items()}
-_FROM_EXPERT = {v: k for k, v in _EXPERT_NAMES.items()}
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)\.weight$")
+_NAMES = hf_common.NameMap(
+    "DeepSeek-V3",
+    {
+        **hf_common.FEED_FORWARD_NAMES,
+        **hf_common.NORM_NAMES,
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+        "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+        "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+        "moe.router.gate.weight": "mlp.gate.weight",
+        "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+        "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+        "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+        "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    },
+)
+_EXPERTS = hf_common.StackedExperts()
 
 
 def to_hf_name(name: str) -> str:
     """Our state-dict name -> the Hugging Face name (a stacked expert tensor
-    -> the name of expert 0's, with ``{j}`` for the expert: see
-    :func:`expert_hf_name`).
+    -> the name of expert 0's part).
 
     Raises:
         ValueError: ``name`` is not a DeepSeek-V3 tensor name.
     """
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _OURS_LAYER.match(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    if match and match.group(2) in _EXPERT_NAMES:
-        return expert_hf_name(int(match.group(1)), match.group(2), 0)
-    raise ValueError(f"no Hugging Face name for DeepSeek-V3 tensor {name!r}")
-
-
-def expert_hf_name(layer: int, ours: str, expert: int) -> str:
-    """The Hugging Face name of expert ``expert``'s part of our stacked
-    tensor ``layers.{layer}.{ours}`` (``ours`` e.g. ``moe.experts.w1``)."""
-    return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_NAMES[ours]}.weight"
+    located = _EXPERTS.locate(name)
+    if located is not None:
+        return _EXPERTS.hf_name(*located, 0)
+    return _NAMES.to_hf_name(name)
 
 
 def from_hf_name(name: str) -> str:
@@ -113,24 +89,7 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a DeepSeek-V3 tensor name.
     """
-    if name in _FROM_TOP:
-        return _FROM_TOP[name]
-    match = _HF_LAYER.match(name)
-    if match:
-        layer, rest = match.groups()
-        if rest in _FROM_LAYER:
-            return f"layers.{layer}.{_FROM_LAYER[rest]}"
-        expert = _HF_EXPERT.match(rest)
-        if expert and expert.group(2) in _FROM_EXPERT:
-            return f"layers.{layer}.{_FROM_EXPERT[expert.group(2)]}"
-    raise ValueError(f"unknown Hugging Face DeepSeek-V3 tensor {name!r}")
-
-
-def _half_to_pairs(rows: torch.Tensor) -> torch.Tensor:
-    """Rows of one rotary part in the rotate-half layout (``i`` with
-    ``i + d/2``) -> ours (adjacent pairs)."""
-    d = rows.shape[0]
-    return rows.reshape(2, d // 2, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+    return _EXPERTS.from_hf(name) or _NAMES.from_hf_name(name)
 
 
 def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> DeepSeekV3Args:
@@ -183,10 +142,7 @@ def config_from_hf(config: Mapping[str, Any], source: str = "config.json") -> De
         raise ValueError(
             f"{source}: rope_scaling type {rope_type!r} is not supported (only 'yarn' or none)"
         )
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in required if k not in config]
-    if missing:
-        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+    hf_common.require_keys(config, source)
     try:
         return DeepSeekV3Args(
             dim=int(config["hidden_size"]),
@@ -302,54 +258,27 @@ def config_differences(ours: DeepSeekV3Args, theirs: DeepSeekV3Args) -> list[str
     ]
 
 
-class DeepSeekV3HFAdapter:
+class DeepSeekV3HFAdapter(hf_common.HFAdapter):
     """Converts DeepSeek-V3 models to and from Hugging Face
     ``DeepseekV3ForCausalLM`` (see [DeepSeek-V3 Hugging Face names and
-    layouts]); the ``ModelSpec.hf_adapter`` of the family.
-
-    Attributes:
-        model_types: the ``config.json`` ``model_type`` values it reads.
-        tied: our tensor -> the Hugging Face tensor that fills it when the
-            checkpoint ties the output projection to the embedding.
+    layouts] and :class:`~simplefsdp.models.common.hf_adapter.HFAdapter`);
+    the ``ModelSpec.hf_adapter`` of the family.
     """
 
     model_types: tuple[str, ...] = ("deepseek_v3",)
-    tied: Mapping[str, str] = {"output.weight": "model.embed_tokens.weight"}
-
-    def to_hf_name(self, name: str) -> str:
-        """Our state-dict name -> the Hugging Face name (see :func:`to_hf_name`)."""
-        return to_hf_name(name)
-
-    def from_hf_name(self, name: str) -> str:
-        """A Hugging Face name -> our state-dict name (see :func:`from_hf_name`)."""
-        return from_hf_name(name)
-
-    def config_from_hf(
-        self, config: Mapping[str, Any], source: str = "config.json"
-    ) -> DeepSeekV3Args:
-        """Our configuration from a ``config.json`` (see :func:`config_from_hf`)."""
-        return config_from_hf(config, source)
-
-    def config_to_hf(
-        self, args: DeepSeekV3Args, dtype: torch.dtype = torch.float32
-    ) -> dict[str, Any]:
-        """The ``config.json`` of our model (see :func:`config_to_hf`)."""
-        return config_to_hf(args, dtype)
-
-    def config_differences(self, ours: DeepSeekV3Args, theirs: DeepSeekV3Args) -> list[str]:
-        """Architecture fields in which two configurations differ."""
-        return config_differences(ours, theirs)
+    to_hf_name = staticmethod(to_hf_name)
+    from_hf_name = staticmethod(from_hf_name)
+    config_from_hf = staticmethod(config_from_hf)
+    config_to_hf = staticmethod(config_to_hf)
+    config_differences = staticmethod(config_differences)
 
     def to_hf(
         self, name: str, tensor: torch.Tensor, args: DeepSeekV3Args
     ) -> tuple[str, torch.Tensor] | list[tuple[str, torch.Tensor]]:
         """Our full tensor ``name`` -> ``(Hugging Face name, tensor)``, or one
         pair per expert for a stacked routed-expert tensor."""
-        match = _OURS_LAYER.match(name)
-        if match and match.group(2) in _EXPERT_NAMES:
-            layer, ours = int(match.group(1)), match.group(2)
-            return [(expert_hf_name(layer, ours, j), tensor[j]) for j in range(tensor.shape[0])]
-        return to_hf_name(name), tensor
+        experts = _EXPERTS.to_hf(name, tensor)
+        return super().to_hf(name, tensor, args) if experts is None else experts
 
     def read_region(
         self,
@@ -365,15 +294,9 @@ class DeepSeekV3HFAdapter:
         rows converted where the checkpoint pairs channels ``i`` and
         ``i + d/2``, the output from the embedding where tied."""
         offsets, sizes = list(offsets), list(sizes)
-        match = _OURS_LAYER.match(name)
-        if match and match.group(2) in _EXPERT_NAMES:
-            layer, ours = int(match.group(1)), match.group(2)
-            experts = range(offsets[0], offsets[0] + sizes[0])
-            parts = [
-                checkpoint.read_hf(expert_hf_name(layer, ours, j), offsets[1:], sizes[1:])
-                for j in experts
-            ]
-            return torch.stack(parts)
+        experts = _EXPERTS.read(name, offsets, sizes, checkpoint)
+        if experts is not None:
+            return experts
         hf_name = to_hf_name(name)
         if checkpoint.tied and name in self.tied:
             hf_name = self.tied[name]
@@ -387,22 +310,15 @@ class DeepSeekV3HFAdapter:
             )
             block = block.reshape(last - first, head, -1).clone()
             for h in range(last - first):
-                block[h, head - rope :] = _half_to_pairs(block[h, head - rope :])
+                block[h, head - rope :] = hf_common.halves_to_pairs(block[h, head - rope :], rope)
             start = offsets[0] - first * head
             return block.reshape(-1, sizes[1])[start : start + sizes[0]]
         if interleaved is False and name.endswith("attention.wkv_a.weight"):
             rows = args.kv_lora_rank + rope
             block = checkpoint.read_hf(hf_name, [0, offsets[1]], [rows, sizes[1]]).clone()
-            block[args.kv_lora_rank :] = _half_to_pairs(block[args.kv_lora_rank :])
+            block[args.kv_lora_rank :] = hf_common.halves_to_pairs(block[args.kv_lora_rank :], rope)
             return block[offsets[0] : offsets[0] + sizes[0]]
         return checkpoint.read_hf(hf_name, offsets, sizes)
-
-    def hf_sort_key(self, hf_name: str) -> tuple[int, str]:
-        """Order in the written shards: embeddings, layer by layer, norm and head."""
-        match = _HF_LAYER.match(hf_name)
-        if match:
-            return int(match.group(1)) + 1, match.group(2)
-        return (0 if "embed_tokens" in hf_name else 1 << 30), hf_name
 
 
 #: The adapter object of the DeepSeek-V3 family's spec.

@@ -10,9 +10,8 @@ together are refused. Planned from its shapes (``plan_method="analytic"``).
 
 from __future__ import annotations
 
-from typing import Any
-
-from simplefsdp.models.common.stages import pipeline_split
+from simplefsdp.models.common.decoder_spec import decoder_spec
+from simplefsdp.models.common.validate import moe_decoder_validate
 from simplefsdp.models.deepseek_v3.args import (
     DeepSeekV3Args,
     flops_per_token,
@@ -22,56 +21,28 @@ from simplefsdp.models.deepseek_v3.args import (
 from simplefsdp.models.deepseek_v3.configs import DEEPSEEK_V3_CONFIGS
 from simplefsdp.models.deepseek_v3.hf_adapter import DEEPSEEK_V3_HF_ADAPTER
 from simplefsdp.models.deepseek_v3.model import Transformer
-from simplefsdp.models.llama3.spec import cross_entropy
-from simplefsdp.models.moe.spec import SPEC as MOE_SPEC
-from simplefsdp.models.moe.spec import validate as moe_validate
-from simplefsdp.models.spec import ModelSpec
+from simplefsdp.models.deepseek_v3.tensor_parallel import apply_tensor_parallel
+from simplefsdp.models.moe.spec import tp_split_sizes
 
+#: DeepSeek-V3 against the layout: the mixture-of-experts family's rules
+#: (sequence length, heads and hidden sizes vs tp, layers vs stages, experts
+#: vs ep, ep with tp refused); every head holds its own keys, so
+#: ``n_kv_heads`` is ``n_heads``. See :class:`~simplefsdp.models.spec.ModelSpec`
+#: for the arguments.
+validate = moe_decoder_validate(tp_split_sizes)
 
-def _init_weights(model: Any, buffer_device: Any = None) -> None:
-    model.init_weights(buffer_device=buffer_device)
-
-
-def _tensor_parallel(
-    model: Any, tp_mesh: Any, *, sequence_parallel: bool = True, loss_parallel: bool = False
-) -> None:
-    from simplefsdp.models.deepseek_v3.tensor_parallel import apply_tensor_parallel
-
-    apply_tensor_parallel(
-        model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
-    )
-
-
-def validate(config: DeepSeekV3Args, layout: Any, **inputs: Any) -> list[str]:
-    """DeepSeek-V3 against the layout: the mixture-of-experts rules
-    (sequence length, heads and hidden sizes vs tp, layers vs stages,
-    experts vs ep, ep with tp refused); every head holds its own keys, so
-    ``n_kv_heads`` is ``n_heads``.
-
-    See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
-    """
-    return moe_validate(config, layout, **inputs)
-
-
-SPEC = ModelSpec(
+SPEC = decoder_spec(
+    experts=True,
     family="deepseek_v3",
     description="DeepSeek-V3 (multi-head latent attention, group-limited expert routing)",
     config_type=DeepSeekV3Args,
     flavors=DEEPSEEK_V3_CONFIGS,
     build=Transformer,
-    init_weights=_init_weights,
-    loss=cross_entropy,
     num_params=num_params,
     num_active_params=num_active_params,
     flops_per_token=flops_per_token,
     validate=validate,
     capabilities=frozenset({"tp", "pp", "ep", "cp", "float8", "hf"}),
-    tensor_parallel=_tensor_parallel,
-    pipeline_split=pipeline_split,
-    fullgraph=False,
-    plan_method="analytic",
-    after_optimizer_step=MOE_SPEC.after_optimizer_step,
-    discard_step_state=MOE_SPEC.discard_step_state,
-    float8_skip_fqns=("router.gate",),
+    tensor_parallel=apply_tensor_parallel,
     hf_adapter=DEEPSEEK_V3_HF_ADAPTER,
 )

@@ -25,32 +25,27 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
 )
 from torch.distributed.tensor.placement_types import Placement
 
-from simplefsdp.models.common.tensor_parallel import (
-    _SequenceLengthCheck,
-    _styles_for,
-    _validate,
-    feed_forward_plan,
-    is_float8_tensorwise,
-    moe_plan,
-)
+from simplefsdp.models.common.tensor_parallel import apply_decoder_tp, decoder_plan
 
 
 def latent_attention_plan(
-    prefix: str, attention: nn.Module, seq: Placement
+    prefix: str, attention: nn.Module, seq: Placement, styles: Any = None
 ) -> dict[str, ParallelStyle]:
     """TP plan of one :class:`~.model.MultiHeadLatentAttention` at FQN ``prefix``
-    whose input and output are in layout ``seq`` (see the module docstring)."""
+    whose input and output are in layout ``seq`` (see the module docstring);
+    the ``attention`` entries of
+    :func:`~simplefsdp.models.common.tensor_parallel.decoder_plan`. The
+    projections keep torch's styles (``styles``, the float8 ones, are not
+    used)."""
     plan: dict[str, ParallelStyle] = {
         prefix: PrepareModuleInput(
             input_layouts=(seq, None),
@@ -72,30 +67,12 @@ def deepseek_v3_plan(
     FQN -> style, plain data for ``parallelize_module``. The shared
     decoder's plan (:func:`~simplefsdp.models.common.tensor_parallel.decoder_plan`)
     with :func:`latent_attention_plan` for each block's attention."""
-    seq = Shard(1) if sequence_parallel else Replicate()
-    styles = _styles_for(model)
-    plan: dict[str, ParallelStyle] = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if getattr(model, "output", None) is not None:
-        plan["output"] = ColwiseParallel(
-            input_layouts=seq,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    if sequence_parallel and getattr(model, "norm", None) is not None:
-        plan["norm"] = SequenceParallel()
-    for key, block in model.layers.items():
-        prefix = f"layers.{key}."
-        if sequence_parallel:
-            plan[prefix + "attention_norm"] = SequenceParallel()
-            plan[prefix + "ffn_norm"] = SequenceParallel()
-        plan.update(latent_attention_plan(prefix + "attention", block.attention, seq))
-        if block.moe_enabled:
-            plan.update(moe_plan(prefix + "moe", block.moe, seq, styles))
-        else:
-            plan.update(feed_forward_plan(prefix + "feed_forward", block.feed_forward, seq, styles))
-    return plan
+    return decoder_plan(
+        model,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        attention=latent_attention_plan,
+    )
 
 
 def apply_tensor_parallel(
@@ -106,28 +83,22 @@ def apply_tensor_parallel(
     loss_parallel: bool = False,
 ) -> nn.Module:
     """Shard a DeepSeek-V3 model over ``tp_mesh`` with :func:`deepseek_v3_plan`,
-    in place (as :func:`simplefsdp.models.common.tensor_parallel.apply_decoder_tp`
-    does for grouped-query decoders, with the same checks).
+    in place: :func:`simplefsdp.models.common.tensor_parallel.apply_decoder_tp`
+    (its checks included) with :func:`latent_attention_plan` for each block's
+    attention.
 
     Raises:
         ValueError: a bad mesh, a parameter already a DTensor, a split size
             not divisible by the TP size, or a float8 tensorwise model with
             sequence parallelism on a CPU mesh (one line each).
     """
-    _validate(model, tp_mesh, loss_parallel)
-    if sequence_parallel and tp_mesh.device_type == "cpu":
-        float8 = next((n for n, m in model.named_modules() if is_float8_tensorwise(m)), None)
-        if float8 is not None:
-            raise ValueError(
-                f"tensor parallel: float8 layer {float8!r} with sequence_parallel=True on a CPU "
-                "mesh: gloo cannot all-gather float8 activations; use sequence_parallel=False "
-                "on CPU (GPUs gather them in float8)"
-            )
-    plan = deepseek_v3_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    parallelize_module(model, tp_mesh, plan)
-    if sequence_parallel:
-        model.register_forward_pre_hook(_SequenceLengthCheck(tp_mesh.size()), with_kwargs=True)
-    return model
+    return apply_decoder_tp(
+        model,
+        tp_mesh,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        attention=latent_attention_plan,
+    )
 
 
 def tp_split_sizes(config: Any, *, loss_parallel: bool = False) -> dict[str, int]:

@@ -26,44 +26,34 @@ Note: [GPT-OSS Hugging Face layout]
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from simplefsdp.models.common import hf_adapter as hf_common
 from simplefsdp.models.common.config import YarnScaling
 
 from .args import GptOssArgs
 
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wq.bias": "self_attn.q_proj.bias",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wk.bias": "self_attn.k_proj.bias",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wv.bias": "self_attn.v_proj.bias",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.wo.bias": "self_attn.o_proj.bias",
-    "attention.sinks": "self_attn.sinks",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "moe.router.gate.weight": "mlp.router.weight",
-    "moe.router.gate.bias": "mlp.router.bias",
-    "moe.experts.mlp1_weight": "mlp.experts.gate_up_proj",
-    "moe.experts.mlp1_bias": "mlp.experts.gate_up_proj_bias",
-    "moe.experts.mlp2_weight": "mlp.experts.down_proj",
-    "moe.experts.mlp2_bias": "mlp.experts.down_proj_bias",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_FROM_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_FROM_TOP = {v: k for k, v in _TOP_NAMES.items()}
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_NAMES = hf_common.NameMap(
+    "GPT-OSS",
+    {
+        **hf_common.ATTENTION_NAMES,
+        **hf_common.NORM_NAMES,
+        "attention.wq.bias": "self_attn.q_proj.bias",
+        "attention.wk.bias": "self_attn.k_proj.bias",
+        "attention.wv.bias": "self_attn.v_proj.bias",
+        "attention.wo.bias": "self_attn.o_proj.bias",
+        "attention.sinks": "self_attn.sinks",
+        "moe.router.gate.weight": "mlp.router.weight",
+        "moe.router.gate.bias": "mlp.router.bias",
+        "moe.experts.mlp1_weight": "mlp.experts.gate_up_proj",
+        "moe.experts.mlp1_bias": "mlp.experts.gate_up_proj_bias",
+        "moe.experts.mlp2_weight": "mlp.experts.down_proj",
+        "moe.experts.mlp2_bias": "mlp.experts.down_proj_bias",
+    },
+)
 _ROUTING_BIAS = "moe.expert_bias"
 _TRANSPOSED = ("moe.experts.mlp1_weight", "moe.experts.mlp2_weight")
 #: The swiglu alpha transformers' GptOssExperts hard-codes.
@@ -76,12 +66,7 @@ def to_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a GPT-OSS parameter name.
     """
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _OURS_LAYER.match(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"no Hugging Face name for GPT-OSS parameter {name!r}")
+    return _NAMES.to_hf_name(name)
 
 
 def from_hf_name(name: str) -> str:
@@ -90,35 +75,12 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a GPT-OSS tensor name.
     """
-    if name in _FROM_TOP:
-        return _FROM_TOP[name]
-    match = _HF_LAYER.match(name)
-    if match and match.group(2) in _FROM_LAYER:
-        return f"layers.{match.group(1)}.{_FROM_LAYER[match.group(2)]}"
-    raise ValueError(f"unknown Hugging Face GPT-OSS tensor {name!r}")
+    return _NAMES.from_hf_name(name)
 
 
-def _heads_of(name: str, args: GptOssArgs) -> int | None:
-    """Heads whose rows (or bias entries) are permuted in our tensor ``name``, or None."""
-    if ".attention.wq." in name:
-        return args.n_heads
-    if ".attention.wk." in name:
-        return args.n_kv_heads
-    return None
-
-
-def _hf_rows_to_ours(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows (dim 0) of whole heads in Hugging Face's rotary layout -> ours."""
-    rest = w.shape[1:]
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, 2, half, *rest).transpose(1, 2).reshape(w.shape)
-
-
-def _our_rows_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows (dim 0) of whole heads in our rotary layout -> Hugging Face's."""
-    rest = w.shape[1:]
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(w.shape)
+def _is_rotary(name: str) -> bool:
+    """Our tensor ``name``'s rows (or bias entries) are permuted per head."""
+    return ".attention.wq." in name or ".attention.wk." in name
 
 
 def _yarn_from_hf(scaling: Mapping[str, Any], source: str) -> YarnScaling:
@@ -164,13 +126,7 @@ def model_args_from_hf_config(config: Mapping[str, Any], source: str = "config.j
             )
     if get("attention_bias", True) is not True:
         raise ValueError(f"{source}: attention_bias={config['attention_bias']!r} is not supported")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+    hf_common.require_keys(config, source)
     scaling_cfg = get("rope_scaling")
     scaling = None
     if scaling_cfg:
@@ -343,40 +299,18 @@ def read_mxfp4(
     return values.flatten(-2).narrow(-1, c0 - first * MXFP4_BLOCK, nc)  # (ne, nr, nc)
 
 
-class GptOssHFAdapter:
+class GptOssHFAdapter(hf_common.HFAdapter):
     """Converts GPT-OSS models to and from Hugging Face ``GptOssForCausalLM``
-    (see [GPT-OSS Hugging Face layout]).
-
-    Attributes:
-        model_types: the ``config.json`` ``model_type`` values it reads.
-        architectures: the ``architectures`` an export declares.
-        tied: our tensor -> the Hugging Face tensor that fills it when the
-            checkpoint ties the output projection to the embedding.
+    (see [GPT-OSS Hugging Face layout] and
+    :class:`~simplefsdp.models.common.hf_adapter.HFAdapter`).
     """
 
     model_types: tuple[str, ...] = ("gpt_oss",)
-    architectures: tuple[str, ...] = ("GptOssForCausalLM",)
-    tied: Mapping[str, str] = {"output.weight": "model.embed_tokens.weight"}
-
-    def to_hf_name(self, name: str) -> str:
-        """Our state-dict name -> the Hugging Face name (see :func:`to_hf_name`)."""
-        return to_hf_name(name)
-
-    def from_hf_name(self, name: str) -> str:
-        """A Hugging Face name -> our state-dict name (see :func:`from_hf_name`)."""
-        return from_hf_name(name)
-
-    def config_from_hf(self, config: Mapping[str, Any], source: str = "config.json") -> GptOssArgs:
-        """Our :class:`GptOssArgs` from a ``config.json`` (see :func:`model_args_from_hf_config`)."""
-        return model_args_from_hf_config(config, source)
-
-    def config_to_hf(self, args: GptOssArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """The ``config.json`` of our model (see :func:`hf_config_from_model_args`)."""
-        return hf_config_from_model_args(args, dtype)
-
-    def config_differences(self, ours: GptOssArgs, theirs: GptOssArgs) -> list[str]:
-        """Architecture fields in which two configurations differ."""
-        return model_args_differences(ours, theirs)
+    architectures: tuple[str, ...] | None = ("GptOssForCausalLM",)
+    names = _NAMES
+    config_from_hf = staticmethod(model_args_from_hf_config)
+    config_to_hf = staticmethod(hf_config_from_model_args)
+    config_differences = staticmethod(model_args_differences)
 
     def to_hf(
         self, name: str, tensor: torch.Tensor, args: GptOssArgs
@@ -396,9 +330,8 @@ class GptOssHFAdapter:
                     "train with --model.load_balance none or aux_loss to export it"
                 )
             return []
-        heads = _heads_of(name, args)
-        if heads is not None:
-            tensor = _our_rows_to_hf(tensor, heads)
+        if _is_rotary(name):
+            tensor = hf_common.pairs_to_halves(tensor, args.head_dim)
         elif name.endswith(_TRANSPOSED):
             tensor = tensor.transpose(-2, -1)
         return to_hf_name(name), tensor
@@ -414,19 +347,9 @@ class GptOssHFAdapter:
             hf_offsets = [offsets[0], offsets[2], offsets[1]]
             hf_sizes = [sizes[0], sizes[2], sizes[1]]
             return hf_offsets, hf_sizes, lambda t: t.transpose(-2, -1)
-        heads = _heads_of(name, args)
-        if heads is None:
-            return list(offsets), list(sizes), lambda t: t
-        head_dim = args.head_dim
-        first, last = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
-        start = offsets[0] - first * head_dim
-
-        def convert(block: torch.Tensor) -> torch.Tensor:
-            return _hf_rows_to_ours(block, last - first)[start : start + sizes[0]]
-
-        hf_offsets = [first * head_dim, *offsets[1:]]
-        hf_sizes = [(last - first) * head_dim, *sizes[1:]]
-        return hf_offsets, hf_sizes, convert
+        if _is_rotary(name):
+            return hf_common.rotary_rows_region(offsets, sizes, args.head_dim)
+        return super().hf_region(name, offsets, sizes, args)
 
     def read_region(
         self,
@@ -448,13 +371,6 @@ class GptOssHFAdapter:
             hf_name = self.tied[name]
         hf_offsets, hf_sizes, convert = self.hf_region(name, offsets, sizes, args)
         return convert(checkpoint.read_hf(hf_name, hf_offsets, hf_sizes))
-
-    def hf_sort_key(self, hf_name: str) -> tuple[int, str]:
-        """Order in the written shards: embeddings, layer by layer, norm and head."""
-        match = _HF_LAYER.match(hf_name)
-        if match:
-            return int(match.group(1)) + 1, match.group(2)
-        return (0 if "embed_tokens" in hf_name else 1 << 30), hf_name
 
 
 #: The adapter object of the GPT-OSS family's spec.

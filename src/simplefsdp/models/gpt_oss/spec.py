@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from simplefsdp.models.common.load_balance import after_optimizer_step, discard_step_state
-from simplefsdp.models.common.stages import pipeline_split
-from simplefsdp.models.common.validate import moe_decoder_errors
+from simplefsdp.models.common.decoder_spec import decoder_spec
+from simplefsdp.models.common.validate import moe_decoder_validate
 from simplefsdp.models.gpt_oss.args import (
     GptOssArgs,
     flops_per_token,
@@ -24,12 +23,6 @@ from simplefsdp.models.gpt_oss.args import (
 from simplefsdp.models.gpt_oss.configs import GPT_OSS_CONFIGS
 from simplefsdp.models.gpt_oss.hf_adapter import GPT_OSS_HF_ADAPTER
 from simplefsdp.models.gpt_oss.model import Transformer
-from simplefsdp.models.llama3.spec import cross_entropy
-from simplefsdp.models.spec import ModelSpec
-
-
-def _init_weights(model: Any, buffer_device: Any = None) -> None:
-    model.init_weights(buffer_device=buffer_device)
 
 
 def _tensor_parallel(
@@ -60,42 +53,23 @@ def tp_split_sizes(config: GptOssArgs, *, loss_parallel: bool = False) -> dict[s
     return sizes
 
 
-def validate(
-    config: GptOssArgs,
-    layout: Any,
-    *,
-    loss_parallel: bool = False,
-    build: bool = True,
-    **inputs: Any,
-) -> list[str]:
-    """GPT-OSS against the layout: the decoder's rules, experts vs ep, and
-    ep with tp (refused).
+#: GPT-OSS against the layout: the decoder's rules, experts vs ep, and ep
+#: with tp (refused); see :class:`~simplefsdp.models.spec.ModelSpec` for the
+#: arguments.
+validate = moe_decoder_validate(tp_split_sizes)
 
-    See :class:`~simplefsdp.models.spec.ModelSpec` for the arguments.
-    """
-    tp_sizes = tp_split_sizes(config, loss_parallel=loss_parallel)
-    return moe_decoder_errors(config, layout, tp_sizes=tp_sizes, **inputs)
-
-
-SPEC = ModelSpec(
+SPEC = decoder_spec(
+    experts=True,
     family="gpt_oss",
     description="GPT-OSS mixture-of-experts decoder (attention sinks, sliding windows, YaRN)",
     config_type=GptOssArgs,
     flavors=GPT_OSS_CONFIGS,
     build=Transformer,
-    init_weights=_init_weights,
-    loss=cross_entropy,
     num_params=num_params,
     num_active_params=num_active_params,
     flops_per_token=flops_per_token,
     validate=validate,
     capabilities=frozenset({"tp", "pp", "ep", "cp", "float8", "hf"}),
     tensor_parallel=_tensor_parallel,
-    pipeline_split=pipeline_split,
-    fullgraph=False,
-    plan_method="analytic",
-    after_optimizer_step=after_optimizer_step,
-    discard_step_state=discard_step_state,
     hf_adapter=GPT_OSS_HF_ADAPTER,
-    float8_skip_fqns=("router.gate",),
 )

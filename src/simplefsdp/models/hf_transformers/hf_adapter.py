@@ -11,30 +11,28 @@ whichever name the checkpoint holds.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from simplefsdp.models.common.hf_adapter import HFAdapter
 from simplefsdp.models.hf_transformers.config import TransformersConfig, config_from_hf
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-class TransformersHFAdapter:
-    """Identity conversion between our ``transformers`` models and their folders.
-
-    Attributes:
-        model_types: empty: it reads any ``model_type`` (``any_model_type``).
-        any_model_type: a folder whose ``model_type`` no other family reads
-            is this family's.
-        tied: none by name (tied parameters are one parameter of the model).
+class TransformersHFAdapter(HFAdapter):
+    """Identity conversion between our ``transformers`` models and their
+    folders (see :class:`~simplefsdp.models.common.hf_adapter.HFAdapter`):
+    it reads any ``model_type`` no other family reads, and ties nothing by
+    name (tied parameters are one parameter of the model).
     """
 
-    model_types: tuple[str, ...] = ()
     any_model_type: bool = True
-    tied: Mapping[str, str] = {}
+    tied: Mapping[str, str] = MappingProxyType({})
 
     def to_hf_name(self, name: str) -> str:
         """Our name is the Hugging Face name."""
@@ -74,18 +72,6 @@ class TransformersHFAdapter:
     def config_differences(self, ours: TransformersConfig, theirs: TransformersConfig) -> list[str]:
         """``key=ours vs theirs`` per differing architecture key of ``config.json``."""
         return ours.differences(theirs)
-
-    def to_hf(
-        self, name: str, tensor: torch.Tensor, args: TransformersConfig
-    ) -> tuple[str, torch.Tensor]:
-        """Our full tensor ``name`` is the Hugging Face tensor ``name``."""
-        return name, tensor
-
-    def hf_region(
-        self, name: str, offsets: Sequence[int], sizes: Sequence[int], args: TransformersConfig
-    ) -> tuple[list[int], list[int], Callable[[torch.Tensor], torch.Tensor]]:
-        """The same region of the same tensor."""
-        return list(offsets), list(sizes), lambda t: t
 
     def hf_files(self, args: TransformersConfig) -> list[Path]:
         """Files an export copies besides the weights: the Python files of a

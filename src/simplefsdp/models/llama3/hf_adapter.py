@@ -24,37 +24,21 @@ Note: [Hugging Face names and the q/k layout]
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from simplefsdp.models.common import hf_adapter as hf_common
 from simplefsdp.models.common.config import RopeScaling
 from simplefsdp.models.common.feed_forward import ffn_hidden_dim
 
 from .args import ModelArgs
 
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_FROM_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_FROM_TOP = {v: k for k, v in _TOP_NAMES.items()}
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_NAMES = hf_common.NameMap(
+    "Llama", {**hf_common.ATTENTION_NAMES, **hf_common.FEED_FORWARD_NAMES, **hf_common.NORM_NAMES}
+)
+_ROTARY = ("attention.wq.weight", "attention.wk.weight")
 
 # (multiple_of, ffn_dim_multiplier) pairs of published Llama models, tried first
 # so that a converted config reads like the original one.
@@ -67,12 +51,7 @@ def to_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a Llama 3 parameter name.
     """
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _OURS_LAYER.match(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"no Hugging Face name for parameter {name!r}")
+    return _NAMES.to_hf_name(name)
 
 
 def from_hf_name(name: str) -> str:
@@ -81,35 +60,7 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a Llama parameter name.
     """
-    if name in _FROM_TOP:
-        return _FROM_TOP[name]
-    match = _HF_LAYER.match(name)
-    if match and match.group(2) in _FROM_LAYER:
-        return f"layers.{match.group(1)}.{_FROM_LAYER[match.group(2)]}"
-    raise ValueError(f"unknown Hugging Face Llama tensor {name!r}")
-
-
-def _heads_of(name: str, args: Any) -> int | None:
-    """Number of heads whose rows are permuted in tensor ``name`` (ours), or None."""
-    if name.endswith("attention.wq.weight"):
-        return args.n_heads
-    if name.endswith("attention.wk.weight"):
-        return args.n_kv_heads
-    return None
-
-
-def _hf_rows_to_ours(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of whole heads in Hugging Face's rotary layout -> ours (see the note)."""
-    rows, cols = w.shape
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, 2, half, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _our_rows_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of whole heads in our rotary layout -> Hugging Face's (see the note)."""
-    rows, cols = w.shape
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return _NAMES.from_hf_name(name)
 
 
 def _ffn_args(dim: int, intermediate: int) -> tuple[int, float | None]:
@@ -155,13 +106,7 @@ def model_args_from_hf_config(config: Mapping[str, Any], source: str = "config.j
     act = get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+    hf_common.require_keys(config, source)
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = get("head_dim")
     if head_dim is not None and n_heads and int(head_dim) * n_heads != dim:
@@ -264,79 +209,34 @@ def model_args_differences(ours: Any, theirs: Any) -> list[str]:
     return out
 
 
-class LlamaHFAdapter:
+class LlamaHFAdapter(hf_common.HFAdapter):
     """Converts Llama 3 models to and from Hugging Face ``LlamaForCausalLM``.
 
     The object ``ModelSpec.hf_adapter`` of the Llama 3 family; see
-    [Hugging Face names and the q/k layout].
-
-    Attributes:
-        model_types: the ``config.json`` ``model_type`` values it reads.
-        tied: our tensor -> the Hugging Face tensor that fills it when the
-            checkpoint ties the output projection to the embedding.
+    [Hugging Face names and the q/k layout] and
+    :class:`~simplefsdp.models.common.hf_adapter.HFAdapter`.
     """
 
     model_types: tuple[str, ...] = ("llama",)
-    tied: Mapping[str, str] = {"output.weight": "model.embed_tokens.weight"}
-
-    def to_hf_name(self, name: str) -> str:
-        """Our state-dict name -> the Hugging Face name (see :func:`to_hf_name`)."""
-        return to_hf_name(name)
-
-    def from_hf_name(self, name: str) -> str:
-        """A Hugging Face name -> our state-dict name (see :func:`from_hf_name`)."""
-        return from_hf_name(name)
-
-    def config_from_hf(self, config: Mapping[str, Any], source: str = "config.json") -> ModelArgs:
-        """Our :class:`ModelArgs` from a ``config.json`` (see :func:`model_args_from_hf_config`)."""
-        return model_args_from_hf_config(config, source)
-
-    def config_to_hf(self, args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """The ``config.json`` of our model (see :func:`hf_config_from_model_args`)."""
-        return hf_config_from_model_args(args, dtype)
-
-    def config_differences(self, ours: ModelArgs, theirs: ModelArgs) -> list[str]:
-        """Architecture fields in which two configurations differ (see
-        :func:`model_args_differences`)."""
-        return model_args_differences(ours, theirs)
+    names = _NAMES
+    config_from_hf = staticmethod(model_args_from_hf_config)
+    config_to_hf = staticmethod(hf_config_from_model_args)
+    config_differences = staticmethod(model_args_differences)
 
     def to_hf(self, name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
         """Our full tensor ``name`` -> ``(Hugging Face name, tensor)``."""
-        heads = _heads_of(name, args)
-        value = tensor if heads is None else _our_rows_to_hf(tensor, heads)
-        return to_hf_name(name), value
+        if name.endswith(_ROTARY):
+            tensor = hf_common.pairs_to_halves(tensor, args.head_dim)
+        return to_hf_name(name), tensor
 
     def hf_region(
         self, name: str, offsets: Sequence[int], sizes: Sequence[int], args: ModelArgs
     ) -> tuple[list[int], list[int], Callable[[torch.Tensor], torch.Tensor]]:
-        """Which region of the Hugging Face tensor holds region ``offsets``/``sizes``
-        of our tensor ``name``, and how to turn it into ours.
-
-        Returns:
-            ``(hf_offsets, hf_sizes, convert)``: for ``wq``/``wk`` the whole
-            heads the region overlaps, permuted and cut by ``convert``; for
-            every other tensor the same region and the identity.
-        """
-        heads = _heads_of(name, args)
-        if heads is None or len(sizes) != 2:
-            return list(offsets), list(sizes), lambda t: t
-        head_dim = args.head_dim
-        first, last = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
-        start = offsets[0] - first * head_dim
-
-        def convert(block: torch.Tensor) -> torch.Tensor:
-            return _hf_rows_to_ours(block, last - first)[start : start + sizes[0]]
-
-        hf_offsets = [first * head_dim, offsets[1]]
-        hf_sizes = [(last - first) * head_dim, sizes[1]]
-        return hf_offsets, hf_sizes, convert
-
-    def hf_sort_key(self, hf_name: str) -> tuple[int, str]:
-        """Order in the written shards: embeddings, layer by layer, norm and head."""
-        match = _HF_LAYER.match(hf_name)
-        if match:
-            return int(match.group(1)) + 1, match.group(2)
-        return (0 if "embed_tokens" in hf_name else 1 << 30), hf_name
+        """For ``wq``/``wk`` the whole heads the region overlaps, permuted
+        and cut by ``convert``; for every other tensor the same region."""
+        if name.endswith(_ROTARY):
+            return hf_common.rotary_rows_region(offsets, sizes, args.head_dim)
+        return super().hf_region(name, offsets, sizes, args)
 
 
 #: The adapter object of the Llama 3 family's spec.

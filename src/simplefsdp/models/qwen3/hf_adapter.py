@@ -31,47 +31,36 @@ Note: [Qwen3 Hugging Face layout]
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from simplefsdp.models.common import hf_adapter as hf_common
+
 from .args import Qwen3Args, Qwen3MoEArgs
 
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "moe.router.gate.weight": "mlp.gate.weight",
-}
-_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_FROM_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_FROM_TOP = {v: k for k, v in _TOP_NAMES.items()}
-_FROM_EXPERT = {v: k for k, v in _EXPERT_NAMES.items()}
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_OURS_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_NAMES = hf_common.NameMap(
+    "Qwen3",
+    {
+        **hf_common.ATTENTION_NAMES,
+        "attention.q_norm.weight": "self_attn.q_norm.weight",
+        "attention.k_norm.weight": "self_attn.k_norm.weight",
+        **hf_common.FEED_FORWARD_NAMES,
+        **hf_common.NORM_NAMES,
+        "moe.router.gate.weight": "mlp.gate.weight",
+    },
+)
+_EXPERTS = hf_common.StackedExperts()
 # The routing bias of load_balance="bias" (a persistent buffer of ours).
 _ROUTING_BIAS = ".moe.expert_bias"
-_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
-
-
-def _expert_hf_name(layer: str, expert: int | str, weight: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_NAMES[weight]}.weight"
+# Rows (or channels) permuted within each head (see the note).
+_ROTARY = (
+    "attention.wq.weight",
+    "attention.wk.weight",
+    "attention.q_norm.weight",
+    "attention.k_norm.weight",
+)
 
 
 def to_hf_name(name: str) -> str:
@@ -81,15 +70,10 @@ def to_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a Qwen3 parameter name.
     """
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    experts = _OURS_EXPERTS.match(name)
-    if experts:
-        return _expert_hf_name(experts.group(1), "*", experts.group(2))
-    match = _OURS_LAYER.match(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"no Hugging Face name for Qwen3 parameter {name!r}")
+    located = _EXPERTS.locate(name)
+    if located is not None:
+        return _EXPERTS.hf_name(*located, "*")
+    return _NAMES.to_hf_name(name)
 
 
 def from_hf_name(name: str) -> str:
@@ -99,39 +83,7 @@ def from_hf_name(name: str) -> str:
     Raises:
         ValueError: ``name`` is not a Qwen3 tensor name.
     """
-    if name in _FROM_TOP:
-        return _FROM_TOP[name]
-    expert = _HF_EXPERT.match(name)
-    if expert and expert.group(3) in _FROM_EXPERT:
-        return f"layers.{expert.group(1)}.moe.experts.{_FROM_EXPERT[expert.group(3)]}"
-    match = _HF_LAYER.match(name)
-    if match and match.group(2) in _FROM_LAYER:
-        return f"layers.{match.group(1)}.{_FROM_LAYER[match.group(2)]}"
-    raise ValueError(f"unknown Hugging Face Qwen3 tensor {name!r}")
-
-
-def _rotary_kind(name: str) -> str | None:
-    """``"rows"`` for ``wq``/``wk`` (rows permuted per head), ``"norm"`` for
-    the QK-norm weights (permuted within the head), else ``None``."""
-    if name.endswith(("attention.wq.weight", "attention.wk.weight")):
-        return "rows"
-    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
-        return "norm"
-    return None
-
-
-def _hf_to_ours(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Whole heads along dim 0 in Hugging Face's rotary layout -> ours (see the note)."""
-    heads = w.shape[0] // head_dim
-    tail = w.shape[1:]
-    return w.reshape(heads, 2, head_dim // 2, *tail).transpose(1, 2).reshape(w.shape)
-
-
-def _ours_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Whole heads along dim 0 in our rotary layout -> Hugging Face's (see the note)."""
-    heads = w.shape[0] // head_dim
-    tail = w.shape[1:]
-    return w.reshape(heads, head_dim // 2, 2, *tail).transpose(1, 2).reshape(w.shape)
+    return _EXPERTS.from_hf(name) or _NAMES.from_hf_name(name)
 
 
 _UNSUPPORTED_TRUE = {
@@ -275,58 +227,39 @@ def config_differences(ours: Qwen3Args, theirs: Qwen3Args) -> list[str]:
     ]
 
 
-class Qwen3HFAdapter:
+class Qwen3HFAdapter(hf_common.HFAdapter):
     """Converts Qwen3 models to and from Hugging Face ``Qwen3ForCausalLM``
     (``moe=False``) or ``Qwen3MoeForCausalLM`` (``moe=True``); the
     ``ModelSpec.hf_adapter`` of the ``qwen3`` and ``qwen3_moe`` families.
-    See [Qwen3 Hugging Face layout].
-
-    Attributes:
-        model_types: the ``config.json`` ``model_type`` values it reads.
-        tied: our tensor -> the Hugging Face tensor that fills it when the
-            checkpoint ties the output projection to the embedding.
+    See [Qwen3 Hugging Face layout] and
+    :class:`~simplefsdp.models.common.hf_adapter.HFAdapter`.
     """
 
-    tied: Mapping[str, str] = {"output.weight": "model.embed_tokens.weight"}
+    to_hf_name = staticmethod(to_hf_name)
+    from_hf_name = staticmethod(from_hf_name)
+    config_to_hf = staticmethod(config_to_hf)
+    config_differences = staticmethod(config_differences)
 
     def __init__(self, *, moe: bool) -> None:
         self.moe = moe
         self.model_types: tuple[str, ...] = ("qwen3_moe",) if moe else ("qwen3",)
 
-    def to_hf_name(self, name: str) -> str:
-        """Our state-dict name -> the Hugging Face name (see :func:`to_hf_name`)."""
-        return to_hf_name(name)
-
-    def from_hf_name(self, name: str) -> str:
-        """A Hugging Face name -> our state-dict name (see :func:`from_hf_name`)."""
-        return from_hf_name(name)
-
     def config_from_hf(self, config: Mapping[str, Any], source: str = "config.json") -> Qwen3Args:
         """Our configuration from a ``config.json`` (see :func:`config_from_hf`)."""
         return config_from_hf(config, source, moe=self.moe)
-
-    def config_to_hf(self, args: Qwen3Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """The ``config.json`` of our model (see :func:`config_to_hf`)."""
-        return config_to_hf(args, dtype)
-
-    def config_differences(self, ours: Qwen3Args, theirs: Qwen3Args) -> list[str]:
-        """Architecture fields in which two configurations differ (see
-        :func:`config_differences`)."""
-        return config_differences(ours, theirs)
 
     def to_hf(
         self, name: str, tensor: torch.Tensor, args: Qwen3Args
     ) -> tuple[str, torch.Tensor] | list[tuple[str, torch.Tensor]]:
         """Our full tensor ``name`` -> ``(Hugging Face name, tensor)``, or one
         pair per expert for a stacked expert tensor."""
-        experts = _OURS_EXPERTS.match(name)
-        if experts:
-            layer, weight = experts.groups()
-            return [(_expert_hf_name(layer, j, weight), t) for j, t in enumerate(tensor.unbind(0))]
+        experts = _EXPERTS.to_hf(name, tensor)
+        if experts is not None:
+            return experts
         if name.endswith(_ROUTING_BIAS):
             return []  # training state with no Hugging Face counterpart
-        if _rotary_kind(name) is not None:
-            tensor = _ours_to_hf(tensor, args.head_dim)
+        if name.endswith(_ROTARY):
+            tensor = hf_common.pairs_to_halves(tensor, args.head_dim)
         return to_hf_name(name), tensor
 
     def read_region(
@@ -346,36 +279,18 @@ class Qwen3HFAdapter:
                 hold the region.
         """
         offsets, sizes = list(offsets), list(sizes)
-        experts = _OURS_EXPERTS.match(name)
-        if experts:
-            layer, weight = experts.groups()
-            first, count = offsets[0], sizes[0]
-            parts = [
-                checkpoint.read_hf(_expert_hf_name(layer, j, weight), offsets[1:], sizes[1:])
-                for j in range(first, first + count)
-            ]
-            return torch.stack(parts)  # (count, *sizes[1:])
+        experts = _EXPERTS.read(name, offsets, sizes, checkpoint)
+        if experts is not None:
+            return experts
         if name.endswith(_ROUTING_BIAS):
             return torch.zeros(sizes)  # not in Hugging Face checkpoints: starts at zero
         if checkpoint.tied and name in self.tied:
             return checkpoint.read_hf(self.tied[name], offsets, sizes)
         hf_name = to_hf_name(name)
-        if _rotary_kind(name) is None:
+        if not name.endswith(_ROTARY):
             return checkpoint.read_hf(hf_name, offsets, sizes)
-        head_dim = args.head_dim
-        first, last = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
-        start = offsets[0] - first * head_dim
-        hf_offsets = [first * head_dim, *offsets[1:]]
-        hf_sizes = [(last - first) * head_dim, *sizes[1:]]
-        block = _hf_to_ours(checkpoint.read_hf(hf_name, hf_offsets, hf_sizes), head_dim)
-        return block[start : start + sizes[0]]
-
-    def hf_sort_key(self, hf_name: str) -> tuple[int, str]:
-        """Order in the written shards: embeddings, layer by layer, norm and head."""
-        match = _HF_LAYER.match(hf_name)
-        if match:
-            return int(match.group(1)) + 1, match.group(2)
-        return (0 if "embed_tokens" in hf_name else 1 << 30), hf_name
+        hf_offsets, hf_sizes, convert = hf_common.rotary_rows_region(offsets, sizes, args.head_dim)
+        return convert(checkpoint.read_hf(hf_name, hf_offsets, hf_sizes))
 
 
 #: The adapter of the dense ``qwen3`` family.
