@@ -85,5 +85,7 @@ def test_named_model_that_differs_is_one_line(tuned):
     proc = _train(tuned, "bad", "--model.name", "qwen3_debug")
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert errors and "configuration Qwen3Args vs Qwen3MoEArgs" in errors[0], proc.stderr
+    assert len(errors) == 1, proc.stderr
+    assert "model.name 'qwen3_debug' is of family 'qwen3'" in errors[0], proc.stderr
+    assert "holds a 'qwen3_moe' model" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
