@@ -24,7 +24,10 @@ logger = logging.getLogger(__name__)
 #     recomputed with everything else (norms, activations, rotary, casts).
 #     Copies to the host (token counts) are saved, so the recomputation
 #     does not sync again. A Llama block saves its ``wq``, ``wv``, ``w1``
-#     and ``w2`` outputs and recomputes ``wk``, ``wo`` and ``w3``.
+#     and ``w2`` outputs and recomputes ``wk``, ``wo`` and ``w3``. Grouped
+#     matmuls (the experts) are saved, all of them: torchtitan's default
+#     list does not name them, but they are a mixture-of-experts block's
+#     costliest ops.
 
 
 def _sac_save_ops() -> tuple[frozenset[Any], frozenset[Any]]:
