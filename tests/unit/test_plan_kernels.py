@@ -159,3 +159,16 @@ def test_measure_runs_one_rank_on_cpu_with_a_fake_group() -> None:
     assert measured.device == "cpu" and measured.step_s > 0
     assert measured.memory_kind == "cpu_peak_rss_over_baseline"
     assert not torch.distributed.is_initialized()  # the fake group is gone
+
+
+def test_measured_reserved_peak_is_set_beside_the_plans() -> None:
+    # On a GPU the plan's peak (reserved) is compared with the allocator's
+    # reserved peak, the tensors' with its allocated peak.
+    from simplefsdp.plan.measure import Measured, format_measured
+
+    GiB = 2**30
+    pred = predict(LLAMA, get_config("debug"), Layout(gpus=2, batch=2, seq=64), PROFILES["h100"])
+    reserved = int(pred.peak_bytes / 1.25)
+    text = format_measured(Measured("cuda", int(pred.peak_bytes), 1.0, "cuda", reserved), pred)
+    assert "reserved peak" in text and "(+25.0%; the caching allocator's)" in text
+    assert "reserved peak" not in format_measured(Measured("cpu", GiB, 1.0, "rss"), pred)

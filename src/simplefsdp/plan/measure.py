@@ -9,7 +9,9 @@ Note: [Measured plan]
     after sharding (each rank's shard only), one AdamW. The fake group's
     collectives return at once without moving data, so what is measured is
     this rank's compute and memory: the peak of the allocator (CUDA
-    ``max_memory_allocated``; on CPU the peak RSS, a smoke test) over one
+    ``max_memory_allocated``, and the caching allocator's reserved peak
+    beside the plan's, which predicts it; on CPU the peak RSS, a smoke
+    test) over one
     training step (forward, backward, optimizer) after ``warmup`` steps
     (compilation, the optimizer's state), and the step's wall time. The
     plan prints them beside its prediction's peak memory and compute.
@@ -39,12 +41,16 @@ class Measured:
             the level before the model was built).
         step_s: wall time of the measured step (collectives skipped).
         memory_kind: what ``peak_bytes`` is (the probe's ``kind``).
+        reserved_bytes: the CUDA caching allocator's reserved peak over the
+            step (``max_memory_reserved``), what the plan's peak predicts;
+            ``None`` on CPU.
     """
 
     device: str
     peak_bytes: int
     step_s: float
     memory_kind: str
+    reserved_bytes: int | None = None
 
 
 def measure_errors(layout: Any) -> list[str]:
@@ -73,7 +79,6 @@ def measure_step(
         ValueError: a layout ``--measure`` cannot run (``measure_errors``).
     """
     from simplefsdp.engines import EngineSpec, MemoryProbe, parallelize_model
-    from simplefsdp.engines.kinds import get_engine
     from simplefsdp.engines.recipe import RecipeOptions
     from simplefsdp.layout import Layout as Degrees
 
@@ -97,7 +102,7 @@ def measure_step(
             param_dtype="bfloat16" if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
             reshard_after_forward=layout.reshard_after_forward,
-            compile=get_engine(layout.engine).fused_buckets,
+            compile=layout.compiled,
             backend="inductor" if device.type == "cuda" else "aot_eager",
             bucketing=layout.bucketing,
             activation_checkpoint=layout.ac,
@@ -122,7 +127,8 @@ def measure_step(
                 torch.cuda.synchronize(device)
         step_s = time.perf_counter() - start
         peak = probe.peak_bytes() or 0
-    return Measured(device.type, int(peak), step_s, probe.kind)
+        reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    return Measured(device.type, int(peak), step_s, probe.kind, reserved)
 
 
 def format_measured(measured: Measured, pred: Any) -> str:
@@ -134,12 +140,19 @@ def format_measured(measured: Measured, pred: Any) -> str:
     allocated = pred.peak_bytes - pred.memory.get("cached", 0.0)
     err_mem = 100 * (allocated / measured.peak_bytes - 1) if measured.peak_bytes else 0.0
     err_t = 100 * (compute / measured.step_s - 1) if measured.step_s else 0.0
-    return "\n".join(
-        [
-            f"measured on this {measured.device} (rank 0, other ranks faked, collectives skipped):",
-            f"  peak memory           {measured.peak_bytes / gib:8.2f} GiB  predicted "
-            f"{allocated / gib:.2f} GiB ({err_mem:+.1f}%; {measured.memory_kind})",
-            f"  step compute          {measured.step_s:8.3f} s    predicted {compute:.3f} s "
-            f"(compute + optimizer, {err_t:+.1f}%)",
-        ]
+    lines = [
+        f"measured on this {measured.device} (rank 0, other ranks faked, collectives skipped):",
+        f"  peak memory           {measured.peak_bytes / gib:8.2f} GiB  predicted "
+        f"{allocated / gib:.2f} GiB ({err_mem:+.1f}%; {measured.memory_kind})",
+    ]
+    if measured.reserved_bytes and "cached" in pred.memory:
+        err_r = 100 * (pred.peak_bytes / measured.reserved_bytes - 1)
+        lines.append(
+            f"  reserved peak         {measured.reserved_bytes / gib:8.2f} GiB  predicted "
+            f"{pred.peak_bytes / gib:.2f} GiB ({err_r:+.1f}%; the caching allocator's)"
+        )
+    lines.append(
+        f"  step compute          {measured.step_s:8.3f} s    predicted {compute:.3f} s "
+        f"(compute + optimizer, {err_t:+.1f}%)"
     )
+    return "\n".join(lines)
