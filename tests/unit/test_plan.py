@@ -409,7 +409,17 @@ def test_fsdp2_with_compiled_blocks_fuses_kernels_and_keeps_its_groups() -> None
     )
     assert blocks.time["compute"] < eager.time["compute"]
     assert blocks.time["hooks"] == eager.time["hooks"] > 0
-    assert blocks.memory["activations"] == ours.memory["activations"]
+    # Outside the blocks (norm, output layer, loss) the step runs eager and
+    # saves what eager autograd saves there; the blocks save the partitioner's.
+    t1, t2 = (
+        traced(TraceKey("llama3", _debug(n_layers=n), 2, 1, 2, 64, "none", True, "fp32"))
+        for n in (1, 2)
+    )
+    extra1, extra2 = (t.eager_saved_bytes - t.compiled_saved_bytes for t in (t1, t2))
+    assert 2 * extra1 - extra2 > 0
+    assert blocks.memory["activations"] == pytest.approx(
+        ours.memory["activations"] + 2 * extra1 - extra2
+    )
     assert blocks.memory["activations"] < eager.memory["activations"]
     assert blocks.buckets == eager.buckets and blocks.kept == []
     assert "compiled blocks" in blocks.layout.describe()

@@ -85,6 +85,33 @@ def test_fused_loss_saves_eight_bytes_per_logit() -> None:
     assert fused.step_s == eager.step_s and "fused-loss" in fused.layout.describe()
 
 
+def test_traced_vocabulary_parallel_loss_is_cross_entropy_and_saves_log_probs() -> None:
+    # The ops the plan traces for loss parallelism (torch's loss_parallel
+    # decomposition, one rank's shard) compute F.cross_entropy and its
+    # gradient, and save the fp32 log-probabilities, as torch's handlers do.
+    import torch
+    import torch.nn.functional as F
+
+    from simplefsdp.plan.trace import _VocabParallelCrossEntropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 11, (6,))
+    saved = []
+
+    def pack(x):
+        saved.append(x)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        ours = _VocabParallelCrossEntropy.apply(logits, target)
+    (grad,) = torch.autograd.grad(ours, logits)
+    ref = F.cross_entropy(logits, target)
+    assert torch.allclose(ours, ref)
+    assert torch.allclose(grad, torch.autograd.grad(ref, logits)[0])
+    assert torch.allclose(saved[0], logits.log_softmax(-1))
+
+
 def test_reference_rows_share_traces_and_keep_their_order(monkeypatch) -> None:
     # The CP rows of Table 2 trace one shape (FSDP 8, 32k tokens per rank).
     table2 = [r for r in ref.REFERENCE_ROWS if r.table == "2"]

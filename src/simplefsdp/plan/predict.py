@@ -788,6 +788,13 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # Eager autograd saves what the derivative formulas need, where the
         # compiled step's partitioner recomputes cheap ops (Note: [Plan model]).
         activations += max(stage.eager_extra_saved_bytes, 0.0) * inflight
+    elif not _compiled(layout.engine):
+        # FSDP2 with its blocks compiled: what lies outside the blocks (the
+        # final norm, the output layer, the loss) runs eager and saves what
+        # eager autograd saves (the loss's fp32 log-probabilities where the
+        # partitioner would keep the bf16 logits and recompute them).
+        outside_extra = 2 * m1.eager_extra_saved_bytes - m2.eager_extra_saved_bytes
+        activations += max(outside_extra, 0.0)
     temporary = max(base_peak - stage.saved_bytes, 0.0)
     if layout.fused_loss:
         # The traced loss runs eager: it saves the fp32 log-probabilities (4

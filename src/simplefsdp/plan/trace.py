@@ -109,6 +109,32 @@ def _patched_attention(full_ac: bool) -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The per-rank ops of torch's loss-parallel cross-entropy of ``(N, V/tp)``
+    fp32 logits (``torch.distributed.tensor.parallel.loss``: its
+    ``_log_softmax`` forward, its ``_nll_loss_and_log_softmax_backward``
+    backward), less the all-reduces of one number per token: the same
+    tensors, so the same memory and bytes moved. Forward: max, shift, exp,
+    sum, log, shift again; the log-probabilities are saved. Backward: a
+    zero gradient with -1 at the targets, plus the probabilities, times
+    the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        shifted = x - torch.amax(x, -1, keepdim=True)
+        result = shifted - torch.log(torch.sum(torch.exp(shifted), -1, keepdim=True))
+        ctx.save_for_backward(result, target)
+        return -torch.gather(result, -1, target[:, None]).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        result, target = ctx.saved_tensors
+        grad_input = torch.zeros_like(result)
+        rows = torch.arange(target.shape[0], device=target.device)
+        grad_input[rows, target] = -1.0
+        return (grad_input + torch.exp(result)) * (grad / target.shape[0]), None
+
+
 class _WithLoss(nn.Module):
     """The model and its cross-entropy (fp32 logits, as torchtitan computes it)
     in one module, so the loss's memory is part of the traced graphs.
@@ -116,10 +142,9 @@ class _WithLoss(nn.Module):
     Under TP the logits are replicated (all-gathered) before the loss, as in
     ``simplefsdp train`` without loss parallelism. With ``loss_parallel``
     (``--parallel.loss_parallel``: the logits stay sharded over the
-    vocabulary) each rank's loss works on its own shard of the logits: the
-    memory and work of a vocabulary-parallel cross-entropy, less its two
-    all-reduces of one number per token (``loss_parallel_context`` does not
-    trace under Dynamo, so its graph is not the one traced).
+    vocabulary) each rank's loss runs torch's vocabulary-parallel
+    cross-entropy on its own shard (``_VocabParallelCrossEntropy``: the ops
+    ``loss_parallel()`` runs, which does not trace under Dynamo itself).
     """
 
     def __init__(self, model: nn.Module, loss_parallel: bool = False) -> None:
@@ -133,9 +158,9 @@ class _WithLoss(nn.Module):
             from torch.distributed.tensor import DTensor
 
             assert isinstance(logits, DTensor), type(logits)
-            local = logits.to_local().float()
-            target = tokens.remainder(local.shape[-1])[..., None]
-            return (local.logsumexp(-1, keepdim=True) - local.gather(-1, target)).mean()
+            local = logits.to_local().flatten(0, 1).float()
+            target = tokens.flatten().remainder(local.shape[-1])
+            return _VocabParallelCrossEntropy.apply(local, target)
         if hasattr(logits, "full_tensor"):
             logits = logits.full_tensor()
         # log_softmax + gather: the memory of F.cross_entropy (fp32 logits and
