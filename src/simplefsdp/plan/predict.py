@@ -40,7 +40,13 @@ Note: [Plan model]
                    counted whole above).
     The traced loss runs eager (fp32 upcast, log-softmax, NLL): it saves
     the fp32 log-probabilities and its backward holds their gradient and the
-    logits' fp32 gradient, 12 bytes per logit. ``fused_loss`` (the loss
+    logits' fp32 gradient, 12 bytes per logit; with loss parallelism it is
+    torch's vocabulary-parallel decomposition on the rank's shard of the
+    logits (``trace._VocabParallelCrossEntropy``). FSDP2 with compiled
+    blocks (``compile``) runs what lies outside the blocks eager: there the
+    activations are eager autograd's (the fp32 log-probabilities, where the
+    whole-step partitioner keeps the bf16 logits and recomputes them), the
+    outside part of ``eager_extra_saved_bytes``. ``fused_loss`` (the loss
     compiled by Inductor, as torchtitan's ``build_cross_entropy_loss`` does
     with compile on) saves the bf16 logits and writes their bf16 gradient in
     one kernel, 4 bytes per logit: activations lose 2 bytes per logit,
