@@ -74,14 +74,16 @@ def test_generic_defaults_grow_with_the_model() -> None:
     assert plan_cli.generic_defaults(spec, config) == values  # small: no GPU needed
 
 
-def test_fused_loss_saves_eight_bytes_per_logit() -> None:
+@pytest.mark.parametrize("tp, held", [(1, 6), (2, 10)])
+def test_fused_loss_saves_eight_bytes_per_logit(tp, held) -> None:
+    # (twelve under loss parallelism, whose eager backward holds more)
     spec, config = resolve_flavor("llama3_debug")
-    layout = Layout(gpus=2, batch=2, seq=64, ac="none")
+    layout = Layout(gpus=2 * tp, batch=2, seq=64, ac="none", tp=tp, loss_parallel=tp > 1)
     eager = predict(spec, config, layout, FIXED)
     fused = predict(spec, config, dataclasses.replace(layout, fused_loss=True), FIXED)
-    logits = 2 * 64 * config.vocab_size
+    logits = 2 * 64 * config.vocab_size // tp
     assert eager.memory["activations"] - fused.memory["activations"] == 2 * logits
-    assert eager.memory["temporary"] - fused.memory["temporary"] == 6 * logits
+    assert eager.memory["temporary"] - fused.memory["temporary"] == held * logits
     assert fused.step_s == eager.step_s and "fused-loss" in fused.layout.describe()
 
 

@@ -50,7 +50,7 @@ Note: [Plan model]
     compiled by Inductor, as torchtitan's ``build_cross_entropy_loss`` does
     with compile on) saves the bf16 logits and writes their bf16 gradient in
     one kernel, 4 bytes per logit: activations lose 2 bytes per logit,
-    temporaries 6 (where the loss's backward is the step's peak, as in every
+    temporaries 6 (10 from the vocabulary-parallel backward) (where the loss's backward is the step's peak, as in every
     traced Llama layout we checked).
       cached       where the profile's memory comes from PyTorch's CUDA
                    caching allocator (``caching_allocator``): what it
@@ -808,10 +808,13 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # logits' fp32 gradient (8) at the step's peak. Fused, it saves the
         # bf16 logits (2) and writes their bf16 gradient (2) in one kernel
         # (Note: [Plan model]).
-        vocab = config.vocab_size // (layout.tp if layout.loss_parallel else 1)
+        parallel = layout.loss_parallel and layout.tp > 1
+        vocab = config.vocab_size // (layout.tp if parallel else 1)
         logits = mb * (layout.seq // layout.cp) * vocab
         activations = max(activations - 2 * logits, 0.0)
-        temporary = max(temporary - 6 * logits, 0.0)
+        # the vocabulary-parallel backward holds 4 bytes per logit more (a
+        # zero gradient, the probabilities, their sum)
+        temporary = max(temporary - (10 if parallel else 6) * logits, 0.0)
     if layout.cp > 1:
         # Gathered keys and values: saved for backward, or under full AC one
         # block's at a time (Note: [Context parallelism in the plan]).
