@@ -48,15 +48,17 @@ Note: [Analytic plan model]
                    bandwidth. MoE terms: the router's matmul; the token
                    permutation and un-permutation (each routed row read
                    and written, forward, backward, recomputation).
-      host         eager engines on a GPU: the kernels the family's model
-                   launches (counted on a tiny model of its structure) at
-                   the profile's host cost per op, against the device's
-                   time, forward and backward each a run of segments
-                   between the token-count syncs of expert parallelism
-                   (Note: [Host-bound steps] in ``plan/host.py``); the
-                   step waits for whichever is longer. Compiled engines
-                   are taken as device bound. Each sync idles the GPU for
-                   a device-to-host copy and the next launch.
+      host         eager engines on a GPU: the compute above is the
+                   compiled step's; an eager step is the family's own
+                   kernels at the layout's shapes (recorded on the meta
+                   device, each priced by the kernel model, every op its
+                   own kernel) issued by the host at the profile's cost per
+                   op and simulated against one device stream, with the
+                   token-count syncs of expert parallelism (Note:
+                   [Host-bound steps] in ``plan/host.py``): the simulated
+                   end is the step's compute. Compiled engines are taken
+                   as device bound; each sync idles the GPU for a
+                   device-to-host copy and the next launch.
       all-to-all   per MoE layer, dispatch and combine in forward and again
                    in backward (and once more under full AC's
                    recomputation), each moving ``tokens * top_k * dim`` bf16
@@ -98,7 +100,7 @@ from typing import Any
 
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.hardware import HardwareProfile
-from simplefsdp.plan.host import HostStep, block_ops, host_step
+from simplefsdp.plan.host import HostStep, host_step, timeline_step
 from simplefsdp.plan.kernels import kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
@@ -289,30 +291,34 @@ def _host_step(
     *,
     gpu: bool,
     eager: bool,
-    device_fw: float,
-    device_bw: float,
+    device_s: float,
 ) -> HostStep:
     """The step's compute as host against device (Note: [Host-bound steps]):
-    for an eager engine on a GPU, the kernels counted on the family's model
-    at the profile's host cost per op, forward and backward (with AC's
-    recomputation) each a run of segments where expert parallelism syncs;
-    compiled on a GPU device bound, each sync costing its copy and one
-    launch; on a CPU (``gpu`` false) host and device are one.
+    for an eager engine on a GPU, the family's own kernels at the layout's
+    shapes, each priced by the kernel model and issued at the profile's
+    host cost per op, simulated (``timeline_step``; its ``device_s`` is
+    then the eager kernels' own, not ``device_s``); compiled
+    on a GPU device bound, each sync costing its copy and one launch; on a
+    CPU (``gpu`` false) host and device are one.
 
-    ``device_fw``, ``device_bw``: the device's seconds of each pass."""
-    n_moe, n_dense = config.n_moe_layers, config.n_dense_layers
+    ``device_s``: the device's seconds of the step (the compiled
+    kernels', all-to-alls included)."""
+    n_moe = config.n_moe_layers
     passes = 2 if layout.ac != "none" else 1  # forward, and AC's recomputation
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
     syncs = n_moe * passes if layout.ep > 1 and gpu else 0
     if not (gpu and eager):
-        return host_step([(0.0, device_fw + device_bw)], syncs=syncs, sync_s=sync_s, overlap=True)
-    ops = block_ops(spec, config, layout.ac, layout.ep)
-    forward, backward, recompute = ops.step_counts(n_moe, n_dense)
-    host_fw = forward * hw.host_forward_op_s
-    host_bw = backward * hw.host_backward_op_s + recompute * hw.host_forward_op_s
-    syncs = n_moe * passes * ops.syncs_per_pass
-    return host_step(
-        [(host_fw, device_fw), (host_bw, device_bw)], syncs=syncs, sync_s=sync_s, overlap=not syncs
+        return host_step([(0.0, device_s)], syncs=syncs, sync_s=sync_s, overlap=True)
+    return timeline_step(
+        spec,
+        config,
+        layout.ac,
+        layout.ep,
+        layout.batch,
+        layout.seq // layout.cp,
+        hw,
+        kernel_model(hw, hw.memory_bandwidth * hw.memory_efficiency),
+        layout.imbalance,
     )
 
 
@@ -396,8 +402,6 @@ def predict_analytic(
     recompute = {"full": block_fw, "selective": block_fw / 2, "none": 0.0}[layout.ac]
     # Routed experts as grouped GEMMs at the per-expert token count (Note:
     # [Analytic plan model]: MoE terms); forward (3), backward (6) per layer.
-    # Each term is split into the forward pass and the backward pass (with
-    # AC's recomputation) for the host model (Note: [Host-bound steps]).
     local_experts = args.num_experts // ep
     per_expert_tokens = max(int(tokens * args.top_k * layout.imbalance * ep / args.num_experts), 1)
     routed_share = {"full": 1.0, "selective": 0.5, "none": 0.0}[layout.ac]
@@ -413,20 +417,17 @@ def predict_analytic(
             + 2 * kernels.gemm_seconds(h, d, m, "bfloat16", local_experts)
             + kernels.gemm_seconds(d, h, m, "bfloat16", local_experts)
         )
-        matmul_fw = tokens * linear / 3 / rate + args.n_moe_layers * fwd
         matmul_s = tokens * (linear + dense_recompute) / rate
         matmul_s += args.n_moe_layers * ((1 + routed_share) * fwd + bwd)
     else:
-        matmul_fw = tokens * (linear + routed) / 3 / rate
         matmul_s = tokens * (linear + routed + recompute) / rate
     attention_s = tokens * attn_flops / (rate * hw.attention_efficiency)
-    attention_fw = attention_s / 3
     if kernels is not None:
         # FlashAttention rates, causal halving (Note: [Kernel model]).
         forward = tokens * attn_flops / 3 / 2  # the spec counts 1 + 2 forwards; causal half
         tensor_peak = hw.peak_bf16_flops * hw.clock_fraction
-        attention_fw = forward / (tensor_peak * hw.flash_fwd_efficiency)
-        attention_s = attention_fw + 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
+        attention_s = forward / (tensor_peak * hw.flash_fwd_efficiency)
+        attention_s += 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
     if layout.ac == "full":
         attention_s *= 4 / 3  # its forward again
     # Elementwise work: three passes over the no-AC activations where the
@@ -441,7 +442,6 @@ def predict_analytic(
     permute_fw = args.n_moe_layers * 2 * (2 * 2 * moe_tokens * args.dim) / bw
     permute_s = 2 * permute_fw * (1 + routed_share)
     device_s = matmul_s + attention_s + elementwise_s + router_s + permute_s
-    device_fw = matmul_fw + attention_fw + elementwise_s / 3 + router_s / 3 + permute_fw
 
     # ---- all-to-all
     intra = ep <= hw.gpus_per_node
@@ -451,18 +451,18 @@ def predict_analytic(
     per_a2a = latency + (ep - 1) / ep * a2a_bytes / link if ep > 1 else 0.0
     a2a_count = args.n_moe_layers * (6 if layout.ac == "full" else 4)
     a2a_s = a2a_count * per_a2a
-    a2a_fw = args.n_moe_layers * 2 * per_a2a
 
-    # ---- host: the kernels' launches against the device, run by run of
-    # segments between the token-count syncs (Note: [Host-bound steps])
+    # ---- host: an eager step's kernels as the host issues them against the
+    # device (Note: [Host-bound steps])
     host = _host_step(
         spec, config, layout, hw,
         gpu=kernels is not None,
         eager=not fused,
-        device_fw=device_fw + a2a_fw,
-        device_bw=device_s - device_fw + a2a_s - a2a_fw,
+        device_s=device_s + a2a_s,
     )  # fmt: skip
-    compute_s = device_s + host.wait_s
+    eager_timeline = kernels is not None and not fused
+    # the eager timeline holds the step's kernels, not its all-to-alls
+    compute_s = host.step_s if eager_timeline else device_s + host.wait_s
 
     # ---- FSDP collectives, per block, overlapped with the block's compute
     span = dp  # the dp / ep ranks holding the same experts are ep apart
@@ -478,7 +478,7 @@ def predict_analytic(
         return seconds
 
     blocks = args.n_layers
-    block_compute = (device_s - tokens * 6.0 * embed / rate) / blocks
+    block_compute = (compute_s - tokens * 6.0 * embed / rate) / blocks
     moe_comm = block_comm(block_dense, args.num_experts // ep * per_expert)
     dense_comm = block_comm(block_dense + 3 * args.dim * args.dense_hidden_dim, 0)
     dp_comm_s = args.n_moe_layers * moe_comm + args.n_dense_layers * dense_comm

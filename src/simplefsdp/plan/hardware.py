@@ -35,6 +35,13 @@ TFLOPS = 1e12
 # 4 us of overhead per op on CUDA: ~4 us with the launch.
 HOST_FORWARD_OP_S = 10e-6
 HOST_BACKWARD_OP_S = 4e-6
+# Selective AC's dispatch mode (torch.utils.checkpoint's selective policy,
+# a Python TorchDispatchMode called per op in forward and in the
+# recomputation): what it adds per op, measured (benchmarks/host_ops.py) on
+# the DeepSeek-V3 and Llama 3 block structures at minimal widths on a
+# 2-core AMD EPYC VM at 2.6 GHz, torch 2.13: forward 30-42 us, recomputed
+# 40-49 us over the same op without AC (11-15 us there). Not fitted.
+HOST_SELECTIVE_AC_OP_S = 35e-6
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,8 @@ class HardwareProfile:
             device-to-host sync leaves the GPU idle before its next kernel.
         host_backward_op_s: host time of one op issued by autograd's C++
             engine in backward (no Python) and its launch.
+        host_selective_ac_op_s: what selective AC's dispatch mode adds to
+            each forward and recomputed op's host time.
         caching_allocator: memory comes from PyTorch's CUDA caching
             allocator, whose reserved peak the plan reports (Note: [Caching
             allocator simulation]); ``False`` on CPU profiles.
@@ -160,6 +169,7 @@ class HardwareProfile:
     flash_bwd_efficiency: float = 0.0
     host_forward_op_s: float = HOST_FORWARD_OP_S
     host_backward_op_s: float = HOST_BACKWARD_OP_S
+    host_selective_ac_op_s: float = HOST_SELECTIVE_AC_OP_S
     caching_allocator: bool = True
 
     def to_dict(self) -> dict:

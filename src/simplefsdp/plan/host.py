@@ -1,62 +1,52 @@
 """The host's side of an eager step (``simplefsdp plan``, analytic families):
-how many kernels a block launches, and what launching them costs the CPU.
+the step's kernels as the host issues them against the device.
 
 Note: [Host-bound steps]
     An eager step (FSDP2, the eager executor) launches its kernels one at a
     time from Python: per kernel the host runs Python, the dispatcher,
     autograd's bookkeeping and the driver's launch. The GPU runs what the
     host has queued; the host runs ahead of it until it must read a value
-    the GPU computes (a device-to-host sync). Between two syncs (a
-    *segment*) the work takes ``max(host time of the segment's ops, device
-    time of its kernels)``; at the sync the queue drains, so a segment's
-    spare host or device time never hides another segment's.
+    the GPU computes (a device-to-host sync), where the queue drains and
+    the GPU idles until the host has launched the next kernel.
 
     Where the syncs are: an expert-parallel MoE layer reads its token
     counts to the host before its all-to-all (the split sizes), in forward
     and again in activation checkpointing's recomputation (the engines'
-    selective policy recomputes the copy; torchtitan's saves it, and its
-    backward then has no sync); backward's all-to-all reuses the saved
-    splits (no sync). So with ``ep > 1`` the
-    forward is one run of equal segments (one per MoE layer) and backward
-    another (each MoE block's recomputation syncs once): the step is
-    ``max(host_fw, device_fw) + max(host_bw, device_bw)``, and each sync
-    adds a device-to-host copy and the launch of the first kernel after it
-    (the GPU is idle meanwhile). Without expert parallelism the counts stay
+    selective policy recomputes the copy); backward's all-to-all reuses
+    the saved splits (no sync). Without expert parallelism the counts stay
     on the GPU (``torch._grouped_mm`` takes them as a tensor) and the host
-    runs ahead across the whole step: ``max(host, device)``.
+    runs ahead across the whole step.
 
-    Kernel counts come from the family's own model (:func:`block_ops`):
-    a tiny model of the flavor's structure (the family's smallest flavor
-    with the flavor's switches: every string, bool and 0/1 field copied,
-    e.g. no query compression, one expert group, softmax routing) is run in
-    bfloat16 on the CPU under a dispatch mode that counts ATen ops, forward,
-    backward and (selective or full AC, as the engines apply it)
-    recomputation (the kernels that run again; selective AC's saved ops
-    are not). One MoE block's count is the difference between models
-    of ``n_dense + 2`` and ``n_dense + 1`` blocks; the rest of the model
-    (embedding, dense blocks, output, loss) is the smaller model less one
-    MoE block. What is not a kernel is not counted (``METADATA_OPS``: views,
-    aliases, ``detach``, ``empty``). The GPU path is what is counted: the
-    routed experts run as ``torch._grouped_mm`` (one kernel per matmul,
-    the path bfloat16 takes on CUDA), attention through SDPA as one fused
-    kernel each way (as the flash/efficient kernels run on a GPU; a model
-    whose attention is written out, as with sinks, counts its ops), and
-    with ``ep > 1``
-    the expert-parallel dispatch and combine of
-    :mod:`simplefsdp.frontend.expert_parallel` on a one-rank mesh, its
-    collectives counted as one kernel each.
+    The timeline (:func:`timeline_step`): the family's own model is built
+    at the layout's shapes on the meta device (bfloat16, the experts as
+    ``torch._grouped_mm``, the engines' AC applied) and one training step
+    run under a dispatch mode that records, in issue order, every ATen op
+    that launches a kernel (``METADATA_OPS`` and views launch none), its
+    pass (forward, backward, or AC's recomputation) and its device seconds
+    from the kernel model at its real shapes (Note: [Kernel model]:
+    matmuls by shape, the grouped GEMMs as the rank's local experts'
+    equal GEMMs, attention as one fused kernel each way, any other op by
+    the bytes it reads and writes: eager fuses nothing). With ``ep > 1`` a
+    sync precedes every experts call. :func:`simulate` then issues the ops
+    from one host thread at the profile's host cost per op of their pass
+    and runs them in order on one stream: a kernel starts when it is issued
+    and its predecessor is done; at a sync the host waits for the device.
+    Models of one and of two MoE blocks are simulated and the MoE blocks
+    extrapolated, as the traced plans do. The step's compute is the
+    simulated end; what it adds to the kernels' own time is the host's.
 
-    Host cost per kernel (:class:`~simplefsdp.plan.hardware.HardwareProfile`
-    fields ``host_forward_op_s``, ``host_backward_op_s``): forward ops and
-    their recomputation are Python-issued with autograd recording; backward
-    ops are issued by autograd's C++ engine. Not counted: the host time of
-    views and of Python around the ops (module calls, hooks, selective AC's
-    dispatch mode), so the host times are lower bounds. Compiled engines
-    (Inductor) launch fused kernels, far fewer than eager: they are taken
-    as device bound, only the syncs' latency counted. ``aot_eager`` (no
-    engine of the plan) would run the same kernels from the FX graph's
-    Python code without autograd recording, about 2 us each plus the
-    launch (pytorch/pytorch#41383): less host time than eager, not more.
+    Host cost per op (:class:`~simplefsdp.plan.hardware.HardwareProfile`):
+    ``host_forward_op_s`` for forward and recomputed ops (Python with
+    autograd recording), ``host_backward_op_s`` for backward ops (issued by
+    autograd's C++ engine), plus ``host_selective_ac_op_s`` per forward and
+    recomputed op under selective AC (its dispatch mode calls a Python
+    policy per op; measured). Not counted: FSDP2's hooks per group and
+    Python around the modules beyond what the per-op costs hold. Compiled
+    engines (Inductor) launch fused kernels, far fewer than eager: they
+    are taken as device bound, only the syncs' latency counted (the
+    compiled plan's own device model applies). ``aot_eager`` (no engine of
+    the plan) would run the same kernels from the FX graph's Python code
+    without autograd recording: less host time than eager, not more.
 """
 
 from __future__ import annotations
@@ -65,7 +55,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -117,72 +106,6 @@ METADATA_OPS = frozenset(
 _LIB = "simplefsdp_plan"
 
 
-@dataclass(frozen=True)
-class BlockOps:
-    """Kernels one step launches, counted on the family's model (Note:
-    [Host-bound steps]).
-
-    Attributes:
-        forward, backward: one MoE block's kernels in forward and in
-            backward (the recomputation not included).
-        recompute: one MoE block's kernels recomputed in backward under the
-            AC mode counted with.
-        rest_forward, rest_backward, rest_recompute: the same for the rest
-            of the tiny model (embedding, its ``dense_blocks`` dense blocks,
-            output, loss).
-        dense_forward, dense_backward, dense_recompute: one dense block's
-            (0 for a family without dense blocks).
-        dense_blocks: the tiny model's dense blocks (in the rest's count).
-        syncs_per_pass: device-to-host syncs per MoE block forward (and per
-            recomputation): 1 with expert parallelism, else 0 (the
-            dispatch's own kernels are counted only where torch.distributed
-            is not initialised: the count runs on a fake one-rank group).
-    """
-
-    forward: int
-    backward: int
-    recompute: int
-    rest_forward: int
-    rest_backward: int
-    rest_recompute: int
-    dense_forward: int = 0
-    dense_backward: int = 0
-    dense_recompute: int = 0
-    dense_blocks: int = 0
-    syncs_per_pass: int = 0
-
-    def step_counts(self, n_moe: int, n_dense: int) -> tuple[int, int, int]:
-        """``(forward, backward, recompute)`` kernels of a model of ``n_moe``
-        MoE and ``n_dense`` dense blocks."""
-        extra = n_dense - self.dense_blocks
-        return (
-            self.rest_forward + n_moe * self.forward + extra * self.dense_forward,
-            self.rest_backward + n_moe * self.backward + extra * self.dense_backward,
-            self.rest_recompute + n_moe * self.recompute + extra * self.dense_recompute,
-        )
-
-
-class _KernelCounter(TorchDispatchMode):
-    """A dispatch mode counting the ATen ops that launch a kernel (by schema
-    name in ``counts``); a one-rank group's all-to-all is the identity."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name == "_c10d_functional::all_to_all_single":
-            self.counts[name] += 1
-            return args[0].clone()
-        if name == "_c10d_functional::wait_tensor":
-            return args[0]
-        out = func(*args, **(kwargs or {}))
-        if name not in METADATA_OPS and not getattr(func, "is_view", False):
-            self.counts[name] += 1
-        return out
-
-
 @functools.cache
 def _attention_op() -> Any:
     """Attention as one op each way (a planning-only custom op over the math
@@ -222,6 +145,14 @@ def _attention_op() -> Any:
         dq, dk, dv = attention_backward(grad.contiguous(), q, k, v, ctx.scale)
         return dq, dk, dv, None
 
+    @attention.register_fake
+    def _(q, k, v, scale):
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+    @attention_backward.register_fake
+    def _(grad, q, k, v, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
     attention.register_autograd(backward, setup_context=setup_context)
     return attention
 
@@ -244,127 +175,6 @@ def _one_kernel_attention() -> Iterator[Any]:
         yield op._opoverload
     finally:
         F.scaled_dot_product_attention = original
-
-
-def tiny_config(spec: Any, config: Any) -> Any:
-    """A small configuration of ``config``'s structure: the family's smallest
-    flavor with every string, bool and 0/1 field of ``config`` (Note:
-    [Host-bound steps])."""
-    smallest = min(spec.flavors.values(), key=lambda c: spec.num_params(c))
-    switches = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if isinstance(value, (bool, str)) or (type(value) is int and value in (0, 1)):
-            switches[f.name] = value
-    return dataclasses.replace(smallest, **switches)
-
-
-@contextlib.contextmanager
-def _one_rank_group() -> Iterator[bool]:
-    """A fake one-rank process group for the expert-parallel wrapper; yields
-    ``False`` (no wrapper) where torch.distributed is already initialised."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield False
-        return
-    from simplefsdp.plan.trace import fake_process_group
-
-    with fake_process_group(1):
-        yield True
-
-
-def _build(spec: Any, config: Any, ac: str, ep: bool) -> Any:
-    """The tiny model in bfloat16 on the CPU, its experts expert-parallel on
-    a one-rank mesh (``ep``), AC applied by the engines' own function."""
-    from simplefsdp import apply_expert_parallel
-    from simplefsdp.engines.activation import apply_activation_checkpointing
-    from simplefsdp.layout import Layout
-
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = spec.build(config)
-    model.to_empty(device="cpu")
-    spec.init_weights(model, "cpu")
-    model.to(torch.bfloat16)
-    if ep:
-        # the layout's one-rank mesh stands in for the expert-parallel one
-        apply_expert_parallel(model, Layout(dp_shard=1).build("cpu", 1).world)
-    apply_activation_checkpointing(model, ac)
-    return model
-
-
-def _count_step(spec: Any, config: Any, ac: str, ep: bool) -> tuple[int, int, int]:
-    """Kernels of one training step of ``config``'s model: ``(forward,
-    backward, recompute)``, the recomputation being what AC adds to backward.
-
-    Selective AC saves the fused attention kernels' outputs; the counting
-    stand-in for them (:func:`_attention_op`) is not in its list, so its
-    recomputations are taken off."""
-    seq = 32
-    counts = []
-    # the global RNG untouched; gradients on whatever the caller's mode
-    with (
-        torch.random.fork_rng(devices=[]),
-        torch.enable_grad(),
-        _one_kernel_attention() as attention,
-    ):
-        for mode in dict.fromkeys(("none", ac)):
-            model = _build(spec, config, mode, ep)
-            tokens = torch.randint(0, config.vocab_size, (1, seq))
-            counter = _KernelCounter()
-            with counter:
-                loss = model(tokens).float().logsumexp(-1).mean()
-            forward = sum(counter.counts.values())
-            counter = _KernelCounter()
-            with counter:
-                loss.backward()
-            backward = sum(counter.counts.values())
-            if mode == "selective":
-                backward -= counter.counts[attention._schema.name]
-            counts.append((forward, backward))
-    (forward, backward), (_, backward_ac) = counts[0], counts[-1]
-    return forward, backward, backward_ac - backward
-
-
-@functools.cache
-def _block_ops(family: str, config: Any, ac: str, ep: bool) -> BlockOps:
-    from simplefsdp.models.registry import get_spec
-
-    spec = get_spec(family)
-    n_dense = getattr(config, "n_dense_layers", 0)
-    group = _one_rank_group() if ep else contextlib.nullcontext(False)
-    with group as wrapped:
-        one = _count_step(spec, dataclasses.replace(config, n_layers=n_dense + 1), ac, wrapped)
-        two = _count_step(spec, dataclasses.replace(config, n_layers=n_dense + 2), ac, wrapped)
-        dense = one
-        if n_dense:  # one more dense block before the MoE one
-            more = dataclasses.replace(config, n_layers=n_dense + 2, n_dense_layers=n_dense + 1)
-            dense = _count_step(spec, more, ac, wrapped)
-    block = [b - a for a, b in zip(one, two, strict=True)]
-    rest = [a - b for a, b in zip(one, block, strict=True)]
-    dense = [b - a for a, b in zip(one, dense, strict=True)]
-    return BlockOps(
-        forward=block[0],
-        backward=block[1],
-        recompute=block[2],
-        rest_forward=rest[0],
-        rest_backward=rest[1],
-        rest_recompute=rest[2],
-        dense_forward=dense[0],
-        dense_backward=dense[1],
-        dense_recompute=dense[2],
-        dense_blocks=n_dense,
-        syncs_per_pass=1 if ep else 0,
-    )
-
-
-def block_ops(spec: Any, config: Any, ac: str, ep: int) -> BlockOps:
-    """The kernels one training step of ``config`` (a flavor of ``spec``)
-    launches per MoE block and in the rest of the model, counted on a tiny
-    model of its structure (Note: [Host-bound steps]); cached per family,
-    structure, AC mode and whether experts are parallel (``ep > 1``)."""
-    return _block_ops(spec.family, tiny_config(spec, config), ac, ep > 1)
 
 
 @dataclass(frozen=True)
@@ -411,3 +221,188 @@ def host_step(
     extra = syncs * sync_s
     assert math.isfinite(combined), runs
     return HostStep(host, device, combined + extra, extra, bound)
+
+
+# ------------------------------------------------------------ the timeline
+
+
+class _KernelRecorder(TorchDispatchMode):
+    """A dispatch mode recording, in issue order, each ATen op that launches a
+    kernel: its pass (``forward``; in backward ``recompute`` where grad mode
+    is on, as AC's recomputation runs, else ``backward``), its device seconds
+    (``price``) and whether a device-to-host read precedes it
+    (``pending_sync``, set by the experts' pre-hook with expert parallelism)."""
+
+    def __init__(self, price, saves_attention: bool) -> None:
+        super().__init__()
+        self.price = price
+        self.saves_attention = saves_attention
+        self.backward = False
+        self.pending_sync = False
+        self.ops: list[tuple[str, float, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name in METADATA_OPS or getattr(func, "is_view", False):
+            return out
+        phase = "forward"
+        if self.backward:
+            # (the attention stand-in runs its forward below autograd)
+            forward_attention = func._schema.name == f"{_LIB}::host_count_attention"
+            if forward_attention and self.saves_attention:
+                return out  # selective AC saves the fused kernel's output
+            recomputed = torch.is_grad_enabled() or forward_attention
+            phase = "recompute" if recomputed else "backward"
+        self.ops.append((phase, self.price(func, args, out), self.pending_sync))
+        self.pending_sync = False
+        return out
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def kernel_pricer(kernels: Any, local_experts: int, imbalance: float = 1.0):
+    """Device seconds of one recorded op at its real shapes (Note: [Kernel
+    model]): matmuls by shape, ``torch._grouped_mm`` as ``local_experts``
+    equal GEMMs (the rows a rank's experts receive, balanced; times
+    ``imbalance``, the most loaded rank's share over the mean), the
+    attention stand-in by its FLOPs, anything else by the bytes it reads
+    and writes."""
+    matmuls = {"aten::mm", "aten::addmm", "aten::bmm"}
+    attention = f"{_LIB}::host_count_attention"
+
+    def price(func, args, out) -> float:
+        name = func._schema.name
+        tensors = _tensors(args)
+        if name in matmuls:
+            a, b = (tensors[-2], tensors[-1])
+            batch = a.shape[0] if a.dim() == 3 else 1
+            m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+            return kernels.gemm_seconds(m, n, k, "bfloat16", batch)
+        if name == "aten::_grouped_mm":
+            a, b = tensors[0], tensors[1]
+            e = max(local_experts, 1)
+            if a.dim() == 2 and b.dim() == 3:  # (R, K) x (E, K, N)
+                seconds = kernels.gemm_seconds(max(a.shape[0] // e, 1), b.shape[-1], a.shape[1],
+                                               "bfloat16", e)  # fmt: skip
+            else:  # weight gradient: (K, R) x (R, N) -> (E, K, N)
+                seconds = kernels.gemm_seconds(a.shape[0], b.shape[-1], max(a.shape[1] // e, 1),
+                                               "bfloat16", e)  # fmt: skip
+            return seconds * imbalance
+        if name.startswith(attention):
+            q, k = tensors[1], tensors[2]  # (grad,) q, k, v
+            if name == attention:
+                q, k = tensors[0], tensors[1]
+            v = tensors[-1] if name == attention else tensors[3]
+            b, h, sq, d = q.shape
+            flops = 2.0 * b * h * sq * k.shape[-2] * (d + v.shape[-1])
+            backward = name != attention
+            moved = sum(t.numel() * t.element_size() for t in tensors)
+            return kernels.attention_seconds(flops * (2.5 if backward else 1.0), moved, backward)
+        moved = sum(t.numel() * t.element_size() for t in tensors + _tensors(out))
+        return moved / kernels.bytes_per_s + kernels.kernel_overhead_s
+
+    return price
+
+
+def _record_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, price) -> list:
+    """The kernels of one training step of ``config``'s model at its real
+    shapes (meta tensors, bfloat16, the experts' grouped GEMMs), in issue
+    order (:class:`_KernelRecorder`); with ``ep > 1`` each experts call
+    (forward and recomputation) first reads the token counts to the host."""
+    import inspect
+
+    from simplefsdp.engines.activation import apply_activation_checkpointing
+
+    recorder = _KernelRecorder(price, saves_attention=ac == "selective")
+    with torch.device("meta"):
+        model = spec.build(config)
+    model.to(torch.bfloat16)
+    for module in model.modules():
+        if hasattr(module, "use_grouped_mm"):
+            module.use_grouped_mm = True
+        forward = getattr(type(module), "forward", None)
+        if ep > 1 and forward and "num_tokens_per_expert" in inspect.signature(forward).parameters:
+            module.register_forward_pre_hook(lambda *_: setattr(recorder, "pending_sync", True))
+    apply_activation_checkpointing(model, ac)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    with _one_kernel_attention(), recorder:
+        loss = model(tokens).float().logsumexp(-1).mean()
+        recorder.backward = True
+        loss.backward()
+    return recorder.ops
+
+
+def simulate(ops: list, host_s: dict[str, float], sync_s: float) -> tuple[float, float, float]:
+    """``(step, device, host)`` seconds of ``ops`` (``(pass, device_s,
+    sync_before)`` in issue order) issued by one host thread at
+    ``host_s[pass]`` each and run in order on one device stream: a kernel
+    starts when it is issued and the one before it is done; before a sync
+    the host waits for the device to drain, and the read costs ``sync_s``
+    (Note: [Host-bound steps])."""
+    host = device = busy = issued = 0.0
+    for phase, seconds, sync in ops:
+        if sync:
+            host = device = max(host, device) + sync_s
+        host += host_s[phase]
+        issued += host_s[phase]
+        device = max(device, host) + seconds
+        busy += seconds
+    return max(host, device), busy, issued
+
+
+_TIMELINES: dict[tuple, HostStep] = {}
+
+
+def _timeline(family: str, config: Any, ac: str, ep: int, batch: int, seq: int,
+              kernels: Any, imbalance: float, host_key: tuple, sync_s: float) -> HostStep:  # fmt: skip
+    key = (family, config, ac, ep, batch, seq, repr(kernels), imbalance, host_key, sync_s)
+    if key not in _TIMELINES:
+        _TIMELINES[key] = _simulate_timeline(family, config, ac, ep, batch, seq, kernels,
+                                             imbalance, host_key, sync_s)  # fmt: skip
+    return _TIMELINES[key]
+
+
+def _simulate_timeline(family: str, config: Any, ac: str, ep: int, batch: int, seq: int,
+                       kernels: Any, imbalance: float, host_key: tuple,
+                       sync_s: float) -> HostStep:  # fmt: skip
+    from simplefsdp.models.registry import get_spec
+
+    spec = get_spec(family)
+    host_s = dict(host_key)
+    price = kernel_pricer(kernels, max(config.num_experts // ep, 1), imbalance)
+    n_dense, n_moe = config.n_dense_layers, config.n_moe_layers
+    runs = []
+    for extra in (1, 2):
+        cfg = dataclasses.replace(config, n_layers=n_dense + extra)
+        ops = _record_step(spec, cfg, ac, ep, batch, seq, price)
+        runs.append(simulate(ops, host_s, sync_s))
+    (t1, d1, h1), (t2, d2, h2) = runs
+    step = t1 + (n_moe - 1) * (t2 - t1)
+    device = d1 + (n_moe - 1) * (d2 - d1)
+    host = h1 + (n_moe - 1) * (h2 - h1)
+    syncs = n_moe * (2 if ac != "none" else 1) if ep > 1 else 0
+    return HostStep(host, device, max(step, device), syncs * sync_s, step > device * 1.001)
+
+
+def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, hw: Any,
+                  kernels: Any, imbalance: float = 1.0) -> HostStep:  # fmt: skip
+    """An eager step of ``config`` on ``hw`` as the host issues it against
+    the device (Note: [Host-bound steps]): the kernels of a model of one and
+    of two MoE blocks recorded at the layout's shapes and simulated, the
+    MoE blocks extrapolated. ``device_s`` is the kernel model's; ``wait_s``
+    what the host adds to it."""
+    selective = hw.host_selective_ac_op_s if ac == "selective" else 0.0
+    host_key = (
+        ("forward", hw.host_forward_op_s + selective),
+        ("recompute", hw.host_forward_op_s + selective),
+        ("backward", hw.host_backward_op_s),
+    )
+    sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
+    return _timeline(spec.family, config, ac, ep, batch, seq, kernels, imbalance, host_key,
+                     sync_s)  # fmt: skip
