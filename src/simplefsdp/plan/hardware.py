@@ -39,8 +39,9 @@ HOST_BACKWARD_OP_S = 4e-6
 # a Python TorchDispatchMode called per op in forward and in the
 # recomputation): what it adds per op, measured (benchmarks/host_ops.py) on
 # the DeepSeek-V3 and Llama 3 block structures at minimal widths on a
-# 2-core AMD EPYC VM at 2.6 GHz, torch 2.13: forward 30-42 us, recomputed
-# 40-49 us over the same op without AC (11-15 us there). Not fitted.
+# 2-core AMD EPYC VM at 2.6 GHz, torch 2.13: forward +30 and +35 us,
+# recomputed +34 and +41 us over a forward op without AC (17 and 13 us
+# there). Not fitted.
 HOST_SELECTIVE_AC_OP_S = 35e-6
 
 
