@@ -12,7 +12,7 @@ from simplefsdp.models.llama3 import get_config
 from simplefsdp.models.registry import get_spec
 from simplefsdp.plan import cli as plan_cli
 from simplefsdp.plan.hardware import PROFILES
-from simplefsdp.plan.kernels import KernelModel, kernel_model
+from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, KernelModel, kernel_model
 from simplefsdp.plan.predict import Layout, predict, validate
 from simplefsdp.plan.reference import REFERENCE_ROWS
 
@@ -71,6 +71,22 @@ def test_causal_attention_is_half_its_unmasked_flops_at_flash_rates() -> None:
     bwd = k.attention_seconds(2.5 * flops, 0.0, backward=True)
     assert fwd == pytest.approx(flops / 2 / (989e12 * H100.flash_fwd_efficiency))
     assert bwd / fwd == pytest.approx(2.5 * H100.flash_fwd_efficiency / H100.flash_bwd_efficiency)
+    # a value head dim other than the query's: SDPA's memory-efficient kernel
+    slower = k.attention_seconds(flops, 0.0, backward=False, flash=False)
+    assert slower == pytest.approx(fwd / MEMORY_EFFICIENT_FRACTION)
+
+
+def test_latent_attention_with_its_own_value_dim_runs_the_memory_efficient_kernel() -> None:
+    from simplefsdp.models.registry import resolve_flavor
+    from simplefsdp.plan.analytic import ExpertLayout, predict_analytic
+
+    spec, config = resolve_flavor("deepseek_v3_16b")
+    layout = ExpertLayout(gpus=8, batch=1, seq=4096, engine="simplefsdp")
+    pred = predict_analytic(spec, config, layout, H100)
+    # value head dim equal to the query's: the flash kernel, faster
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    flash = predict_analytic(spec, dataclasses.replace(config, v_head_dim=qk), layout, H100)
+    assert flash.time["compute"] < pred.time["compute"]
 
 
 def test_profiles_are_data_with_sources_and_gpu_generations() -> None:

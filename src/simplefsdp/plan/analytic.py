@@ -40,7 +40,9 @@ Note: [Analytic plan model]
                    as grouped GEMMs of ``tokens * top_k * ep / num_experts``
                    rows per local expert, priced by the kernel model (Note:
                    [Kernel model]) where the profile has one; attention
-                   (causal, fused) at the FlashAttention rates; AC's
+                   (causal, fused) at the FlashAttention rates (SDPA's
+                   memory-efficient kernel's where MLA's value head dim
+                   differs from the query's, Note: [Kernel model]); AC's
                    recomputation (full: one more forward of the blocks;
                    selective: half the blocks' forward matmuls);
                    elementwise work as three passes over the no-AC
@@ -101,7 +103,7 @@ from typing import Any
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.host import HostStep, host_step, timeline_step
-from simplefsdp.plan.kernels import kernel_model
+from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
 
@@ -426,6 +428,10 @@ def predict_analytic(
         # FlashAttention rates, causal halving (Note: [Kernel model]).
         forward = tokens * attn_flops / 3 / 2  # the spec counts 1 + 2 forwards; causal half
         tensor_peak = hw.peak_bf16_flops * hw.clock_fraction
+        if _latent_attention(args):
+            qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+            if qk != args.v_head_dim:  # the memory-efficient kernel (Note: [Kernel model])
+                tensor_peak *= MEMORY_EFFICIENT_FRACTION
         attention_s = forward / (tensor_peak * hw.flash_fwd_efficiency)
         attention_s += 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
     if layout.ac == "full":

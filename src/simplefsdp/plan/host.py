@@ -303,7 +303,10 @@ def kernel_pricer(kernels: Any, local_experts: int, imbalance: float = 1.0):
             flops = 2.0 * b * h * sq * k.shape[-2] * (d + v.shape[-1])
             backward = name != attention
             moved = sum(t.numel() * t.element_size() for t in tensors)
-            return kernels.attention_seconds(flops * (2.5 if backward else 1.0), moved, backward)
+            flash = d == v.shape[-1]
+            return kernels.attention_seconds(
+                flops * (2.5 if backward else 1.0), moved, backward, flash
+            )
         moved = sum(t.numel() * t.element_size() for t in tensors + _tensors(out))
         return moved / kernels.bytes_per_s + kernels.kernel_overhead_s
 

@@ -25,7 +25,10 @@ Note: [Kernel model]
                    for the causal mask, at the profile's published
                    FlashAttention rate (``flash_fwd_efficiency``,
                    ``flash_bwd_efficiency`` of the bf16 peak, times
-                   ``clock_fraction``); never faster than its bytes.
+                   ``clock_fraction``); where the value head dim differs
+                   from the query's, SDPA's memory-efficient kernel runs
+                   instead, at ``MEMORY_EFFICIENT_FRACTION`` of that rate;
+                   never faster than its bytes.
       other ops    memory bound (the caller's byte count at
                    ``memory_bandwidth * memory_efficiency``).
     ``clock_fraction`` is the sustained tensor clock of a power-limited part
@@ -44,6 +47,12 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
 REFERENCE_K = 2048
 #: Smaller CTA tiles a kernel library picks for small or skinny outputs.
 TILES = ((128, 128), (64, 128))
+#: What SDPA's memory-efficient kernel keeps of the flash kernel's rate, which
+#: it falls back to where the value head dim differs from the query/key one
+#: (multi-head latent attention): 35.5 of 81.4 TFLOPS forward and 37.7 of
+#: 84.8 backward, causal, head dim 128, 4,096 tokens, both through torch's
+#: SDPA on one GPU (NVIDIA/TileGym#49's benchmark tables).
+MEMORY_EFFICIENT_FRACTION = 0.44
 
 
 @dataclass(frozen=True)
@@ -113,10 +122,16 @@ class KernelModel:
         flops = 2.0 * batch * m * n * k
         return max(flops / rate, moved / self.bytes_per_s) + self.kernel_overhead_s
 
-    def attention_seconds(self, flops: float, moved_bytes: float, backward: bool) -> float:
+    def attention_seconds(
+        self, flops: float, moved_bytes: float, backward: bool, flash: bool = True
+    ) -> float:
         """Seconds of one fused causal attention kernel of ``flops`` (the
-        unmasked count: ``4 * B * H * Sq * Skv * D``, 2.5x backward)."""
+        unmasked count: ``4 * B * H * Sq * Skv * D``, 2.5x backward);
+        ``flash`` false: SDPA's memory-efficient kernel (value head dim
+        other than the query's), at ``MEMORY_EFFICIENT_FRACTION`` of it."""
         eff = self.flash_bwd_efficiency if backward else self.flash_fwd_efficiency
+        if not flash:
+            eff *= MEMORY_EFFICIENT_FRACTION
         rate = self.peak_flops["bfloat16"] * eff * self.clock_fraction
         return max(flops / 2 / rate, moved_bytes / self.bytes_per_s) + self.kernel_overhead_s
 
