@@ -15,6 +15,7 @@ from simplefsdp.plan.allocator import (
     Alloc,
     CachingAllocator,
     Free,
+    cached_bytes,
     fsdp2_stream,
     fused_loss_skips,
     graph_events,
@@ -189,3 +190,32 @@ def test_the_two_block_cache_matches_a_full_trace(ac: str) -> None:
         two, four = (simulate_traced(traced(key(n)), collective_streams=streams) for n in (2, 4))
         assert four.allocated_peak_bytes > two.allocated_peak_bytes
         assert two.cached_bytes == pytest.approx(four.cached_bytes, rel=0.1), streams
+
+
+def test_a_repeated_steps_cache_and_its_release_at_capacity() -> None:
+    # one step: a 12 MiB tensor freed, then a 20 MiB one (a new segment)
+    step = [Alloc("a", 12 * MiB), Free("a"), Alloc("b", 20 * MiB), Free("b")]
+    cached, retries = cached_bytes(step, allocated=20 * MiB, usable=1 << 40)
+    assert (cached, retries) == (12 * MiB, 0)  # the second step reuses both
+    # the device holds 30 MiB: the 12 MiB segment is released, retried once
+    cached, retries = cached_bytes(step, allocated=20 * MiB, usable=30 * MiB)
+    assert (cached, retries) == (0, 1)
+
+
+def test_an_eager_moe_plan_holds_the_allocators_cache_and_a_compiled_one_not() -> None:
+    from simplefsdp.models.registry import resolve_flavor
+    from simplefsdp.plan.analytic import ExpertLayout, predict_analytic
+    from simplefsdp.plan.hardware import PROFILES
+    from simplefsdp.plan.host import eager_step_events
+
+    spec, config = resolve_flavor("deepseek_v3_16b")
+    layout = ExpertLayout(gpus=8, batch=1, seq=1024, ep=2, engine="fsdp2")
+    eager = predict_analytic(spec, config, layout, PROFILES["h100"])
+    events = eager_step_events(spec, config, "selective", 2, 1, 1024)
+    # every storage the step allocates is freed by its end
+    allocs = [e.key for e in events if isinstance(e, Alloc)]
+    assert len(allocs) == len({e.key for e in events if isinstance(e, Free)}) > 100
+    assert eager.memory["cached"] > 0
+    assert eager.peak_bytes == pytest.approx(sum(eager.memory.values()))
+    compiled = dataclasses.replace(layout, engine="simplefsdp")
+    assert "cached" not in predict_analytic(spec, config, compiled, PROFILES["h100"]).memory

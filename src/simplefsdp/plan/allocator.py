@@ -569,3 +569,26 @@ def simulate_traced(
     )
     allocator = CachingAllocator(capacity_bytes, expandable_segments=expandable_segments)
     return allocator.run(events)
+
+
+def cached_bytes(
+    step: Sequence[Event], allocated: float, usable: float, steps: int = 2
+) -> tuple[float, int]:
+    """Reserved minus allocated bytes at the caching allocator's peaks over
+    ``steps`` repetitions of one step's events, and its allocation retries,
+    on a device of ``usable`` bytes of which ``allocated`` (the plan's
+    tensors) less the simulated ones are taken: past that capacity the
+    cache is released and the allocation retried, and the reserved peak is
+    the usable memory at most."""
+    events = [
+        Alloc((n, e.key), e.size, e.stream) if isinstance(e, Alloc) else Free((n, e.key))
+        for n in range(steps)
+        for e in step
+    ]
+    free = CachingAllocator().run(events)
+    capacity = usable - max(allocated - free.allocated_peak_bytes, 0.0)
+    if capacity <= 0 or free.reserved_peak_bytes <= capacity:
+        return float(free.cached_bytes), 0
+    capped = CachingAllocator(int(capacity)).run(events)
+    cached = min(max(capped.cached_bytes, 0), max(usable - allocated, 0.0))
+    return float(cached), capped.retries

@@ -31,7 +31,18 @@ Note: [Analytic plan model]
                    block's experts being its ``num_experts / ep`` local ones;
       temporary    the loss's logits (bf16), fp32 logits and their
                    gradient, ``10 * vocab`` bytes per token, and for full AC
-                   one block's recomputed activations.
+                   one block's recomputed activations;
+      cached       eager engines, where the profile's memory comes from the
+                   CUDA caching allocator: what it holds free at its
+                   reserved peak, the allocator simulated (Note: [Caching
+                   allocator simulation]) over two eager steps of the
+                   family's own ops at the layout's shapes, two MoE blocks
+                   past the dense ones (each storage allocated when an op
+                   creates it and freed when nothing holds it, autograd's
+                   saved tensors included; :func:`eager_step_events`),
+                   taken whole as the traced plans take theirs. Not
+                   modelled: compiled engines' cache, eager FSDP2's
+                   collective buffers on streams of their own.
 
     Step time:
       compute      matmul FLOPs of the dense activated parameters at the
@@ -101,8 +112,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from simplefsdp.engines.kinds import get_engine
+from simplefsdp.plan.allocator import cached_bytes
 from simplefsdp.plan.hardware import HardwareProfile
-from simplefsdp.plan.host import HostStep, host_step, timeline_step
+from simplefsdp.plan.host import HostStep, eager_step_events, host_step, timeline_step
 from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
@@ -388,14 +400,25 @@ def predict_analytic(
         "gathered": gathered,
         "temporary": temporary,
     }
-    peak = sum(memory.values())
     usable = hw.memory_bytes * hw.usable_memory_fraction
+    fused = get_engine(layout.engine).fused_buckets
+    cache_note = []
+    if hw.caching_allocator and not fused:
+        # What the caching allocator holds free at its reserved peak, over two
+        # eager steps of the family's own ops (Note: [Analytic plan model]).
+        events = eager_step_events(spec, config, layout.ac, ep, layout.batch, layout.seq // cp)
+        cached, retries = cached_bytes(events, sum(memory.values()), usable)
+        memory["cached"] = cached
+        cache_note = [
+            f"peak is the caching allocator's reserved memory: {cached / 2**30:.1f} GiB cached"
+            + (f"; {retries} allocation retries (cache released at capacity)" if retries else "")
+        ]
+    peak = sum(memory.values())
 
     # ---- compute
     rate = hw.peak_bf16_flops * hw.matmul_efficiency
     bw = hw.memory_bandwidth * hw.memory_efficiency
     kernels = kernel_model(hw, bw)
-    fused = get_engine(layout.engine).fused_buckets
     attn_flops = flops_per_token - 6.0 * active_blocks
     routed = 6.0 * args.n_moe_layers * args.top_k * per_expert  # per token, fwd + bwd
     linear = 6.0 * active_blocks - routed
@@ -505,6 +528,7 @@ def predict_analytic(
     tps = tokens / step_s
     mfu = tps * flops_per_token / hw.peak_bf16_flops
     notes = [
+        *cache_note,
         f"parameters: {total / 1e9:.2f}B total, {active / 1e9:.2f}B activated per token "
         f"({experts / 1e9:.2f}B in routed experts, {args.num_experts // ep} of "
         f"{args.num_experts} per EP rank)",

@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -313,16 +314,66 @@ def kernel_pricer(kernels: Any, local_experts: int, imbalance: float = 1.0):
     return price
 
 
-def _record_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, price) -> list:
+class _MemoryRecorder(_KernelRecorder):
+    """A :class:`_KernelRecorder` that also records the allocation and the
+    free of every storage the step's ops create, as the caching allocator
+    would see them (:class:`~simplefsdp.plan.allocator.Alloc`,
+    :class:`~simplefsdp.plan.allocator.Free`, in order): a storage is freed
+    when nothing holds it any more (autograd's saved tensors included),
+    checked before each op. ``external``: storages that exist before the
+    step (parameters, buffers); views of them allocate nothing."""
+
+    def __init__(self, price, saves_attention: bool) -> None:
+        super().__init__(price, saves_attention)
+        self.external: set[int] = set()
+        self.live: dict[int, tuple[int, Any]] = {}  # storage -> (event key, weak ref)
+        self.events: list = []
+        self._keys = itertools.count()
+
+    def sweep(self) -> None:
+        """Free events for the storages no longer held."""
+        from simplefsdp.plan.allocator import Free
+
+        for storage, (key, ref) in list(self.live.items()):
+            if ref.expired():
+                del self.live[storage]
+                self.events.append(Free(key))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        from simplefsdp.plan.allocator import Alloc
+
+        self.sweep()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for tensor in _tensors(out):
+            storage = tensor.untyped_storage()
+            address = storage._cdata
+            if address in self.live or address in self.external:
+                continue
+            key = next(self._keys)
+            self.live[address] = (key, StorageWeakRef(storage))
+            self.events.append(Alloc(key, storage.nbytes()))
+        return out
+
+
+def _record_step(
+    spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, price, memory: bool = False
+) -> Any:
     """The kernels of one training step of ``config``'s model at its real
     shapes (meta tensors, bfloat16, the experts' grouped GEMMs), in issue
     order (:class:`_KernelRecorder`); with ``ep > 1`` each experts call
-    (forward and recomputation) first reads the token counts to the host."""
+    (forward and recomputation) first reads the token counts to the host.
+    With ``memory`` the recorder (:class:`_MemoryRecorder`) is returned,
+    its ``events`` without the parameters' gradients (FSDP reduces and
+    frees each block's as its backward ends; the plan counts the sharded
+    ones)."""
     import inspect
 
     from simplefsdp.engines.activation import apply_activation_checkpointing
 
-    recorder = _KernelRecorder(price, saves_attention=ac == "selective")
+    kind = _MemoryRecorder if memory else _KernelRecorder
+    recorder = kind(price, saves_attention=ac == "selective")
     with torch.device("meta"):
         model = spec.build(config)
     model.to(torch.bfloat16)
@@ -334,11 +385,37 @@ def _record_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int,
             module.register_forward_pre_hook(lambda *_: setattr(recorder, "pending_sync", True))
     apply_activation_checkpointing(model, ac)
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    held = [*model.parameters(), *model.buffers(), tokens]
+    if memory:
+        recorder.external = {t.untyped_storage()._cdata for t in held}
     with _one_kernel_attention(), recorder:
         loss = model(tokens).float().logsumexp(-1).mean()
         recorder.backward = True
         loss.backward()
-    return recorder.ops
+    if not memory:
+        return recorder.ops
+    del loss
+    recorder.sweep()
+    grads = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
+    drop = {recorder.live[g][0] for g in grads if g in recorder.live}
+    recorder.events = [e for e in recorder.events if e.key not in drop]
+    return recorder
+
+
+_EVENTS: dict[tuple, tuple] = {}
+
+
+def eager_step_events(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int) -> tuple:
+    """Allocation and free events of one eager training step of ``config``
+    with two MoE blocks (past its dense ones) at the layout's shapes (Note:
+    [Host-bound steps]; :class:`_MemoryRecorder`), for the caching
+    allocator's simulation; cached per shape."""
+    key = (spec.family, config, ac, ep, batch, seq)
+    if key not in _EVENTS:
+        cfg = dataclasses.replace(config, n_layers=config.n_dense_layers + 2)
+        recorder = _record_step(spec, cfg, ac, ep, batch, seq, lambda *_: 0.0, memory=True)
+        _EVENTS[key] = tuple(recorder.events)
+    return _EVENTS[key]
 
 
 def simulate(ops: list, host_s: dict[str, float], sync_s: float) -> tuple[float, float, float]:
