@@ -333,6 +333,7 @@ def _host_step(
         hw,
         kernel_model(hw, hw.memory_bandwidth * hw.memory_efficiency),
         layout.imbalance,
+        layout.cp,
     )
 
 

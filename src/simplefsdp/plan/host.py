@@ -267,13 +267,14 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def kernel_pricer(kernels: Any, local_experts: int, imbalance: float = 1.0):
+def kernel_pricer(kernels: Any, local_experts: int, imbalance: float = 1.0, cp: int = 1):
     """Device seconds of one recorded op at its real shapes (Note: [Kernel
     model]): matmuls by shape, ``torch._grouped_mm`` as ``local_experts``
     equal GEMMs (the rows a rank's experts receive, balanced; times
     ``imbalance``, the most loaded rank's share over the mean), the
-    attention stand-in by its FLOPs, anything else by the bytes it reads
-    and writes."""
+    attention stand-in by its FLOPs (times ``cp``: under context
+    parallelism a rank's queries meet every rank's keys), anything else by
+    the bytes it reads and writes."""
     matmuls = {"aten::mm", "aten::addmm", "aten::bmm"}
     attention = f"{_LIB}::host_count_attention"
 
@@ -305,7 +306,7 @@ def kernel_pricer(kernels: Any, local_experts: int, imbalance: float = 1.0):
             backward = name != attention
             moved = sum(t.numel() * t.element_size() for t in tensors)
             flash = d == v.shape[-1]
-            return kernels.attention_seconds(
+            return cp * kernels.attention_seconds(
                 flops * (2.5 if backward else 1.0), moved, backward, flash
             )
         moved = sum(t.numel() * t.element_size() for t in tensors + _tensors(out))
@@ -440,22 +441,23 @@ _TIMELINES: dict[tuple, HostStep] = {}
 
 
 def _timeline(family: str, config: Any, ac: str, ep: int, batch: int, seq: int,
-              kernels: Any, imbalance: float, host_key: tuple, sync_s: float) -> HostStep:  # fmt: skip
-    key = (family, config, ac, ep, batch, seq, repr(kernels), imbalance, host_key, sync_s)
+              kernels: Any, imbalance: float, cp: int, host_key: tuple,
+              sync_s: float) -> HostStep:  # fmt: skip
+    key = (family, config, ac, ep, batch, seq, repr(kernels), imbalance, cp, host_key, sync_s)
     if key not in _TIMELINES:
         _TIMELINES[key] = _simulate_timeline(family, config, ac, ep, batch, seq, kernels,
-                                             imbalance, host_key, sync_s)  # fmt: skip
+                                             imbalance, cp, host_key, sync_s)  # fmt: skip
     return _TIMELINES[key]
 
 
 def _simulate_timeline(family: str, config: Any, ac: str, ep: int, batch: int, seq: int,
-                       kernels: Any, imbalance: float, host_key: tuple,
+                       kernels: Any, imbalance: float, cp: int, host_key: tuple,
                        sync_s: float) -> HostStep:  # fmt: skip
     from simplefsdp.models.registry import get_spec
 
     spec = get_spec(family)
     host_s = dict(host_key)
-    price = kernel_pricer(kernels, max(config.num_experts // ep, 1), imbalance)
+    price = kernel_pricer(kernels, max(config.num_experts // ep, 1), imbalance, cp)
     n_dense, n_moe = config.n_dense_layers, config.n_moe_layers
     runs = []
     for extra in (1, 2):
@@ -471,12 +473,13 @@ def _simulate_timeline(family: str, config: Any, ac: str, ep: int, batch: int, s
 
 
 def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, hw: Any,
-                  kernels: Any, imbalance: float = 1.0) -> HostStep:  # fmt: skip
+                  kernels: Any, imbalance: float = 1.0, cp: int = 1) -> HostStep:  # fmt: skip
     """An eager step of ``config`` on ``hw`` as the host issues it against
     the device (Note: [Host-bound steps]): the kernels of a model of one and
-    of two MoE blocks recorded at the layout's shapes and simulated, the
-    MoE blocks extrapolated. ``device_s`` is the kernel model's; ``wait_s``
-    what the host adds to it."""
+    of two MoE blocks recorded at the layout's shapes (``seq``: this rank's
+    tokens of each sequence, a ``cp``-th) and simulated, the MoE blocks
+    extrapolated. ``device_s`` is the kernel model's; ``wait_s`` what the
+    host adds to it."""
     selective = hw.host_selective_ac_op_s if ac == "selective" else 0.0
     host_key = (
         ("forward", hw.host_forward_op_s + selective),
@@ -484,5 +487,5 @@ def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int
         ("backward", hw.host_backward_op_s),
     )
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
-    return _timeline(spec.family, config, ac, ep, batch, seq, kernels, imbalance, host_key,
+    return _timeline(spec.family, config, ac, ep, batch, seq, kernels, imbalance, cp, host_key,
                      sync_s)  # fmt: skip
