@@ -82,7 +82,7 @@ def measure(spec, config, ac: str, seq: int, repeats: int) -> tuple[dict, float,
             recorder.backward = True
             loss.backward()
         counts = {
-            p: sum(1 for q, _, _ in recorder.ops if q == p)
+            p: sum(1 for op in recorder.ops if op[0] == p)
             for p in ("forward", "backward", "recompute")
         }
         fw, bw = [], []

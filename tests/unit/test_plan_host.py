@@ -12,7 +12,14 @@ import torch
 from simplefsdp.models.registry import resolve_flavor
 from simplefsdp.plan.analytic import ExpertLayout, predict_analytic
 from simplefsdp.plan.hardware import PROFILES
-from simplefsdp.plan.host import _KernelRecorder, _record_step, host_step, simulate
+from simplefsdp.plan.host import (
+    _KernelRecorder,
+    _record_step,
+    host_step,
+    simulate,
+    timeline_step,
+)
+from simplefsdp.plan.kernels import kernel_model
 
 H100 = PROFILES["h100"]
 LAYOUT = ExpertLayout(gpus=8, batch=1, seq=4096, ep=2, ac="selective", engine="fsdp2")
@@ -29,36 +36,42 @@ def test_recorder_skips_views():
         y = x.view(6, 4).t().transpose(0, 1).unsqueeze(0).expand(2, 6, 4)  # no kernel
         y = y + 1  # one kernel
         y.detach().reshape(-1)[:3].sum()  # one kernel
-    assert [phase for phase, _, _ in recorder.ops] == ["forward", "forward"]
+    assert [op[0] for op in recorder.ops] == ["forward", "forward"]
 
 
 def test_simulate_by_hand():
     host = {"forward": 1.0, "backward": 0.5, "recompute": 1.0}
     # the device waits for the host's issue, then for its own predecessor
-    ops = [("forward", 3.0, False), ("forward", 0.5, False), ("backward", 2.0, False)]
+    ops = [("forward", 3.0, False, None), ("forward", 0.5, False, None)]
+    ops.append(("backward", 2.0, False, None))
     step, device, issued = simulate(ops, host, sync_s=0.0)
     assert (step, device, issued) == (1.0 + 3.0 + 0.5 + 2.0, 5.5, 2.5)
     # a sync before the second op: the host waits for the first to finish
-    synced = [ops[0], ("forward", 0.5, True), ops[2]]
+    synced = [ops[0], ("forward", 0.5, True, None), ops[2]]
     assert simulate(synced, host, sync_s=0.25)[0] == 4.0 + 0.25 + 1.0 + 0.5 + 2.0
     # a slow host: the host's sum, plus the last kernel
     slow = {k: 10.0 for k in host}
     assert simulate(ops, slow, sync_s=0.0)[0] == 30.0 + 2.0
+    # a block's gather, issued when the host reaches it (at 1.0): hidden
+    # behind the kernels queued before it, or waited for
+    gathered = [ops[0], ("forward", 0.5, False, "moe"), ops[2]]
+    assert simulate(gathered, host, 0.0, {"moe": 2.0})[0] == 6.5
+    assert simulate(gathered, host, 0.0, {"moe": 5.0})[0] == 1.0 + 5.0 + 0.5 + 2.0
 
 
 def test_steps_kernels_recorded_on_the_model(dsv3):
     spec, config = dsv3
     small = dataclasses.replace(config, n_layers=config.n_dense_layers + 1)
     ops = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6)
-    phases = [phase for phase, _, _ in ops]
+    phases = [op[0] for op in ops]
     forward, recompute = phases.count("forward"), phases.count("recompute")
     # selective AC recomputes part of the forward (matmuls and attention saved)
     assert 0 < recompute < forward < phases.count("backward")
     # expert parallelism: the token counts read before each experts call,
     # in forward and in the recomputation
-    syncs = [phase for phase, _, sync in ops if sync]
+    syncs = [op[0] for op in ops if op[2]]
     assert syncs == ["forward", "recompute"]
-    assert not any(sync for _, _, sync in _record_step(spec, small, "selective", 1, 1, 256,
+    assert not any(op[2] for op in _record_step(spec, small, "selective", 1, 1, 256,
                                                        lambda *_: 1e-6))  # fmt: skip
     # the experts run as grouped matmuls: the count does not grow with them
     more = dataclasses.replace(small, num_experts=2 * small.num_experts)
@@ -79,11 +92,21 @@ def test_host_bound_switch(dsv3, ep):
     spec, config = dsv3
     layout = dataclasses.replace(LAYOUT, ep=ep)
     free = dict(host_forward_op_s=1e-12, host_backward_op_s=1e-12, host_selective_ac_op_s=0.0)
-    pred = predict_analytic(spec, config, layout, dataclasses.replace(H100, **free))
+    free_hw = dataclasses.replace(H100, **free)
+    kernels = kernel_model(free_hw, free_hw.memory_bandwidth * free_hw.memory_efficiency)
+    alone = timeline_step(spec, config, "selective", ep, 1, 4096, free_hw, kernels)
     syncs = config.n_moe_layers * 2 if ep > 1 else 0
     sync_s = syncs * (H100.kernel_overhead_s + 1e-12)
     # a negligible host: the eager kernels' own time, plus each sync's latency
-    assert pred.time["host_wait"] == pytest.approx(sync_s, rel=1e-3, abs=1e-9)
+    assert alone.wait_s == pytest.approx(sync_s, rel=1e-3, abs=1e-9)
+    # the blocks' forward gathers: the first one waited for (but for the
+    # embedding's kernel before it), the rest hidden behind the kernels
+    # queued before them
+    gathered = timeline_step(
+        spec, config, "selective", ep, 1, 4096, free_hw, kernels, gather_s={"dense": 1e-3}
+    )
+    assert sync_s + 0.5e-3 < gathered.wait_s <= sync_s + 1e-3
+    pred = predict_analytic(spec, config, layout, free_hw)
     assert "device bound" in "".join(pred.notes)
     slow = dict(host_forward_op_s=1e-3, host_backward_op_s=1e-3, host_selective_ac_op_s=0.0)
     slow_pred = predict_analytic(spec, config, layout, dataclasses.replace(H100, **slow))

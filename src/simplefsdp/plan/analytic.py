@@ -68,8 +68,11 @@ Note: [Analytic plan model]
                    own kernel) issued by the host at the profile's cost per
                    op and simulated against one device stream, with the
                    token-count syncs of expert parallelism (Note:
-                   [Host-bound steps] in ``plan/host.py``): the simulated
-                   end is the step's compute. Compiled engines are taken
+                   [Host-bound steps] in ``plan/host.py``; each block's
+                   forward all-gather issued as the host reaches it): the
+                   simulated end is the step's compute, and only backward's
+                   FSDP collectives are weighed against the blocks' (two
+                   thirds of their compute). Compiled engines are taken
                    as device bound; each sync idles the GPU for a
                    device-to-host copy and the next launch.
       all-to-all   per MoE layer, dispatch and combine in forward and again
@@ -306,6 +309,7 @@ def _host_step(
     gpu: bool,
     eager: bool,
     device_s: float,
+    gather_s: dict[str, float],
 ) -> HostStep:
     """The step's compute as host against device (Note: [Host-bound steps]):
     for an eager engine on a GPU, the family's own kernels at the layout's
@@ -316,7 +320,9 @@ def _host_step(
     CPU (``gpu`` false) host and device are one.
 
     ``device_s``: the device's seconds of the step (the compiled
-    kernels', all-to-alls included)."""
+    kernels', all-to-alls included); ``gather_s``: each block kind's
+    forward all-gather, which the eager timeline issues as the block's
+    forward starts."""
     n_moe = config.n_moe_layers
     passes = 2 if layout.ac != "none" else 1  # forward, and AC's recomputation
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
@@ -334,6 +340,7 @@ def _host_step(
         kernel_model(hw, hw.memory_bandwidth * hw.memory_efficiency),
         layout.imbalance,
         layout.cp,
+        gather_s,
     )
 
 
@@ -482,23 +489,11 @@ def predict_analytic(
     a2a_count = args.n_moe_layers * (6 if layout.ac == "full" else 4)
     a2a_s = a2a_count * per_a2a
 
-    # ---- host: an eager step's kernels as the host issues them against the
-    # device (Note: [Host-bound steps])
-    host = _host_step(
-        spec, config, layout, hw,
-        gpu=kernels is not None,
-        eager=not fused,
-        device_s=device_s + a2a_s,
-    )  # fmt: skip
-    eager_timeline = kernels is not None and not fused
-    # the eager timeline holds the step's kernels, not its all-to-alls
-    compute_s = host.step_s if eager_timeline else device_s + host.wait_s
-
     # ---- FSDP collectives, per block, overlapped with the block's compute
     span = dp  # the dp / ep ranks holding the same experts are ep apart
     gathers = 2 if layout.reshard_after_forward else 1
 
-    def block_comm(dense_p: float, expert_p: float) -> float:
+    def block_comm(dense_p: float, expert_p: float, gathers: int = gathers) -> float:
         seconds = 0.0
         for count, group in ((dense_p, dp), (expert_p, dp // ep)):
             if count <= 0 or group <= 1:
@@ -507,12 +502,39 @@ def predict_analytic(
             seconds += hw.comm_seconds("reduce_scatter", group, 4 * count, span)
         return seconds
 
+    def block_gather(dense_p: float, expert_p: float) -> float:
+        return block_comm(dense_p, expert_p, 1) - block_comm(dense_p, expert_p, 0)
+
+    moe_params = (block_dense, args.num_experts // ep * per_expert)
+    dense_params = (block_dense + 3 * args.dim * args.dense_hidden_dim, 0)
+
+    # ---- host: an eager step's kernels as the host issues them against the
+    # device, each block's forward gather issued as its forward starts (Note:
+    # [Host-bound steps])
+    host = _host_step(
+        spec, config, layout, hw,
+        gpu=kernels is not None,
+        eager=not fused,
+        device_s=device_s + a2a_s,
+        gather_s={"moe": block_gather(*moe_params), "dense": block_gather(*dense_params)},
+    )  # fmt: skip
+    eager_timeline = kernels is not None and not fused
+    # the eager timeline holds the step's kernels and forward gathers, not
+    # its all-to-alls
+    compute_s = host.step_s if eager_timeline else device_s + host.wait_s
+
     blocks = args.n_layers
     block_compute = (compute_s - tokens * 6.0 * embed / rate) / blocks
-    moe_comm = block_comm(block_dense, args.num_experts // ep * per_expert)
-    dense_comm = block_comm(block_dense + 3 * args.dim * args.dense_hidden_dim, 0)
+    moe_comm = block_comm(*moe_params)
+    dense_comm = block_comm(*dense_params)
     dp_comm_s = args.n_moe_layers * moe_comm + args.n_dense_layers * dense_comm
     dp_comm_s += block_comm(2 * embed + args.dim, 0)
+    if eager_timeline:
+        # the forward's gathers are in the timeline; backward's gathers and
+        # reduce-scatters against the block's backward (two thirds of it)
+        moe_comm -= block_gather(*moe_params)
+        dense_comm -= block_gather(*dense_params)
+        block_compute *= 2 / 3
     exposed = args.n_moe_layers * max(moe_comm - block_compute, 0.0)
     exposed += args.n_dense_layers * max(dense_comm - block_compute, 0.0)
     exposed += block_comm(embed, 0) / gathers  # the first gather, before any compute

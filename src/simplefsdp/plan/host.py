@@ -31,6 +31,10 @@ Note: [Host-bound steps]
     from one host thread at the profile's host cost per op of their pass
     and runs them in order on one stream: a kernel starts when it is issued
     and its predecessor is done; at a sync the host waits for the device.
+    FSDP's all-gather of each block in forward is issued on one
+    communication stream when the host reaches the block (a pre-forward
+    hook) and the block's first kernel waits for it: hidden behind the
+    kernels already queued, exposed where a sync left the queue short.
     Models of one and of two MoE blocks are simulated and the MoE blocks
     extrapolated, as the traced plans do. The step's compute is the
     simulated end; what it adds to the kernels' own time is the host's.
@@ -240,7 +244,8 @@ class _KernelRecorder(TorchDispatchMode):
         self.saves_attention = saves_attention
         self.backward = False
         self.pending_sync = False
-        self.ops: list[tuple[str, float, bool]] = []
+        self.pending_gather: str | None = None
+        self.ops: list[tuple[str, float, bool, str | None]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -254,8 +259,11 @@ class _KernelRecorder(TorchDispatchMode):
                 return out  # selective AC saves the fused kernel's output
             recomputed = torch.is_grad_enabled() or forward_attention
             phase = "recompute" if recomputed else "backward"
-        self.ops.append((phase, self.price(func, args, out), self.pending_sync))
+        self.ops.append(
+            (phase, self.price(func, args, out), self.pending_sync, self.pending_gather)
+        )
         self.pending_sync = False
+        self.pending_gather = None
         return out
 
 
@@ -378,6 +386,16 @@ def _record_step(
     with torch.device("meta"):
         model = spec.build(config)
     model.to(torch.bfloat16)
+    n_dense = getattr(config, "n_dense_layers", 0)
+    for index, block in enumerate(getattr(model, "layers", {}).values()):
+        # FSDP gathers each block as its forward starts (not in AC's recomputation)
+        kind = "dense" if index < n_dense else "moe"
+
+        def gather(*_, kind=kind):
+            if not recorder.backward:
+                recorder.pending_gather = kind
+
+        block.register_forward_pre_hook(gather)
     for module in model.modules():
         if hasattr(module, "use_grouped_mm"):
             module.use_grouped_mm = True
@@ -419,74 +437,80 @@ def eager_step_events(spec: Any, config: Any, ac: str, ep: int, batch: int, seq:
     return _EVENTS[key]
 
 
-def simulate(ops: list, host_s: dict[str, float], sync_s: float) -> tuple[float, float, float]:
+def simulate(
+    ops: list, host_s: dict[str, float], sync_s: float, gather_s: dict[str, float] | None = None
+) -> tuple[float, float, float]:
     """``(step, device, host)`` seconds of ``ops`` (``(pass, device_s,
-    sync_before)`` in issue order) issued by one host thread at
+    sync_before, gather)`` in issue order) issued by one host thread at
     ``host_s[pass]`` each and run in order on one device stream: a kernel
     starts when it is issued and the one before it is done; before a sync
-    the host waits for the device to drain, and the read costs ``sync_s``
-    (Note: [Host-bound steps])."""
-    host = device = busy = issued = 0.0
-    for phase, seconds, sync in ops:
+    the host waits for the device to drain, and the read costs ``sync_s``.
+    An op with a ``gather`` (a block's first in forward) is preceded by
+    that block's all-gather, ``gather_s[gather]`` seconds on one
+    communication stream from the moment the host reaches it, which the op
+    waits for (Note: [Host-bound steps])."""
+    host = device = busy = issued = link = 0.0
+    for phase, seconds, sync, gather in ops:
         if sync:
             host = device = max(host, device) + sync_s
+        ready = 0.0
+        if gather and gather_s:
+            link = ready = max(host, link) + gather_s.get(gather, 0.0)
         host += host_s[phase]
         issued += host_s[phase]
-        device = max(device, host) + seconds
+        device = max(device, host, ready) + seconds
         busy += seconds
     return max(host, device), busy, issued
 
 
-_TIMELINES: dict[tuple, HostStep] = {}
+_RECORDED: dict[tuple, tuple] = {}
 
 
-def _timeline(family: str, config: Any, ac: str, ep: int, batch: int, seq: int,
-              kernels: Any, imbalance: float, cp: int, host_key: tuple,
-              sync_s: float) -> HostStep:  # fmt: skip
-    key = (family, config, ac, ep, batch, seq, repr(kernels), imbalance, cp, host_key, sync_s)
-    if key not in _TIMELINES:
-        _TIMELINES[key] = _simulate_timeline(family, config, ac, ep, batch, seq, kernels,
-                                             imbalance, cp, host_key, sync_s)  # fmt: skip
-    return _TIMELINES[key]
+def _recorded(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, kernels: Any,
+              imbalance: float, cp: int) -> tuple:  # fmt: skip
+    """The priced kernels of models of one and of two MoE blocks (past the
+    dense ones), cached per shape and kernel model."""
+    key = (spec.family, config, ac, ep, batch, seq, repr(kernels), imbalance, cp)
+    if key not in _RECORDED:
+        price = kernel_pricer(kernels, max(config.num_experts // ep, 1), imbalance, cp)
+        _RECORDED[key] = tuple(
+            _record_step(
+                spec,
+                dataclasses.replace(config, n_layers=config.n_dense_layers + extra),
+                ac,
+                ep,
+                batch,
+                seq,
+                price,
+            )  # fmt: skip
+            for extra in (1, 2)
+        )
+    return _RECORDED[key]
 
 
-def _simulate_timeline(family: str, config: Any, ac: str, ep: int, batch: int, seq: int,
-                       kernels: Any, imbalance: float, cp: int, host_key: tuple,
-                       sync_s: float) -> HostStep:  # fmt: skip
-    from simplefsdp.models.registry import get_spec
-
-    spec = get_spec(family)
-    host_s = dict(host_key)
-    price = kernel_pricer(kernels, max(config.num_experts // ep, 1), imbalance, cp)
-    n_dense, n_moe = config.n_dense_layers, config.n_moe_layers
-    runs = []
-    for extra in (1, 2):
-        cfg = dataclasses.replace(config, n_layers=n_dense + extra)
-        ops = _record_step(spec, cfg, ac, ep, batch, seq, price)
-        runs.append(simulate(ops, host_s, sync_s))
-    (t1, d1, h1), (t2, d2, h2) = runs
+def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, hw: Any,
+                  kernels: Any, imbalance: float = 1.0, cp: int = 1,
+                  gather_s: dict[str, float] | None = None) -> HostStep:  # fmt: skip
+    """An eager step of ``config`` on ``hw`` as the host issues it against
+    the device (Note: [Host-bound steps]): the kernels of a model of one and
+    of two MoE blocks recorded at the layout's shapes (``seq``: this rank's
+    tokens of each sequence, a ``cp``-th) and simulated, with each block's
+    forward all-gather (``gather_s`` by block kind, ``dense`` or ``moe``),
+    the MoE blocks extrapolated. ``device_s`` is the kernel model's;
+    ``wait_s`` what the host and the gathers add to it."""
+    selective = hw.host_selective_ac_op_s if ac == "selective" else 0.0
+    host_s = {
+        "forward": hw.host_forward_op_s + selective,
+        "recompute": hw.host_forward_op_s + selective,
+        "backward": hw.host_backward_op_s,
+    }
+    sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
+    one, two = _recorded(spec, config, ac, ep, batch, seq, kernels, imbalance, cp)
+    (t1, d1, h1), (t2, d2, h2) = (simulate(ops, host_s, sync_s, gather_s) for ops in (one, two))
+    n_moe = config.n_moe_layers
     step = t1 + (n_moe - 1) * (t2 - t1)
     device = d1 + (n_moe - 1) * (d2 - d1)
     host = h1 + (n_moe - 1) * (h2 - h1)
     syncs = n_moe * (2 if ac != "none" else 1) if ep > 1 else 0
     # host bound: the host's issue adds more than 5% to the kernels' time
     return HostStep(host, device, max(step, device), syncs * sync_s, step > device * 1.05)
-
-
-def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, hw: Any,
-                  kernels: Any, imbalance: float = 1.0, cp: int = 1) -> HostStep:  # fmt: skip
-    """An eager step of ``config`` on ``hw`` as the host issues it against
-    the device (Note: [Host-bound steps]): the kernels of a model of one and
-    of two MoE blocks recorded at the layout's shapes (``seq``: this rank's
-    tokens of each sequence, a ``cp``-th) and simulated, the MoE blocks
-    extrapolated. ``device_s`` is the kernel model's; ``wait_s`` what the
-    host adds to it."""
-    selective = hw.host_selective_ac_op_s if ac == "selective" else 0.0
-    host_key = (
-        ("forward", hw.host_forward_op_s + selective),
-        ("recompute", hw.host_forward_op_s + selective),
-        ("backward", hw.host_backward_op_s),
-    )
-    sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
-    return _timeline(spec.family, config, ac, ep, batch, seq, kernels, imbalance, cp, host_key,
-                     sync_s)  # fmt: skip
