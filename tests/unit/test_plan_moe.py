@@ -218,3 +218,20 @@ def test_plan_names_no_family_and_every_plan_method_is_known() -> None:
         assert spec.plan_method in plan_cli.METHOD_FLAGS
         for flavor in spec.reference_layouts:
             assert spec.flavors.get(flavor) is not None, (family, flavor)
+
+
+def test_copies_around_the_collectives_as_the_traced_plans_count_them() -> None:
+    # per all-gather the shards in and the block out, per reduce-scatter the
+    # gradients in (copy_written_bytes): a gather fewer without resharding,
+    # nothing on one rank
+    args = get_config("moe_small")
+    base = MoELayout(gpus=8, batch=2, seq=512, ep=2)
+    copies = predict_moe(args, base, FIXED).time["copies"]
+    kept = predict_moe(args, dataclasses.replace(base, reshard_after_forward=False), FIXED)
+    assert 0 < kept.time["copies"] < copies
+    # two gathers and a reduce-scatter against one and one: (2 (1 + 1/g) + 1)
+    # over (1 + 1/g + 1) with g the group (8 dense, 4 experts): between
+    lo, hi = sorted((2 * (1 + 1 / g) + 1) / ((1 + 1 / g) + 1) for g in (4, 8))
+    assert lo <= copies / kept.time["copies"] <= hi
+    single = predict_moe(args, MoELayout(gpus=1, batch=2, seq=512), FIXED)
+    assert single.time["copies"] == 0.0

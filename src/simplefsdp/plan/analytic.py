@@ -88,6 +88,11 @@ Note: [Analytic plan model]
                    part over ``dp`` and its experts over ``dp / ep``;
                    exposed only where a block's communication exceeds its
                    compute (prefetch distance 1).
+      copies       around those collectives, on the compute stream, as the
+                   traced plans count them: per all-gather the shards in
+                   and the gathered block out, per reduce-scatter the
+                   gradients in, ``copy_bytes_per_byte`` bytes moved per
+                   byte written at the achievable bandwidth.
       optimizer    AdamW, 28 bytes moved per fp32 parameter shard.
     MFU: the spec's ``flops_per_token`` (torchtitan's count: ``6 *`` the
     activated parameters plus attention by head dims, not halved for the
@@ -547,7 +552,22 @@ def predict_analytic(
 
     optimizer_s = shard_params * ADAMW_BYTES_PER_PARAM / bw
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)
-    step_s = compute_s + exposed_s + optimizer_s
+    # The copies around FSDP's collectives on the compute stream, as the
+    # traced plans count them (``copy_written_bytes``): per all-gather the
+    # shards in and the gathered block out, per reduce-scatter the
+    # gradients in, each byte written moving ``copy_bytes_per_byte``.
+    written = 0.0
+    for count, (dense_p, expert_p) in (
+        (args.n_moe_layers, moe_params),
+        (args.n_dense_layers, dense_params),
+        (1, (2 * embed + args.dim, 0)),
+    ):
+        for params, group in ((dense_p, dp), (expert_p, dp // ep)):
+            if params > 0 and group > 1:
+                size = 2 * params  # bf16 gathered bytes
+                written += count * (gathers * (size + size / group) + size)
+    copies_s = hw.copy_bytes_per_byte * written / bw
+    step_s = compute_s + copies_s + exposed_s + optimizer_s
     tps = tokens / step_s
     mfu = tps * flops_per_token / hw.peak_bf16_flops
     notes = [
@@ -579,8 +599,8 @@ def predict_analytic(
         peak_bytes=peak,
         usable_bytes=usable,
         time={
-            "compute": compute_s,
-            "copies": 0.0,
+            "compute": compute_s + copies_s,  # the copies included, as traced plans report
+            "copies": copies_s,
             "hooks": 0.0,
             "exposed_comm": exposed_s,
             "bubble": 0.0,
