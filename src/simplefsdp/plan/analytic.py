@@ -311,18 +311,18 @@ def _host_step(
     layout: ExpertLayout,
     hw: HardwareProfile,
     *,
-    gpu: bool,
+    kernels: Any,
     eager: bool,
     device_s: float,
     gather_s: dict[str, float],
 ) -> HostStep:
     """The step's compute as host against device (Note: [Host-bound steps]):
-    for an eager engine on a GPU, the family's own kernels at the layout's
-    shapes, each priced by the kernel model and issued at the profile's
-    host cost per op, simulated (``timeline_step``; its ``device_s`` is
-    then the eager kernels' own, not ``device_s``); compiled
-    on a GPU device bound, each sync costing its copy and one launch; on a
-    CPU (``gpu`` false) host and device are one.
+    for an eager engine on a GPU (``kernels``, the profile's kernel model,
+    not ``None``), the family's own kernels at the layout's shapes, each
+    priced by ``kernels`` and issued at the profile's host cost per op,
+    simulated (``timeline_step``: its device time is the eager kernels'
+    own); compiled on a GPU device bound, each sync costing its copy and
+    one launch; on a CPU host and device are one.
 
     ``device_s``: the device's seconds of the step (the compiled
     kernels', all-to-alls included); ``gather_s``: each block kind's
@@ -331,6 +331,7 @@ def _host_step(
     n_moe = config.n_moe_layers
     passes = 2 if layout.ac != "none" else 1  # forward, and AC's recomputation
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
+    gpu = kernels is not None
     syncs = n_moe * passes if layout.ep > 1 and gpu else 0
     if not (gpu and eager):
         return host_step([(0.0, device_s)], syncs=syncs, sync_s=sync_s, overlap=True)
@@ -342,7 +343,7 @@ def _host_step(
         layout.batch,
         layout.seq // layout.cp,
         hw,
-        kernel_model(hw, hw.memory_bandwidth * hw.memory_efficiency),
+        kernels,
         layout.imbalance,
         layout.cp,
         gather_s,
@@ -518,7 +519,7 @@ def predict_analytic(
     # [Host-bound steps])
     host = _host_step(
         spec, config, layout, hw,
-        gpu=kernels is not None,
+        kernels=kernels,
         eager=not fused,
         device_s=device_s + a2a_s,
         gather_s={"moe": block_gather(*moe_params), "dense": block_gather(*dense_params)},

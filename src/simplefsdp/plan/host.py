@@ -62,7 +62,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -231,6 +231,18 @@ def host_step(
 # ------------------------------------------------------------ the timeline
 
 
+class KernelOp(NamedTuple):
+    """One recorded kernel (Note: [Host-bound steps]): its pass
+    (``forward``, ``backward`` or ``recompute``), its device seconds,
+    whether a device-to-host read precedes it, and the kind of block
+    (``dense``, ``moe``) whose forward all-gather precedes it, if any."""
+
+    phase: str
+    device_s: float
+    sync: bool = False
+    gather: str | None = None
+
+
 class _KernelRecorder(TorchDispatchMode):
     """A dispatch mode recording, in issue order, each ATen op that launches a
     kernel: its pass (``forward``; in backward ``recompute`` where grad mode
@@ -245,7 +257,7 @@ class _KernelRecorder(TorchDispatchMode):
         self.backward = False
         self.pending_sync = False
         self.pending_gather: str | None = None
-        self.ops: list[tuple[str, float, bool, str | None]] = []
+        self.ops: list[KernelOp] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -259,9 +271,8 @@ class _KernelRecorder(TorchDispatchMode):
                 return out  # selective AC saves the fused kernel's output
             recomputed = torch.is_grad_enabled() or forward_attention
             phase = "recompute" if recomputed else "backward"
-        self.ops.append(
-            (phase, self.price(func, args, out), self.pending_sync, self.pending_gather)
-        )
+        seconds = self.price(func, args, out)
+        self.ops.append(KernelOp(phase, seconds, self.pending_sync, self.pending_gather))
         self.pending_sync = False
         self.pending_gather = None
         return out
@@ -440,8 +451,8 @@ def eager_step_events(spec: Any, config: Any, ac: str, ep: int, batch: int, seq:
 def simulate(
     ops: list, host_s: dict[str, float], sync_s: float, gather_s: dict[str, float] | None = None
 ) -> tuple[float, float, float]:
-    """``(step, device, host)`` seconds of ``ops`` (``(pass, device_s,
-    sync_before, gather)`` in issue order) issued by one host thread at
+    """``(step, device, host)`` seconds of ``ops`` (:class:`KernelOp`, in
+    issue order) issued by one host thread at
     ``host_s[pass]`` each and run in order on one device stream: a kernel
     starts when it is issued and the one before it is done; before a sync
     the host waits for the device to drain, and the read costs ``sync_s``.
