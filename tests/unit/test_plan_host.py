@@ -15,7 +15,7 @@ from simplefsdp.plan.hardware import PROFILES
 from simplefsdp.plan.host import (
     _KernelRecorder,
     _record_step,
-    host_step,
+    device_bound,
     simulate,
     timeline_step,
 )
@@ -78,13 +78,10 @@ def test_steps_kernels_recorded_on_the_model(dsv3):
     assert len(_record_step(spec, more, "selective", 2, 1, 256, lambda *_: 1e-6)) == len(ops)
 
 
-def test_host_step_runs():
-    runs = [(3.0, 1.0), (1.0, 2.0)]
-    separate = host_step(runs, syncs=2, sync_s=0.5, overlap=False)
-    assert separate.step_s == pytest.approx(3.0 + 2.0 + 1.0)
-    assert separate.host_bound and separate.wait_s == pytest.approx(6.0 - 3.0)
-    joined = host_step(runs, syncs=0, sync_s=0.5, overlap=True)
-    assert joined.step_s == pytest.approx(4.0) and joined.host_bound
+def test_a_device_bound_step_is_its_device_time_and_its_syncs():
+    step = device_bound(3.0, syncs=2, sync_s=0.5)
+    assert (step.step_s, step.wait_s, step.host_s) == (4.0, 1.0, 0.0)
+    assert not step.host_bound
 
 
 @pytest.mark.parametrize("ep", [1, 2])

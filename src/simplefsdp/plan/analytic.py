@@ -122,7 +122,7 @@ from typing import Any
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.allocator import cached_bytes
 from simplefsdp.plan.hardware import HardwareProfile
-from simplefsdp.plan.host import HostStep, eager_step_events, host_step, timeline_step
+from simplefsdp.plan.host import HostStep, device_bound, eager_step_events, timeline_step
 from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
@@ -334,7 +334,7 @@ def _host_step(
     gpu = kernels is not None
     syncs = n_moe * passes if layout.ep > 1 and gpu else 0
     if not (gpu and eager):
-        return host_step([(0.0, device_s)], syncs=syncs, sync_s=sync_s, overlap=True)
+        return device_bound(device_s, syncs=syncs, sync_s=sync_s)
     return timeline_step(
         spec,
         config,

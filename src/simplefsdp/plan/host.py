@@ -184,16 +184,16 @@ def _one_kernel_attention() -> Iterator[Any]:
 
 @dataclass(frozen=True)
 class HostStep:
-    """The step's compute as host and device per run of segments (seconds).
+    """The step's compute as the host issues it against the device (seconds).
 
     Attributes:
         host_s: the host's time issuing the step's kernels.
-        device_s: the device's compute (and exposed all-to-all) time.
-        step_s: the two combined segment by segment, plus the syncs'
-            latency (Note: [Host-bound steps]).
+        device_s: the device's kernels' time.
+        step_s: the compute's end, the host's waits and the syncs'
+            latency included (Note: [Host-bound steps]).
         sync_s: what the syncs add (device-to-host copy and the first
             launch after each).
-        host_bound: the host's time decides at least one run of segments.
+        host_bound: the host adds more than 5% to the device's time.
     """
 
     host_s: float
@@ -204,28 +204,16 @@ class HostStep:
 
     @property
     def wait_s(self) -> float:
-        """What the step waits for the host beyond the device's time."""
+        """What the step waits for the host (and the syncs) beyond the
+        device's time."""
         return self.step_s - self.device_s
 
 
-def host_step(
-    runs: list[tuple[float, float]], *, syncs: int, sync_s: float, overlap: bool
-) -> HostStep:
-    """Combine host and device time: each of ``runs`` is ``(host_s,
-    device_s)`` of a run of segments separated by syncs (Note: [Host-bound
-    steps]); ``overlap``: no sync separates the runs, so the host runs ahead
-    across all of them. ``syncs`` each cost ``sync_s``."""
-    host = sum(h for h, _ in runs)
-    device = sum(d for _, d in runs)
-    if overlap:
-        combined = max(host, device)
-        bound = host > device
-    else:
-        combined = sum(max(h, d) for h, d in runs)
-        bound = any(h > d for h, d in runs)
-    extra = syncs * sync_s
-    assert math.isfinite(combined), runs
-    return HostStep(host, device, combined + extra, extra, bound)
+def device_bound(device_s: float, *, syncs: int, sync_s: float) -> HostStep:
+    """A step taken as device bound (compiled kernels, or host and device
+    one CPU): the device's time plus ``syncs`` each costing ``sync_s``."""
+    assert math.isfinite(device_s), device_s
+    return HostStep(0.0, device_s, device_s + syncs * sync_s, syncs * sync_s, False)
 
 
 # ------------------------------------------------------------ the timeline
