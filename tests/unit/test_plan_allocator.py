@@ -15,6 +15,7 @@ from simplefsdp.plan.allocator import (
     Alloc,
     CachingAllocator,
     Free,
+    Previous,
     cached_bytes,
     fsdp2_stream,
     fused_loss_skips,
@@ -158,6 +159,19 @@ def test_the_plans_peak_is_the_reserved_one_on_a_caching_allocator() -> None:
     assert cpu.peak_bytes == pytest.approx(pred.peak_bytes - pred.memory["cached"])
 
 
+def test_fsdp2s_collective_streams_stay_with_compiled_blocks() -> None:
+    # torchtitan's FSDP + torch.compile compiles the blocks; FSDP2's hooks,
+    # and the buffers they allocate on the collectives' streams, stay eager
+    spec, args = get_spec("llama3"), get_config("debug")
+    layout = Layout(gpus=2, batch=2, seq=64, engine="fsdp2", compile=True)
+    pred = predict(spec, args, layout, FIXED)
+    key = TraceKey("llama3", dataclasses.replace(args, n_layers=2), 2, 1, 2, 64, "selective")
+    t2 = traced(key)
+    streams, plain = (simulate_traced(t2, collective_streams=s).cached_bytes for s in (True, False))
+    assert streams != plain
+    assert pred.memory["cached"] == streams
+
+
 def test_at_capacity_the_plans_reserved_peak_stays_within_the_usable_memory() -> None:
     # A device just above the tensors: the allocator releases its cache and
     # retries, so the reserved peak stays within the usable memory (FSDP2:
@@ -200,6 +214,47 @@ def test_a_repeated_steps_cache_and_its_release_at_capacity() -> None:
     # the device holds 30 MiB: the 12 MiB segment is released, retried once
     cached, retries = cached_bytes(step, allocated=20 * MiB, usable=30 * MiB)
     assert (cached, retries) == (0, 1)
+
+
+def test_a_tensor_of_the_previous_step_is_freed_in_the_next() -> None:
+    # a gradient shard of 4 MiB kept until the next step frees it: two live
+    # at most (8 MiB of the 20 MiB segment), none freed on the first step
+    step = [Alloc("g", 4 * MiB), Free(Previous("g"))]
+    cached, _ = cached_bytes(step, allocated=0, usable=1 << 40, steps=3)
+    assert cached == 12 * MiB  # three live (never freed) would leave 8
+
+
+def test_eager_fsdp2s_collective_buffers_sit_on_streams_of_their_own() -> None:
+    from simplefsdp.models.registry import resolve_flavor
+    from simplefsdp.plan.host import Fsdp2Buffers, eager_step_events
+
+    spec, config = resolve_flavor("deepseek_v3_16b")
+    args = (spec, config, "selective", 2, 1, 1024)
+    GiB = 1 << 30
+    buffers = Fsdp2Buffers(
+        dense=((GiB // 4, GiB // 32),),
+        moe=((GiB // 16, GiB // 128), (GiB // 2, GiB // 8)),
+        embed=((GiB // 4, GiB // 32),),
+        head=((GiB // 4, GiB // 32),),
+    )
+    plain = eager_step_events(*args)
+    fsdp2 = eager_step_events(*args, buffers=buffers)
+    streams = {e.stream for e in fsdp2 if isinstance(e, Alloc)}
+    assert streams == {0, 1, 2} and {e.stream for e in plain if isinstance(e, Alloc)} == {0}
+    # the reduce-scatter inputs are the fp32 gradients: twice the gathered bytes
+    rs = [e.size for e in fsdp2 if isinstance(e, Alloc) and e.stream == 2]
+    assert max(rs) == GiB
+    # every allocation is freed, the gradient shards by the next step
+    allocs = {e.key for e in fsdp2 if isinstance(e, Alloc)}
+    frees = {e.key.key if isinstance(e.key, Previous) else e.key for e in fsdp2
+             if isinstance(e, Free)}  # fmt: skip
+    assert allocs == frees
+    shards = [e.key for e in fsdp2 if isinstance(e, Free) and isinstance(e.key, Previous)]
+    assert len(shards) == 1 + 2 * 2 + 2  # a dense block, two MoE blocks of two groups, outer
+    # their pools hold blocks the compute stream cannot use
+    with_streams, _ = cached_bytes(fsdp2, allocated=0, usable=1 << 50)
+    without, _ = cached_bytes(plain, allocated=0, usable=1 << 50)
+    assert with_streams > without + GiB
 
 
 def test_an_eager_moe_plan_holds_the_allocators_cache_and_a_compiled_one_not() -> None:

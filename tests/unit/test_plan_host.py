@@ -59,6 +59,23 @@ def test_simulate_by_hand():
     assert simulate(gathered, host, 0.0, {"moe": 5.0})[0] == 1.0 + 5.0 + 0.5 + 2.0
 
 
+def test_fsdp2s_buffers_leave_the_recorded_kernels_alone(dsv3):
+    from simplefsdp.plan.host import Fsdp2Buffers
+
+    spec, config = dsv3
+    small = dataclasses.replace(config, n_layers=config.n_dense_layers + 2)
+    ops = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6)
+    group = ((1 << 20, 1 << 17),)
+    buffers = Fsdp2Buffers(dense=group, moe=group * 2, embed=group, head=group)
+    recorder = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6, True, buffers)
+    assert recorder.ops == ops
+    # each group's all-gather: the blocks' (a dense one, two MoE ones of two
+    # groups) and the embeddings' in forward and again in backward, the
+    # head's once (kept gathered to its backward)
+    gathers = [e for e in recorder.events if getattr(e, "stream", 0) == 1]
+    assert len(gathers) == 2 * (1 + 2 * 2) + 2 + 1
+
+
 def test_steps_kernels_recorded_on_the_model(dsv3):
     spec, config = dsv3
     small = dataclasses.replace(config, n_layers=config.n_dense_layers + 1)

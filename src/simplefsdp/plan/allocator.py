@@ -114,6 +114,14 @@ class Free(NamedTuple):
     key: object
 
 
+class Previous(NamedTuple):
+    """The key of a tensor the previous step allocated: ``Free(Previous(k))``
+    in one step's events frees the step before's ``k`` (the gradients
+    ``zero_grad`` frees as a step starts); nothing on the first step."""
+
+    key: object
+
+
 Event = Alloc | Free
 
 
@@ -579,12 +587,18 @@ def cached_bytes(
     on a device of ``usable`` bytes of which ``allocated`` (the plan's
     tensors) less the simulated ones are taken: past that capacity the
     cache is released and the allocation retried, and the reserved peak is
-    the usable memory at most."""
-    events = [
-        Alloc((n, e.key), e.size, e.stream) if isinstance(e, Alloc) else Free((n, e.key))
-        for n in range(steps)
-        for e in step
-    ]
+    the usable memory at most. A ``Free`` of a :class:`Previous` key frees
+    the step before's tensor."""
+    events: list[Event] = []
+    for n in range(steps):
+        for e in step:
+            if isinstance(e, Alloc):
+                events.append(Alloc((n, e.key), e.size, e.stream))
+            elif isinstance(e.key, Previous):
+                if n:
+                    events.append(Free((n - 1, e.key.key)))
+            else:
+                events.append(Free((n, e.key)))
     free = CachingAllocator().run(events)
     capacity = usable - max(allocated - free.allocated_peak_bytes, 0.0)
     if capacity <= 0 or free.reserved_peak_bytes <= capacity:

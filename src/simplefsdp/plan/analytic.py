@@ -40,9 +40,11 @@ Note: [Analytic plan model]
                    past the dense ones (each storage allocated when an op
                    creates it and freed when nothing holds it, autograd's
                    saved tensors included; :func:`eager_step_events`),
-                   taken whole as the traced plans take theirs. Not
-                   modelled: compiled engines' cache, eager FSDP2's
-                   collective buffers on streams of their own.
+                   taken whole as the traced plans take theirs; for
+                   eager FSDP2 with its collective buffers on streams of
+                   their own (Note: [FSDP2's collective buffers] in
+                   ``plan/host.py``). Not modelled: compiled engines'
+                   cache.
 
     Step time:
       compute      matmul FLOPs of the dense activated parameters at the
@@ -122,7 +124,13 @@ from typing import Any
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.allocator import cached_bytes
 from simplefsdp.plan.hardware import HardwareProfile
-from simplefsdp.plan.host import HostStep, device_bound, eager_step_events, timeline_step
+from simplefsdp.plan.host import (
+    Fsdp2Buffers,
+    HostStep,
+    device_bound,
+    eager_step_events,
+    timeline_step,
+)
 from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
@@ -315,6 +323,7 @@ def _host_step(
     eager: bool,
     device_s: float,
     gather_s: dict[str, float],
+    buffers: Fsdp2Buffers | None = None,
 ) -> HostStep:
     """The step's compute as host against device (Note: [Host-bound steps]):
     for an eager engine on a GPU (``kernels``, the profile's kernel model,
@@ -347,6 +356,7 @@ def _host_step(
         layout.imbalance,
         layout.cp,
         gather_s,
+        buffers,
     )
 
 
@@ -415,12 +425,33 @@ def predict_analytic(
         "temporary": temporary,
     }
     usable = hw.memory_bytes * hw.usable_memory_fraction
-    fused = get_engine(layout.engine).fused_buckets
+    engine = get_engine(layout.engine)
+    fused = engine.fused_buckets
+    rate = hw.peak_bf16_flops * hw.matmul_efficiency
+    bw = hw.memory_bandwidth * hw.memory_efficiency
+    kernels = kernel_model(hw, bw)
+    # eager FSDP2's groups as its collective buffers see them (Note: [FSDP2's
+    # collective buffers] in plan/host.py): a block, its experts apart, the root
+    local_expert_params = args.num_experts // ep * per_expert
+    buffers = None
+    if engine.fsdp2_runtime and not fused and dp > 1:
+
+        def group(params: float, over: int) -> tuple[int, int]:
+            return (int(2 * params), int(4 * params / over))
+
+        buffers = Fsdp2Buffers(
+            dense=(group(block_dense + 3 * args.dim * args.dense_hidden_dim, dp),),
+            moe=(group(block_dense, dp), group(local_expert_params, max(dp // ep, 1))),
+            embed=(group(embed, dp),),
+            head=(group(embed + args.dim, dp),),
+        )
+    recording = (spec, config, layout.ac, ep, layout.batch, layout.seq // cp, kernels,
+                 layout.imbalance, cp, buffers)  # fmt: skip
     cache_note = []
     if hw.caching_allocator and not fused:
         # What the caching allocator holds free at its reserved peak, over two
         # eager steps of the family's own ops (Note: [Analytic plan model]).
-        events = eager_step_events(spec, config, layout.ac, ep, layout.batch, layout.seq // cp)
+        events = eager_step_events(*recording)
         cached, retries = cached_bytes(events, sum(memory.values()), usable)
         memory["cached"] = cached
         cache_note = [
@@ -430,9 +461,6 @@ def predict_analytic(
     peak = sum(memory.values())
 
     # ---- compute
-    rate = hw.peak_bf16_flops * hw.matmul_efficiency
-    bw = hw.memory_bandwidth * hw.memory_efficiency
-    kernels = kernel_model(hw, bw)
     attn_flops = flops_per_token - 6.0 * active_blocks
     routed = 6.0 * args.n_moe_layers * args.top_k * per_expert  # per token, fwd + bwd
     linear = 6.0 * active_blocks - routed
@@ -523,6 +551,7 @@ def predict_analytic(
         eager=not fused,
         device_s=device_s + a2a_s,
         gather_s={"moe": block_gather(*moe_params), "dense": block_gather(*dense_params)},
+        buffers=buffers,
     )  # fmt: skip
     eager_timeline = kernels is not None and not fused
     # the eager timeline holds the step's kernels and forward gathers, not

@@ -39,6 +39,28 @@ Note: [Host-bound steps]
     extrapolated, as the traced plans do. The step's compute is the
     simulated end; what it adds to the kernels' own time is the host's.
 
+Note: [FSDP2's collective buffers]
+    Eager FSDP2 allocates its collectives' buffers on streams of their own,
+    and the caching allocator keeps each stream's freed blocks for that
+    stream: what the compute stream frees the collectives cannot reuse and
+    the other way round. For the allocator's simulation of an eager MoE
+    step the recording adds them as torchtitan's FSDP2 allocates them
+    (:class:`Fsdp2Buffers`: one group per block, the experts of an MoE
+    block a group of their own, the token embeddings and the head each
+    one): a group's all-gather output (its bf16 parameters whole) on the
+    all-gather stream (1), issued one group ahead (torchtitan's explicit
+    prefetch: the next block and its experts in forward, the previous in
+    backward) and freed when copied out to the gathered parameters on the
+    compute stream; those freed after the block's forward (resharded) and
+    its backward, the head kept gathered from the forward's end to its own
+    backward; in backward the unsharded gradients on the compute stream;
+    at each group's post-backward (the next block's backward starts) its
+    gradients copied into the reduce-scatter's fp32 input on the
+    reduce-scatter stream (2), held until the next group's, and the
+    gradient shard allocated there, which the next step's ``zero_grad``
+    frees (:class:`~simplefsdp.plan.allocator.Previous`): the step's
+    forward cannot reuse those blocks.
+
     Host cost per op (:class:`~simplefsdp.plan.hardware.HardwareProfile`):
     ``host_forward_op_s`` for forward and recomputed ops (Python with
     autograd recording), ``host_backward_op_s`` for backward ops (issued by
@@ -365,8 +387,163 @@ class _MemoryRecorder(_KernelRecorder):
         return out
 
 
+@dataclass(frozen=True)
+class Fsdp2Buffers:
+    """Eager FSDP2's FSDP groups as its collective buffers see them (Note:
+    [FSDP2's collective buffers]): for a dense block, an MoE block (its
+    experts a group of their own, as torchtitan wraps them), the token
+    embeddings and the head (final norm and output), each group's
+    ``(gathered, shard)`` bytes: its bf16 parameters gathered whole, and
+    this rank's fp32 gradient shard."""
+
+    dense: tuple[tuple[int, int], ...]
+    moe: tuple[tuple[int, int], ...]
+    embed: tuple[tuple[int, int], ...]
+    head: tuple[tuple[int, int], ...]
+
+
+class _Fsdp2Events:
+    """Appends eager FSDP2's collective buffers to a :class:`_MemoryRecorder`'s
+    events as its hooks would allocate them (Note: [FSDP2's collective
+    buffers]): all-gather outputs on stream 1, reduce-scatter inputs and
+    gradient shards on stream 2, the gathered parameters and their
+    unsharded gradients on the compute stream (0). A block is its index in
+    ``kinds`` (``dense`` or ``moe``), or ``embed`` or ``head``."""
+
+    def __init__(self, recorder: Any, buffers: Fsdp2Buffers, kinds: list[str]) -> None:
+        self.recorder, self.buffers, self.kinds = recorder, buffers, kinds
+        self.issued: set[Any] = set()  # all-gathers issued, not yet copied out
+        self.gathered: dict[Any, str] = {}  # block -> the pass that gathered it
+        self.reducing: list[Any] = []  # the reduce-scatter input held to the next one
+        self.shards: list[Any] = []
+
+    def _groups(self, block: Any) -> tuple[tuple[int, int], ...]:
+        kind = block if isinstance(block, str) else self.kinds[block]
+        return getattr(self.buffers, kind)
+
+    def _emit(self, event: Any) -> None:
+        self.recorder.events.append(event)
+
+    def _issue(self, block: Any, phase: str) -> None:
+        from simplefsdp.plan.allocator import Alloc
+
+        if block is None or (block, phase) in self.issued or block in self.gathered:
+            return
+        self.issued.add((block, phase))
+        for g, (gathered, _) in enumerate(self._groups(block)):
+            self._emit(Alloc(("fsdp2-ag", phase, block, g), gathered, 1))
+
+    def unshard(self, block: Any, phase: str, prefetch: Any = None) -> None:
+        """``block``'s all-gathers waited for and copied out to its
+        parameters (in backward, its gradients allocated beside them), then
+        ``prefetch``'s issued: torchtitan's explicit prefetch of the next
+        block in forward, the previous one in backward."""
+        from simplefsdp.plan.allocator import Alloc, Free
+
+        if block not in self.gathered:
+            self._issue(block, phase)
+            self.issued.discard((block, phase))
+            self.gathered[block] = phase
+            for g, (gathered, _) in enumerate(self._groups(block)):
+                self._emit(Alloc(("fsdp2-param", phase, block, g), gathered))
+                self._emit(Free(("fsdp2-ag", phase, block, g)))
+        if phase == "backward":
+            self.gradients(block)
+        self._issue(prefetch, phase)
+
+    def gradients(self, block: Any) -> None:
+        """The unsharded gradients autograd accumulates for ``block``."""
+        from simplefsdp.plan.allocator import Alloc
+
+        for g, (gathered, _) in enumerate(self._groups(block)):
+            self._emit(Alloc(("fsdp2-grad", block, g), gathered))
+
+    def reshard(self, block: Any) -> None:
+        from simplefsdp.plan.allocator import Free
+
+        phase = self.gathered.pop(block, None)
+        if phase is not None:
+            for g in range(len(self._groups(block))):
+                self._emit(Free(("fsdp2-param", phase, block, g)))
+
+    def reduce(self, block: Any) -> None:
+        """``block``'s post-backward: per group its gradients copied into
+        the reduce-scatter's fp32 input, the previous group's input
+        released, the gradient shard allocated; then resharded."""
+        from simplefsdp.plan.allocator import Alloc, Free
+
+        for g, (gathered, shard) in enumerate(self._groups(block)):
+            self._emit(Alloc(("fsdp2-rs", block, g), 2 * gathered, 2))
+            self._emit(Free(("fsdp2-grad", block, g)))
+            for held in self.reducing:
+                self._emit(Free(held))
+            self.reducing = [("fsdp2-rs", block, g)]
+            self._emit(Alloc(("fsdp2-shard", block, g), shard, 2))
+            self.shards.append(("fsdp2-shard", block, g))
+        self.reshard(block)
+
+    def finish(self) -> None:
+        """The first block's and the embeddings' post-backward (the last); the last
+        reduce-scatter's input released; the gradient shards of the step
+        before freed as the step starts (``zero_grad``)."""
+        from simplefsdp.plan.allocator import Free, Previous
+
+        self.reduce(0)  # the first block's post-backward
+        self.unshard("embed", "backward")
+        self.reduce("embed")
+        for held in self.reducing:
+            self._emit(Free(held))
+        self.reducing = []
+        self.recorder.events[:0] = [Free(Previous(key)) for key in self.shards]
+
+
+def _hook_fsdp2(model: Any, recorder: Any, buffers: Fsdp2Buffers, n_dense: int) -> _Fsdp2Events:
+    """Registers eager FSDP2's collective buffers on ``model``'s blocks (as
+    wrapped for AC) and around them, torchtitan's groups (Note: [FSDP2's
+    collective buffers]): the embeddings gathered as the forward starts and
+    resharded after it, the head gathered after the last block, kept to
+    its own backward (the first), reduced before the last block's."""
+    blocks = list(getattr(model, "layers", {}).values())
+    kinds = ["dense" if i < n_dense else "moe" for i in range(len(blocks))]
+    fsdp = _Fsdp2Events(recorder, buffers, kinds)
+    model.register_forward_pre_hook(lambda *_: fsdp.unshard("embed", "forward", 0))
+    last = len(blocks) - 1
+
+    def pre_forward(i: int) -> None:
+        if i == 0:
+            fsdp.reshard("embed")
+        fsdp.unshard(i, "forward", i + 1 if i < last else "head")
+
+    def post_forward(i: int, output: Any) -> None:
+        fsdp.reshard(i)
+        if i == last:
+            fsdp.unshard("head", "forward")
+        # FSDP2's pre-backward: a hook on the block's output gradient
+        out = next((t for t in _tensors(output) if t.requires_grad), None)
+        if out is not None:
+            out.register_hook(lambda _grad: pre_backward(i))
+
+    def pre_backward(i: int) -> None:
+        # the block after it (or the head) has finished its backward
+        fsdp.reduce(i + 1 if i < last else "head")
+        fsdp.unshard(i, "backward", i - 1 if i else "embed")
+
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: pre_forward(i))
+        block.register_forward_hook(lambda _m, _a, out, i=i: post_forward(i, out))
+    return fsdp
+
+
 def _record_step(
-    spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, price, memory: bool = False
+    spec: Any,
+    config: Any,
+    ac: str,
+    ep: int,
+    batch: int,
+    seq: int,
+    price,
+    memory: bool = False,
+    buffers: Fsdp2Buffers | None = None,
 ) -> Any:
     """The kernels of one training step of ``config``'s model at its real
     shapes (meta tensors, bfloat16, the experts' grouped GEMMs), in issue
@@ -375,7 +552,8 @@ def _record_step(
     With ``memory`` the recorder (:class:`_MemoryRecorder`) is returned,
     its ``events`` without the parameters' gradients (FSDP reduces and
     frees each block's as its backward ends; the plan counts the sharded
-    ones)."""
+    ones); with ``buffers`` eager FSDP2's collective buffers are added to
+    them (:func:`_hook_fsdp2`)."""
     import inspect
 
     from simplefsdp.engines.activation import apply_activation_checkpointing
@@ -402,6 +580,7 @@ def _record_step(
         if ep > 1 and forward and "num_tokens_per_expert" in inspect.signature(forward).parameters:
             module.register_forward_pre_hook(lambda *_: setattr(recorder, "pending_sync", True))
     apply_activation_checkpointing(model, ac)
+    fsdp = _hook_fsdp2(model, recorder, buffers, n_dense) if memory and buffers else None
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     held = [*model.parameters(), *model.buffers(), tokens]
     if memory:
@@ -409,7 +588,11 @@ def _record_step(
     with _one_kernel_attention(), recorder:
         loss = model(tokens).float().logsumexp(-1).mean()
         recorder.backward = True
+        if fsdp:
+            fsdp.gradients("head")  # from the output layer's backward, the first
         loss.backward()
+    if fsdp:
+        fsdp.finish()
     if not memory:
         return recorder.ops
     del loss
@@ -420,20 +603,24 @@ def _record_step(
     return recorder
 
 
-_EVENTS: dict[tuple, tuple] = {}
-
-
-def eager_step_events(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int) -> tuple:
+def eager_step_events(
+    spec: Any,
+    config: Any,
+    ac: str,
+    ep: int,
+    batch: int,
+    seq: int,
+    kernels: Any = None,
+    imbalance: float = 1.0,
+    cp: int = 1,
+    buffers: Fsdp2Buffers | None = None,
+) -> tuple:
     """Allocation and free events of one eager training step of ``config``
     with two MoE blocks (past its dense ones) at the layout's shapes (Note:
-    [Host-bound steps]; :class:`_MemoryRecorder`), for the caching
-    allocator's simulation; cached per shape."""
-    key = (spec.family, config, ac, ep, batch, seq)
-    if key not in _EVENTS:
-        cfg = dataclasses.replace(config, n_layers=config.n_dense_layers + 2)
-        recorder = _record_step(spec, cfg, ac, ep, batch, seq, lambda *_: 0.0, memory=True)
-        _EVENTS[key] = tuple(recorder.events)
-    return _EVENTS[key]
+    [Host-bound steps]; :class:`_MemoryRecorder`), eager FSDP2's collective
+    buffers added with ``buffers``, for the caching allocator's simulation;
+    the recording :func:`timeline_step` prices with the same arguments."""
+    return _recorded(spec, config, ac, ep, batch, seq, kernels, imbalance, cp, buffers)[2]
 
 
 def simulate(
@@ -466,37 +653,38 @@ _RECORDED: dict[tuple, tuple] = {}
 
 
 def _recorded(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, kernels: Any,
-              imbalance: float, cp: int) -> tuple:  # fmt: skip
-    """The priced kernels of models of one and of two MoE blocks (past the
-    dense ones), cached per shape and kernel model."""
-    key = (spec.family, config, ac, ep, batch, seq, repr(kernels), imbalance, cp)
+              imbalance: float, cp: int, buffers: Fsdp2Buffers | None = None) -> tuple:  # fmt: skip
+    """The kernels of models of one and of two MoE blocks (past the dense
+    ones), priced by ``kernels`` (0 without), and the allocation events of
+    the second (``buffers``: eager FSDP2's), cached per shape and kernel
+    model: ``(ops of one, ops of two, events of two)``."""
+    key = (spec.family, config, ac, ep, batch, seq, repr(kernels), imbalance, cp, buffers)
     if key not in _RECORDED:
-        price = kernel_pricer(kernels, max(config.num_experts // ep, 1), imbalance, cp)
-        _RECORDED[key] = tuple(
-            _record_step(
-                spec,
-                dataclasses.replace(config, n_layers=config.n_dense_layers + extra),
-                ac,
-                ep,
-                batch,
-                seq,
-                price,
-            )  # fmt: skip
-            for extra in (1, 2)
-        )
+        local = max(config.num_experts // ep, 1)
+        price = kernel_pricer(kernels, local, imbalance, cp) if kernels else (lambda *_: 0.0)
+
+        def model(extra: int) -> Any:
+            return dataclasses.replace(config, n_layers=config.n_dense_layers + extra)
+
+        one = _record_step(spec, model(1), ac, ep, batch, seq, price)
+        two = _record_step(spec, model(2), ac, ep, batch, seq, price, True, buffers)
+        _RECORDED[key] = (tuple(one), tuple(two.ops), tuple(two.events))
     return _RECORDED[key]
 
 
 def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, hw: Any,
                   kernels: Any, imbalance: float = 1.0, cp: int = 1,
-                  gather_s: dict[str, float] | None = None) -> HostStep:  # fmt: skip
+                  gather_s: dict[str, float] | None = None,
+                  buffers: Fsdp2Buffers | None = None) -> HostStep:  # fmt: skip
     """An eager step of ``config`` on ``hw`` as the host issues it against
     the device (Note: [Host-bound steps]): the kernels of a model of one and
     of two MoE blocks recorded at the layout's shapes (``seq``: this rank's
     tokens of each sequence, a ``cp``-th) and simulated, with each block's
     forward all-gather (``gather_s`` by block kind, ``dense`` or ``moe``),
     the MoE blocks extrapolated. ``device_s`` is the kernel model's;
-    ``wait_s`` what the host and the gathers add to it."""
+    ``wait_s`` what the host and the gathers add to it. ``buffers`` leaves
+    the kernels alone: it selects the recording :func:`eager_step_events`
+    shares."""
     selective = hw.host_selective_ac_op_s if ac == "selective" else 0.0
     host_s = {
         "forward": hw.host_forward_op_s + selective,
@@ -504,7 +692,7 @@ def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int
         "backward": hw.host_backward_op_s,
     }
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
-    one, two = _recorded(spec, config, ac, ep, batch, seq, kernels, imbalance, cp)
+    one, two, _ = _recorded(spec, config, ac, ep, batch, seq, kernels, imbalance, cp, buffers)
     (t1, d1, h1), (t2, d2, h2) = (simulate(ops, host_s, sync_s, gather_s) for ops in (one, two))
     n_moe = config.n_moe_layers
     step = t1 + (n_moe - 1) * (t2 - t1)

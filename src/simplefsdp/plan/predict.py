@@ -67,8 +67,9 @@ Note: [Plan model]
                    the fp32 tensors that follow it. The device's usable
                    memory, less the plan's bytes beyond the simulated ones,
                    is the allocator's capacity: past it the cache is
-                   released and the allocation retried (noted). For the
-                   eager engine (FSDP2) the all-gathers' and the
+                   released and the allocation retried (noted). For
+                   FSDP2, eager or with compiled blocks (its hooks stay
+                   eager), the all-gathers' and the
                    reduce-scatters' buffers and copy-ins are allocated on
                    streams of their own, whose cached blocks the compute
                    stream cannot use (``fsdp2_stream``): the gradients
@@ -836,7 +837,8 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # 2-block trace's steps (Note: [Plan model]).
         vocab = config.vocab_size // (layout.tp if layout.loss_parallel else 1)
         fused_vocab = vocab if layout.fused_loss else 0
-        cached, retries = _cached_bytes(t2, sum(memory.values()), usable, not fused, fused_vocab)
+        streams = get_engine(layout.engine).fsdp2_runtime  # compiled blocks too
+        cached, retries = _cached_bytes(t2, sum(memory.values()), usable, streams, fused_vocab)
         memory["cached"] = cached
         notes.append(
             f"peak is the caching allocator's reserved memory: {cached / 2**30:.1f} GiB cached "
