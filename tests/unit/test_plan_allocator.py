@@ -234,8 +234,7 @@ def test_eager_fsdp2s_collective_buffers_sit_on_streams_of_their_own() -> None:
     buffers = Fsdp2Buffers(
         dense=((GiB // 4, GiB // 32),),
         moe=((GiB // 16, GiB // 128), (GiB // 2, GiB // 8)),
-        embed=((GiB // 4, GiB // 32),),
-        head=((GiB // 4, GiB // 32),),
+        root=((GiB // 2, GiB // 16),),
     )
     plain = eager_step_events(*args)
     fsdp2 = eager_step_events(*args, buffers=buffers)
@@ -250,7 +249,7 @@ def test_eager_fsdp2s_collective_buffers_sit_on_streams_of_their_own() -> None:
              if isinstance(e, Free)}  # fmt: skip
     assert allocs == frees
     shards = [e.key for e in fsdp2 if isinstance(e, Free) and isinstance(e.key, Previous)]
-    assert len(shards) == 1 + 2 * 2 + 2  # a dense block, two MoE blocks of two groups, outer
+    assert len(shards) == 1 + 2 * 2 + 1  # a dense block, two MoE blocks of two groups, root
     # their pools hold blocks the compute stream cannot use
     with_streams, _ = cached_bytes(fsdp2, allocated=0, usable=1 << 50)
     without, _ = cached_bytes(plain, allocated=0, usable=1 << 50)

@@ -66,14 +66,14 @@ def test_fsdp2s_buffers_leave_the_recorded_kernels_alone(dsv3):
     small = dataclasses.replace(config, n_layers=config.n_dense_layers + 2)
     ops = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6)
     group = ((1 << 20, 1 << 17),)
-    buffers = Fsdp2Buffers(dense=group, moe=group * 2, embed=group, head=group)
+    buffers = Fsdp2Buffers(dense=group, moe=group * 2, root=group)
     recorder = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6, True, buffers)
     assert recorder.ops == ops
     # each group's all-gather: the blocks' (a dense one, two MoE ones of two
-    # groups) and the embeddings' in forward and again in backward, the
-    # head's once (kept gathered to its backward)
+    # groups) in forward and again in backward, the root's once (kept
+    # gathered to the end of backward)
     gathers = [e for e in recorder.events if getattr(e, "stream", 0) == 1]
-    assert len(gathers) == 2 * (1 + 2 * 2) + 2 + 1
+    assert len(gathers) == 2 * (1 + 2 * 2) + 1
 
 
 def test_steps_kernels_recorded_on_the_model(dsv3):

@@ -442,8 +442,7 @@ def predict_analytic(
         buffers = Fsdp2Buffers(
             dense=(group(block_dense + 3 * args.dim * args.dense_hidden_dim, dp),),
             moe=(group(block_dense, dp), group(local_expert_params, max(dp // ep, 1))),
-            embed=(group(embed, dp),),
-            head=(group(embed + args.dim, dp),),
+            root=(group(2 * embed + args.dim, dp),),
         )
     recording = (spec, config, layout.ac, ep, layout.batch, layout.seq // cp, kernels,
                  layout.imbalance, cp, buffers)  # fmt: skip

@@ -44,16 +44,17 @@ Note: [FSDP2's collective buffers]
     and the caching allocator keeps each stream's freed blocks for that
     stream: what the compute stream frees the collectives cannot reuse and
     the other way round. For the allocator's simulation of an eager MoE
-    step the recording adds them as torchtitan's FSDP2 allocates them
-    (:class:`Fsdp2Buffers`: one group per block, the experts of an MoE
-    block a group of their own, the token embeddings and the head each
-    one): a group's all-gather output (its bf16 parameters whole) on the
-    all-gather stream (1), issued one group ahead (torchtitan's explicit
-    prefetch: the next block and its experts in forward, the previous in
-    backward) and freed when copied out to the gathered parameters on the
-    compute stream; those freed after the block's forward (resharded) and
-    its backward, the head kept gathered from the forward's end to its own
-    backward; in backward the unsharded gradients on the compute stream;
+    step the recording adds them as the ``fsdp2`` engine's groups allocate
+    them (:class:`Fsdp2Buffers`: one group per block, the experts of an
+    MoE block a group of their own, as torchtitan wraps them too, and the
+    root: embeddings, final norm and output): a group's all-gather output
+    (its bf16 parameters whole) on the all-gather stream (1), issued as
+    the block's forward starts (and in backward one block ahead, FSDP2's
+    backward prefetch) and freed when copied out to the gathered
+    parameters on the compute stream; those freed after the block's
+    forward (resharded) and its backward, the root's kept from the
+    forward's start to the end of backward; in backward the unsharded
+    gradients on the compute stream;
     at each group's post-backward (the next block's backward starts) its
     gradients copied into the reduce-scatter's fp32 input on the
     reduce-scatter stream (2), held until the next group's, and the
@@ -391,15 +392,13 @@ class _MemoryRecorder(_KernelRecorder):
 class Fsdp2Buffers:
     """Eager FSDP2's FSDP groups as its collective buffers see them (Note:
     [FSDP2's collective buffers]): for a dense block, an MoE block (its
-    experts a group of their own, as torchtitan wraps them), the token
-    embeddings and the head (final norm and output), each group's
-    ``(gathered, shard)`` bytes: its bf16 parameters gathered whole, and
-    this rank's fp32 gradient shard."""
+    experts a group of their own) and the root (embeddings, final norm and
+    output), each group's ``(gathered, shard)`` bytes: its bf16 parameters
+    gathered whole, and this rank's fp32 gradient shard."""
 
     dense: tuple[tuple[int, int], ...]
     moe: tuple[tuple[int, int], ...]
-    embed: tuple[tuple[int, int], ...]
-    head: tuple[tuple[int, int], ...]
+    root: tuple[tuple[int, int], ...]
 
 
 class _Fsdp2Events:
@@ -408,7 +407,7 @@ class _Fsdp2Events:
     buffers]): all-gather outputs on stream 1, reduce-scatter inputs and
     gradient shards on stream 2, the gathered parameters and their
     unsharded gradients on the compute stream (0). A block is its index in
-    ``kinds`` (``dense`` or ``moe``), or ``embed`` or ``head``."""
+    ``kinds`` (``dense`` or ``moe``), or ``root``."""
 
     def __init__(self, recorder: Any, buffers: Fsdp2Buffers, kinds: list[str]) -> None:
         self.recorder, self.buffers, self.kinds = recorder, buffers, kinds
@@ -436,8 +435,8 @@ class _Fsdp2Events:
     def unshard(self, block: Any, phase: str, prefetch: Any = None) -> None:
         """``block``'s all-gathers waited for and copied out to its
         parameters (in backward, its gradients allocated beside them), then
-        ``prefetch``'s issued: torchtitan's explicit prefetch of the next
-        block in forward, the previous one in backward."""
+        ``prefetch``'s issued (FSDP2's backward prefetch of the previous
+        block)."""
         from simplefsdp.plan.allocator import Alloc, Free
 
         if block not in self.gathered:
@@ -483,14 +482,14 @@ class _Fsdp2Events:
         self.reshard(block)
 
     def finish(self) -> None:
-        """The first block's and the embeddings' post-backward (the last); the last
-        reduce-scatter's input released; the gradient shards of the step
-        before freed as the step starts (``zero_grad``)."""
+        """The first block's and the root's post-backward (the last); the
+        last reduce-scatter's input released; the gradient shards of the
+        step before freed as the step starts (``zero_grad``)."""
         from simplefsdp.plan.allocator import Free, Previous
 
-        self.reduce(0)  # the first block's post-backward
-        self.unshard("embed", "backward")
-        self.reduce("embed")
+        if self.kinds:
+            self.reduce(0)  # the first block's post-backward
+        self.reduce("root")
         for held in self.reducing:
             self._emit(Free(held))
         self.reducing = []
@@ -499,37 +498,31 @@ class _Fsdp2Events:
 
 def _hook_fsdp2(model: Any, recorder: Any, buffers: Fsdp2Buffers, n_dense: int) -> _Fsdp2Events:
     """Registers eager FSDP2's collective buffers on ``model``'s blocks (as
-    wrapped for AC) and around them, torchtitan's groups (Note: [FSDP2's
-    collective buffers]): the embeddings gathered as the forward starts and
-    resharded after it, the head gathered after the last block, kept to
-    its own backward (the first), reduced before the last block's."""
+    wrapped for AC) and root, as the ``fsdp2`` engine groups them (Note:
+    [FSDP2's collective buffers]): the root gathered as the forward starts
+    and kept to the end of backward, each block gathered as its forward
+    starts (no forward prefetch) and its backward starts (the previous
+    block's prefetched)."""
     blocks = list(getattr(model, "layers", {}).values())
     kinds = ["dense" if i < n_dense else "moe" for i in range(len(blocks))]
     fsdp = _Fsdp2Events(recorder, buffers, kinds)
-    model.register_forward_pre_hook(lambda *_: fsdp.unshard("embed", "forward", 0))
+    model.register_forward_pre_hook(lambda *_: fsdp.unshard("root", "forward"))
     last = len(blocks) - 1
-
-    def pre_forward(i: int) -> None:
-        if i == 0:
-            fsdp.reshard("embed")
-        fsdp.unshard(i, "forward", i + 1 if i < last else "head")
 
     def post_forward(i: int, output: Any) -> None:
         fsdp.reshard(i)
-        if i == last:
-            fsdp.unshard("head", "forward")
         # FSDP2's pre-backward: a hook on the block's output gradient
         out = next((t for t in _tensors(output) if t.requires_grad), None)
         if out is not None:
             out.register_hook(lambda _grad: pre_backward(i))
 
     def pre_backward(i: int) -> None:
-        # the block after it (or the head) has finished its backward
-        fsdp.reduce(i + 1 if i < last else "head")
-        fsdp.unshard(i, "backward", i - 1 if i else "embed")
+        if i < last:
+            fsdp.reduce(i + 1)  # the block after it has finished its backward
+        fsdp.unshard(i, "backward", i - 1 if i else None)
 
     for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda *_, i=i: pre_forward(i))
+        block.register_forward_pre_hook(lambda *_, i=i: fsdp.unshard(i, "forward"))
         block.register_forward_hook(lambda _m, _a, out, i=i: post_forward(i, out))
     return fsdp
 
@@ -589,7 +582,7 @@ def _record_step(
         loss = model(tokens).float().logsumexp(-1).mean()
         recorder.backward = True
         if fsdp:
-            fsdp.gradients("head")  # from the output layer's backward, the first
+            fsdp.gradients("root")  # from the output layer's backward, the first
         loss.backward()
     if fsdp:
         fsdp.finish()
