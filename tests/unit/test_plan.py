@@ -296,12 +296,13 @@ def test_block_extrapolation_matches_a_full_trace() -> None:
 
 
 def test_step_time_adds_up_by_hand() -> None:
-    # step = traced compute + exposed communication + AdamW step, which moves
-    # 28 bytes per fp32 parameter at 0.5 * 1e11 B/s plus the gradient-norm
-    # all-reduce of one number (intra-node: 10 us + 2 * 1/2 * 4 B / 1e10 B/s).
+    # step = traced compute + exposed communication + gradient clipping and
+    # the AdamW step, which move 12 and 28 bytes per fp32 parameter at
+    # 0.5 * 1e11 B/s, plus the gradient-norm all-reduce of one number
+    # (intra-node: 10 us + 2 * 1/2 * 4 B / 1e10 B/s).
     args = _debug()
     pred = predict(LLAMA, args, Layout(gpus=2, batch=2, seq=64), FIXED)
-    optimizer_s = num_params(args) / 2 * ADAMW_BYTES_PER_PARAM / (0.5 * 1e11)
+    optimizer_s = num_params(args) / 2 * (12 + ADAMW_BYTES_PER_PARAM) / (0.5 * 1e11)
     optimizer_s += 1e-5 + 4 / 1e10
     assert pred.time["optimizer"] == pytest.approx(optimizer_s)
     assert pred.time["bubble"] == 0
@@ -317,7 +318,8 @@ def test_a_measured_adamw_rate_replaces_the_bandwidth_estimate() -> None:
     layout = Layout(gpus=2, batch=2, seq=64)
     base = predict(LLAMA, args, layout, FIXED)
     measured = predict(LLAMA, args, layout, dataclasses.replace(FIXED, adamw_s_per_param=3e-9))
-    norm_s = 1e-5 + 4 / 1e10  # the gradient norm's all-reduce, as above
+    # the gradient norm's passes and all-reduce, as above
+    norm_s = num_params(args) / 2 * 12 / (0.5 * 1e11) + 1e-5 + 4 / 1e10
     assert measured.time["optimizer"] == pytest.approx(num_params(args) / 2 * 3e-9 + norm_s)
     assert measured.step_s - base.step_s == pytest.approx(
         measured.time["optimizer"] - base.time["optimizer"]

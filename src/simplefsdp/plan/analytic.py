@@ -95,7 +95,8 @@ Note: [Analytic plan model]
                    and the gathered block out, per reduce-scatter the
                    gradients in, ``copy_bytes_per_byte`` bytes moved per
                    byte written at the achievable bandwidth.
-      optimizer    AdamW, 28 bytes moved per fp32 parameter shard.
+      optimizer    gradient-norm clipping (12 bytes per fp32 parameter
+                   shard and the norm's all-reduce), then AdamW (28 bytes).
     MFU: the spec's ``flops_per_token`` (torchtitan's count: ``6 *`` the
     activated parameters plus attention by head dims, not halved for the
     causal mask) over the bf16 peak.
@@ -136,6 +137,7 @@ from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
 
 ADAMW_BYTES_PER_PARAM = 28
+CLIP_BYTES_PER_PARAM = 12  # the norm reads each gradient shard, the scaling reads and writes it
 
 
 @dataclass(frozen=True)
@@ -579,7 +581,8 @@ def predict_analytic(
     cp_s = args.n_layers * cp_passes * hw.comm_seconds("all_gather", cp, cp * kv_bytes, cp)
     exposed_s = exposed + a2a_s + cp_s
 
-    optimizer_s = shard_params * ADAMW_BYTES_PER_PARAM / bw
+    # gradient clipping's passes and all-reduce, then AdamW (Note: [Plan model])
+    optimizer_s = shard_params * (ADAMW_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / bw
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)
     # The copies around FSDP's collectives on the compute stream, as the
     # traced plans count them (``copy_written_bytes``): per all-gather the

@@ -206,8 +206,8 @@ class HardwareProfile:
 # TPS/GPU. FP8_EFFICIENCY: the float8 GEMM's maximum achievable fraction of
 # the fp8 peak, fitted on one row only: the same table's FSDP +
 # torch.compile + Float8 row, 8,532 TPS/GPU (with CLOCK_500W).
-CLOCK_500W = 0.7387
-FP8_EFFICIENCY = 0.8151
+CLOCK_500W = 0.7414
+FP8_EFFICIENCY = 0.8183
 
 # Maximum achievable matmul FLOPS (bf16, best shape), Stas Bekman's
 # ml-engineering "Maximum Achievable FLOPS" table (mamf-finder): A100 SXM

@@ -113,7 +113,11 @@ Note: [Plan model]
     compute); what does not hide is exposed communication. The optimizer
     step follows: foreach AdamW at the profile's measured seconds per
     parameter (``adamw_s_per_param``, from ``--calibrate``), or, where the
-    profile has none, memory bound at 28 bytes moved per fp32 parameter.
+    profile has none, memory bound at 28 bytes moved per fp32 parameter;
+    before it gradient-norm clipping (the trainer's default ``max_norm``
+    of 1.0, torchtitan's too): 12 bytes per parameter (the norm reads the
+    gradient shards, the scaling reads and writes them) and the norm's
+    all-reduce.
     Pipeline parallelism (1F1B) takes ``(m + pp - 1)`` microbatch slots of the
     slowest stage; the ``pp - 1`` idle ones are the bubble.
 
@@ -203,6 +207,10 @@ from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
 
 ADAMW_BYTES_PER_PARAM = 28  # read param, grad, exp_avg, exp_avg_sq; write 3 (fp32)
+# Gradient-norm clipping (the trainer's and torchtitan's default max_norm of
+# 1.0): the norm reads each fp32 gradient shard, the scaling reads and
+# writes it again.
+CLIP_BYTES_PER_PARAM = 12
 aten = torch.ops.aten
 
 
@@ -783,7 +791,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     optimizer_s = (param_bytes / 4) * (
         hw.adamw_s_per_param or ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
     )
-    optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)  # grad norm
+    # gradient clipping: the norm's passes and its all-reduce
+    optimizer_s += (param_bytes / 4) * CLIP_BYTES_PER_PARAM / cost_model.bytes_per_s
+    optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)
     if float8_units:
         # The amaxes of the converted weights, one all-reduce per step.
         span = layout.fsdp * layout.tp
