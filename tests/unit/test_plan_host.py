@@ -13,6 +13,7 @@ from simplefsdp.models.registry import resolve_flavor
 from simplefsdp.plan.analytic import ExpertLayout, predict_analytic
 from simplefsdp.plan.hardware import PROFILES
 from simplefsdp.plan.host import (
+    KernelOp,
     _KernelRecorder,
     _record_step,
     device_bound,
@@ -40,23 +41,29 @@ def test_recorder_skips_views():
 
 
 def test_simulate_by_hand():
-    host = {"forward": 1.0, "backward": 0.5, "recompute": 1.0}
+    host = {"forward": 1.0, "backward": 0.5, "recompute": 1.0, "hook": 0.25, "prefetch": 0.0}
     # the device waits for the host's issue, then for its own predecessor
-    ops = [("forward", 3.0, False, None), ("forward", 0.5, False, None)]
-    ops.append(("backward", 2.0, False, None))
+    ops = [KernelOp("forward", 3.0), KernelOp("forward", 0.5), KernelOp("backward", 2.0)]
     step, device, issued = simulate(ops, host, sync_s=0.0)
     assert (step, device, issued) == (1.0 + 3.0 + 0.5 + 2.0, 5.5, 2.5)
     # a sync before the second op: the host waits for the first to finish
-    synced = [ops[0], ("forward", 0.5, True, None), ops[2]]
+    synced = [ops[0], KernelOp("forward", 0.5, sync=True), ops[2]]
     assert simulate(synced, host, sync_s=0.25)[0] == 4.0 + 0.25 + 1.0 + 0.5 + 2.0
     # a slow host: the host's sum, plus the last kernel
     slow = {k: 10.0 for k in host}
     assert simulate(ops, slow, sync_s=0.0)[0] == 30.0 + 2.0
-    # a block's gather, issued when the host reaches it (at 1.0): hidden
-    # behind the kernels queued before it, or waited for
-    gathered = [ops[0], ("forward", 0.5, False, "moe"), ops[2]]
-    assert simulate(gathered, host, 0.0, {"moe": 2.0})[0] == 6.5
-    assert simulate(gathered, host, 0.0, {"moe": 5.0})[0] == 1.0 + 5.0 + 0.5 + 2.0
+    # a block's gather issued by its hooks (0.25 s of host, at 1.25) and
+    # waited for at once: hidden behind the kernel queued before it, or not
+    gathered = [ops[0], KernelOp("hook", 0.0, gather="moe", wait=True), *ops[1:]]
+    assert simulate(gathered, host, 0.0, {"moe": 2.0})[0] == 4.0 + 0.5 + 2.0
+    assert simulate(gathered, host, 0.0, {"moe": 5.0})[0] == 1.25 + 5.0 + 0.5 + 2.0
+    # prefetched: issued one block ahead, before the first kernel, the
+    # second block's hook waits for it
+    ahead = [KernelOp("prefetch", 0.0, gather="moe"), ops[0], KernelOp("hook", 0.0, wait=True)]
+    assert simulate(ahead + ops[1:], host, 0.0, {"moe": 5.0})[0] == 5.0 + 0.5 + 2.0
+    # the hooks after a sync: the device idles while the host runs them
+    after_sync = [ops[0], KernelOp("hook", 0.0, sync=True), *ops[1:]]
+    assert simulate(after_sync, host, 0.0)[0] == 4.0 + 0.25 + 1.0 + 0.5 + 2.0
 
 
 def test_fsdp2s_buffers_leave_the_recorded_kernels_alone(dsv3):
@@ -85,9 +92,17 @@ def test_steps_kernels_recorded_on_the_model(dsv3):
     # selective AC recomputes part of the forward (matmuls and attention saved)
     assert 0 < recompute < forward < phases.count("backward")
     # expert parallelism: the token counts read before each experts call,
-    # in forward and in the recomputation
+    # in forward (then the experts' own FSDP group's hooks run) and in the
+    # recomputation
     syncs = [op[0] for op in ops if op[2]]
-    assert syncs == ["forward", "recompute"]
+    assert syncs == ["hook", "recompute"]
+    # FSDP's groups: the root, the blocks and the experts, each hooked
+    # before its forward and its backward (the root's in forward only);
+    # the blocks' gathers issued one block ahead, the first by the root
+    blocks = config.n_dense_layers + 1
+    assert phases.count("hook") == 1 + 2 * (blocks + 1)
+    assert [op.gather for op in ops if op.gather] == ["dense", "moe"]
+    assert sum(op.wait for op in ops) == blocks
     assert not any(op[2] for op in _record_step(spec, small, "selective", 1, 1, 256,
                                                        lambda *_: 1e-6))  # fmt: skip
     # the experts run as grouped matmuls: the count does not grow with them
@@ -120,6 +135,15 @@ def test_host_bound_switch(dsv3, ep):
         spec, config, "selective", ep, 1, 4096, free_hw, kernels, gather_s={"dense": 1e-3}
     )
     assert sync_s + 0.5e-3 < gathered.wait_s <= sync_s + 1e-3
+    # FSDP2's hooks, 1 ms per group and step: hidden where the host runs
+    # ahead, but the experts' forward half runs after the token sync, when
+    # the device has drained
+    hooked_hw = dataclasses.replace(free_hw, host_fsdp2_group_s=1e-3)
+    hooked = timeline_step(spec, config, "selective", ep, 1, 4096, hooked_hw, kernels, fsdp2=True)
+    exposed = hooked.wait_s - alone.wait_s
+    if ep > 1:
+        assert exposed >= config.n_moe_layers * 0.5e-3 * 0.99
+    assert exposed < 0.5e-3 * (2 * config.n_layers + 1)  # not all of it
     pred = predict_analytic(spec, config, layout, free_hw)
     assert "device bound" in "".join(pred.notes)
     slow = dict(host_forward_op_s=1e-3, host_backward_op_s=1e-3, host_selective_ac_op_s=0.0)

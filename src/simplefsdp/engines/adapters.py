@@ -350,11 +350,13 @@ def _apply_fsdp2(
         param_dtype=dtype_from_name(spec.param_dtype),
         reduce_dtype=dtype_from_name(spec.reduce_dtype),
     )
+    groups: list[list[nn.Module]] = []  # per block: the block, then its experts' groups
     for _, block in repeated_blocks(model):
         if spec.compile:
             # As torchtitan: per-block compile; with TP the block's DTensor ops
             # are traced too (fullgraph may not hold for every TP plan).
             block.compile(backend=spec.backend, fullgraph=spec.tp == 1 and spec.fullgraph)
+        experts_groups = []
         if expert_mesh is not None:
             # As torchtitan: the experts (ExpertParallel's DTensors on "ep")
             # get their own FSDP group on the ranks holding the same experts.
@@ -366,14 +368,32 @@ def _apply_fsdp2(
                         mp_policy=policy,
                         reshard_after_forward=spec.reshard_after_forward,
                     )
+                    experts_groups.append(experts)
         fully_shard(
             block, mesh=mesh, mp_policy=policy, reshard_after_forward=spec.reshard_after_forward
         )
+        groups.append([block, *experts_groups])
     # The root keeps embeddings, final norm and output; like torchtitan it is
     # not resharded after forward, since backward needs it first.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    if expert_mesh is not None and groups:
+        _prefetch_explicitly(model, groups)
     _materialize(model, device, init_fn, sharded_reads=False)
     return ParallelModel(model, model, "fsdp2", mesh, compiled=spec.compile)
+
+
+def _prefetch_explicitly(root: nn.Module, groups: list[list[nn.Module]]) -> None:
+    """FSDP2's all-gathers issued one block ahead, the block's experts with it
+    (``groups``: per block in forward order, the block and its experts'
+    groups), as torchtitan sets them under expert parallelism: the token
+    counts' device-to-host read in every MoE layer stops the host from
+    running ahead, so FSDP2's implicit prefetch (the next all-gather
+    issued when the host reaches it) would leave each gather exposed."""
+    root.set_modules_to_forward_prefetch(groups[0])
+    root.set_modules_to_backward_prefetch(groups[-1])
+    for current, following in zip(groups, groups[1:]):
+        current[0].set_modules_to_forward_prefetch(following)
+        following[0].set_modules_to_backward_prefetch(current)
 
 
 def _apply_ddp(

@@ -359,6 +359,7 @@ def _host_step(
         layout.cp,
         gather_s,
         buffers,
+        get_engine(layout.engine).fsdp2_runtime,
     )
 
 

@@ -43,6 +43,12 @@ HOST_BACKWARD_OP_S = 4e-6
 # recomputed +34 and +41 us over a forward op without AC (17 and 13 us
 # there). Not fitted.
 HOST_SELECTIVE_AC_OP_S = 35e-6
+# Eager FSDP2's hooks per group and step (pre/post forward and backward,
+# autograd's bookkeeping around them): 0.54 ms, measured as ``plan
+# --calibrate``'s ``fsdp2_group_s`` (a one-rank group of a Llama block's nine
+# parameters, so no communication is in it) on the same VM, torch 2.13. Not
+# fitted.
+HOST_FSDP2_GROUP_S = 0.54e-3
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,11 @@ class HardwareProfile:
             engine in backward (no Python) and its launch.
         host_selective_ac_op_s: what selective AC's dispatch mode adds to
             each forward and recomputed op's host time.
+        host_fsdp2_group_s: the host's time in one eager FSDP2 group's
+            hooks per step, where the eager timeline places them (Note:
+            [Host-bound steps]); ``fsdp2_group_s`` is the same cost taken
+            as serial time by the traced plans (0 on GPU profiles, whose
+            traced steps are device bound).
         caching_allocator: memory comes from PyTorch's CUDA caching
             allocator, whose reserved peak the plan reports (Note: [Caching
             allocator simulation]); ``False`` on CPU profiles.
@@ -171,6 +182,7 @@ class HardwareProfile:
     host_forward_op_s: float = HOST_FORWARD_OP_S
     host_backward_op_s: float = HOST_BACKWARD_OP_S
     host_selective_ac_op_s: float = HOST_SELECTIVE_AC_OP_S
+    host_fsdp2_group_s: float = HOST_FSDP2_GROUP_S
     caching_allocator: bool = True
 
     def to_dict(self) -> dict:

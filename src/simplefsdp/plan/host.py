@@ -31,11 +31,17 @@ Note: [Host-bound steps]
     from one host thread at the profile's host cost per op of their pass
     and runs them in order on one stream: a kernel starts when it is issued
     and its predecessor is done; at a sync the host waits for the device.
-    FSDP's all-gather of each block in forward is issued on one
-    communication stream when the host reaches the block (a pre-forward
-    hook) and the block's first kernel waits for it: hidden behind the
-    kernels already queued, exposed where a sync left the queue short.
-    Models of one and of two MoE blocks are simulated and the MoE blocks
+    FSDP's groups (the blocks, the experts of each MoE block under expert
+    parallelism, the root) cost the host their hooks (FSDP2's: the
+    profile's ``host_fsdp2_group_s`` per group and step, half as the
+    group's forward starts, after the token sync for the experts, half as
+    its backward starts), kernel-less ops in the timeline. Each block's
+    all-gather in forward is issued on one communication stream when the
+    host reaches the block and waited for at once: hidden behind the
+    kernels already queued, exposed where a sync left the queue short;
+    under expert parallelism the engines prefetch explicitly (as
+    torchtitan does), issuing the next block's and its experts' gathers
+    as a block starts. Models of one and of two MoE blocks are simulated and the MoE blocks
     extrapolated, as the traced plans do. The step's compute is the
     simulated end; what it adds to the kernels' own time is the host's.
 
@@ -49,7 +55,8 @@ Note: [FSDP2's collective buffers]
     MoE block a group of their own, as torchtitan wraps them too, and the
     root: embeddings, final norm and output): a group's all-gather output
     (its bf16 parameters whole) on the all-gather stream (1), issued as
-    the block's forward starts (and in backward one block ahead, FSDP2's
+    the block's forward starts (under expert parallelism one block ahead,
+    the engine's explicit prefetch; in backward one block ahead, FSDP2's
     backward prefetch) and freed when copied out to the gathered
     parameters on the compute stream; those freed after the block's
     forward (resharded) and its backward, the root's kept from the
@@ -243,15 +250,19 @@ def device_bound(device_s: float, *, syncs: int, sync_s: float) -> HostStep:
 
 
 class KernelOp(NamedTuple):
-    """One recorded kernel (Note: [Host-bound steps]): its pass
-    (``forward``, ``backward`` or ``recompute``), its device seconds,
-    whether a device-to-host read precedes it, and the kind of block
-    (``dense``, ``moe``) whose forward all-gather precedes it, if any."""
+    """One recorded op (Note: [Host-bound steps]): its pass (``forward``,
+    ``backward`` or ``recompute`` for a kernel; ``hook`` for an FSDP
+    group's hooks, ``prefetch`` where they issue the next block's gather,
+    both without a kernel), its device seconds, whether a device-to-host
+    read precedes it, the kind of block (``dense``, ``moe``) whose forward
+    all-gather it issues, if any, and whether it waits for the last
+    all-gather issued."""
 
     phase: str
     device_s: float
     sync: bool = False
     gather: str | None = None
+    wait: bool = False
 
 
 class _KernelRecorder(TorchDispatchMode):
@@ -267,7 +278,6 @@ class _KernelRecorder(TorchDispatchMode):
         self.saves_attention = saves_attention
         self.backward = False
         self.pending_sync = False
-        self.pending_gather: str | None = None
         self.ops: list[KernelOp] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -283,9 +293,8 @@ class _KernelRecorder(TorchDispatchMode):
             recomputed = torch.is_grad_enabled() or forward_attention
             phase = "recompute" if recomputed else "backward"
         seconds = self.price(func, args, out)
-        self.ops.append(KernelOp(phase, seconds, self.pending_sync, self.pending_gather))
+        self.ops.append(KernelOp(phase, seconds, self.pending_sync))
         self.pending_sync = False
-        self.pending_gather = None
         return out
 
 
@@ -496,18 +505,22 @@ class _Fsdp2Events:
         self.recorder.events[:0] = [Free(Previous(key)) for key in self.shards]
 
 
-def _hook_fsdp2(model: Any, recorder: Any, buffers: Fsdp2Buffers, n_dense: int) -> _Fsdp2Events:
+def _hook_fsdp2(
+    model: Any, recorder: Any, buffers: Fsdp2Buffers, n_dense: int, prefetch: bool
+) -> _Fsdp2Events:
     """Registers eager FSDP2's collective buffers on ``model``'s blocks (as
     wrapped for AC) and root, as the ``fsdp2`` engine groups them (Note:
     [FSDP2's collective buffers]): the root gathered as the forward starts
     and kept to the end of backward, each block gathered as its forward
-    starts (no forward prefetch) and its backward starts (the previous
-    block's prefetched)."""
+    starts (one block ahead with ``prefetch``, the engine's explicit
+    prefetch under expert parallelism) and its backward starts (the
+    previous block's prefetched)."""
     blocks = list(getattr(model, "layers", {}).values())
     kinds = ["dense" if i < n_dense else "moe" for i in range(len(blocks))]
     fsdp = _Fsdp2Events(recorder, buffers, kinds)
-    model.register_forward_pre_hook(lambda *_: fsdp.unshard("root", "forward"))
     last = len(blocks) - 1
+    first = 0 if prefetch and blocks else None
+    model.register_forward_pre_hook(lambda *_: fsdp.unshard("root", "forward", first))
 
     def post_forward(i: int, output: Any) -> None:
         fsdp.reshard(i)
@@ -522,7 +535,8 @@ def _hook_fsdp2(model: Any, recorder: Any, buffers: Fsdp2Buffers, n_dense: int) 
         fsdp.unshard(i, "backward", i - 1 if i else None)
 
     for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda *_, i=i: fsdp.unshard(i, "forward"))
+        ahead = i + 1 if prefetch and i < last else None
+        block.register_forward_pre_hook(lambda *_, i=i, a=ahead: fsdp.unshard(i, "forward", a))
         block.register_forward_hook(lambda _m, _a, out, i=i: post_forward(i, out))
     return fsdp
 
@@ -557,23 +571,53 @@ def _record_step(
         model = spec.build(config)
     model.to(torch.bfloat16)
     n_dense = getattr(config, "n_dense_layers", 0)
-    for index, block in enumerate(getattr(model, "layers", {}).values()):
-        # FSDP gathers each block as its forward starts (not in AC's recomputation)
-        kind = "dense" if index < n_dense else "moe"
 
-        def gather(*_, kind=kind):
-            if not recorder.backward:
-                recorder.pending_gather = kind
+    # FSDP's groups and their hooks (Note: [Host-bound steps]): each a
+    # kernel-less op at the group's pre-forward (after the token sync where
+    # one is pending) and pre-backward. A block's forward all-gather: issued
+    # as its forward starts and waited for at once, or, under expert
+    # parallelism, issued one block ahead with its experts' (the engines'
+    # explicit prefetch: the syncs stop the host running ahead).
+    prefetch = ep > 1
+    blocks = list(getattr(model, "layers", {}).values())
+    kinds = ["dense" if index < n_dense else "moe" for index in range(len(blocks))]
 
-        block.register_forward_pre_hook(gather)
+    def hook(*_, gather: str | None = None, wait: bool = False) -> None:
+        recorder.ops.append(KernelOp("hook", 0.0, recorder.pending_sync, gather, wait))
+        recorder.pending_sync = False
+
+    def pre_forward(index: int | None) -> None:
+        if recorder.backward:
+            return  # AC's recomputation: the block is gathered for backward
+        if index is None:  # the root, which prefetches the first block
+            hook(gather=kinds[0] if prefetch and kinds else None)
+        elif prefetch:
+            hook(wait=True)
+            if index + 1 < len(kinds):
+                recorder.ops.append(KernelOp("prefetch", 0.0, False, kinds[index + 1]))
+        else:
+            hook(gather=kinds[index], wait=True)
+
+    def hook_backward(output: Any) -> None:
+        out = next((t for t in _tensors(output) if t.requires_grad), None)
+        if out is not None and not recorder.backward:
+            out.register_hook(lambda _grad: hook())
+
+    model.register_forward_pre_hook(lambda *_: pre_forward(None))
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, index=index: pre_forward(index))
+        block.register_forward_hook(lambda _m, _a, out: hook_backward(out))
     for module in model.modules():
         if hasattr(module, "use_grouped_mm"):
             module.use_grouped_mm = True
         forward = getattr(type(module), "forward", None)
         if ep > 1 and forward and "num_tokens_per_expert" in inspect.signature(forward).parameters:
+            # the token counts read, then the experts' own group's hooks
             module.register_forward_pre_hook(lambda *_: setattr(recorder, "pending_sync", True))
+            module.register_forward_pre_hook(lambda *_: None if recorder.backward else hook())
+            module.register_forward_hook(lambda _m, _a, out: hook_backward(out))
     apply_activation_checkpointing(model, ac)
-    fsdp = _hook_fsdp2(model, recorder, buffers, n_dense) if memory and buffers else None
+    fsdp = _hook_fsdp2(model, recorder, buffers, n_dense, ep > 1) if memory and buffers else None
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     held = [*model.parameters(), *model.buffers(), tokens]
     if memory:
@@ -624,19 +668,19 @@ def simulate(
     ``host_s[pass]`` each and run in order on one device stream: a kernel
     starts when it is issued and the one before it is done; before a sync
     the host waits for the device to drain, and the read costs ``sync_s``.
-    An op with a ``gather`` (a block's first in forward) is preceded by
-    that block's all-gather, ``gather_s[gather]`` seconds on one
-    communication stream from the moment the host reaches it, which the op
-    waits for (Note: [Host-bound steps])."""
-    host = device = busy = issued = link = 0.0
-    for phase, seconds, sync, gather in ops:
+    An op with a ``gather`` issues a block's all-gather as the host has
+    issued it, ``gather_s[gather]`` seconds on one communication stream;
+    an op with ``wait`` starts no earlier than the last gather issued
+    (Note: [Host-bound steps])."""
+    host = device = busy = issued = link = pending = 0.0
+    for phase, seconds, sync, gather, wait in ops:
         if sync:
             host = device = max(host, device) + sync_s
-        ready = 0.0
-        if gather and gather_s:
-            link = ready = max(host, link) + gather_s.get(gather, 0.0)
         host += host_s[phase]
         issued += host_s[phase]
+        if gather and gather_s:
+            link = pending = max(host, link) + gather_s.get(gather, 0.0)
+        ready = pending if wait else 0.0
         device = max(device, host, ready) + seconds
         busy += seconds
     return max(host, device), busy, issued
@@ -668,21 +712,26 @@ def _recorded(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, ke
 def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, hw: Any,
                   kernels: Any, imbalance: float = 1.0, cp: int = 1,
                   gather_s: dict[str, float] | None = None,
-                  buffers: Fsdp2Buffers | None = None) -> HostStep:  # fmt: skip
+                  buffers: Fsdp2Buffers | None = None, fsdp2: bool = False) -> HostStep:  # fmt: skip
     """An eager step of ``config`` on ``hw`` as the host issues it against
     the device (Note: [Host-bound steps]): the kernels of a model of one and
     of two MoE blocks recorded at the layout's shapes (``seq``: this rank's
     tokens of each sequence, a ``cp``-th) and simulated, with each block's
     forward all-gather (``gather_s`` by block kind, ``dense`` or ``moe``),
     the MoE blocks extrapolated. ``device_s`` is the kernel model's;
-    ``wait_s`` what the host and the gathers add to it. ``buffers`` leaves
-    the kernels alone: it selects the recording :func:`eager_step_events`
-    shares."""
+    ``wait_s`` what the host and the gathers add to it. ``fsdp2``: FSDP2's
+    hooks cost the host ``hw.host_fsdp2_group_s`` per group. ``buffers``
+    leaves the kernels alone: it selects the recording
+    :func:`eager_step_events` shares."""
     selective = hw.host_selective_ac_op_s if ac == "selective" else 0.0
     host_s = {
         "forward": hw.host_forward_op_s + selective,
         "recompute": hw.host_forward_op_s + selective,
         "backward": hw.host_backward_op_s,
+        # an FSDP2 group's hooks per step, half before its forward, half
+        # before its backward
+        "hook": hw.host_fsdp2_group_s / 2 if fsdp2 else 0.0,
+        "prefetch": 0.0,
     }
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
     one, two, _ = _recorded(spec, config, ac, ep, batch, seq, kernels, imbalance, cp, buffers)
