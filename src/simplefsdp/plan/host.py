@@ -505,8 +505,17 @@ class _Fsdp2Events:
         self.recorder.events[:0] = [Free(Previous(key)) for key in self.shards]
 
 
+def _on_output_grad(output: Any, fn: Any) -> None:
+    """Calls ``fn()`` when the gradient of ``output``'s first tensor that
+    requires one is computed: as a module's backward starts (FSDP2's
+    pre-backward hook)."""
+    out = next((t for t in _tensors(output) if t.requires_grad), None)
+    if out is not None:
+        out.register_hook(lambda _grad: fn())
+
+
 def _hook_fsdp2(
-    model: Any, recorder: Any, buffers: Fsdp2Buffers, n_dense: int, prefetch: bool
+    model: Any, recorder: Any, buffers: Fsdp2Buffers, kinds: list[str], prefetch: bool
 ) -> _Fsdp2Events:
     """Registers eager FSDP2's collective buffers on ``model``'s blocks (as
     wrapped for AC) and root, as the ``fsdp2`` engine groups them (Note:
@@ -516,7 +525,6 @@ def _hook_fsdp2(
     prefetch under expert parallelism) and its backward starts (the
     previous block's prefetched)."""
     blocks = list(getattr(model, "layers", {}).values())
-    kinds = ["dense" if i < n_dense else "moe" for i in range(len(blocks))]
     fsdp = _Fsdp2Events(recorder, buffers, kinds)
     last = len(blocks) - 1
     first = 0 if prefetch and blocks else None
@@ -524,10 +532,7 @@ def _hook_fsdp2(
 
     def post_forward(i: int, output: Any) -> None:
         fsdp.reshard(i)
-        # FSDP2's pre-backward: a hook on the block's output gradient
-        out = next((t for t in _tensors(output) if t.requires_grad), None)
-        if out is not None:
-            out.register_hook(lambda _grad: pre_backward(i))
+        _on_output_grad(output, lambda: pre_backward(i))
 
     def pre_backward(i: int) -> None:
         if i < last:
@@ -599,9 +604,8 @@ def _record_step(
             hook(gather=kinds[index], wait=True)
 
     def hook_backward(output: Any) -> None:
-        out = next((t for t in _tensors(output) if t.requires_grad), None)
-        if out is not None and not recorder.backward:
-            out.register_hook(lambda _grad: hook())
+        if not recorder.backward:
+            _on_output_grad(output, hook)
 
     model.register_forward_pre_hook(lambda *_: pre_forward(None))
     for index, block in enumerate(blocks):
@@ -617,7 +621,7 @@ def _record_step(
             module.register_forward_pre_hook(lambda *_: None if recorder.backward else hook())
             module.register_forward_hook(lambda _m, _a, out: hook_backward(out))
     apply_activation_checkpointing(model, ac)
-    fsdp = _hook_fsdp2(model, recorder, buffers, n_dense, ep > 1) if memory and buffers else None
+    fsdp = _hook_fsdp2(model, recorder, buffers, kinds, prefetch) if memory and buffers else None
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     held = [*model.parameters(), *model.buffers(), tokens]
     if memory:
