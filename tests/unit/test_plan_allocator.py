@@ -226,18 +226,18 @@ def test_a_tensor_of_the_previous_step_is_freed_in_the_next() -> None:
 
 def test_eager_fsdp2s_collective_buffers_sit_on_streams_of_their_own() -> None:
     from simplefsdp.models.registry import resolve_flavor
-    from simplefsdp.plan.host import Fsdp2Buffers, eager_step_events
+    from simplefsdp.plan.host import EagerStep, Fsdp2Buffers, eager_step_events
 
     spec, config = resolve_flavor("deepseek_v3_16b")
-    args = (spec, config, "selective", 2, 1, 1024)
+    step = EagerStep(spec, config, "selective", 2, 1, 1024)
     GiB = 1 << 30
     buffers = Fsdp2Buffers(
         dense=((GiB // 4, GiB // 32),),
         moe=((GiB // 16, GiB // 128), (GiB // 2, GiB // 8)),
         root=((GiB // 2, GiB // 16),),
     )
-    plain = eager_step_events(*args)
-    fsdp2 = eager_step_events(*args, buffers=buffers)
+    plain = eager_step_events(step)
+    fsdp2 = eager_step_events(dataclasses.replace(step, buffers=buffers))
     streams = {e.stream for e in fsdp2 if isinstance(e, Alloc)}
     assert streams == {0, 1, 2} and {e.stream for e in plain if isinstance(e, Alloc)} == {0}
     # the reduce-scatter inputs are the fp32 gradients: twice the gathered bytes
@@ -260,12 +260,12 @@ def test_an_eager_moe_plan_holds_the_allocators_cache_and_a_compiled_one_not() -
     from simplefsdp.models.registry import resolve_flavor
     from simplefsdp.plan.analytic import ExpertLayout, predict_analytic
     from simplefsdp.plan.hardware import PROFILES
-    from simplefsdp.plan.host import eager_step_events
+    from simplefsdp.plan.host import EagerStep, eager_step_events
 
     spec, config = resolve_flavor("deepseek_v3_16b")
     layout = ExpertLayout(gpus=8, batch=1, seq=1024, ep=2, engine="fsdp2")
     eager = predict_analytic(spec, config, layout, PROFILES["h100"])
-    events = eager_step_events(spec, config, "selective", 2, 1, 1024)
+    events = eager_step_events(EagerStep(spec, config, "selective", 2, 1, 1024))
     # every storage the step allocates is freed by its end
     allocs = [e.key for e in events if isinstance(e, Alloc)]
     assert len(allocs) == len({e.key for e in events if isinstance(e, Free)}) > 100

@@ -13,6 +13,7 @@ from simplefsdp.models.registry import resolve_flavor
 from simplefsdp.plan.analytic import ExpertLayout, predict_analytic
 from simplefsdp.plan.hardware import PROFILES
 from simplefsdp.plan.host import (
+    EagerStep,
     KernelOp,
     _KernelRecorder,
     _record_step,
@@ -123,7 +124,8 @@ def test_host_bound_switch(dsv3, ep):
     free = dict(host_forward_op_s=1e-12, host_backward_op_s=1e-12, host_selective_ac_op_s=0.0)
     free_hw = dataclasses.replace(H100, **free)
     kernels = kernel_model(free_hw, free_hw.memory_bandwidth * free_hw.memory_efficiency)
-    alone = timeline_step(spec, config, "selective", ep, 1, 4096, free_hw, kernels)
+    step = EagerStep(spec, config, "selective", ep, 1, 4096, kernels)
+    alone = timeline_step(step, free_hw)
     syncs = config.n_moe_layers * 2 if ep > 1 else 0
     sync_s = syncs * (H100.kernel_overhead_s + 1e-12)
     # a negligible host: the eager kernels' own time, plus each sync's latency
@@ -131,15 +133,13 @@ def test_host_bound_switch(dsv3, ep):
     # the blocks' forward gathers: the first one waited for (but for the
     # embedding's kernel before it), the rest hidden behind the kernels
     # queued before them
-    gathered = timeline_step(
-        spec, config, "selective", ep, 1, 4096, free_hw, kernels, gather_s={"dense": 1e-3}
-    )
+    gathered = timeline_step(step, free_hw, gather_s={"dense": 1e-3})
     assert sync_s + 0.5e-3 < gathered.wait_s <= sync_s + 1e-3
     # FSDP2's hooks, 1 ms per group and step: hidden where the host runs
     # ahead, but the experts' forward half runs after the token sync, when
     # the device has drained
     hooked_hw = dataclasses.replace(free_hw, host_fsdp2_group_s=1e-3)
-    hooked = timeline_step(spec, config, "selective", ep, 1, 4096, hooked_hw, kernels, fsdp2=True)
+    hooked = timeline_step(step, hooked_hw, fsdp2=True)
     exposed = hooked.wait_s - alone.wait_s
     if ep > 1:
         assert exposed >= config.n_moe_layers * 0.5e-3 * 0.99

@@ -124,8 +124,10 @@ from typing import Any
 
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.allocator import cached_bytes
+from simplefsdp.plan.costs import ADAMW_BYTES_PER_PARAM, CLIP_BYTES_PER_PARAM
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.host import (
+    EagerStep,
     Fsdp2Buffers,
     HostStep,
     device_bound,
@@ -135,9 +137,6 @@ from simplefsdp.plan.host import (
 from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
 from simplefsdp.plan.prediction import Prediction
-
-ADAMW_BYTES_PER_PARAM = 28
-CLIP_BYTES_PER_PARAM = 12  # the norm reads each gradient shard, the scaling reads and writes it
 
 
 @dataclass(frozen=True)
@@ -316,21 +315,19 @@ def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str,
 
 
 def _host_step(
-    spec: Any,
-    config: Any,
     layout: ExpertLayout,
     hw: HardwareProfile,
     *,
-    kernels: Any,
     eager: bool,
     device_s: float,
     gather_s: dict[str, float],
-    buffers: Fsdp2Buffers | None = None,
+    recording: EagerStep,
 ) -> HostStep:
     """The step's compute as host against device (Note: [Host-bound steps]):
-    for an eager engine on a GPU (``kernels``, the profile's kernel model,
-    not ``None``), the family's own kernels at the layout's shapes, each
-    priced by ``kernels`` and issued at the profile's host cost per op,
+    for an eager engine on a GPU (``recording.kernels``, the profile's
+    kernel model, not ``None``), the family's own kernels at the layout's
+    shapes, each priced by the kernel model and issued at the profile's
+    host cost per op,
     simulated (``timeline_step``: its device time is the eager kernels'
     own); compiled on a GPU device bound, each sync costing its copy and
     one launch; on a CPU host and device are one.
@@ -338,29 +335,15 @@ def _host_step(
     ``device_s``: the device's seconds of the step (the compiled
     kernels', all-to-alls included); ``gather_s``: each block kind's
     forward all-gather, which the eager timeline issues as the block's
-    forward starts."""
-    n_moe = config.n_moe_layers
+    forward starts; ``recording``: the eager step the timeline records."""
+    n_moe = recording.config.n_moe_layers
     passes = 2 if layout.ac != "none" else 1  # forward, and AC's recomputation
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
-    gpu = kernels is not None
+    gpu = recording.kernels is not None
     syncs = n_moe * passes if layout.ep > 1 and gpu else 0
     if not (gpu and eager):
         return device_bound(device_s, syncs=syncs, sync_s=sync_s)
-    return timeline_step(
-        spec,
-        config,
-        layout.ac,
-        layout.ep,
-        layout.batch,
-        layout.seq // layout.cp,
-        hw,
-        kernels,
-        layout.imbalance,
-        layout.cp,
-        gather_s,
-        buffers,
-        get_engine(layout.engine).fsdp2_runtime,
-    )
+    return timeline_step(recording, hw, gather_s, get_engine(layout.engine).fsdp2_runtime)
 
 
 def _host_note(host: HostStep, *, eager: bool) -> str:
@@ -447,13 +430,13 @@ def predict_analytic(
             moe=(group(block_dense, dp), group(local_expert_params, max(dp // ep, 1))),
             root=(group(2 * embed + args.dim, dp),),
         )
-    recording = (spec, config, layout.ac, ep, layout.batch, layout.seq // cp, kernels,
-                 layout.imbalance, cp, buffers)  # fmt: skip
+    recording = EagerStep(spec, config, layout.ac, ep, layout.batch, layout.seq // cp, kernels,
+                          layout.imbalance, cp, buffers)  # fmt: skip
     cache_note = []
     if hw.caching_allocator and not fused:
         # What the caching allocator holds free at its reserved peak, over two
         # eager steps of the family's own ops (Note: [Analytic plan model]).
-        events = eager_step_events(*recording)
+        events = eager_step_events(recording)
         cached, retries = cached_bytes(events, sum(memory.values()), usable)
         memory["cached"] = cached
         cache_note = [
@@ -548,12 +531,11 @@ def predict_analytic(
     # device, each block's forward gather issued as its forward starts (Note:
     # [Host-bound steps])
     host = _host_step(
-        spec, config, layout, hw,
-        kernels=kernels,
+        layout, hw,
         eager=not fused,
         device_s=device_s + a2a_s,
         gather_s={"moe": block_gather(*moe_params), "dense": block_gather(*dense_params)},
-        buffers=buffers,
+        recording=recording,
     )  # fmt: skip
     eager_timeline = kernels is not None and not fused
     # the eager timeline holds the step's kernels and forward gathers, not

@@ -13,6 +13,14 @@ from simplefsdp.compiler.planning import CostModel, GatherUnit, LinearFit, gathe
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.layout import Layout
 
+#: The fused AdamW step per fp32 parameter shard: it reads the parameter, its
+#: gradient and both moments and writes the parameter and both moments.
+ADAMW_BYTES_PER_PARAM = 28
+#: Gradient-norm clipping (the trainer's and torchtitan's default max_norm of
+#: 1.0) per fp32 gradient shard: the norm reads it, the scaling reads and
+#: writes it again.
+CLIP_BYTES_PER_PARAM = 12
+
 
 def copy_written_bytes(
     buckets: list[list[GatherUnit]], reshard_after_forward: bool, kept: Collection[str] = ()

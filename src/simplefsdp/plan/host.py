@@ -97,6 +97,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from simplefsdp.plan.allocator import Alloc, Free, Previous
+
 #: ATen ops that launch no kernel: views and aliases (metadata only),
 #: ``detach``, uninitialised allocations, and the metadata queries a
 #: dispatch mode sees. Any op whose schema declares it a view counts as one
@@ -372,8 +374,6 @@ class _MemoryRecorder(_KernelRecorder):
 
     def sweep(self) -> None:
         """Free events for the storages no longer held."""
-        from simplefsdp.plan.allocator import Free
-
         for storage, (key, ref) in list(self.live.items()):
             if ref.expired():
                 del self.live[storage]
@@ -381,8 +381,6 @@ class _MemoryRecorder(_KernelRecorder):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
-
-        from simplefsdp.plan.allocator import Alloc
 
         self.sweep()
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -433,8 +431,6 @@ class _Fsdp2Events:
         self.recorder.events.append(event)
 
     def _issue(self, block: Any, phase: str) -> None:
-        from simplefsdp.plan.allocator import Alloc
-
         if block is None or (block, phase) in self.issued or block in self.gathered:
             return
         self.issued.add((block, phase))
@@ -446,8 +442,6 @@ class _Fsdp2Events:
         parameters (in backward, its gradients allocated beside them), then
         ``prefetch``'s issued (FSDP2's backward prefetch of the previous
         block)."""
-        from simplefsdp.plan.allocator import Alloc, Free
-
         if block not in self.gathered:
             self._issue(block, phase)
             self.issued.discard((block, phase))
@@ -461,14 +455,10 @@ class _Fsdp2Events:
 
     def gradients(self, block: Any) -> None:
         """The unsharded gradients autograd accumulates for ``block``."""
-        from simplefsdp.plan.allocator import Alloc
-
         for g, (gathered, _) in enumerate(self._groups(block)):
             self._emit(Alloc(("fsdp2-grad", block, g), gathered))
 
     def reshard(self, block: Any) -> None:
-        from simplefsdp.plan.allocator import Free
-
         phase = self.gathered.pop(block, None)
         if phase is not None:
             for g in range(len(self._groups(block))):
@@ -478,8 +468,6 @@ class _Fsdp2Events:
         """``block``'s post-backward: per group its gradients copied into
         the reduce-scatter's fp32 input, the previous group's input
         released, the gradient shard allocated; then resharded."""
-        from simplefsdp.plan.allocator import Alloc, Free
-
         for g, (gathered, shard) in enumerate(self._groups(block)):
             self._emit(Alloc(("fsdp2-rs", block, g), 2 * gathered, 2))
             self._emit(Free(("fsdp2-grad", block, g)))
@@ -494,8 +482,6 @@ class _Fsdp2Events:
         """The first block's and the root's post-backward (the last); the
         last reduce-scatter's input released; the gradient shards of the
         step before freed as the step starts (``zero_grad``)."""
-        from simplefsdp.plan.allocator import Free, Previous
-
         if self.kinds:
             self.reduce(0)  # the first block's post-backward
         self.reduce("root")
@@ -644,24 +630,40 @@ def _record_step(
     return recorder
 
 
-def eager_step_events(
-    spec: Any,
-    config: Any,
-    ac: str,
-    ep: int,
-    batch: int,
-    seq: int,
-    kernels: Any = None,
-    imbalance: float = 1.0,
-    cp: int = 1,
-    buffers: Fsdp2Buffers | None = None,
-) -> tuple:
-    """Allocation and free events of one eager training step of ``config``
-    with two MoE blocks (past its dense ones) at the layout's shapes (Note:
-    [Host-bound steps]; :class:`_MemoryRecorder`), eager FSDP2's collective
-    buffers added with ``buffers``, for the caching allocator's simulation;
-    the recording :func:`timeline_step` prices with the same arguments."""
-    return _recorded(spec, config, ac, ep, batch, seq, kernels, imbalance, cp, buffers)[2]
+@dataclass(frozen=True)
+class EagerStep:
+    """An eager training step to record (Note: [Host-bound steps]): the
+    family's ``spec`` and ``config``, its AC mode, EP degree and batch,
+    ``seq`` this rank's tokens of each sequence (a ``cp``-th), the
+    ``kernels`` that price its ops (``None``: unpriced), the most loaded EP
+    rank's routed tokens over the mean (``imbalance``), the CP degree and
+    eager FSDP2's collective ``buffers`` (``None``: none recorded)."""
+
+    spec: Any
+    config: Any
+    ac: str
+    ep: int
+    batch: int
+    seq: int
+    kernels: Any = None
+    imbalance: float = 1.0
+    cp: int = 1
+    buffers: Fsdp2Buffers | None = None
+
+    def key(self) -> tuple:
+        """What the recording depends on, hashable (the kernel model by its
+        repr: it holds dicts)."""
+        return (self.spec.family, self.config, self.ac, self.ep, self.batch, self.seq,
+                repr(self.kernels), self.imbalance, self.cp, self.buffers)  # fmt: skip
+
+
+def eager_step_events(step: EagerStep) -> tuple:
+    """Allocation and free events of ``step`` with two MoE blocks (past the
+    dense ones) (Note: [Host-bound steps]; :class:`_MemoryRecorder`), eager
+    FSDP2's collective buffers added where ``step.buffers`` has them, for
+    the caching allocator's simulation; the recording
+    :func:`timeline_step` simulates."""
+    return _recorded(step)[2]
 
 
 def simulate(
@@ -693,41 +695,47 @@ def simulate(
 _RECORDED: dict[tuple, tuple] = {}
 
 
-def _recorded(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, kernels: Any,
-              imbalance: float, cp: int, buffers: Fsdp2Buffers | None = None) -> tuple:  # fmt: skip
-    """The kernels of models of one and of two MoE blocks (past the dense
-    ones), priced by ``kernels`` (0 without), and the allocation events of
-    the second (``buffers``: eager FSDP2's), cached per shape and kernel
-    model: ``(ops of one, ops of two, events of two)``."""
-    key = (spec.family, config, ac, ep, batch, seq, repr(kernels), imbalance, cp, buffers)
+def _recorded(step: EagerStep) -> tuple:
+    """The kernels of models of ``step`` with one and with two MoE blocks
+    (past the dense ones), priced by ``step.kernels`` (0 without), and the
+    allocation events of the second, cached per :meth:`EagerStep.key`:
+    ``(ops of one, ops of two, events of two)``."""
+    key = step.key()
     if key not in _RECORDED:
-        local = max(config.num_experts // ep, 1)
-        price = kernel_pricer(kernels, local, imbalance, cp) if kernels else (lambda *_: 0.0)
+        config = step.config
+        local = max(config.num_experts // step.ep, 1)
+        price = (
+            kernel_pricer(step.kernels, local, step.imbalance, step.cp)
+            if step.kernels
+            else (lambda *_: 0.0)
+        )
+        shape = (step.ac, step.ep, step.batch, step.seq, price)
 
         def model(extra: int) -> Any:
             return dataclasses.replace(config, n_layers=config.n_dense_layers + extra)
 
-        one = _record_step(spec, model(1), ac, ep, batch, seq, price)
-        two = _record_step(spec, model(2), ac, ep, batch, seq, price, True, buffers)
+        one = _record_step(step.spec, model(1), *shape)
+        two = _record_step(step.spec, model(2), *shape, True, step.buffers)
         _RECORDED[key] = (tuple(one), tuple(two.ops), tuple(two.events))
     return _RECORDED[key]
 
 
-def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int, hw: Any,
-                  kernels: Any, imbalance: float = 1.0, cp: int = 1,
-                  gather_s: dict[str, float] | None = None,
-                  buffers: Fsdp2Buffers | None = None, fsdp2: bool = False) -> HostStep:  # fmt: skip
-    """An eager step of ``config`` on ``hw`` as the host issues it against
-    the device (Note: [Host-bound steps]): the kernels of a model of one and
-    of two MoE blocks recorded at the layout's shapes (``seq``: this rank's
-    tokens of each sequence, a ``cp``-th) and simulated, with each block's
-    forward all-gather (``gather_s`` by block kind, ``dense`` or ``moe``),
-    the MoE blocks extrapolated. ``device_s`` is the kernel model's;
-    ``wait_s`` what the host and the gathers add to it. ``fsdp2``: FSDP2's
-    hooks cost the host ``hw.host_fsdp2_group_s`` per group. ``buffers``
-    leaves the kernels alone: it selects the recording
-    :func:`eager_step_events` shares."""
-    selective = hw.host_selective_ac_op_s if ac == "selective" else 0.0
+def timeline_step(
+    step: EagerStep,
+    hw: Any,
+    gather_s: dict[str, float] | None = None,
+    fsdp2: bool = False,
+) -> HostStep:
+    """``step`` on ``hw`` as the host issues it against the device (Note:
+    [Host-bound steps]): the kernels of models of one and of two MoE blocks
+    recorded at its shapes, priced by ``step.kernels``, and simulated, with
+    each block's forward all-gather (``gather_s`` by block kind, ``dense``
+    or ``moe``), the MoE blocks extrapolated. ``device_s`` is the kernel
+    model's; ``wait_s`` what the host and the gathers add to it.
+    ``fsdp2``: FSDP2's hooks cost the host ``hw.host_fsdp2_group_s`` per
+    group. ``step.buffers`` leaves the kernels alone: it selects the
+    recording :func:`eager_step_events` shares."""
+    selective = hw.host_selective_ac_op_s if step.ac == "selective" else 0.0
     host_s = {
         "forward": hw.host_forward_op_s + selective,
         "recompute": hw.host_forward_op_s + selective,
@@ -738,12 +746,12 @@ def timeline_step(spec: Any, config: Any, ac: str, ep: int, batch: int, seq: int
         "prefetch": 0.0,
     }
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
-    one, two, _ = _recorded(spec, config, ac, ep, batch, seq, kernels, imbalance, cp, buffers)
+    one, two, _ = _recorded(step)
     (t1, d1, h1), (t2, d2, h2) = (simulate(ops, host_s, sync_s, gather_s) for ops in (one, two))
-    n_moe = config.n_moe_layers
-    step = t1 + (n_moe - 1) * (t2 - t1)
+    n_moe = step.config.n_moe_layers
+    end = t1 + (n_moe - 1) * (t2 - t1)
     device = d1 + (n_moe - 1) * (d2 - d1)
     host = h1 + (n_moe - 1) * (h2 - h1)
-    syncs = n_moe * (2 if ac != "none" else 1) if ep > 1 else 0
+    syncs = n_moe * (2 if step.ac != "none" else 1) if step.ep > 1 else 0
     # host bound: the host's issue adds more than 5% to the kernels' time
-    return HostStep(host, device, max(step, device), syncs * sync_s, step > device * 1.05)
+    return HostStep(host, device, max(end, device), syncs * sync_s, end > device * 1.05)

@@ -195,6 +195,8 @@ from simplefsdp.compiler.planning import (
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.allocator import simulate_traced
 from simplefsdp.plan.costs import (
+    ADAMW_BYTES_PER_PARAM,
+    CLIP_BYTES_PER_PARAM,
     copy_seconds,
     cost_model_for,
     fsdp2_copy_seconds,
@@ -206,11 +208,6 @@ from simplefsdp.plan.layout import Layout, validate
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
 
-ADAMW_BYTES_PER_PARAM = 28  # read param, grad, exp_avg, exp_avg_sq; write 3 (fp32)
-# Gradient-norm clipping (the trainer's and torchtitan's default max_norm of
-# 1.0): the norm reads each fp32 gradient shard, the scaling reads and
-# writes it again.
-CLIP_BYTES_PER_PARAM = 12
 aten = torch.ops.aten
 
 
