@@ -112,6 +112,22 @@ def test_ac_modes_order_activations() -> None:
     assert preds["full"].time["compute"] > preds["none"].time["compute"]
 
 
+def test_selective_ac_recomputes_half_the_dense_matmuls_and_no_expert() -> None:
+    # the engines' selective policy saves the grouped matmuls' outputs and
+    # every second other matmul's (Note: [Selective activation checkpointing])
+    args = get_config("deepseek_v3_16b")
+    flops = {
+        ac: predict_moe(args, MoELayout(gpus=8, batch=1, seq=4096, ep=2, ac=ac), FIXED).time[
+            "flops"
+        ]
+        for ac in ("none", "selective", "full")
+    }
+    per_expert = 3 * args.dim * args.moe_hidden_dim
+    routed_forward = 4096 * 2 * args.n_moe_layers * args.top_k * per_expert
+    dense_forward = flops["full"] - flops["none"] - routed_forward
+    assert flops["selective"] - flops["none"] == pytest.approx(dense_forward / 2, rel=1e-9)
+
+
 def test_cli_moe_plan_prints_parameters_and_all_to_all(capsys) -> None:
     argv = ["--model", "deepseek_v3_16b", "--gpus", "8", "--ep", "2", "--batch", "1"]
     assert plan_cli.main(argv + ["--seq", "4096"]) == 0

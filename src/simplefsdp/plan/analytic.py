@@ -57,7 +57,8 @@ Note: [Analytic plan model]
                    memory-efficient kernel's where MLA's value head dim
                    differs from the query's, Note: [Kernel model]); AC's
                    recomputation (full: one more forward of the blocks;
-                   selective: half the blocks' forward matmuls);
+                   selective: half the blocks' non-expert matmuls and the
+                   token permutation, the experts' grouped matmuls saved);
                    elementwise work as three passes over the no-AC
                    activations compiled, six eager, at the achievable
                    bandwidth. MoE terms: the router's matmul; the token
@@ -133,6 +134,7 @@ from simplefsdp.plan.host import (
     device_bound,
     eager_step_events,
     timeline_step,
+    token_syncs,
 )
 from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, kernel_model
 from simplefsdp.plan.layout import AC_MODES, check_engine
@@ -337,10 +339,9 @@ def _host_step(
     forward all-gather, which the eager timeline issues as the block's
     forward starts; ``recording``: the eager step the timeline records."""
     n_moe = recording.config.n_moe_layers
-    passes = 2 if layout.ac != "none" else 1  # forward, and AC's recomputation
     sync_s = hw.kernel_overhead_s + hw.host_forward_op_s
     gpu = recording.kernels is not None
-    syncs = n_moe * passes if layout.ep > 1 and gpu else 0
+    syncs = token_syncs(n_moe, layout.ac, layout.ep) if gpu else 0
     if not (gpu and eager):
         return device_bound(device_s, syncs=syncs, sync_s=sync_s)
     return timeline_step(recording, hw, gather_s, get_engine(layout.engine).fsdp2_runtime)
@@ -450,14 +451,19 @@ def predict_analytic(
     routed = 6.0 * args.n_moe_layers * args.top_k * per_expert  # per token, fwd + bwd
     linear = 6.0 * active_blocks - routed
     routed *= layout.imbalance  # the most loaded rank's routed tokens
-    block_fw = (linear - 6.0 * embed) / 3 + routed / 3  # blocks' forward matmuls
-    recompute = {"full": block_fw, "selective": block_fw / 2, "none": 0.0}[layout.ac]
+    # AC's recomputation: full recomputes the blocks' forward; selective half
+    # their non-expert matmuls (every second one), not the experts' grouped
+    # matmuls (saved), but the token permutation (index ops, not saved)
+    # (Note: [Selective activation checkpointing])
+    dense_share = {"full": 1.0, "selective": 0.5, "none": 0.0}[layout.ac]
+    routed_share = {"full": 1.0, "selective": 0.0, "none": 0.0}[layout.ac]
+    permute_share = {"full": 1.0, "selective": 1.0, "none": 0.0}[layout.ac]
+    dense_recompute = dense_share * (linear - 6.0 * embed) / 3  # the blocks' non-expert matmuls
+    recompute = dense_recompute + routed_share * routed / 3
     # Routed experts as grouped GEMMs at the per-expert token count (Note:
     # [Analytic plan model]: MoE terms); forward (3), backward (6) per layer.
     local_experts = args.num_experts // ep
     per_expert_tokens = max(int(tokens * args.top_k * layout.imbalance * ep / args.num_experts), 1)
-    routed_share = {"full": 1.0, "selective": 0.5, "none": 0.0}[layout.ac]
-    dense_recompute = recompute - routed_share * routed / 3  # the recomputed non-expert matmuls
     if kernels is not None and args.n_moe_layers:
         d, h, m = args.dim, args.moe_hidden_dim, per_expert_tokens
         fwd = 2 * kernels.gemm_seconds(m, h, d, "bfloat16", local_experts)
@@ -496,7 +502,7 @@ def predict_analytic(
     moe_tokens = tokens * args.top_k * layout.imbalance
     router_s = args.n_moe_layers * tokens * (2 * args.dim * args.num_experts) * 3 / rate
     permute_fw = args.n_moe_layers * 2 * (2 * 2 * moe_tokens * args.dim) / bw
-    permute_s = 2 * permute_fw * (1 + routed_share)
+    permute_s = 2 * permute_fw * (1 + permute_share)
     device_s = matmul_s + attention_s + elementwise_s + router_s + permute_s
 
     # ---- all-to-all

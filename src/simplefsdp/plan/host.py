@@ -11,9 +11,10 @@ Note: [Host-bound steps]
 
     Where the syncs are: an expert-parallel MoE layer reads its token
     counts to the host before its all-to-all (the split sizes), in forward
-    and again in activation checkpointing's recomputation (the engines'
-    selective policy recomputes the copy); backward's all-to-all reuses
-    the saved splits (no sync). Without expert parallelism the counts stay
+    and again in full activation checkpointing's recomputation (selective
+    AC saves the copy, as torchtitan's policy does: Note: [Selective
+    activation checkpointing]); backward's all-to-all reuses the saved
+    splits (no sync). Without expert parallelism the counts stay
     on the GPU (``torch._grouped_mm`` takes them as a tensor) and the host
     runs ahead across the whole step.
 
@@ -27,7 +28,7 @@ Note: [Host-bound steps]
     matmuls by shape, the grouped GEMMs as the rank's local experts'
     equal GEMMs, attention as one fused kernel each way, any other op by
     the bytes it reads and writes: eager fuses nothing). With ``ep > 1`` a
-    sync precedes every experts call. :func:`simulate` then issues the ops
+    sync precedes every experts call but selective AC's recomputation. :func:`simulate` then issues the ops
     from one host thread at the profile's host cost per op of their pass
     and runs them in order on one stream: a kernel starts when it is issued
     and its predecessor is done; at a sync the host waits for the device.
@@ -239,6 +240,14 @@ class HostStep:
         """What the step waits for the host (and the syncs) beyond the
         device's time."""
         return self.step_s - self.device_s
+
+
+def token_syncs(n_moe: int, ac: str, ep: int) -> int:
+    """The token counts' copies to the host in a step of ``n_moe`` MoE
+    layers (Note: [Host-bound steps]): one per layer with expert
+    parallelism, two under full AC (its recomputation copies them again;
+    selective AC saves the copy)."""
+    return n_moe * (2 if ac == "full" else 1) if ep > 1 else 0
 
 
 def device_bound(device_s: float, *, syncs: int, sync_s: float) -> HostStep:
@@ -597,13 +606,19 @@ def _record_step(
     for index, block in enumerate(blocks):
         block.register_forward_pre_hook(lambda *_, index=index: pre_forward(index))
         block.register_forward_hook(lambda _m, _a, out: hook_backward(out))
+    def token_sync() -> None:
+        # the token counts' copy to the host: in forward, and again in full
+        # AC's recomputation (selective AC saves the copy)
+        if not recorder.backward or ac == "full":
+            recorder.pending_sync = True
+
     for module in model.modules():
         if hasattr(module, "use_grouped_mm"):
             module.use_grouped_mm = True
         forward = getattr(type(module), "forward", None)
         if ep > 1 and forward and "num_tokens_per_expert" in inspect.signature(forward).parameters:
             # the token counts read, then the experts' own group's hooks
-            module.register_forward_pre_hook(lambda *_: setattr(recorder, "pending_sync", True))
+            module.register_forward_pre_hook(lambda *_: token_sync())
             module.register_forward_pre_hook(lambda *_: None if recorder.backward else hook())
             module.register_forward_hook(lambda _m, _a, out: hook_backward(out))
     apply_activation_checkpointing(model, ac)
@@ -752,6 +767,6 @@ def timeline_step(
     end = t1 + (n_moe - 1) * (t2 - t1)
     device = d1 + (n_moe - 1) * (d2 - d1)
     host = h1 + (n_moe - 1) * (h2 - h1)
-    syncs = n_moe * (2 if step.ac != "none" else 1) if step.ep > 1 else 0
+    syncs = token_syncs(n_moe, step.ac, step.ep)
     # host bound: the host's issue adds more than 5% to the kernels' time
     return HostStep(host, device, max(end, device), syncs * sync_s, end > device * 1.05)
