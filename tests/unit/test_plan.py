@@ -615,7 +615,7 @@ def test_sweep_ranks_by_throughput_and_says_why_losers_lose() -> None:
 
 def test_sweep_does_not_trace_options_that_need_more_than_an_oversized_leanest_one() -> None:
     """Per (TP, PP, microbatches), full AC with resharding is predicted first;
-    when it does not fit, the group's other options are skipped, not traced."""
+    when it does not fit, the group's other options are skipped, not predicted."""
     base = Layout(gpus=8, batch=2, seq=64)
     layouts = plan_cli.sweep_layouts(_debug(), base, gpus_per_node=2)
     called = []

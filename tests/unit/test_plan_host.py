@@ -82,6 +82,17 @@ def test_fsdp2s_buffers_leave_the_recorded_kernels_alone(dsv3):
     # gathered to the end of backward)
     gathers = [e for e in recorder.events if getattr(e, "stream", 0) == 1]
     assert len(gathers) == 2 * (1 + 2 * 2) + 1
+    # not resharded after forward: each block's gathered once, its
+    # parameters freed only after its backward
+    kept = dataclasses.replace(buffers, reshard_after_forward=False)
+    recorder = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6, True, kept)
+    assert recorder.ops == ops
+    gathers = [e for e in recorder.events if getattr(e, "stream", 0) == 1]
+    assert len(gathers) == (1 + 2 * 2) + 1
+    keys = [e.key for e in recorder.events]
+    first_param = ("fsdp2-param", "forward", 0, 0)
+    freed = keys.index(first_param, keys.index(first_param) + 1)  # its Free, same key
+    assert freed > keys.index(("fsdp2-grad", 0, 0))  # after its backward's gradients
 
 
 def test_steps_kernels_recorded_on_the_model(dsv3):

@@ -128,6 +128,39 @@ def test_selective_ac_recomputes_half_the_dense_matmuls_and_no_expert() -> None:
     assert flops["selective"] - flops["none"] == pytest.approx(dense_forward / 2, rel=1e-9)
 
 
+@pytest.mark.parametrize("engine", ["simplefsdp", "fsdp2"])
+def test_without_resharding_every_block_stays_gathered(engine) -> None:
+    args = get_config("deepseek_v3_16b")
+    layout = MoELayout(gpus=8, batch=1, seq=4096, ep=2, engine=engine)
+    kept = predict_moe(args, dataclasses.replace(layout, reshard_after_forward=False), FIXED)
+    resharded = predict_moe(args, layout, FIXED)
+    spec = spec_for_config(args)
+    experts = args.n_moe_layers * args.num_experts * 3 * args.dim * args.moe_hidden_dim
+    outer = 2 * args.vocab_size * args.dim + args.dim  # embeddings, output, final norm
+    # the blocks' parameters, of the experts this rank's 32 of 64
+    local_blocks = spec.num_params(args) - outer - experts / 2
+    # bf16 parameters of every block (its local experts), one block's gradients beside
+    assert kept.memory["gathered"] == pytest.approx(2 * local_blocks, rel=0.05)
+    assert kept.memory["gathered"] > 2 * local_blocks > 5 * resharded.memory["gathered"]
+    assert kept.peak_bytes > resharded.peak_bytes
+    assert kept.time["dp_comm_total"] < resharded.time["dp_comm_total"]  # no second gather
+
+
+def test_cli_moe_sweep_ranks_ep_degrees_ac_and_resharding(capsys) -> None:
+    spec, config = resolve_flavor("deepseek_v3_16b")
+    base = MoELayout(gpus=8, batch=1, seq=4096, cp=2)
+    layouts = plan_cli.sweep_expert_layouts(spec, config, base)
+    # EP 1, and the multiples of CP 2 that divide 64 experts and 8 GPUs
+    assert sorted({lay.ep for lay in layouts}) == [1, 2, 4, 8]
+    assert len(layouts) == 4 * 3 * 2 and {lay.cp for lay in layouts} == {2}
+    argv = ["--model", "deepseek_v3_16b", "--gpus", "4", "--batch", "1", "--seq", "2048"]
+    assert plan_cli.main(argv + ["--hardware", "h100", "--sweep"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "tok/s/GPU" in lines[0] and lines[1].split()[-1] == "best"
+    assert sum("ep4 ac=" in line for line in lines) == 6  # 3 AC modes x resharding
+    assert sum(" ac=" in line for line in lines) == 3 * 3 * 2  # EP 1, 2 and 4
+
+
 def test_cli_moe_plan_prints_parameters_and_all_to_all(capsys) -> None:
     argv = ["--model", "deepseek_v3_16b", "--gpus", "8", "--ep", "2", "--batch", "1"]
     assert plan_cli.main(argv + ["--seq", "4096"]) == 0
@@ -166,7 +199,7 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
             "--seq 510 does not split over --cp 2",
         ),
         (["--model", "moe_debug", "--float8"], "--float8 is not planned for 'moe_debug'"),
-        (["--model", "moe_debug", "--sweep"], "--sweep is not planned for 'moe_debug'"),
+        (["--model", "moe_debug", "--measure"], "--measure is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--fused-loss"], "--fused-loss is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--ep", "0"], "--ep must be >= 1, got 0"),
         (

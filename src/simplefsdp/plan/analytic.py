@@ -29,6 +29,9 @@ Note: [Analytic plan model]
                    (one computing, one prefetched) and the one copied out,
                    ``2 * B_i + B_(i+1)`` as the compiler's own model, a
                    block's experts being its ``num_experts / ep`` local ones;
+                   without resharding after forward every block, kept from
+                   its forward to its backward, and one block's unsharded
+                   gradients;
       temporary    the loss's logits (bf16), fp32 logits and their
                    gradient, ``10 * vocab`` bytes per token, and for full AC
                    one block's recomputed activations;
@@ -389,7 +392,14 @@ def predict_analytic(
     block_dense = (dense - 2 * embed - args.dim) / args.n_layers
     moe_block = block_dense + args.num_experts // ep * per_expert
     biggest = 2 * (moe_block if args.n_moe_layers else block_dense)  # bf16 bytes
-    gathered = 3 * biggest if dp > 1 else 0.0
+    local_expert_params = args.num_experts // ep * per_expert
+    if dp == 1:
+        gathered = 0.0
+    elif layout.reshard_after_forward:
+        gathered = 3 * biggest
+    else:  # every block kept from its forward to its backward, one's gradients beside
+        blocks = dense - 2 * embed - args.dim + args.n_moe_layers * local_expert_params
+        gathered = 2 * blocks + biggest
     acts = activation_elements(args, layout.ac, layout.imbalance)
     activations = 2 * acts["saved"] * tokens
     temporary = 10 * args.vocab_size * tokens
@@ -419,7 +429,6 @@ def predict_analytic(
     kernels = kernel_model(hw, bw)
     # eager FSDP2's groups as its collective buffers see them (Note: [FSDP2's
     # collective buffers] in plan/host.py): a block, its experts apart, the root
-    local_expert_params = args.num_experts // ep * per_expert
     buffers = None
     if engine.fsdp2_runtime and not fused and dp > 1:
 
@@ -430,6 +439,7 @@ def predict_analytic(
             dense=(group(block_dense + 3 * args.dim * args.dense_hidden_dim, dp),),
             moe=(group(block_dense, dp), group(local_expert_params, max(dp // ep, 1))),
             root=(group(2 * embed + args.dim, dp),),
+            reshard_after_forward=layout.reshard_after_forward,
         )
     recording = EagerStep(spec, config, layout.ac, ep, layout.batch, layout.seq // cp, kernels,
                           layout.imbalance, cp, buffers)  # fmt: skip

@@ -59,7 +59,7 @@ METHOD_FLAGS = {
         "--sweep",
         "--measure",
     ),
-    "analytic": ("--cp", "--ep", "--expert-imbalance"),
+    "analytic": ("--cp", "--ep", "--expert-imbalance", "--sweep"),
 }
 # A flag's value that asks for something (not the default), by flag.
 _GIVEN = {
@@ -552,21 +552,51 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
     return layouts
 
 
+def sweep_expert_layouts(spec: Any, config: Any, base) -> list:
+    """Layouts and options around ``base`` (an ``ExpertLayout``) for a model
+    planned from its shapes: every EP degree that divides both the experts
+    and the GPUs (a multiple of ``base.cp``), AC modes and reshard policy;
+    the GPUs, batch, sequence, CP degree, engine and imbalance are
+    ``base``'s. Invalid ones are left out."""
+    from simplefsdp.plan.analytic import validate_analytic
+
+    eps = [
+        ep
+        for ep in range(1, base.gpus + 1)
+        if base.gpus % ep == 0 and config.num_experts % ep == 0 and (ep == 1 or ep % base.cp == 0)
+    ]
+    layouts = []
+    for ep in eps:
+        for ac in ("none", "selective", "full"):
+            for reshard in (True, False):
+                layout = dataclasses.replace(base, ep=ep, ac=ac, reshard_after_forward=reshard)
+                if layout.fsdp == 1 and not reshard:
+                    continue  # nothing to gather: the option does not apply
+                try:
+                    validate_analytic(spec, config, layout)
+                except ValueError:
+                    continue
+                layouts.append(layout)
+    return layouts
+
+
 def sweep_predictions(args, layouts, hw, predict_fn) -> tuple[list, list[dict]]:
     """Predict the sweep's ``layouts`` with ``predict_fn(args, layout, hw)``
     (``simplefsdp.plan.predict.predict``); returns ``(predictions, skipped)``.
 
-    Layouts that share TP, PP and microbatches are predicted with full AC and
-    resharding after forward first, the least memory any of them can need
-    (less AC saves more activations, keeping parameters gathered holds more).
+    Layouts that share TP, PP, microbatches and EP are predicted with full AC
+    and resharding after forward first, the least memory any of them can
+    need (less AC saves more activations, keeping parameters gathered holds
+    more).
     When none of those fits, the group's other options cannot either, and
-    they are not traced: each is in ``skipped`` (``layout``, ``reason``)
+    they are not predicted: each is in ``skipped`` (``layout``, ``reason``)
     instead. A 405B sweep on 512 GPUs otherwise spends most of its time on
     layouts without pipeline parallelism that need terabytes.
     """
     groups: dict[tuple, list] = {}
     for layout in layouts:
-        groups.setdefault((layout.tp, layout.pp, layout.microbatches), []).append(layout)
+        key = tuple(getattr(layout, k, 1) for k in ("tp", "pp", "microbatches", "ep"))
+        groups.setdefault(key, []).append(layout)
     preds, skipped = [], []
     for group in groups.values():
         leanest = [lay for lay in group if lay.ac == "full" and lay.reshard_after_forward]
@@ -576,7 +606,7 @@ def sweep_predictions(args, layouts, hw, predict_fn) -> tuple[list, list[dict]]:
         if first and not any(p.fits for p in first):
             need = min(p.peak_bytes for p in first)
             reason = (
-                f"not traced: full AC with resharding already needs {need / GiB:.1f} "
+                f"not predicted: full AC with resharding already needs {need / GiB:.1f} "
                 f"> {first[0].usable_bytes / GiB:.1f} GiB"
             )
             skipped.extend({"layout": lay.describe(), "reason": reason} for lay in rest)
@@ -818,7 +848,10 @@ def main(argv: list[str] | None = None) -> int:
             if errors:
                 raise ValueError(errors[0])
         if ns.sweep:
-            layouts = sweep_layouts(config, base, hw.gpus_per_node)
+            if spec.plan_method == "analytic":
+                layouts = sweep_expert_layouts(spec, config, base)
+            else:
+                layouts = sweep_layouts(config, base, hw.gpus_per_node)
             preds, skipped = sweep_predictions(config, layouts, hw, predict_fn)
             preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
         else:

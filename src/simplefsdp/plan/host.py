@@ -410,11 +410,13 @@ class Fsdp2Buffers:
     [FSDP2's collective buffers]): for a dense block, an MoE block (its
     experts a group of their own) and the root (embeddings, final norm and
     output), each group's ``(gathered, shard)`` bytes: its bf16 parameters
-    gathered whole, and this rank's fp32 gradient shard."""
+    gathered whole, and this rank's fp32 gradient shard; whether the blocks
+    are resharded after forward (else kept gathered to their backward)."""
 
     dense: tuple[tuple[int, int], ...]
     moe: tuple[tuple[int, int], ...]
     root: tuple[tuple[int, int], ...]
+    reshard_after_forward: bool = True
 
 
 class _Fsdp2Events:
@@ -518,7 +520,8 @@ def _hook_fsdp2(
     and kept to the end of backward, each block gathered as its forward
     starts (one block ahead with ``prefetch``, the engine's explicit
     prefetch under expert parallelism) and its backward starts (the
-    previous block's prefetched)."""
+    previous block's prefetched), or kept from its forward to its backward
+    where ``buffers`` does not reshard after forward."""
     blocks = list(getattr(model, "layers", {}).values())
     fsdp = _Fsdp2Events(recorder, buffers, kinds)
     last = len(blocks) - 1
@@ -526,7 +529,8 @@ def _hook_fsdp2(
     model.register_forward_pre_hook(lambda *_: fsdp.unshard("root", "forward", first))
 
     def post_forward(i: int, output: Any) -> None:
-        fsdp.reshard(i)
+        if buffers.reshard_after_forward:
+            fsdp.reshard(i)
         _on_output_grad(output, lambda: pre_backward(i))
 
     def pre_backward(i: int) -> None:
@@ -606,6 +610,7 @@ def _record_step(
     for index, block in enumerate(blocks):
         block.register_forward_pre_hook(lambda *_, index=index: pre_forward(index))
         block.register_forward_hook(lambda _m, _a, out: hook_backward(out))
+
     def token_sync() -> None:
         # the token counts' copy to the host: in forward, and again in full
         # AC's recomputation (selective AC saves the copy)
