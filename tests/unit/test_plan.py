@@ -743,3 +743,33 @@ def test_cli_rejects_zero_calibration_rounds(capsys) -> None:
 
     assert main(["--calibrate", "--calibrate-rounds", "0"]) == 2
     assert "--calibrate-rounds must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_defaults_left_out_are_lowered_until_the_layout_fits() -> None:
+    # 50 GiB fixed, per sequence of the batch 60 GiB with selective AC, 15 with full
+    per_sequence = {"selective": 60, "full": 15}
+
+    def fake_predict(args, layout, hw):
+        acts = per_sequence[layout.ac] * GiB * layout.batch
+        peak = 50 * GiB + acts
+        return types.SimpleNamespace(
+            layout=layout,
+            peak_bytes=peak,
+            usable_bytes=70 * GiB,
+            fits=peak <= 70 * GiB,
+            memory={"activations": acts, "temporary": 0},
+            notes=[],
+        )
+
+    base = Layout(gpus=8, batch=2, seq=64, ac="selective")
+    first = fake_predict(None, base, None)
+    # neither the batch nor full AC alone fits: both lowered, both noted
+    pred = plan_cli.fit_defaults(None, first, {"batch", "ac"}, None, fake_predict)
+    assert (pred.layout.ac, pred.layout.batch) == ("full", 1) and pred.fits
+    assert pred.notes == [
+        "--ac full: the default selective is predicted to need 170.0 GiB of 70.0 GiB usable",
+        "--batch 1: the default 2 is predicted to need 170.0 GiB of 70.0 GiB usable",
+    ]
+    # what the user gave stays: with the batch given, full AC at batch 2 does not fit
+    assert plan_cli.fit_defaults(None, first, {"ac"}, None, fake_predict) is first
+    assert plan_cli.fit_defaults(None, first, {"batch"}, None, fake_predict) is first

@@ -657,6 +657,42 @@ def fit_default_batch(args, pred, hw, predict_fn, tries: int = 4):
     return current if current.fits else None
 
 
+def fit_defaults(args, pred, defaulted, hw, predict_fn):
+    """``pred`` if it fits or the user gave its batch and AC mode, else the
+    prediction of what fits with the defaults the user left out
+    (``defaulted``, names of values not given) lowered: the batch (to about
+    the largest that fits), else full AC, at the default batch or, where
+    that is not given either, the largest that fits with it. What was
+    lowered is noted; ``pred`` where nothing fits."""
+    if pred.fits:
+        return pred
+
+    def need(what: str, default, fitted) -> str:
+        return (
+            f"{what} {getattr(fitted.layout, what[2:])}: the default {default} is predicted "
+            f"to need {pred.peak_bytes / GiB:.1f} GiB of {pred.usable_bytes / GiB:.1f} GiB usable"
+        )
+
+    base = pred.layout
+    if "batch" in defaulted:
+        fitted = fit_default_batch(args, pred, hw, predict_fn)
+        if fitted is not None:
+            fitted.notes.append(need("--batch", base.batch, fitted))
+            return fitted
+    if "ac" not in defaulted or base.ac == "full":
+        return pred
+    # No batch fits at the default AC: full AC, its batch lowered if given by default.
+    leaner = predict_fn(args, dataclasses.replace(base, ac="full"), hw)
+    if not leaner.fits and "batch" in defaulted:
+        leaner = fit_default_batch(args, leaner, hw, predict_fn) or leaner
+    if not leaner.fits:
+        return pred
+    leaner.notes.append(need("--ac", base.ac, leaner))
+    if leaner.layout.batch != base.batch:
+        leaner.notes.append(need("--batch", base.batch, leaner))
+    return leaner
+
+
 def _candidate_changes(
     spec: Any, config: Any, pred, gpus_per_node: int
 ) -> list[list[tuple[str, object]]]:
@@ -855,28 +891,9 @@ def main(argv: list[str] | None = None) -> int:
             preds, skipped = sweep_predictions(config, layouts, hw, predict_fn)
             preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
         else:
-            preds, skipped = [predict_fn(config, base, hw)], []
-            if "batch" in defaulted and not preds[0].fits:
-                # The default batch lowered to what fits.
-                fitted = fit_default_batch(config, preds[0], hw, predict_fn)
-                if fitted is not None:
-                    fitted.notes.append(
-                        f"--batch {fitted.layout.batch}: the default {base.batch} is predicted "
-                        f"to need {preds[0].peak_bytes / GiB:.1f} GiB of "
-                        f"{preds[0].usable_bytes / GiB:.1f} GiB usable"
-                    )
-                    preds = [fitted]
-                elif "ac" in defaulted and base.ac != "full":
-                    # No batch fits at the default AC: full AC, where it fits.
-                    leaner = predict_fn(config, dataclasses.replace(base, ac="full"), hw)
-                    if leaner.fits:
-                        leaner.notes.append(
-                            f"--ac full: the default {base.ac} is predicted to need "
-                            f"{preds[0].peak_bytes / GiB:.1f} GiB of "
-                            f"{preds[0].usable_bytes / GiB:.1f} GiB usable"
-                        )
-                        preds = [leaner]
-                        values["ac"] = "full"
+            preds = [fit_defaults(config, predict_fn(config, base, hw), defaulted, hw, predict_fn)]
+            skipped = []
+            values["ac"] = preds[0].layout.ac
         shown = ", ".join(
             f"--{name} {values[name]}"
             for name in ("gpus", "tp", "ep", "batch", "seq", "ac")
