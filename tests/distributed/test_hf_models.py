@@ -152,7 +152,13 @@ def _seq2seq_loss(output, inputs) -> torch.Tensor:
 
 Case = harness.Case
 CASES = {
-    "HF-Llama": Case(_train_mode(lambda: _causal_lm("Llama")), _tokens(12), _lm_loss),
+    # Layer 0's query weights get gradients of a few 1e-6 (median 3e-5),
+    # where AdamW divides by their own scale: the fp32 round-off of the
+    # compiled step's reduction order moves an entry by about 1e-5 in 3
+    # steps of lr 1e-2. 1e-4 is 1% of a step.
+    "HF-Llama": Case(
+        _train_mode(lambda: _causal_lm("Llama")), _tokens(12), _lm_loss, param_atol=1e-4
+    ),
     "HF-Llama(checkpointing)": Case(_train_mode(_llama_checkpointed), _tokens(12), _lm_loss),
     "HF-Qwen2": Case(_train_mode(lambda: _causal_lm("Qwen2")), _tokens(12), _lm_loss),
     # The key part of the fused QKV bias gets a round-off gradient (softmax
