@@ -186,7 +186,9 @@ TRAINY_H200_202506 = tuple(
 )  # fmt: skip
 
 # DeepSeek-V3 16B, FSDP 4 x EP 2 on one node; batch 1; seq 4096 and
-# selective AC from deepseek_v3_16b.toml of the time (assumed). The
+# selective AC from deepseek_v3_16b.toml of the time (assumed); its op list
+# recomputes the experts' grouped matmuls, which the engines' policy (the
+# one planned) saves (docs/scale.md, mixture of experts). The
 # SimpleFSDP row ran torchtitan's SimpleFSDP under aot_eager with its
 # manual bucketing pass: no engine of the plan (its eager engine is FSDP2,
 # whose collective buffers sit on streams of their own), so it is shown,
