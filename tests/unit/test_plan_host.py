@@ -110,6 +110,10 @@ def test_steps_kernels_recorded_on_the_model(dsv3):
     assert syncs == ["hook"]
     full = _record_step(spec, small, "full", 2, 1, 256, lambda *_: 1e-6)
     assert [op[0] for op in full if op[2]] == ["hook", "recompute"]
+    # recomputing the experts: their three grouped matmuls once more
+    lean = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6,
+                        recompute_experts=True)  # fmt: skip
+    assert [op[0] for op in lean].count("recompute") == recompute + 3
     # FSDP's groups: the root, the blocks and the experts, each hooked
     # before its forward and its backward (the root's in forward only);
     # the blocks' gathers issued one block ahead, the first by the root

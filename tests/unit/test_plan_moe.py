@@ -126,6 +126,17 @@ def test_selective_ac_recomputes_half_the_dense_matmuls_and_no_expert() -> None:
     routed_forward = 4096 * 2 * args.n_moe_layers * args.top_k * per_expert
     dense_forward = flops["full"] - flops["none"] - routed_forward
     assert flops["selective"] - flops["none"] == pytest.approx(dense_forward / 2, rel=1e-9)
+    # recomputing the experts too (torchtitan's op list): their forward again,
+    # and none of their three grouped matmuls' outputs (w1, w3, w2) kept
+    layout = MoELayout(gpus=8, batch=1, seq=4096, ep=2, recompute_experts=True)
+    lean = predict_moe(args, layout, FIXED)
+    saved = predict_moe(args, dataclasses.replace(layout, recompute_experts=False), FIXED)
+    extra = lean.time["flops"] - flops["selective"]
+    assert extra == pytest.approx(routed_forward, rel=1e-9)
+    per_token = args.n_moe_layers * args.top_k * (2 * args.moe_hidden_dim + args.dim)
+    dropped = saved.memory["activations"] - lean.memory["activations"]
+    assert dropped == pytest.approx(2 * per_token * 4096, rel=1e-9)  # bf16
+    assert lean.step_s > saved.step_s
 
 
 @pytest.mark.parametrize("engine", ["simplefsdp", "fsdp2"])
@@ -152,13 +163,16 @@ def test_cli_moe_sweep_ranks_ep_degrees_ac_and_resharding(capsys) -> None:
     layouts = plan_cli.sweep_expert_layouts(spec, config, base)
     # EP 1, and the multiples of CP 2 that divide 64 experts and 8 GPUs
     assert sorted({lay.ep for lay in layouts}) == [1, 2, 4, 8]
-    assert len(layouts) == 4 * 3 * 2 and {lay.cp for lay in layouts} == {2}
+    # AC none, selective, selective recomputing the experts, full; resharding or not
+    assert len(layouts) == 4 * 4 * 2 and {lay.cp for lay in layouts} == {2}
+    assert sum(lay.recompute_experts for lay in layouts) == 4 * 2
     argv = ["--model", "deepseek_v3_16b", "--gpus", "4", "--batch", "1", "--seq", "2048"]
     assert plan_cli.main(argv + ["--hardware", "h100", "--sweep"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "tok/s/GPU" in lines[0] and lines[1].split()[-1] == "best"
-    assert sum("ep4 ac=" in line for line in lines) == 6  # 3 AC modes x resharding
-    assert sum(" ac=" in line for line in lines) == 3 * 3 * 2  # EP 1, 2 and 4
+    assert sum("ep4 ac=" in line for line in lines) == 8  # 4 AC options x resharding
+    assert sum(" ac=" in line for line in lines) == 3 * 4 * 2  # EP 1, 2 and 4
+    assert sum("ac=selective+experts" in line for line in lines) == 3 * 2
 
 
 def test_cli_moe_plan_prints_parameters_and_all_to_all(capsys) -> None:
@@ -200,6 +214,11 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
         ),
         (["--model", "moe_debug", "--float8"], "--float8 is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--measure"], "--measure is not planned for 'moe_debug'"),
+        (
+            ["--model", "moe_debug", "--ac", "full", "--recompute-experts"],
+            "--recompute-experts applies to selective activation checkpointing; the mode is 'full'",
+        ),
+        (["--model", "debug", "--recompute-experts"], "--recompute-experts is not planned"),
         (["--model", "moe_debug", "--fused-loss"], "--fused-loss is not planned for 'moe_debug'"),
         (["--model", "moe_debug", "--ep", "0"], "--ep must be >= 1, got 0"),
         (

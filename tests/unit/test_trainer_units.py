@@ -450,6 +450,59 @@ def test_selective_ac_recomputes_every_other_matmul_of_a_block(mode, recomputed)
     assert counter.count == 2 * 7 + 1 + recomputed
 
 
+@pytest.mark.parametrize(("recompute_experts", "recomputed"), [(False, 0), (True, 3)])
+def test_selective_ac_saves_the_experts_grouped_matmuls_unless_told(recompute_experts, recomputed):
+    """The experts' three grouped matmuls (w1, w3, w2) are saved by selective
+    AC; ``recompute_experts`` recomputes them in backward, as torchtitan's op
+    list does."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from simplefsdp.models.registry import resolve_flavor
+
+    class CountGroupedMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += "grouped_mm" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    spec, config = resolve_flavor("deepseek_v3_debug")
+    config = dataclasses.replace(config, n_layers=config.n_dense_layers + 1)  # one MoE block
+    torch.manual_seed(0)
+    model = spec.build(config)
+    for module in model.modules():
+        if hasattr(module, "use_grouped_mm"):
+            module.use_grouped_mm = True
+    apply_activation_checkpointing(model, "selective", recompute_experts)
+    loss = model(torch.randint(0, config.vocab_size, (1, 16))).float().square().mean()
+    with CountGroupedMatmuls() as counter:
+        loss.backward()
+    # input and weight gradients of the three, and what was recomputed
+    assert counter.count == 2 * 3 + recomputed
+    # the same gradients as without AC, bit for bit
+    torch.manual_seed(0)
+    plain = spec.build(config)
+    for module in plain.modules():
+        if hasattr(module, "use_grouped_mm"):
+            module.use_grouped_mm = True
+    torch.manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (1, 16))
+    plain(tokens).float().square().mean().backward()
+    for p in model.parameters():
+        p.grad = None
+    model(tokens).float().square().mean().backward()
+    expected = {n: p.grad for n, p in plain.named_parameters()}
+    for name, p in model.named_parameters():
+        clean = name.replace("._checkpoint_wrapped_module", "")
+        torch.testing.assert_close(p.grad, expected[clean], rtol=0, atol=0, msg=clean)
+    with pytest.raises(ValueError, match="recompute_experts applies to selective"):
+        apply_activation_checkpointing(spec.build(config), "full", True)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -487,6 +540,9 @@ def test_print_config_shows_overrides(capsys, tmp_path, monkeypatch):
         (["--resume", "--checkpoint.load_step", "4"], "no run in outputs/debug has a complete"),
         (["--nproc", "3", "--parallel.tp", "3", "--parallel.sequence_parallel", "false"],
          "parallel.tp 3 does not divide the n_heads 8, n_kv_heads 4 of model 'debug'; valid"),
+        (["--activation_checkpoint.mode", "full", "--activation_checkpoint.recompute_experts",
+          "true"], "activation_checkpoint.recompute_experts: invalid value True; must be false "
+         "with activation_checkpoint.mode 'full'"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(

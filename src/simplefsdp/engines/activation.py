@@ -27,13 +27,18 @@ logger = logging.getLogger(__name__)
 #     and ``w2`` outputs and recomputes ``wk``, ``wo`` and ``w3``. Grouped
 #     matmuls (the experts) are saved, all of them: torchtitan's default
 #     list does not name them, but they are a mixture-of-experts block's
-#     costliest ops.
+#     costliest ops. ``recompute_experts`` recomputes them too, as
+#     torchtitan does: less memory (the experts' hidden and output rows of
+#     every routed token) for one more forward of the experts per MoE layer.
+
+_EXPERT_MATMULS = ("_grouped_mm", "_scaled_grouped_mm")
 
 
-def _sac_save_ops() -> tuple[frozenset[Any], frozenset[Any]]:
+def _sac_save_ops(recompute_experts: bool = False) -> tuple[frozenset[Any], frozenset[Any]]:
     """``(save, matmuls)``: the ops whose outputs selective AC keeps, those of
     this torch build, and among them the matmuls, of which every second one
-    per block is recomputed (Note: [Selective activation checkpointing])."""
+    per block is recomputed (Note: [Selective activation checkpointing]);
+    the experts' grouped matmuls not kept with ``recompute_experts``."""
     aten = torch.ops.aten
     matmuls = {aten.mm.default, aten.addmm.default, aten.linear.default}
     save = set(matmuls) | {aten.bmm.default, aten.baddbmm.default, aten.max.default}
@@ -43,8 +48,7 @@ def _sac_save_ops() -> tuple[frozenset[Any], frozenset[Any]]:
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
-        "_grouped_mm",
-        "_scaled_grouped_mm",
+        *(() if recompute_experts else _EXPERT_MATMULS),
         "_scaled_mm",
     ):
         packet = getattr(aten, name, None)
@@ -90,32 +94,48 @@ def _sac_context_fn(save_ops: frozenset[Any], matmuls: frozenset[Any]) -> tuple[
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
+def check_recompute_experts(mode: str, recompute_experts: bool, flag: str) -> None:
+    """One-line ``ValueError`` where ``recompute_experts`` (spelled ``flag``)
+    is asked for with an AC ``mode`` other than ``selective`` (full AC
+    recomputes every op already; no AC recomputes none)."""
+    if recompute_experts and mode != "selective":
+        raise ValueError(
+            f"{flag} applies to selective activation checkpointing; the mode is {mode!r} "
+            "(use selective, or leave it out)"
+        )
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str, recompute_experts: bool = False
+) -> int:
     """Wrap every repeated block (``simplefsdp.bucket_plan.repeated_blocks``) for AC.
 
     Must run before sharding, so the sharded parameters live inside the
     wrapped blocks. ``"full"`` recomputes the whole block in backward;
     ``"selective"`` is torchtitan's op-level policy (Note: [Selective
-    activation checkpointing]). Checkpoint keys are
+    activation checkpointing]), the experts' grouped matmuls recomputed
+    too with ``recompute_experts``. Checkpoint keys are
     unchanged: DCP and the wrapper's state-dict hooks strip its prefix.
 
     Returns:
         The number of wrapped blocks.
 
     Raises:
-        ValueError: unknown ``mode``.
+        ValueError: unknown ``mode``; ``recompute_experts`` without
+            selective AC.
     """
     if mode not in AC_MODES:
         raise ValueError(
             f"unknown activation checkpointing mode {mode!r}; valid: {', '.join(AC_MODES)}"
         )
+    check_recompute_experts(mode, recompute_experts, "recompute_experts")
     if mode == "none":
         return 0
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     kwargs: dict[str, Any] = {"preserve_rng_state": False}
     if mode == "selective":
-        kwargs["context_fn"] = partial(_sac_context_fn, *_sac_save_ops())
+        kwargs["context_fn"] = partial(_sac_context_fn, *_sac_save_ops(recompute_experts))
     blocks = repeated_blocks(model)
     for fqn, block in blocks:
         parent_fqn, _, name = fqn.rpartition(".")

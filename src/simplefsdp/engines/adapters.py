@@ -107,6 +107,8 @@ class EngineSpec:
         torch_passes: compile ``simplefsdp`` with plain ``torch.compile`` and
             Inductor's own bucketing/overlap passes instead of ours (a peer).
         activation_checkpoint: ``"none"``, ``"full"`` or ``"selective"``.
+        recompute_experts: with selective AC, the experts' grouped matmuls
+            recomputed too (torchtitan's op list), not saved.
         broadcast_buffers: DDP re-sends buffers from rank 0 every forward
             (``broadcast_buffers``, ``forward_sync_buffers`` in torch >= 2.13);
             buffers are synced at construction either way.
@@ -137,6 +139,7 @@ class EngineSpec:
     keep_gathered: Any = None
     torch_passes: bool = False
     activation_checkpoint: str = "none"
+    recompute_experts: bool = False
     broadcast_buffers: bool = True
     tp: int = 1
     check_ranks: bool = True
@@ -533,7 +536,7 @@ def parallelize(
             )
         logger.info("expert parallelism (ep %d) on %d experts modules", spec.ep, len(applied))
         expert_mesh = meshes.expert_dp
-    apply_activation_checkpointing(model, spec.activation_checkpoint)
+    apply_activation_checkpointing(model, spec.activation_checkpoint, spec.recompute_experts)
     if expert_mesh is not None:
         parallel = _ADAPTERS[spec.engine](model, spec, meshes.fsdp, device, init_fn, expert_mesh)
     else:

@@ -126,6 +126,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from simplefsdp.engines.activation import check_recompute_experts
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.allocator import cached_bytes
 from simplefsdp.plan.costs import ADAMW_BYTES_PER_PARAM, CLIP_BYTES_PER_PARAM
@@ -159,6 +160,7 @@ class ExpertLayout:
     reshard_after_forward: bool = True
     imbalance: float = 1.0
     cp: int = 1
+    recompute_experts: bool = False
 
     @property
     def dp(self) -> int:
@@ -183,7 +185,7 @@ class ExpertLayout:
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [
-            f"ac={self.ac}",
+            f"ac={self.ac}" + ("+experts" if self.recompute_experts else ""),
             "per_block",
             "reshard" if self.reshard_after_forward else "no-reshard",
         ]
@@ -219,6 +221,7 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
         )
     if not layout.imbalance >= 1.0:
         raise ValueError(f"--expert-imbalance must be >= 1 (1: balanced), got {layout.imbalance}")
+    check_recompute_experts(layout.ac, layout.recompute_experts, "--recompute-experts")
     errors = spec.validate(config, layout, build=False)  # planned, not built
     if errors:
         raise ValueError(errors[0])
@@ -275,10 +278,13 @@ def _attention_elements(args: Any) -> dict[str, float]:
     }
 
 
-def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str, float]:
+def activation_elements(
+    args: Any, ac: str, imbalance: float = 1.0, recompute_experts: bool = False
+) -> dict[str, float]:
     """bf16 elements saved for backward per token, summed over the blocks
     (Note: [Analytic plan model]); ``layer_none`` is one block's at ``none``
-    (what full AC recomputes at once).
+    (what full AC recomputes at once); with ``recompute_experts`` selective
+    AC keeps none of the experts' grouped matmul outputs.
 
     Returns:
         ``{"saved": ..., "layer_none": ..., "none": ...}``.
@@ -310,6 +316,8 @@ def activation_elements(args: Any, ac: str, imbalance: float = 1.0) -> dict[str,
             + 1.5 * shared  # half of the shared experts' matmul outputs
             + 2 * args.num_experts
         )
+        if recompute_experts:  # the grouped matmuls' outputs (w1, w3, w2) recomputed
+            moe_sel -= routed * (2 * args.moe_hidden_dim + args.dim)
         dense_sel = 1.5 * args.dense_hidden_dim
         saved = args.n_layers * attn_sel + args.n_moe_layers * moe_sel
         saved += args.n_dense_layers * dense_sel
@@ -400,7 +408,7 @@ def predict_analytic(
     else:  # every block kept from its forward to its backward, one's gradients beside
         blocks = dense - 2 * embed - args.dim + args.n_moe_layers * local_expert_params
         gathered = 2 * blocks + biggest
-    acts = activation_elements(args, layout.ac, layout.imbalance)
+    acts = activation_elements(args, layout.ac, layout.imbalance, layout.recompute_experts)
     activations = 2 * acts["saved"] * tokens
     temporary = 10 * args.vocab_size * tokens
     if layout.ac == "full":
@@ -442,7 +450,7 @@ def predict_analytic(
             reshard_after_forward=layout.reshard_after_forward,
         )
     recording = EagerStep(spec, config, layout.ac, ep, layout.batch, layout.seq // cp, kernels,
-                          layout.imbalance, cp, buffers)  # fmt: skip
+                          layout.imbalance, cp, buffers, layout.recompute_experts)  # fmt: skip
     cache_note = []
     if hw.caching_allocator and not fused:
         # What the caching allocator holds free at its reserved peak, over two
@@ -463,10 +471,13 @@ def predict_analytic(
     routed *= layout.imbalance  # the most loaded rank's routed tokens
     # AC's recomputation: full recomputes the blocks' forward; selective half
     # their non-expert matmuls (every second one), not the experts' grouped
-    # matmuls (saved), but the token permutation (index ops, not saved)
+    # matmuls (saved, unless recompute_experts), but the token permutation
+    # (index ops, not saved)
     # (Note: [Selective activation checkpointing])
     dense_share = {"full": 1.0, "selective": 0.5, "none": 0.0}[layout.ac]
-    routed_share = {"full": 1.0, "selective": 0.0, "none": 0.0}[layout.ac]
+    routed_share = {"full": 1.0, "selective": float(layout.recompute_experts), "none": 0.0}[
+        layout.ac
+    ]
     permute_share = {"full": 1.0, "selective": 1.0, "none": 0.0}[layout.ac]
     dense_recompute = dense_share * (linear - 6.0 * embed) / 3  # the blocks' non-expert matmuls
     recompute = dense_recompute + routed_share * routed / 3

@@ -59,7 +59,7 @@ METHOD_FLAGS = {
         "--sweep",
         "--measure",
     ),
-    "analytic": ("--cp", "--ep", "--expert-imbalance", "--sweep"),
+    "analytic": ("--cp", "--ep", "--expert-imbalance", "--recompute-experts", "--sweep"),
 }
 # A flag's value that asks for something (not the default), by flag.
 _GIVEN = {
@@ -76,6 +76,7 @@ _GIVEN = {
     "--measure": lambda ns: ns.measure,
     "--ep": lambda ns: ns.ep not in (None, 1),
     "--expert-imbalance": lambda ns: ns.expert_imbalance != 1.0,
+    "--recompute-experts": lambda ns: ns.recompute_experts,
 }
 # The ModelSpec capability a flag needs, and what it is in words.
 _CAPABILITY = {
@@ -263,6 +264,13 @@ def _parser() -> argparse.ArgumentParser:
         "(default 1.0: balanced)",
     )
     p.add_argument(
+        "--recompute-experts",
+        action="store_true",
+        help="with --ac selective: the experts' grouped matmuls recomputed in backward, not "
+        "saved (simplefsdp train --activation_checkpoint.recompute_experts true; "
+        "torchtitan's op list)",
+    )
+    p.add_argument(
         "--microbatches",
         type=int,
         default=None,
@@ -370,6 +378,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
             reshard_after_forward=not ns.no_reshard,
             imbalance=ns.expert_imbalance,
             cp=ns.cp,
+            recompute_experts=ns.recompute_experts,
         )
     from simplefsdp.plan.predict import Layout
 
@@ -555,7 +564,8 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
 def sweep_expert_layouts(spec: Any, config: Any, base) -> list:
     """Layouts and options around ``base`` (an ``ExpertLayout``) for a model
     planned from its shapes: every EP degree that divides both the experts
-    and the GPUs (a multiple of ``base.cp``), AC modes and reshard policy;
+    and the GPUs (a multiple of ``base.cp``), AC modes (selective with and
+    without recomputing the experts) and reshard policy;
     the GPUs, batch, sequence, CP degree, engine and imbalance are
     ``base``'s. Invalid ones are left out."""
     from simplefsdp.plan.analytic import validate_analytic
@@ -565,11 +575,14 @@ def sweep_expert_layouts(spec: Any, config: Any, base) -> list:
         for ep in range(1, base.gpus + 1)
         if base.gpus % ep == 0 and config.num_experts % ep == 0 and (ep == 1 or ep % base.cp == 0)
     ]
+    modes = (("none", False), ("selective", False), ("selective", True), ("full", False))
     layouts = []
     for ep in eps:
-        for ac in ("none", "selective", "full"):
+        for ac, recompute in modes:
             for reshard in (True, False):
-                layout = dataclasses.replace(base, ep=ep, ac=ac, reshard_after_forward=reshard)
+                layout = dataclasses.replace(
+                    base, ep=ep, ac=ac, recompute_experts=recompute, reshard_after_forward=reshard
+                )
                 if layout.fsdp == 1 and not reshard:
                     continue  # nothing to gather: the option does not apply
                 try:
@@ -657,6 +670,15 @@ def fit_default_batch(args, pred, hw, predict_fn, tries: int = 4):
     return current if current.fits else None
 
 
+def with_ac(layout, ac: str):
+    """``layout`` with AC mode ``ac``; recomputing the experts (a choice
+    within selective AC) dropped for any other."""
+    changes: dict[str, Any] = {"ac": ac}
+    if ac != "selective" and getattr(layout, "recompute_experts", False):
+        changes["recompute_experts"] = False
+    return dataclasses.replace(layout, **changes)
+
+
 def fit_defaults(args, pred, defaulted, hw, predict_fn):
     """``pred`` if it fits or the user gave its batch and AC mode, else the
     prediction of what fits with the defaults the user left out
@@ -682,7 +704,7 @@ def fit_defaults(args, pred, defaulted, hw, predict_fn):
     if "ac" not in defaulted or base.ac == "full":
         return pred
     # No batch fits at the default AC: full AC, its batch lowered if given by default.
-    leaner = predict_fn(args, dataclasses.replace(base, ac="full"), hw)
+    leaner = predict_fn(args, with_ac(base, "full"), hw)
     if not leaner.fits and "batch" in defaulted:
         leaner = fit_default_batch(args, leaner, hw, predict_fn) or leaner
     if not leaner.fits:
@@ -709,7 +731,7 @@ def _candidate_changes(
     planned = METHOD_FLAGS[spec.plan_method]
     ladders: list[list[tuple[str, object]]] = []
     for ac in AC_MODES[AC_MODES.index(layout.ac) + 1 :]:
-        ladders.append([(f"--ac {ac}", replace(layout, ac=ac))])
+        ladders.append([(f"--ac {ac}", with_ac(layout, ac))])
     if not layout.reshard_after_forward:
         ladders.append([("no --no-reshard", replace(layout, reshard_after_forward=True))])
     if "--dtype" in planned and layout.dtype != "bf16":

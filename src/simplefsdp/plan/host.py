@@ -555,6 +555,7 @@ def _record_step(
     price,
     memory: bool = False,
     buffers: Fsdp2Buffers | None = None,
+    recompute_experts: bool = False,
 ) -> Any:
     """The kernels of one training step of ``config``'s model at its real
     shapes (meta tensors, bfloat16, the experts' grouped GEMMs), in issue
@@ -626,7 +627,7 @@ def _record_step(
             module.register_forward_pre_hook(lambda *_: token_sync())
             module.register_forward_pre_hook(lambda *_: None if recorder.backward else hook())
             module.register_forward_hook(lambda _m, _a, out: hook_backward(out))
-    apply_activation_checkpointing(model, ac)
+    apply_activation_checkpointing(model, ac, recompute_experts)
     fsdp = _hook_fsdp2(model, recorder, buffers, kinds, prefetch) if memory and buffers else None
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     held = [*model.parameters(), *model.buffers(), tokens]
@@ -656,8 +657,9 @@ class EagerStep:
     family's ``spec`` and ``config``, its AC mode, EP degree and batch,
     ``seq`` this rank's tokens of each sequence (a ``cp``-th), the
     ``kernels`` that price its ops (``None``: unpriced), the most loaded EP
-    rank's routed tokens over the mean (``imbalance``), the CP degree and
-    eager FSDP2's collective ``buffers`` (``None``: none recorded)."""
+    rank's routed tokens over the mean (``imbalance``), the CP degree,
+    eager FSDP2's collective ``buffers`` (``None``: none recorded) and
+    whether selective AC recomputes the experts."""
 
     spec: Any
     config: Any
@@ -669,12 +671,14 @@ class EagerStep:
     imbalance: float = 1.0
     cp: int = 1
     buffers: Fsdp2Buffers | None = None
+    recompute_experts: bool = False
 
     def key(self) -> tuple:
         """What the recording depends on, hashable (the kernel model by its
         repr: it holds dicts)."""
         return (self.spec.family, self.config, self.ac, self.ep, self.batch, self.seq,
-                repr(self.kernels), self.imbalance, self.cp, self.buffers)  # fmt: skip
+                repr(self.kernels), self.imbalance, self.cp, self.buffers,
+                self.recompute_experts)  # fmt: skip
 
 
 def eager_step_events(step: EagerStep) -> tuple:
@@ -730,12 +734,13 @@ def _recorded(step: EagerStep) -> tuple:
             else (lambda *_: 0.0)
         )
         shape = (step.ac, step.ep, step.batch, step.seq, price)
+        recompute = {"recompute_experts": step.recompute_experts}
 
         def model(extra: int) -> Any:
             return dataclasses.replace(config, n_layers=config.n_dense_layers + extra)
 
-        one = _record_step(step.spec, model(1), *shape)
-        two = _record_step(step.spec, model(2), *shape, True, step.buffers)
+        one = _record_step(step.spec, model(1), *shape, **recompute)
+        two = _record_step(step.spec, model(2), *shape, True, step.buffers, **recompute)
         _RECORDED[key] = (tuple(one), tuple(two.ops), tuple(two.events))
     return _RECORDED[key]
 

@@ -72,6 +72,9 @@ class ReferenceRow:
     fitted: str = ""  # the constant fitted on this row, if any
     # torchtitan's torch.compile: each block compiled in place under FSDP2
     compile: bool = False
+    # selective AC recomputes the experts' grouped matmuls (torchtitan's op
+    # list, which does not name them)
+    recompute_experts: bool = False
 
 
 def _table(
@@ -186,9 +189,9 @@ TRAINY_H200_202506 = tuple(
 )  # fmt: skip
 
 # DeepSeek-V3 16B, FSDP 4 x EP 2 on one node; batch 1; seq 4096 and
-# selective AC from deepseek_v3_16b.toml of the time (assumed); its op list
-# recomputes the experts' grouped matmuls, which the engines' policy (the
-# one planned) saves (docs/scale.md, mixture of experts). The
+# selective AC from deepseek_v3_16b.toml of the time (assumed), whose op
+# list (deepseek_v3/infra/parallelize.py) recomputes the experts' grouped
+# matmuls: --recompute-experts. The
 # SimpleFSDP row ran torchtitan's SimpleFSDP under aot_eager with its
 # manual bucketing pass: no engine of the plan (its eager engine is FSDP2,
 # whose collective buffers sit on streams of their own), so it is shown,
@@ -196,7 +199,7 @@ TRAINY_H200_202506 = tuple(
 DEEPSEEK_V3_2080 = tuple(
     ReferenceRow(
         "EP", "deepseek_v3_16b", 8, 1, 4096, "selective", 1, 1, 1, "fsdp2", tps, gib, held,
-        note, ep=2, source=_DSV3,
+        note, ep=2, source=_DSV3, recompute_experts=True,
     )
     for note, tps, gib, held in (
         ("SimpleFSDP (aot_eager)", 5136, 51.1, False), ("FSDP2 eager", 5942, 59.5, True)
@@ -232,7 +235,13 @@ def predict_row(row: ReferenceRow, hw=None):
         from simplefsdp.plan.analytic import ExpertLayout
 
         layout = ExpertLayout(
-            gpus=row.gpus, batch=row.batch, seq=row.seq, ep=row.ep, ac=row.ac, engine=row.engine
+            gpus=row.gpus,
+            batch=row.batch,
+            seq=row.seq,
+            ep=row.ep,
+            ac=row.ac,
+            engine=row.engine,
+            recompute_experts=row.recompute_experts,
         )
         return predict(spec, config, layout, hw)
     layout = Layout(

@@ -44,6 +44,7 @@ def engine_spec(job: JobConfig) -> EngineSpec:
         bucketing=c.bucketing,
         keep_gathered=keep_gathered_option(c.keep_gathered),
         activation_checkpoint=job.activation_checkpoint.mode,
+        recompute_experts=job.activation_checkpoint.recompute_experts,
         tp=p.tp,
         check_ranks=p.check_ranks,
         ep=p.ep,

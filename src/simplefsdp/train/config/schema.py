@@ -287,10 +287,15 @@ class ActivationCheckpointConfig:
     Attributes:
         mode: One of :data:`AC_MODES`: ``full`` recomputes each block in
             backward; ``selective`` is torchtitan's op policy (attention and
-            every other matmul saved, the rest recomputed).
+            every other matmul saved, the rest recomputed), which also
+            saves the experts' grouped matmuls of a mixture-of-experts block.
+        recompute_experts: With ``selective``: the experts' grouped matmuls
+            recomputed too, as torchtitan's op list does: less activation
+            memory for one more forward of the experts per MoE layer.
     """
 
     mode: ACMode = field(default="none", metadata=_choices(AC_MODES))
+    recompute_experts: bool = False
 
 
 @dataclass
@@ -555,6 +560,13 @@ def validate_config(cfg: JobConfig) -> None:
         )
 
     errors.extend(_expert_parallel_errors(cfg))
+    ac = cfg.activation_checkpoint
+    check(
+        not ac.recompute_experts or ac.mode == "selective",
+        "activation_checkpoint.recompute_experts",
+        ac.recompute_experts,
+        f"false with activation_checkpoint.mode {ac.mode!r} (it applies to 'selective')",
+    )
 
     check(ck.interval >= 1, "checkpoint.interval", ck.interval, ">= 1")
     check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, ">= 1")
