@@ -179,3 +179,31 @@ def test_host_bound_switch(dsv3, ep):
         dataclasses.replace(H100, **slow),
     )  # fmt: skip
     assert compiled.time["host"] == 0.0
+
+
+@pytest.mark.parametrize("recompute_experts", [False, True])
+def test_selective_activations_are_what_the_model_saves(dsv3, recompute_experts):
+    """The analytic selective AC's activations of an MoE block (without
+    EP: no all-to-all) against what the family's own model, recorded on the
+    meta device under the engines' policy, still holds as backward starts."""
+    from simplefsdp.plan.allocator import Alloc, Free
+    from simplefsdp.plan.analytic import activation_elements
+
+    spec, config = dsv3
+    seq = 512
+
+    def held(moe_blocks: int) -> tuple[int, float]:
+        model = dataclasses.replace(config, n_layers=config.n_dense_layers + moe_blocks)
+        recorder = _record_step(spec, model, "selective", 1, 1, seq, lambda *_: 0.0, True,
+                                recompute_experts=recompute_experts)  # fmt: skip
+        live = {}
+        for event in recorder.events[: recorder.forward_end]:
+            if isinstance(event, Alloc):
+                live[event.key] = event.size
+            elif isinstance(event, Free):
+                live.pop(event.key, None)
+        saved = activation_elements(model, "selective", recompute_experts=recompute_experts)
+        return sum(live.values()), 2 * saved["saved"] * seq
+
+    (one, planned_one), (two, planned_two) = held(1), held(2)
+    assert planned_two - planned_one == pytest.approx(two - one, rel=0.05)

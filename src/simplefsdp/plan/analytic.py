@@ -19,12 +19,16 @@ Note: [Analytic plan model]
                    experts / ep / (dp / ep) = experts / dp;
       activations  what backward needs per token and layer (bf16), by AC
                    mode (``activation_elements``): ``none`` every tensor a
-                   block's backward reads; ``selective`` torchtitan's op
+                   block's backward reads; ``selective`` the engines'
                    policy (matmul and attention outputs, every other matmul
                    recomputed, the all-to-all outputs and the grouped
                    matmuls' outputs kept) as the block input, half of the
-                   linears' outputs, attention's output, the dispatched
-                   tokens and the experts' outputs; ``full`` the block input;
+                   linears' outputs, attention's output, the experts' three
+                   grouped matmul outputs (none with ``recompute_experts``)
+                   and with ``ep > 1`` the dispatched and combined tokens
+                   (within 5% of what the family's own model saves per MoE
+                   block, recorded on the meta device, without EP);
+                   ``full`` the block input;
       gathered     the bf16 parameters of the gathered blocks: two blocks
                    (one computing, one prefetched) and the one copied out,
                    ``2 * B_i + B_(i+1)`` as the compiler's own model, a
@@ -279,12 +283,13 @@ def _attention_elements(args: Any) -> dict[str, float]:
 
 
 def activation_elements(
-    args: Any, ac: str, imbalance: float = 1.0, recompute_experts: bool = False
+    args: Any, ac: str, imbalance: float = 1.0, recompute_experts: bool = False, ep: int = 1
 ) -> dict[str, float]:
     """bf16 elements saved for backward per token, summed over the blocks
     (Note: [Analytic plan model]); ``layer_none`` is one block's at ``none``
     (what full AC recomputes at once); with ``recompute_experts`` selective
-    AC keeps none of the experts' grouped matmul outputs.
+    AC keeps none of the experts' grouped matmul outputs; with ``ep > 1``
+    it keeps both all-to-alls' outputs.
 
     Returns:
         ``{"saved": ..., "layer_none": ..., "none": ...}``.
@@ -310,14 +315,11 @@ def activation_elements(
     elif ac == "selective":
         v_head_dim = args.v_head_dim if _latent_attention(args) else args.head_dim
         attn_sel = args.dim + attn["linear_out"] / 2 + args.n_heads * v_head_dim
-        moe_sel = (
-            2 * routed * args.dim  # all-to-all and grouped-matmul outputs
-            + routed * 2 * args.moe_hidden_dim  # grouped matmuls' outputs (w1, w3)
-            + 1.5 * shared  # half of the shared experts' matmul outputs
-            + 2 * args.num_experts
-        )
-        if recompute_experts:  # the grouped matmuls' outputs (w1, w3, w2) recomputed
-            moe_sel -= routed * (2 * args.moe_hidden_dim + args.dim)
+        moe_sel = 1.5 * shared + 2 * args.num_experts  # half the shared experts' matmuls
+        if not recompute_experts:  # the grouped matmuls' outputs (w1, w3, w2)
+            moe_sel += routed * (2 * args.moe_hidden_dim + args.dim)
+        if ep > 1:  # the dispatched and the combined tokens (the all-to-alls' outputs)
+            moe_sel += 2 * routed * args.dim
         dense_sel = 1.5 * args.dense_hidden_dim
         saved = args.n_layers * attn_sel + args.n_moe_layers * moe_sel
         saved += args.n_dense_layers * dense_sel
@@ -408,7 +410,7 @@ def predict_analytic(
     else:  # every block kept from its forward to its backward, one's gradients beside
         blocks = dense - 2 * embed - args.dim + args.n_moe_layers * local_expert_params
         gathered = 2 * blocks + biggest
-    acts = activation_elements(args, layout.ac, layout.imbalance, layout.recompute_experts)
+    acts = activation_elements(args, layout.ac, layout.imbalance, layout.recompute_experts, ep)
     activations = 2 * acts["saved"] * tokens
     temporary = 10 * args.vocab_size * tokens
     if layout.ac == "full":

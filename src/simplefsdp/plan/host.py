@@ -379,6 +379,7 @@ class _MemoryRecorder(_KernelRecorder):
         self.external: set[int] = set()
         self.live: dict[int, tuple[int, Any]] = {}  # storage -> (event key, weak ref)
         self.events: list = []
+        self.forward_end = 0  # the events' index where backward starts
         self._keys = itertools.count()
 
     def sweep(self) -> None:
@@ -499,7 +500,9 @@ class _Fsdp2Events:
         for held in self.reducing:
             self._emit(Free(held))
         self.reducing = []
-        self.recorder.events[:0] = [Free(Previous(key)) for key in self.shards]
+        previous = [Free(Previous(key)) for key in self.shards]
+        self.recorder.events[:0] = previous
+        self.recorder.forward_end += len(previous)
 
 
 def _on_output_grad(output: Any, fn: Any) -> None:
@@ -635,6 +638,9 @@ def _record_step(
         recorder.external = {t.untyped_storage()._cdata for t in held}
     with _one_kernel_attention(), recorder:
         loss = model(tokens).float().logsumexp(-1).mean()
+        if memory:
+            recorder.sweep()
+            recorder.forward_end = len(recorder.events)  # what backward will read is live
         recorder.backward = True
         if fsdp:
             fsdp.gradients("root")  # from the output layer's backward, the first
