@@ -173,6 +173,8 @@ def test_cli_moe_sweep_ranks_ep_degrees_ac_and_resharding(capsys) -> None:
     assert sum("ep4 ac=" in line for line in lines) == 8  # 4 AC options x resharding
     assert sum(" ac=" in line for line in lines) == 3 * 4 * 2  # EP 1, 2 and 4
     assert sum("ac=selective+experts" in line for line in lines) == 3 * 2
+    column = lines[0].index(" peak GiB")  # every layout fits its column
+    assert all(line[column] == " " for line in lines[1:] if " ac=" in line)
 
 
 def test_cli_moe_plan_prints_parameters_and_all_to_all(capsys) -> None:

@@ -505,14 +505,16 @@ def _seconds(value: float) -> str:
 def format_sweep(preds) -> str:
     ranked = sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
     best = ranked[0] if ranked and ranked[0].fits else None
+    width = max([44, *(len(p.layout.describe()) for p in ranked)])
     header = (
-        f"{'#':>3} {'layout':<44} {'peak GiB':>9} {'step s':>9} {'tok/s/GPU':>10} {'MFU%':>6}  why"
+        f"{'#':>3} {'layout':<{width}} {'peak GiB':>9} {'step s':>9} {'tok/s/GPU':>10} "
+        f"{'MFU%':>6}  why"
     )
     lines = [header]
     for i, p in enumerate(ranked, 1):
         reason = why_loses(p, best) if best is not None else why_loses(p, p)
         lines.append(
-            f"{i:>3} {p.layout.describe():<44} {p.peak_bytes / GiB:>9.3g} {p.step_s:>9.4g} "
+            f"{i:>3} {p.layout.describe():<{width}} {p.peak_bytes / GiB:>9.3g} {p.step_s:>9.4g} "
             f"{p.tokens_per_s_per_gpu:>10.0f} {100 * p.mfu:>6.1f}  {reason}"
         )
     return "\n".join(lines)
