@@ -770,6 +770,6 @@ def test_defaults_left_out_are_lowered_until_the_layout_fits() -> None:
         "--ac full: the default selective is predicted to need 170.0 GiB of 70.0 GiB usable",
         "--batch 1: the default 2 is predicted to need 170.0 GiB of 70.0 GiB usable",
     ]
-    # what the user gave stays: with the batch given, full AC at batch 2 does not fit
+    # a batch given is planned as given, whether the AC mode is or not
     assert plan_cli.fit_defaults(None, first, {"ac"}, None, fake_predict) is first
     assert plan_cli.fit_defaults(None, first, {"batch"}, None, fake_predict) is first

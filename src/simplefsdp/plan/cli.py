@@ -682,12 +682,11 @@ def with_ac(layout, ac: str):
 
 
 def fit_defaults(args, pred, defaulted, hw, predict_fn):
-    """``pred`` if it fits or the user gave its batch and AC mode, else the
-    prediction of what fits with the defaults the user left out
-    (``defaulted``, names of values not given) lowered: the batch (to about
-    the largest that fits), else full AC, at the default batch or, where
-    that is not given either, the largest that fits with it. What was
-    lowered is noted; ``pred`` where nothing fits."""
+    """``pred`` if it fits, else the prediction of what fits with the
+    defaults the user left out (``defaulted``, names of values not given)
+    lowered: the batch (to about the largest that fits), else, with the AC
+    mode left out too, full AC at the default batch or the largest that
+    fits with it. What was lowered is noted; ``pred`` where nothing fits."""
     if pred.fits:
         return pred
 
@@ -703,11 +702,11 @@ def fit_defaults(args, pred, defaulted, hw, predict_fn):
         if fitted is not None:
             fitted.notes.append(need("--batch", base.batch, fitted))
             return fitted
-    if "ac" not in defaulted or base.ac == "full":
-        return pred
-    # No batch fits at the default AC: full AC, its batch lowered if given by default.
+    if "ac" not in defaulted or "batch" not in defaulted or base.ac == "full":
+        return pred  # a batch given is planned as given, at the AC given or not
+    # No batch fits at the default AC: full AC, its batch lowered where needed.
     leaner = predict_fn(args, with_ac(base, "full"), hw)
-    if not leaner.fits and "batch" in defaulted:
+    if not leaner.fits:
         leaner = fit_default_batch(args, leaner, hw, predict_fn) or leaner
     if not leaner.fits:
         return pred
