@@ -95,18 +95,24 @@ def _max_diff(reference: torch.nn.Module, state: dict) -> float:
     return worst
 
 
-def _data_parallel_case(solo, ep: int, engine: str = "simplefsdp") -> dict:
+def _data_parallel_case(solo, ep: int, engine: str = "simplefsdp", ac: str = "none") -> dict:
     """Each rank trains on half the batch through the one parallelize recipe
-    (FSDP over both ranks; with ``ep`` the routed experts split over ep)."""
+    (FSDP over both ranks; with ``ep`` the routed experts split over ep;
+    ``ac`` selective: torchtitan's policy, the experts recomputed too)."""
     from simplefsdp.engines import EngineSpec
     from simplefsdp.engines.recipe import parallelize_model
     from simplefsdp.layout import Layout
 
     spec = _spec()
     meshes = Layout(dp_shard=WORLD, ep=ep).build("cpu")
-    parallel = parallelize_model(
-        _model(), spec, meshes, EngineSpec(engine, ep=ep, compile=False), torch.device("cpu")
+    engine_spec = EngineSpec(
+        engine,
+        ep=ep,
+        compile=False,
+        activation_checkpoint=ac,
+        recompute_experts=ac == "selective",
     )
+    parallel = parallelize_model(_model(), spec, meshes, engine_spec, torch.device("cpu"))
     model = parallel.module
     if engine == "fsdp2":
         # the next block and its experts gathered one block ahead (the token
@@ -115,7 +121,7 @@ def _data_parallel_case(solo, ep: int, engine: str = "simplefsdp") -> dict:
         ahead = block._get_fsdp_state()._states_to_forward_prefetch
         assert {s._modules[0] for s in ahead} == {following, following.moe.experts}, ahead
     if ep > 1:
-        w1 = dict(model.named_parameters())["layers.1.moe.experts.w1"]
+        w1 = model.layers["1"].moe.experts.w1
         assert w1.to_local().shape[0] == 4 // ep, w1.to_local().shape
         assert "ep" in w1.device_mesh.mesh_dim_names, w1.device_mesh
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -231,7 +237,9 @@ def _body(cases: tuple[str, ...]) -> dict:
     run = {
         "dp": lambda solo: _data_parallel_case(solo, ep=1),
         "ep": lambda solo: _data_parallel_case(solo, ep=WORLD),
-        "ep-fsdp2": lambda solo: _data_parallel_case(solo, ep=WORLD, engine="fsdp2"),
+        # the experts' FSDP2 group inside each block's selective checkpoint
+        # (Note: [FSDP2 hooks inside a selective checkpoint])
+        "ep-fsdp2": lambda solo: _data_parallel_case(solo, WORLD, "fsdp2", "selective"),
         "tp": _tp_case,
         "pp": _pp_case,
         "float8": _float8_case,

@@ -74,6 +74,37 @@ def _to_host(op: Any, args: tuple, kwargs: dict) -> bool:
     )
 
 
+# Note: [FSDP2 hooks inside a selective checkpoint]
+#     Under expert parallelism the fsdp2 engine gives a block's experts an
+#     FSDP2 group of their own, inside the block's checkpointed region: its
+#     hooks run in forward and again in the recomputation, where they find
+#     the experts gathered or not and so mark a different number of
+#     ``record_function`` ranges. torch's selective checkpoint (2.13) counts
+#     every op of the region and takes a count that differs for
+#     nondeterminism. Those ranges are profiler markers, no tensor comes
+#     out of them: they are ignored as SAC ignores ``detach``.
+
+
+def _ignore_profiler_ranges_in_sac() -> None:
+    """Leave the profiler's range ops out of selective checkpointing's op
+    counts (Note: [FSDP2 hooks inside a selective checkpoint])."""
+    import torch.utils.checkpoint as checkpoint
+
+    ignored = getattr(checkpoint, "SAC_IGNORED_OPS", None)
+    if ignored is None:
+        return
+    profiler = torch.ops.profiler
+    for name, overload in (
+        ("_record_function_enter", "default"),
+        ("_record_function_enter_new", "default"),
+        ("_record_function_exit", "_RecordFunction"),
+    ):
+        packet = getattr(profiler, name, None)
+        op = getattr(packet, overload, None) if packet is not None else None
+        if op is not None:
+            ignored.add(op)
+
+
 def _sac_context_fn(save_ops: frozenset[Any], matmuls: frozenset[Any]) -> tuple[Any, Any]:
     """Selective-checkpoint contexts of one block's forward (Note: [Selective
     activation checkpointing])."""
@@ -135,6 +166,7 @@ def apply_activation_checkpointing(
 
     kwargs: dict[str, Any] = {"preserve_rng_state": False}
     if mode == "selective":
+        _ignore_profiler_ranges_in_sac()
         kwargs["context_fn"] = partial(_sac_context_fn, *_sac_save_ops(recompute_experts))
     blocks = repeated_blocks(model)
     for fqn, block in blocks:
