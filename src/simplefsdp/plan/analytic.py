@@ -474,13 +474,11 @@ def predict_analytic(
     # AC's recomputation: full recomputes the blocks' forward; selective half
     # their non-expert matmuls (every second one), not the experts' grouped
     # matmuls (saved, unless recompute_experts), but the token permutation
-    # (index ops, not saved)
-    # (Note: [Selective activation checkpointing])
+    # (index ops, not saved) (Note: [Selective activation checkpointing])
     dense_share = {"full": 1.0, "selective": 0.5, "none": 0.0}[layout.ac]
-    routed_share = {"full": 1.0, "selective": float(layout.recompute_experts), "none": 0.0}[
-        layout.ac
-    ]
-    permute_share = {"full": 1.0, "selective": 1.0, "none": 0.0}[layout.ac]
+    selective_experts = layout.ac == "selective" and layout.recompute_experts
+    routed_share = 1.0 if layout.ac == "full" or selective_experts else 0.0
+    permute_share = 0.0 if layout.ac == "none" else 1.0
     dense_recompute = dense_share * (linear - 6.0 * embed) / 3  # the blocks' non-expert matmuls
     recompute = dense_recompute + routed_share * routed / 3
     # Routed experts as grouped GEMMs at the per-expert token count (Note:

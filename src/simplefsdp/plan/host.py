@@ -28,10 +28,11 @@ Note: [Host-bound steps]
     matmuls by shape, the grouped GEMMs as the rank's local experts'
     equal GEMMs, attention as one fused kernel each way, any other op by
     the bytes it reads and writes: eager fuses nothing). With ``ep > 1`` a
-    sync precedes every experts call but selective AC's recomputation. :func:`simulate` then issues the ops
-    from one host thread at the profile's host cost per op of their pass
-    and runs them in order on one stream: a kernel starts when it is issued
-    and its predecessor is done; at a sync the host waits for the device.
+    sync precedes every experts call but selective AC's recomputation.
+    :func:`simulate` then issues the ops from one host thread at the
+    profile's host cost per op of their pass and runs them in order on one
+    stream: a kernel starts when it is issued and its predecessor is done;
+    at a sync the host waits for the device.
     FSDP's groups (the blocks, the experts of each MoE block under expert
     parallelism, the root) cost the host their hooks (FSDP2's: the
     profile's ``host_fsdp2_group_s`` per group and step, half as the
@@ -242,12 +243,18 @@ class HostStep:
         return self.step_s - self.device_s
 
 
+def _recomputation_syncs(ac: str) -> bool:
+    """AC mode ``ac``'s recomputation copies the token counts to the host
+    again: full AC's; selective AC saves the copy (Note: [Host-bound
+    steps])."""
+    return ac == "full"
+
+
 def token_syncs(n_moe: int, ac: str, ep: int) -> int:
     """The token counts' copies to the host in a step of ``n_moe`` MoE
     layers (Note: [Host-bound steps]): one per layer with expert
-    parallelism, two under full AC (its recomputation copies them again;
-    selective AC saves the copy)."""
-    return n_moe * (2 if ac == "full" else 1) if ep > 1 else 0
+    parallelism, and one more where AC's recomputation copies them again."""
+    return n_moe * (2 if _recomputation_syncs(ac) else 1) if ep > 1 else 0
 
 
 def device_bound(device_s: float, *, syncs: int, sync_s: float) -> HostStep:
@@ -616,9 +623,9 @@ def _record_step(
         block.register_forward_hook(lambda _m, _a, out: hook_backward(out))
 
     def token_sync() -> None:
-        # the token counts' copy to the host: in forward, and again in full
-        # AC's recomputation (selective AC saves the copy)
-        if not recorder.backward or ac == "full":
+        # the token counts' copy to the host: in forward, and again where
+        # AC's recomputation copies them
+        if not recorder.backward or _recomputation_syncs(ac):
             recorder.pending_sync = True
 
     for module in model.modules():
