@@ -94,7 +94,11 @@ def test_profiles_are_data_with_sources_and_gpu_generations() -> None:
         hw = PROFILES[name]
         assert hw.sm_count and hw.gemm_efficiency and hw.flash_fwd_efficiency, name
         assert hw.source, name
-    assert PROFILES["a100-40gb"].memory_bytes == 40e9
+    # the memory CUDA reports (what a job's percentages are of), below the
+    # marketed capacity in GB
+    GiB = 2**30
+    for name, reported in (("a100-40gb", 39.39), ("h100", 79.18), ("h200", 139.81)):
+        assert PROFILES[name].memory_bytes == reported * GiB, name
     assert PROFILES["h100-96gb-500w"].clock_fraction < 1.0 == PROFILES["h100"].clock_fraction
     assert PROFILES["b200"].peak_bf16_flops > PROFILES["h200"].peak_bf16_flops
     assert kernel_model(PROFILES["cpu-gloo"], 1.0) is None  # CPU: one measured rate
@@ -149,6 +153,13 @@ def test_reference_rows_name_their_source_and_two_fitted_constants() -> None:
     held_out = [r for r in REFERENCE_ROWS if not r.fitted]
     assert {r.hardware for r in held_out} >= {"h200", "h100-96gb-500w"}
     assert any(r.cp > 1 for r in held_out) and any(r.ep > 1 for r in held_out)
+    # a part whose clock is not published: its tokens/s shown, its memory held
+    unclocked = [r for r in REFERENCE_ROWS if not r.tokens_held]
+    assert unclocked and {r.hardware for r in unclocked} == {"b200"}
+    from simplefsdp.plan.reference import comparison_table
+
+    table = comparison_table(rows=tuple(unclocked), results=[("x", 1.0, 1.0)] * len(unclocked))
+    assert table.count("| memory only |") == len(unclocked)
 
 
 # ------------------------------------------------------------ --measure

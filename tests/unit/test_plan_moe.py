@@ -188,6 +188,31 @@ def test_cli_moe_plan_prints_parameters_and_all_to_all(capsys) -> None:
     assert pred["layout"]["ep"] == 2 and pred["parameters"]["total"] > 15e9
 
 
+def test_a_compiled_loss_holds_only_the_bf16_logits_and_their_gradient(capsys) -> None:
+    # torchtitan compiles the loss (compile.components "loss"): no fp32 copy
+    # of the logits, no fp32 gradient; 4 bytes per logit against eager's 10.
+    from simplefsdp.plan.allocator import Alloc
+    from simplefsdp.plan.host import EagerStep, eager_step_events
+
+    spec, config = resolve_flavor("moe_small")
+    base = MoELayout(gpus=8, batch=2, seq=512, ep=2, engine="fsdp2")
+    eager = predict_moe(config, base, FIXED)
+    fused = predict_moe(config, dataclasses.replace(base, fused_loss=True), FIXED)
+    logits = 2 * 512 * config.vocab_size
+    assert eager.memory["temporary"] - fused.memory["temporary"] == 6 * logits
+    assert "fused-loss" in fused.layout.describe() and "fused" not in eager.layout.describe()
+    # what the allocator simulation is fed: the fp32 logits only when eager
+    sizes = {}
+    for fused_loss in (False, True):
+        step = EagerStep(spec, config, "selective", 2, 2, 512, fused_loss=fused_loss)
+        sizes[fused_loss] = {e.size for e in eager_step_events(step) if isinstance(e, Alloc)}
+    assert 4 * logits in sizes[False] and 4 * logits not in sizes[True]
+    assert 2 * logits in sizes[True]
+    argv = ["--model", "moe_small", "--gpus", "8", "--ep", "2", "--batch", "2", "--seq", "512"]
+    assert plan_cli.main(argv + ["--fused-loss"]) == 0
+    assert "fused-loss" in capsys.readouterr().out
+
+
 def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
     cases = [
         (
@@ -221,7 +246,10 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
             "--recompute-experts applies to selective activation checkpointing; the mode is 'full'",
         ),
         (["--model", "debug", "--recompute-experts"], "--recompute-experts is not planned"),
-        (["--model", "moe_debug", "--fused-loss"], "--fused-loss is not planned for 'moe_debug'"),
+        (
+            ["--model", "moe_debug", "--loss-parallel"],
+            "--loss-parallel is not planned for 'moe_debug'",
+        ),
         (["--model", "moe_debug", "--ep", "0"], "--ep must be >= 1, got 0"),
         (
             ["--model", "moe_debug", "--expert-imbalance", "0.5"],

@@ -37,8 +37,10 @@ Note: [Analytic plan model]
                    its forward to its backward, and one block's unsharded
                    gradients;
       temporary    the loss's logits (bf16), fp32 logits and their
-                   gradient, ``10 * vocab`` bytes per token, and for full AC
-                   one block's recomputed activations;
+                   gradient, ``10 * vocab`` bytes per token (``4`` with
+                   ``fused_loss``: the bf16 logits and their bf16 gradient,
+                   the loss compiled into kernels that hold no fp32 copy),
+                   and for full AC one block's recomputed activations;
       cached       eager engines, where the profile's memory comes from the
                    CUDA caching allocator: what it holds free at its
                    reserved peak, the allocator simulated (Note: [Caching
@@ -165,6 +167,7 @@ class ExpertLayout:
     imbalance: float = 1.0
     cp: int = 1
     recompute_experts: bool = False
+    fused_loss: bool = False
 
     @property
     def dp(self) -> int:
@@ -193,6 +196,8 @@ class ExpertLayout:
             "per_block",
             "reshard" if self.reshard_after_forward else "no-reshard",
         ]
+        if self.fused_loss:
+            parts.append("fused-loss")
         return " ".join(parts)
 
 
@@ -412,7 +417,7 @@ def predict_analytic(
         gathered = 2 * blocks + biggest
     acts = activation_elements(args, layout.ac, layout.imbalance, layout.recompute_experts, ep)
     activations = 2 * acts["saved"] * tokens
-    temporary = 10 * args.vocab_size * tokens
+    temporary = (4 if layout.fused_loss else 10) * args.vocab_size * tokens
     if layout.ac == "full":
         temporary += 2 * acts["layer_none"] * tokens
     # Context parallelism: the other CP ranks' keys and values, gathered per
@@ -452,7 +457,8 @@ def predict_analytic(
             reshard_after_forward=layout.reshard_after_forward,
         )
     recording = EagerStep(spec, config, layout.ac, ep, layout.batch, layout.seq // cp, kernels,
-                          layout.imbalance, cp, buffers, layout.recompute_experts)  # fmt: skip
+                          layout.imbalance, cp, buffers, layout.recompute_experts,
+                          layout.fused_loss)  # fmt: skip
     cache_note = []
     if hw.caching_allocator and not fused:
         # What the caching allocator holds free at its reserved peak, over two

@@ -59,7 +59,14 @@ METHOD_FLAGS = {
         "--sweep",
         "--measure",
     ),
-    "analytic": ("--cp", "--ep", "--expert-imbalance", "--recompute-experts", "--sweep"),
+    "analytic": (
+        "--cp",
+        "--ep",
+        "--expert-imbalance",
+        "--recompute-experts",
+        "--fused-loss",
+        "--sweep",
+    ),
 }
 # A flag's value that asks for something (not the default), by flag.
 _GIVEN = {
@@ -379,6 +386,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
             imbalance=ns.expert_imbalance,
             cp=ns.cp,
             recompute_experts=ns.recompute_experts,
+            fused_loss=ns.fused_loss,
         )
     from simplefsdp.plan.predict import Layout
 

@@ -61,9 +61,12 @@ class HardwareProfile:
         peak_bf16_flops: dense bf16 tensor-core peak (FLOP/s).
         peak_fp32_flops: dense fp32 peak (FLOP/s), for fp32 matmuls.
         matmul_efficiency: achievable fraction of the peak for large matmuls.
-        memory_bytes: HBM capacity.
-        usable_memory_fraction: part of the HBM a job may fill (the rest:
-            CUDA context, communication buffers, allocator fragmentation).
+        memory_bytes: the device memory CUDA reports
+            (``torch.cuda.get_device_properties(d).total_memory``, what
+            torchtitan's memory percentages are of), less than the
+            marketed "80 GB": the driver and ECC keep some.
+        usable_memory_fraction: part of it a job's caching allocator may
+            reserve (the rest: CUDA context, communication buffers).
         memory_bandwidth: HBM bandwidth.
         memory_efficiency: achievable fraction of it for elementwise kernels.
         kernel_overhead_s: fixed cost per compute op (launch, tails).
@@ -272,7 +275,10 @@ PROFILES: dict[str, HardwareProfile] = {
     "h100": _hopper(
         name="h100",
         description="NVIDIA H100 SXM5 80GB (700 W), 8 per node, NVLink 4, 400 Gb/s NIC per GPU",
-        memory_bytes=80 * GB,
+        # CUDA reports 79.18 GiB on an H100 80GB HBM3 (torchtitan's "CUDA
+        # capacity" log line; its DeepSeek-V3 readings in torchtitan#1789,
+        # 73.32 GiB = 92.70%, put it at 79.1).
+        memory_bytes=79.18 * GiB,
         memory_bandwidth=3.35e12,  # datasheet: 80 GB HBM3 at 3.35 TB/s
         source="NVIDIA H100 datasheet, DGX H100 user guide, mamf-finder; efficiencies noted",
     ),
@@ -284,7 +290,9 @@ PROFILES: dict[str, HardwareProfile] = {
         # RDMA per GPU; peak FLOPs "between SXM and NVL", unknown: the SXM
         # datasheet's and the fitted sustained clock (CLOCK_500W).
         clock_fraction=CLOCK_500W,
-        memory_bytes=96 * GiB,  # "96GB" HBM2e; torchtitan reports GiB readings
+        # CUDA's total on these parts: torchtitan#2080's readings on them,
+        # 59.54 GiB = 62.68% and 51.11 GiB = 53.80%, put it at 95.0 GiB.
+        memory_bytes=95.0 * GiB,
         memory_bandwidth=2.4e12,
         source="torchtitan llama3_h100_202412 benchmark hardware section; H100 datasheet; "
         "clock_fraction fitted (CLOCK_500W)",
@@ -295,7 +303,7 @@ PROFILES: dict[str, HardwareProfile] = {
         # H200 datasheet (nvidia.com/en-us/data-center/h200): the H100's
         # compute (989 TFLOPS bf16 dense), 141 GB HBM3e at 4.8 TB/s,
         # NVLink 900 GB/s; HGX H200: ConnectX-7 400 Gb/s per GPU.
-        memory_bytes=141 * GB,
+        memory_bytes=139.81 * GiB,  # CUDA's total (torchtitan's "CUDA capacity" log)
         memory_bandwidth=4.8e12,
         source="NVIDIA H200 datasheet; rates as the H100 die's (mamf-finder, FlashAttention)",
     ),
@@ -314,7 +322,7 @@ PROFILES: dict[str, HardwareProfile] = {
         matmul_efficiency=_MAMF_A100,
         flash_fwd_efficiency=_FA2_A100[0],
         flash_bwd_efficiency=_FA2_A100[1],
-        memory_bytes=80 * GB,
+        memory_bytes=79.15 * GiB,  # CUDA's total (its out-of-memory messages)
         usable_memory_fraction=0.95,
         memory_bandwidth=2.039e12,
         memory_efficiency=0.7,
@@ -337,7 +345,7 @@ PROFILES: dict[str, HardwareProfile] = {
         matmul_efficiency=_MAMF_A100,
         flash_fwd_efficiency=_FA2_A100[0],
         flash_bwd_efficiency=_FA2_A100[1],
-        memory_bytes=40 * GB,
+        memory_bytes=39.39 * GiB,  # CUDA's total (its out-of-memory messages)
         usable_memory_fraction=0.95,
         memory_bandwidth=1.555e12,
         memory_efficiency=0.7,
@@ -368,7 +376,7 @@ PROFILES: dict[str, HardwareProfile] = {
         fp8_matmul_efficiency=FP8_EFFICIENCY,  # assumption: as H100
         flash_fwd_efficiency=_FA2_H100[0],  # assumption: as H100
         flash_bwd_efficiency=_FA2_H100[1],
-        memory_bytes=180 * GB,
+        memory_bytes=178.35 * GiB,  # CUDA's total (its out-of-memory messages)
         usable_memory_fraction=0.95,
         memory_bandwidth=8.0e12,
         memory_efficiency=0.7,

@@ -566,6 +566,7 @@ def _record_step(
     memory: bool = False,
     buffers: Fsdp2Buffers | None = None,
     recompute_experts: bool = False,
+    fused_loss: bool = False,
 ) -> Any:
     """The kernels of one training step of ``config``'s model at its real
     shapes (meta tensors, bfloat16, the experts' grouped GEMMs), in issue
@@ -575,7 +576,10 @@ def _record_step(
     its ``events`` without the parameters' gradients (FSDP reduces and
     frees each block's as its backward ends; the plan counts the sharded
     ones); with ``buffers`` eager FSDP2's collective buffers are added to
-    them (:func:`_hook_fsdp2`)."""
+    them (:func:`_hook_fsdp2`). The loss is a log-sum-exp over the
+    vocabulary: of fp32 logits (eager: their fp32 copy and its gradient
+    allocated), or with ``fused_loss`` of the bf16 logits (a compiled loss
+    holds no fp32 tensor of the vocabulary's width)."""
     import inspect
 
     from simplefsdp.engines.activation import apply_activation_checkpointing
@@ -644,7 +648,11 @@ def _record_step(
     if memory:
         recorder.external = {t.untyped_storage()._cdata for t in held}
     with _one_kernel_attention(), recorder:
-        loss = model(tokens).float().logsumexp(-1).mean()
+        logits = model(tokens)
+        if not fused_loss:
+            logits = logits.float()  # the eager loss computes in fp32
+        loss = logits.logsumexp(-1).float().mean()
+        del logits
         if memory:
             recorder.sweep()
             recorder.forward_end = len(recorder.events)  # what backward will read is live
@@ -671,8 +679,9 @@ class EagerStep:
     ``seq`` this rank's tokens of each sequence (a ``cp``-th), the
     ``kernels`` that price its ops (``None``: unpriced), the most loaded EP
     rank's routed tokens over the mean (``imbalance``), the CP degree,
-    eager FSDP2's collective ``buffers`` (``None``: none recorded) and
-    whether selective AC recomputes the experts."""
+    eager FSDP2's collective ``buffers`` (``None``: none recorded),
+    whether selective AC recomputes the experts and whether the loss is
+    compiled (``fused_loss``)."""
 
     spec: Any
     config: Any
@@ -685,13 +694,14 @@ class EagerStep:
     cp: int = 1
     buffers: Fsdp2Buffers | None = None
     recompute_experts: bool = False
+    fused_loss: bool = False
 
     def key(self) -> tuple:
         """What the recording depends on, hashable (the kernel model by its
         repr: it holds dicts)."""
         return (self.spec.family, self.config, self.ac, self.ep, self.batch, self.seq,
                 repr(self.kernels), self.imbalance, self.cp, self.buffers,
-                self.recompute_experts)  # fmt: skip
+                self.recompute_experts, self.fused_loss)  # fmt: skip
 
 
 def eager_step_events(step: EagerStep) -> tuple:
@@ -747,7 +757,7 @@ def _recorded(step: EagerStep) -> tuple:
             else (lambda *_: 0.0)
         )
         shape = (step.ac, step.ep, step.batch, step.seq, price)
-        recompute = {"recompute_experts": step.recompute_experts}
+        recompute = {"recompute_experts": step.recompute_experts, "fused_loss": step.fused_loss}
 
         def model(extra: int) -> Any:
             return dataclasses.replace(config, n_layers=config.n_dense_layers + extra)

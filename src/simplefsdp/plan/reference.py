@@ -12,12 +12,19 @@ Every published row we can reproduce the settings of, each with its source
 - torchtitan ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md`` (8B
   Float8 on 32 and 64 H200s);
 - pytorch/torchtitan#2080 (DeepSeek-V3 16B, FSDP 4 x EP 2 on 8 H100s,
-  SimpleFSDP and FSDP2).
+  SimpleFSDP and FSDP2);
+- pytorch/torchtitan#1789 (DeepSeek-V3 16B, FSDP 8 x EP 8 on 8 H100 80GB
+  HBM3 at 700 W, the 16B config of the time with local batch 4);
+- pytorch/ao ``torchao/prototype/mx_formats/README.md`` (Llama 3 8B on 8
+  power-limited B200s, bf16 and float8 tensorwise; the power limit is not
+  published, so their tokens/s are shown and only their memory is held).
 
 Rows with a setting the plan does not model (AsyncTP, which overlaps TP's
 collectives that we count exposed; rowwise float8; torchtitan's SimpleFSDP
 under ``aot_eager``) are shown with
-``modelled=False`` and not held to the accuracy goal. Two constants are
+``modelled=False`` and not held to the accuracy goal; rows on a part
+whose clock is not published (``tokens_held=False``) are held on memory
+only. Two constants are
 fitted, each on one row only (``fitted``; ``--fit`` refits them):
 ``CLOCK_500W`` on the 8B FSDP + torch.compile row of Table 1 and
 ``FP8_EFFICIENCY`` on the Float8 row of the same table. All other rows are
@@ -38,6 +45,8 @@ _TT_2024 = "torchtitan llama3_h100_202412"
 _TT_ASYNC = "torchtitan asyncTP_llama3_h100_2025-06"
 _TRAINY = "torchtitan llama3-8b_h200_202506_trainy-whitefiber"
 _DSV3 = "pytorch/torchtitan#2080"
+_DSV3_1789 = "pytorch/torchtitan#1789"
+_TORCHAO_B200 = "pytorch/ao mx_formats"
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,9 @@ class ReferenceRow:
     # selective AC recomputes the experts' grouped matmuls (torchtitan's op
     # list, which does not name them)
     recompute_experts: bool = False
+    # False where the part's clock is not published (a power limit of its
+    # own): the tokens/s are shown, the memory alone held to the goal
+    tokens_held: bool = True
 
 
 def _table(
@@ -206,11 +218,45 @@ DEEPSEEK_V3_2080 = tuple(
     )
 )  # fmt: skip
 
+# DeepSeek-V3 16B on 8 H100 80GB HBM3 (700 W), torchtitan's
+# deepseek_v3_16b.toml of 2025-10-02 with the local batch lowered to 4 (the
+# value torchtitan#1792 then made the default, citing this issue): FSDP 8 x
+# EP 8, seq 4096, selective AC by the op list (the experts recomputed), the
+# loss compiled. Tokens/s: the mean of the four logged windows (steps 10 to
+# 40: 11,636, 11,758, 11,533, 11,254); memory: their reserved peak.
+DEEPSEEK_V3_1789 = (
+    ReferenceRow(
+        "EP", "deepseek_v3_16b", 8, 4, 4096, "selective", 1, 1, 1, "fsdp2", 11545, 73.32,
+        True, "FSDP2 eager, compiled loss", ep=8, hardware="h100", source=_DSV3_1789,
+        recompute_experts=True, fused_loss=True,
+    ),
+)  # fmt: skip
+
+# Llama 3 8B on 8 "power limited" B200s (pytorch/ao's mx_formats README,
+# torchtitan 6fc499f6 of 2025-08, torch 2.9 nightly): batch 1 x 8192,
+# torch.compile (the loss too), FSDP2, per-op SAC; bf16 and float8
+# tensorwise with float8 all-gather. Their limit is not published, so their
+# tokens/s are not held; "Peak Memory (GB)" is torchtitan's logged reserved
+# peak (GiB).
+TORCHAO_B200_202508 = tuple(
+    ReferenceRow(
+        "8 GPUs", "8B", 8, 1, 8192, "selective", 1, 1, 1, "fsdp2", tps, gib, True, note,
+        float8=float8, hardware="b200", source=_TORCHAO_B200, fused_loss=True, compile=True,
+        tokens_held=False,
+    )
+    for note, float8, tps, gib in (
+        ("FSDP + torch.compile, power-limited", False, 8307.5, 33.71),
+        ("FSDP + torch.compile + Float8, power-limited", True, 10417.0, 33.38),
+    )
+)  # fmt: skip
+
 REFERENCE_ROWS = (
     *TORCHTITAN_H100_202412,
     *TORCHTITAN_ASYNCTP_202506,
     *TRAINY_H200_202506,
     *DEEPSEEK_V3_2080,
+    *DEEPSEEK_V3_1789,
+    *TORCHAO_B200_202508,
 )
 CALIBRATION_ROW = 1  # index of the row CLOCK_500W is fitted on
 FLOAT8_CALIBRATION_ROW = 2  # the row FP8_EFFICIENCY is fitted on
@@ -242,6 +288,7 @@ def predict_row(row: ReferenceRow, hw=None):
             ac=row.ac,
             engine=row.engine,
             recompute_experts=row.recompute_experts,
+            fused_loss=row.fused_loss,
         )
         return predict(spec, config, layout, hw)
     layout = Layout(
@@ -350,6 +397,8 @@ def comparison_table(hw=None, rows=REFERENCE_ROWS, jobs: int = 1, results=None) 
     ]
     for row, (layout, tps, mem) in zip(rows, results, strict=True):
         held = "fitted" if row.fitted else ("yes" if row.modelled else "no")
+        if held == "yes" and not row.tokens_held:
+            held = "memory only"
         measured_mem = "" if row.memory_gib is None else f"{row.memory_gib:.1f}"
         lines.append(
             f"| {row.source.split()[-1]} | {row.table} | {row.model} | {row.gpus} | "
