@@ -208,6 +208,24 @@ def test_copies_around_collectives_by_hand() -> None:
     assert copy_seconds(buckets, cm, False) == pytest.approx((1.5 + 1) * 2 + 9e-3)
 
 
+def test_fsdp2_holds_its_root_and_the_last_blocks_as_backward_starts() -> None:
+    from simplefsdp.compiler.auto_bucketing import GatherUnit
+    from simplefsdp.plan.predict import fsdp2_gathered_bytes
+
+    def unit(fqn, size):
+        return GatherUnit(fqn, size, 2, 0.0)
+
+    # root (embedding 5, output 4), blocks of 3, 2 and 1 bytes, forward order
+    units = [unit("_orig_mod.tok_embeddings.weight", 5)]
+    units += [unit(f"_orig_mod.layers.{i}.w", size) for i, size in enumerate((3, 2, 1))]
+    units += [unit("_orig_mod.output.weight", 4)]
+    # as backward starts: the root (9), the last block copied out (2 * 1),
+    # the one before it prefetched (2)
+    assert fsdp2_gathered_bytes(units, beside=100.0) == 9 + 2 * 1 + 2
+    # the root's copy-out as forward starts (2 * 9 + 3) where nothing else is held
+    assert fsdp2_gathered_bytes(units, beside=0.0) == 2 * 9 + 3
+
+
 def test_kept_parameters_are_held_once_beside_the_later_buckets() -> None:
     from simplefsdp.compiler.auto_bucketing import GatherUnit
     from simplefsdp.plan.predict import prefetch_extra_bytes

@@ -35,7 +35,9 @@ Note: [Analytic plan model]
                    block's experts being its ``num_experts / ep`` local ones;
                    without resharding after forward every block, kept from
                    its forward to its backward, and one block's unsharded
-                   gradients;
+                   gradients; for FSDP2 its root group too (embeddings,
+                   final norm, output), gathered from its forward to the
+                   end of backward;
       temporary    the loss's logits (bf16), fp32 logits and their
                    gradient, ``10 * vocab`` bytes per token (``4`` with
                    ``fused_loss``: the bf16 logits and their bf16 gradient,
@@ -415,6 +417,9 @@ def predict_analytic(
     else:  # every block kept from its forward to its backward, one's gradients beside
         blocks = dense - 2 * embed - args.dim + args.n_moe_layers * local_expert_params
         gathered = 2 * blocks + biggest
+    if dp > 1 and get_engine(layout.engine).fsdp2_runtime:
+        # FSDP2 does not reshard its root group after forward
+        gathered += 2 * (2 * embed + args.dim)
     acts = activation_elements(args, layout.ac, layout.imbalance, layout.recompute_experts, ep)
     activations = 2 * acts["saved"] * tokens
     temporary = (4 if layout.fused_loss else 10) * args.vocab_size * tokens

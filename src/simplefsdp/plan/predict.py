@@ -30,7 +30,13 @@ Note: [Plan model]
                    the compiled engine with the parameters its keep search
                    keeps gathered from forward to backward held from their
                    bucket on, beside the later buckets and, when backward
-                   starts, beside the first bucket it gathers again),
+                   starts, beside the first bucket it gathers again); for
+                   FSDP2 (resharding after forward) what it holds where
+                   the activations peak, as backward starts: the root
+                   group, gathered from its forward to the end of
+                   backward, the last block gathered again and copied out
+                   and the one before it prefetched
+                   (``fsdp2_gathered_bytes``),
       temporary    the rest of the larger of the forward graph's and the
                    backward graph's liveness peaks (``estimate_memory``):
                    logits and their fp32 loss, casts, one gathered parameter;
@@ -539,6 +545,26 @@ def _group_units(units: list[GatherUnit], how: str) -> list[list[GatherUnit]]:
     return ([root] if root else []) + blocks
 
 
+def fsdp2_gathered_bytes(units: list[GatherUnit], beside: float) -> float:
+    """FSDP2's gathered parameters at the step's peak, beyond the one the
+    traced graph holds (Note: [Plan model]): its root group (embedding,
+    final norm, output) stays gathered from its forward to the end of
+    backward (FSDP2 does not reshard the root after forward), and as
+    backward starts, where the activations (``beside``) peak, the last
+    block is gathered again and copied out of its all-gather buffer
+    (``2 * B_n``) with the one before it prefetched (``B_(n-1)``). The
+    root's own copy-out as forward starts (``2 * R + B_1``, no activations
+    yet) is the peak only where it exceeds that and ``beside``."""
+    root = sum(u.gathered_bytes for u in units if _block_of(u.fqn) == "root")
+    blocks = [sum(u.gathered_bytes for u in g) for g in _group_units(units, "per_block")]
+    blocks = blocks[1:] if root else blocks
+    if not blocks:
+        return float(2 * root)
+    at_backward = root + 2 * blocks[-1] + (blocks[-2] if len(blocks) > 1 else 0)
+    at_start = 2 * root + blocks[0]
+    return float(max(at_backward, at_start - beside))
+
+
 def _forward_order_blocks(units: list[GatherUnit]) -> list[list[GatherUnit]]:
     """Per-block groups in forward order, the root's parameters split into
     those before the blocks (embedding) and after them (norm, output): the
@@ -831,6 +857,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
             temporary += gathered_kv
         else:
             activations += gathered_kv * blocks_of_stage * inflight
+    fsdp2 = get_engine(layout.engine).fsdp2_runtime
+    if fsdp2 and layout.fsdp > 1 and layout.reshard_after_forward:
+        gathered = fsdp2_gathered_bytes(units, activations + temporary)
     memory = {
         "parameters": param_bytes,
         "gradients": grad_bytes,
