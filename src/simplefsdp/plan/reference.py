@@ -219,7 +219,7 @@ DEEPSEEK_V3_2080 = tuple(
 )  # fmt: skip
 
 # DeepSeek-V3 16B on 8 H100 80GB HBM3 (700 W), torchtitan's
-# deepseek_v3_16b.toml of 2025-10-02 with the local batch lowered to 4 (the
+# deepseek_v3_16b.toml of the time with the local batch lowered to 4 (the
 # value torchtitan#1792 then made the default, citing this issue): FSDP 8 x
 # EP 8, seq 4096, selective AC by the op list (the experts recomputed), the
 # loss compiled. Tokens/s: the mean of the four logged windows (steps 10 to
@@ -233,7 +233,7 @@ DEEPSEEK_V3_1789 = (
 )  # fmt: skip
 
 # Llama 3 8B on 8 "power limited" B200s (pytorch/ao's mx_formats README,
-# torchtitan 6fc499f6 of 2025-08, torch 2.9 nightly): batch 1 x 8192,
+# torchtitan 6fc499f6, a torch 2.9 nightly): batch 1 x 8192,
 # torch.compile (the loss too), FSDP2, per-op SAC; bf16 and float8
 # tensorwise with float8 all-gather. Their limit is not published, so their
 # tokens/s are not held; "Peak Memory (GB)" is torchtitan's logged reserved
