@@ -15,6 +15,8 @@ Every published row we can reproduce the settings of, each with its source
   SimpleFSDP and FSDP2);
 - pytorch/torchtitan#1789 (DeepSeek-V3 16B, FSDP 8 x EP 8 on 8 H100 80GB
   HBM3 at 700 W, the 16B config of the time with local batch 4);
+- pytorch/ao ``torchao/float8/README.md`` (Llama 3 8B on 8 H100s, bf16 and
+  float8 tensorwise, batch 1);
 - pytorch/ao ``torchao/prototype/mx_formats/README.md`` (Llama 3 8B on 8
   power-limited B200s, bf16 and float8 tensorwise; the power limit is not
   published, so their tokens/s are shown and only their memory is held).
@@ -46,7 +48,8 @@ _TT_ASYNC = "torchtitan asyncTP_llama3_h100_2025-06"
 _TRAINY = "torchtitan llama3-8b_h200_202506_trainy-whitefiber"
 _DSV3 = "pytorch/torchtitan#2080"
 _DSV3_1789 = "pytorch/torchtitan#1789"
-_TORCHAO_B200 = "pytorch/ao mx_formats"
+_TORCHAO_B200 = "pytorch/ao torchao.prototype.mx_formats"
+_TORCHAO_H100 = "pytorch/ao torchao.float8"
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,24 @@ DEEPSEEK_V3_1789 = (
     ),
 )  # fmt: skip
 
+# Llama 3 8B on "8xH100" (pytorch/ao's float8 README: torchtitan 0.0.2, a
+# torch 2.7 pre-release, torchao 0.10 pre-release): batch 1 x 8192,
+# torch.compile, FSDP2, per-op SAC; bf16 and float8 tensorwise with float8
+# all-gather. The parts are taken to be the PyTorch team's 500 W 96 GB
+# H100s of the other rows (not stated), and the loss eager: torchtitan
+# compiles it from pytorch/torchtitan#1033, after that torch pre-release.
+# Memory: torchtitan's logged reserved peak (ao's parse_torchtitan_logs.py).
+TORCHAO_H100_2025 = tuple(
+    ReferenceRow(
+        "8 GPUs", "8B", 8, 1, 8192, "selective", 1, 1, 1, "fsdp2", tps, gib, True, note,
+        float8=float8, source=_TORCHAO_H100, compile=True,
+    )
+    for note, float8, tps, gib in (
+        ("FSDP + torch.compile, batch 1", False, 6150.0, 47.65),
+        ("FSDP + torch.compile + Float8, batch 1", True, 7689.5, 47.77),
+    )
+)  # fmt: skip
+
 # Llama 3 8B on 8 "power limited" B200s (pytorch/ao's mx_formats README,
 # torchtitan 6fc499f6, a torch 2.9 nightly): batch 1 x 8192,
 # torch.compile (the loss too), FSDP2, per-op SAC; bf16 and float8
@@ -256,6 +277,7 @@ REFERENCE_ROWS = (
     *TRAINY_H200_202506,
     *DEEPSEEK_V3_2080,
     *DEEPSEEK_V3_1789,
+    *TORCHAO_H100_2025,
     *TORCHAO_B200_202508,
 )
 CALIBRATION_ROW = 1  # index of the row CLOCK_500W is fitted on
