@@ -245,7 +245,11 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
             "--seq 510 does not split over --cp 2",
         ),
         (["--model", "moe_debug", "--float8"], "--float8 is not planned for 'moe_debug'"),
-        (["--model", "moe_debug", "--measure"], "--measure is not planned for 'moe_debug'"),
+        (
+            ["--model", "moe_debug", "--ep", "2", "--measure"],
+            "--measure runs one rank, whose experts' all-to-all needs the other ranks' tokens; "
+            "got --ep 2",
+        ),
         (
             ["--model", "moe_debug", "--ac", "full", "--recompute-experts"],
             "--recompute-experts applies to selective activation checkpointing; the mode is 'full'",
@@ -265,6 +269,22 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
         assert plan_cli.main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
+
+
+def test_measure_runs_one_rank_of_a_model_planned_from_its_shapes() -> None:
+    # --ep 1: the experts sharded by FSDP over every rank, the other ranks
+    # faked; selective AC with the experts recomputed, as planned
+    import torch
+
+    from simplefsdp.plan.measure import measure_step
+
+    spec, config = resolve_flavor("moe_debug")
+    layout = MoELayout(
+        gpus=4, batch=1, seq=32, ac="selective", engine="fsdp2", recompute_experts=True
+    )
+    measured = measure_step(spec, config, layout, torch.device("cpu"), warmup=1)
+    assert measured.device == "cpu" and measured.step_s > 0 and measured.peak_bytes > 0
+    assert not torch.distributed.is_initialized()  # the fake group is gone
 
 
 def test_mfu_counts_the_specs_flops_per_token() -> None:

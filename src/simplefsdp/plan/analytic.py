@@ -631,9 +631,13 @@ def predict_analytic(
         f"MoE: grouped GEMMs of {per_expert_tokens} tokens per local expert; router "
         f"{router_s:.3f} s, permutation {permute_s:.3f} s, host syncs {host.sync_s:.3f} s",
         _host_note(host, eager=kernels is not None and not fused),
-        f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
-        f"({'NVLink' if intra else 'NIC'}), exposed; expert load imbalance "
-        f"{layout.imbalance:g} (1: balanced)",
+        (
+            f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
+            f"({'NVLink' if intra else 'NIC'}), exposed"
+            if ep > 1
+            else "all-to-all: none (--ep 1)"
+        )
+        + f"; expert load imbalance {layout.imbalance:g} (1: balanced)",
         *(
             [
                 f"context parallel {cp}: {tokens // layout.batch} tokens per rank, keys and "

@@ -66,6 +66,7 @@ METHOD_FLAGS = {
         "--recompute-experts",
         "--fused-loss",
         "--sweep",
+        "--measure",
     ),
 }
 # A flag's value that asks for something (not the default), by flag.

@@ -15,9 +15,13 @@ Note: [Measured plan]
     training step (forward, backward, optimizer) after ``warmup`` steps
     (compilation, the optimizer's state), and the step's wall time. The
     plan prints them beside its prediction's peak memory and compute.
-    Not measured: pipeline stages (``--pp``), context parallelism
-    (``--cp``) and expert parallelism, which the command refuses with one
-    line.
+    Models planned from their shapes (routed experts) run the same way at
+    ``--ep 1``: the experts sharded by FSDP over every rank, as the plan
+    has them, the layout's selective AC (with ``recompute_experts``) and
+    per-block groups. Not measured: pipeline stages (``--pp``), context
+    parallelism (``--cp``) and expert parallelism (``--ep`` above 1, whose
+    all-to-all needs the other ranks' tokens), which the command refuses
+    with one line.
 """
 
 from __future__ import annotations
@@ -56,11 +60,14 @@ class Measured:
 def measure_errors(layout: Any) -> list[str]:
     """What ``--measure`` cannot run of ``layout`` (one line each)."""
     errors = []
-    for flag, value in (("--pp", layout.pp), ("--cp", getattr(layout, "cp", 1))):
+    for flag, value in (("--pp", getattr(layout, "pp", 1)), ("--cp", getattr(layout, "cp", 1))):
         if value > 1:
             errors.append(f"--measure runs one rank without a pipeline or CP; got {flag} {value}")
     if getattr(layout, "ep", 1) > 1:
-        errors.append(f"--measure runs dense models only; got --ep {layout.ep}")
+        errors.append(
+            f"--measure runs one rank, whose experts' all-to-all needs the other ranks' "
+            f"tokens; got --ep {layout.ep} (--ep 1 measures the experts sharded by FSDP)"
+        )
     return errors
 
 
@@ -79,6 +86,7 @@ def measure_step(
         ValueError: a layout ``--measure`` cannot run (``measure_errors``).
     """
     from simplefsdp.engines import EngineSpec, MemoryProbe, parallelize_model
+    from simplefsdp.engines.kinds import get_engine
     from simplefsdp.engines.recipe import RecipeOptions
     from simplefsdp.layout import Layout as Degrees
 
@@ -90,26 +98,32 @@ def measure_step(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = layout.gpus
-    mb = layout.batch // layout.microbatches
+    # a layout planned from shapes (ExpertLayout): bf16, no TP, one
+    # microbatch, per-block groups, compiled where its engine compiles
+    tp = getattr(layout, "tp", 1)
+    microbatches = layout.microbatches
+    compiled = getattr(layout, "compiled", get_engine(layout.engine).fused_buckets)
+    mb = layout.batch // microbatches
     probe = MemoryProbe(device)
     with fake_process_group(world):
-        meshes = Degrees(tp=layout.tp).build(device.type, world)
+        meshes = Degrees(tp=tp).build(device.type, world)
         with torch.device("meta"):
             model = spec.build(config)
-        bf16 = layout.dtype == "bf16"
+        bf16 = getattr(layout, "dtype", "bf16") == "bf16"
         engine = EngineSpec(
             layout.engine,
             param_dtype="bfloat16" if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
             reshard_after_forward=layout.reshard_after_forward,
-            compile=layout.compiled,
+            compile=compiled,
             backend="inductor" if device.type == "cuda" else "aot_eager",
-            bucketing=layout.bucketing,
+            bucketing=getattr(layout, "bucketing", "per_block"),
             activation_checkpoint=layout.ac,
-            tp=layout.tp,
+            recompute_experts=getattr(layout, "recompute_experts", False),
+            tp=tp,
             check_ranks=False,
         )
-        options = RecipeOptions(loss_parallel=layout.loss_parallel and layout.tp > 1)
+        options = RecipeOptions(loss_parallel=getattr(layout, "loss_parallel", False) and tp > 1)
         parallel = parallelize_model(model, spec, meshes, engine, device, options)
         optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=1e-5, foreach=True)
         tokens = torch.randint(0, config.vocab_size, (mb, layout.seq + 1), device=device)
@@ -119,8 +133,8 @@ def measure_step(
             if i == warmup:
                 probe.reset()
                 start = time.perf_counter()
-            for _ in range(layout.microbatches):
-                parallel.step(inputs, targets, scale=1.0 / layout.microbatches)
+            for _ in range(microbatches):
+                parallel.step(inputs, targets, scale=1.0 / microbatches)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
