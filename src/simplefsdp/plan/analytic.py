@@ -186,6 +186,20 @@ class ExpertLayout:
         """Always one (no pipeline, no gradient accumulation)."""
         return 1
 
+    # What the analytic method does not vary, under the traced Layout's
+    # names (``--measure`` runs either layout): no TP or pipeline, bf16,
+    # per-block groups, the vocabulary whole for the loss.
+    tp = 1
+    pp = 1
+    dtype = "bf16"
+    bucketing = "per_block"
+    loss_parallel = False
+
+    @property
+    def compiled(self) -> bool:
+        """The step's kernels are compiled: the engine fuses them."""
+        return get_engine(self.engine).fused_buckets
+
     def describe(self) -> str:
         """One line naming the layout, as in ``--sweep`` tables."""
         parts = [f"dp{self.dp}"]
@@ -417,7 +431,8 @@ def predict_analytic(
     else:  # every block kept from its forward to its backward, one's gradients beside
         blocks = dense - 2 * embed - args.dim + args.n_moe_layers * local_expert_params
         gathered = 2 * blocks + biggest
-    if dp > 1 and get_engine(layout.engine).fsdp2_runtime:
+    engine = get_engine(layout.engine)
+    if dp > 1 and engine.fsdp2_runtime:
         # FSDP2 does not reshard its root group after forward
         gathered += 2 * (2 * embed + args.dim)
     acts = activation_elements(args, layout.ac, layout.imbalance, layout.recompute_experts, ep)
@@ -442,7 +457,6 @@ def predict_analytic(
         "temporary": temporary,
     }
     usable = hw.memory_bytes * hw.usable_memory_fraction
-    engine = get_engine(layout.engine)
     fused = engine.fused_buckets
     rate = hw.peak_bf16_flops * hw.matmul_efficiency
     bw = hw.memory_bandwidth * hw.memory_efficiency

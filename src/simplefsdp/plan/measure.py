@@ -60,7 +60,7 @@ class Measured:
 def measure_errors(layout: Any) -> list[str]:
     """What ``--measure`` cannot run of ``layout`` (one line each)."""
     errors = []
-    for flag, value in (("--pp", getattr(layout, "pp", 1)), ("--cp", getattr(layout, "cp", 1))):
+    for flag, value in (("--pp", layout.pp), ("--cp", layout.cp)):
         if value > 1:
             errors.append(f"--measure runs one rank without a pipeline or CP; got {flag} {value}")
     if getattr(layout, "ep", 1) > 1:
@@ -86,7 +86,6 @@ def measure_step(
         ValueError: a layout ``--measure`` cannot run (``measure_errors``).
     """
     from simplefsdp.engines import EngineSpec, MemoryProbe, parallelize_model
-    from simplefsdp.engines.kinds import get_engine
     from simplefsdp.engines.recipe import RecipeOptions
     from simplefsdp.layout import Layout as Degrees
 
@@ -98,32 +97,28 @@ def measure_step(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = layout.gpus
-    # a layout planned from shapes (ExpertLayout): bf16, no TP, one
-    # microbatch, per-block groups, compiled where its engine compiles
-    tp = getattr(layout, "tp", 1)
     microbatches = layout.microbatches
-    compiled = getattr(layout, "compiled", get_engine(layout.engine).fused_buckets)
     mb = layout.batch // microbatches
     probe = MemoryProbe(device)
     with fake_process_group(world):
-        meshes = Degrees(tp=tp).build(device.type, world)
+        meshes = Degrees(tp=layout.tp).build(device.type, world)
         with torch.device("meta"):
             model = spec.build(config)
-        bf16 = getattr(layout, "dtype", "bf16") == "bf16"
+        bf16 = layout.dtype == "bf16"
         engine = EngineSpec(
             layout.engine,
             param_dtype="bfloat16" if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
             reshard_after_forward=layout.reshard_after_forward,
-            compile=compiled,
+            compile=layout.compiled,
             backend="inductor" if device.type == "cuda" else "aot_eager",
-            bucketing=getattr(layout, "bucketing", "per_block"),
+            bucketing=layout.bucketing,
             activation_checkpoint=layout.ac,
-            recompute_experts=getattr(layout, "recompute_experts", False),
-            tp=tp,
+            recompute_experts=getattr(layout, "recompute_experts", False),  # ExpertLayout's
+            tp=layout.tp,
             check_ranks=False,
         )
-        options = RecipeOptions(loss_parallel=getattr(layout, "loss_parallel", False) and tp > 1)
+        options = RecipeOptions(loss_parallel=layout.loss_parallel and layout.tp > 1)
         parallel = parallelize_model(model, spec, meshes, engine, device, options)
         optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=1e-5, foreach=True)
         tokens = torch.randint(0, config.vocab_size, (mb, layout.seq + 1), device=device)
