@@ -469,6 +469,45 @@ def test_pipeline_bubble_is_pp_minus_one_microbatch_slots() -> None:
     assert pred.time["bubble"] == pytest.approx(per_microbatch)
 
 
+def test_accumulation_holds_every_parameters_fp32_gradient_sum() -> None:
+    # Both engines sum the micro-batches' unreduced gradients whole, in fp32
+    # (simplefsdp.no_sync's accumulators, FSDP2's unsharded_accumulated_grad).
+    args = _debug()
+    for engine in ("simplefsdp", "fsdp2"):
+        one = predict(LLAMA, args, Layout(gpus=2, batch=2, seq=64, engine=engine), FIXED)
+        accum = Layout(gpus=2, batch=4, seq=64, microbatches=2, engine=engine)
+        two = predict(LLAMA, args, accum, FIXED)
+        assert one.memory["accumulated"] == 0
+        assert two.memory["accumulated"] == 4 * num_params(args)  # fp32, whole, at dp 2
+        assert two.peak_bytes == pytest.approx(sum(two.memory.values()))
+
+
+def test_a_pipeline_holds_the_sums_beside_its_microbatches_in_flight() -> None:
+    args = _debug()
+    layout = Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2)
+    pred = predict(LLAMA, args, layout, FIXED)
+    whole = pred.memory["parameters"] * layout.fsdp  # the stage's fp32 parameters
+    # No more microbatches than stages: the first stage's sums appear with its
+    # first backward, which has freed one of its two microbatches.
+    freed = whole - pred.memory["accumulated"]
+    assert 0 < freed <= pred.memory["activations"] / 2  # one microbatch's, not the loss's
+    more = predict(LLAMA, args, dataclasses.replace(layout, batch=8, microbatches=4), FIXED)
+    assert more.memory["accumulated"] == pytest.approx(whole)
+
+
+def test_fsdp2_under_a_pipeline_holds_the_stage_gathered_once() -> None:
+    # torch's pipeline stages keep FSDP2's groups gathered after each backward
+    # but the last; without resharding they are kept from the first forward,
+    # one set for every microbatch in flight, not one per microbatch.
+    args = _debug()
+    layout = Layout(gpus=4, batch=8, seq=64, pp=2, microbatches=4, engine="fsdp2")
+    resharded = predict(LLAMA, args, layout, FIXED)
+    kept = predict(LLAMA, args, dataclasses.replace(layout, reshard_after_forward=False), FIXED)
+    stage_bf16 = resharded.memory["parameters"] * layout.fsdp / 2
+    assert resharded.memory["gathered"] >= kept.memory["gathered"] >= 0.9 * stage_bf16
+    assert kept.memory["activations"] == pytest.approx(resharded.memory["activations"], rel=0.1)
+
+
 @pytest.mark.slow
 def test_llama3_8b_traces_at_world_size_8() -> None:
     # The real 8B shapes (two blocks), fake process group of 8 ranks, no GPU.

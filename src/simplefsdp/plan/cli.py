@@ -433,6 +433,8 @@ def format_prediction(pred) -> str:
         f"(usable {pred.usable_bytes / GiB:.1f} GiB){'' if pred.fits else '  DOES NOT FIT'}",
     ]
     for name, value in pred.memory.items():
+        if name == "accumulated" and not value:
+            continue  # one microbatch per step: no gradient sums
         lines.append(f"    {name:<20}{value / GiB:8.2f} GiB")
     if pred.params is not None:
         lines.insert(

@@ -37,6 +37,9 @@ Note: [Plan model]
                    backward, the last block gathered again and copied out
                    and the one before it prefetched
                    (``fsdp2_gathered_bytes``),
+      accumulated  with more than one microbatch (gradient accumulation, or
+                   a pipeline's microbatches), the unreduced gradient sums
+                   (Note: [Gradient accumulation in the plan]),
       temporary    the rest of the larger of the forward graph's and the
                    backward graph's liveness peaks (``estimate_memory``):
                    logits and their fp32 loss, casts, one gathered parameter;
@@ -126,6 +129,25 @@ Note: [Plan model]
     all-reduce.
     Pipeline parallelism (1F1B) takes ``(m + pp - 1)`` microbatch slots of the
     slowest stage; the ``pp - 1`` idle ones are the bubble.
+
+Note: [Gradient accumulation in the plan]
+    Over the microbatches of a step (``--microbatches`` without a pipeline,
+    or a pipeline's), both engines reduce each gradient once: they sum the
+    microbatches' unreduced gradients on the rank, whole (not sharded), in
+    the reduction dtype (fp32): ``simplefsdp.no_sync``'s accumulators, FSDP2's
+    ``unsharded_accumulated_grad`` under ``set_requires_gradient_sync(False)``
+    (torch's pipeline stages set it). That is 4 bytes per parameter of the
+    stage (TP-local), ``fsdp`` times the gradient shards, held from the first
+    backward to the step's reduction: beside the last microbatch's
+    activations, or under 1F1B with no more microbatches than stages beside
+    all in flight but one (the first stage's first backward frees one, and
+    no forward follows it).
+    FSDP2 under a pipeline also holds the stage's parameters whole (bf16, or
+    float8 for converted weights): torch's stages keep its groups gathered
+    after every backward but the step's last, and without resharding after
+    forward (torchtitan's setting under PP) they are kept from the first
+    forward, one set for all the microbatches in flight, where the traced
+    forward saves them per microbatch.
 
 Note: [Float8 in the plan]
     ``--float8`` predicts torchao's float8 training (tensorwise dynamic
@@ -708,6 +730,16 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     fw_window = sum(u.compute_s for u in units)
     scale = compute_s / (3 * fw_window) if fw_window else 0.0
     units = [dataclasses.replace(u, compute_s=u.compute_s * scale) for u in units]
+    fsdp2 = get_engine(layout.engine).fsdp2_runtime
+    if fsdp2 and not layout.reshard_after_forward and inflight > 1:
+        # Kept gathered from forward to backward, the blocks' parameters are
+        # among what each microbatch's forward saves; FSDP2 keeps one set for
+        # every microbatch in flight (the compiled engine gathers each
+        # microbatch's own), counted as gathered below.
+        blocks_gathered = sum(u.gathered_bytes for u in units if _block_of(u.fqn) != "root")
+        first_stage_saved -= inflight * min(
+            blocks_gathered, per_block.saved_bytes * blocks_of_stage
+        )
     float8_units = 0
     if fp8 is not None:
         # Converted weights gather in float8, 1 byte per parameter; gradients
@@ -857,14 +889,31 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
             temporary += gathered_kv
         else:
             activations += gathered_kv * blocks_of_stage * inflight
-    fsdp2 = get_engine(layout.engine).fsdp2_runtime
     if fsdp2 and layout.fsdp > 1 and layout.reshard_after_forward:
         gathered = fsdp2_gathered_bytes(units, activations + temporary)
+    accumulated = 0.0
+    if layout.microbatches > 1:
+        # Unreduced gradient sums (Note: [Gradient accumulation in the plan]):
+        # fp32, the stage's parameters whole (TP-local).
+        accumulated = float(param_bytes * layout.fsdp)
+        if layout.microbatches <= layout.pp:
+            # 1F1B with no more microbatches than stages: the sums appear with
+            # the first stage's first backward, which frees a microbatch and is
+            # followed by no forward.
+            per_microbatch = (first_stage_saved - outside_saved) / inflight
+            accumulated = max(accumulated - per_microbatch, 0.0)
+    if fsdp2 and layout.fsdp > 1 and inflight > 1:
+        # FSDP2 under a pipeline holds the stage's parameters whole: kept from
+        # the first forward on without resharding, else from the first
+        # backward on (torch's pipeline stages keep its groups gathered after
+        # every backward but the step's last).
+        gathered = max(gathered, float(sum(u.gathered_bytes for u in units)))
     memory = {
         "parameters": param_bytes,
         "gradients": grad_bytes,
         "optimizer": optimizer_bytes,
         "activations": activations,
+        "accumulated": accumulated,
         "gathered": gathered,
         "temporary": temporary,
     }

@@ -21,8 +21,10 @@ class Prediction:
             ``seq``, ``microbatches``, ``engine`` and ``describe()``).
         hardware: the hardware profile's name.
         memory: the peak's parts (``parameters``, ``gradients``,
-            ``optimizer``, ``activations``, ``gathered``, ``temporary``);
-            they add up to ``peak_bytes``.
+            ``optimizer``, ``activations``, ``gathered``, ``temporary``;
+            traced plans also ``accumulated``: the unreduced gradient sums
+            of a step of several microbatches); they add up to
+            ``peak_bytes``.
         peak_bytes, usable_bytes: predicted peak and the profile's usable
             memory per GPU.
         time: the step's parts in seconds (``compute`` with its ``copies``

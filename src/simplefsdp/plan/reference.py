@@ -82,6 +82,9 @@ class ReferenceRow:
     hardware: str = "h100-96gb-500w"
     source: str = _TT_2024
     fitted: str = ""  # the constant fitted on this row, if any
+    # torchtitan's apply_fsdp keeps the blocks gathered after forward under
+    # pipeline parallelism (no per-microbatch all-gathers).
+    reshard_after_forward: bool = True
     # torchtitan's torch.compile: each block compiled in place under FSDP2
     compile: bool = False
     # selective AC recomputes the experts' grouped matmuls (torchtitan's op
@@ -151,7 +154,7 @@ TORCHTITAN_H100_202412 = (
     *_table(
         "5", "405B", 512, 32, "full",
         (("3D 1F1B + compile + Float8 + AsyncTP", True, True, 100, 82.5),),
-        tp=8, pp=8, microbatches=8, modelled=False,
+        tp=8, pp=8, microbatches=8, modelled=False, reshard_after_forward=False,
     ),
     *(
         row
@@ -169,6 +172,7 @@ TORCHTITAN_H100_202412 = (
             "6", "405B", 512, 8, "full",
             ((f"4D CP {cp} + compile + Float8 + AsyncTP + 1F1B", True, True, tps, gib),),
             seq=32768 * cp, cp=cp, tp=8, pp=8, microbatches=8, modelled=False,
+            reshard_after_forward=False,
         )
     ),
 )  # fmt: skip
@@ -327,6 +331,7 @@ def predict_row(row: ReferenceRow, hw=None):
         loss_parallel=row.loss_parallel,
         fused_loss=row.fused_loss,
         compile=row.compile,
+        reshard_after_forward=row.reshard_after_forward,
     )
     return predict(spec, config, layout, hw)
 
@@ -366,6 +371,7 @@ def _trace_shape(row: ReferenceRow) -> tuple:
         row.ac,
         row.loss_parallel,
         row.ep,
+        row.reshard_after_forward,
     )
 
 
