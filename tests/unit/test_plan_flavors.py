@@ -5,6 +5,7 @@ loss's memory, and the published rows grouped by the traces they share."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -150,24 +151,72 @@ def test_a_hugging_face_folder_plans_as_its_family(flavor, tmp_path, capsys) -> 
     assert from_folder == from_flavor
 
 
-def test_a_folder_transformers_trains_is_refused_in_one_line(tmp_path, capsys) -> None:
+def _folder(tmp_path, **fields) -> str:
     import json
 
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "mistral",
-                "architectures": ["MistralForCausalLM"],
-                "vocab_size": 128,
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 128,
-            }
-        )
-    )
-    assert plan_cli.main(["--model", str(tmp_path)]) == 2
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    return str(tmp_path)
+
+
+#: Llama 3's debug flavor as a ``config.json`` of another model type, which
+#: simplefsdp trains through transformers' own modeling code.
+_MISTRAL_AS_LLAMA_DEBUG = dict(
+    model_type="mistral",
+    architectures=["MistralForCausalLM"],
+    vocab_size=260,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    sliding_window=None,
+    tie_word_embeddings=False,
+)
+
+
+def test_transformers_modeling_code_plans_as_the_native_family_does(tmp_path) -> None:
+    # The same architecture through transformers' code and through ours: the
+    # same sharded state, and activations, peak and tokens/s within a few
+    # percent (transformers computes its rotary tables per step, in fp32).
+    folder = _folder(tmp_path, **_MISTRAL_AS_LLAMA_DEBUG)
+    spec, config = plan_cli.resolve_model(plan_cli._parser().parse_args(["--model", folder]))
+    assert spec.family == "transformers" and spec.with_layers(config, 2).n_layers == 2
+    layout = Layout(gpus=2, batch=2, seq=64)
+    theirs = predict(spec, config, layout, plan_profiles.FIXED)
+    llama, debug = resolve_flavor("llama3_debug")
+    ours = predict(llama, debug, layout, plan_profiles.FIXED)
+    for part in ("parameters", "gradients", "optimizer"):
+        assert theirs.memory[part] == ours.memory[part]
+    assert theirs.memory["activations"] == pytest.approx(ours.memory["activations"], rel=0.02)
+    assert theirs.peak_bytes == pytest.approx(ours.peak_bytes, rel=0.05)
+    assert theirs.tokens_per_s_per_gpu == pytest.approx(ours.tokens_per_s_per_gpu, rel=0.05)
+    # FSDP2's groups: one per decoder layer (model.model.layers.N) and the root's.
+    fsdp2 = dataclasses.replace(layout, engine="fsdp2")
+    groups = predict(spec, config, fsdp2, plan_profiles.FIXED).buckets
+    assert len(groups) == len(predict(llama, debug, fsdp2, plan_profiles.FIXED).buckets)
+    assert groups[1][0].startswith("model.model.layers.0.")
+
+
+def test_transformers_planning_cuts_per_layer_lists_and_drops_dropout(tmp_path, capsys) -> None:
+    from simplefsdp.models.hf_transformers.config import TransformersConfig
+    from simplefsdp.models.hf_transformers.spec import with_layers
+
+    four = TransformersConfig(hf_config={"num_hidden_layers": 4, "layer_types": list("abcd")})
+    assert with_layers(four, 2).hf_config == {"num_hidden_layers": 2, "layer_types": ["a", "b"]}
+    gpt2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=128, n_embd=32,
+                n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.1)  # fmt: skip
+    argv = ["--model", _folder(tmp_path, **gpt2), "--gpus", "2", "--seq", "64", "--json"]
+    assert plan_cli.main([*argv, "--hardware", "h100"]) == 0, capsys.readouterr().err
+    notes = json.loads(capsys.readouterr().out)["predictions"][0]["notes"]
+    assert any(n.startswith("dropout: planned without it") for n in notes)
+
+
+def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys) -> None:
+    mixtral = {**_MISTRAL_AS_LLAMA_DEBUG, "model_type": "mixtral", "num_local_experts": 4,
+               "architectures": ["MixtralForCausalLM"]}  # fmt: skip
+    assert plan_cli.main(["--model", _folder(tmp_path, **mixtral)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'transformers'" in err[0] and "model_type 'mistral'" in err[0]
+    assert len(err) == 1 and "'transformers'" in err[0] and "routed experts" in err[0]

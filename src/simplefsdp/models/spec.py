@@ -124,6 +124,13 @@ class ModelSpec:
             protocol, documented once, with the defaults families share) and
             Note: [Which family reads a folder] in
             :mod:`simplefsdp.checkpoint.hf`.
+        sequence_parallel: its ``tensor_parallel`` plan can shard the
+            sequence between the blocks (sequence parallelism, what
+            ``simplefsdp plan`` plans with TP); ``False``: it keeps whole
+            sequences.
+        with_layers: ``with_layers(config, n) -> config`` with ``n``
+            decoder blocks, as ``simplefsdp plan`` traces 1 and 2 of them
+            (``None``: ``dataclasses.replace(config, n_layers=n)``).
         plan_method: how ``simplefsdp plan`` predicts a job of this family:
             ``"trace"`` (trace ``build`` with 1 and 2 blocks on the meta
             device) or ``"analytic"`` (from the config's shapes, for
@@ -153,6 +160,8 @@ class ModelSpec:
     hf_adapter: Any = None
     discard_step_state: Callable[[Any], None] | None = None
     float8_skip_fqns: tuple[str, ...] = ()
+    sequence_parallel: bool = True
+    with_layers: Callable[[Any, int], Any] | None = None
     plan_method: str = "trace"
     reference_layouts: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 

@@ -153,13 +153,16 @@ def resolve_model(ns: argparse.Namespace) -> tuple[Any, Any]:
         from simplefsdp.checkpoint.hf import hf_model_of_folder
 
         spec, config = hf_model_of_folder(ns.model)
-        if getattr(spec.hf_adapter, "any_model_type", False):
-            # transformers' own modeling code: no blocks of ours to trace
-            raise ValueError(
-                f"--model {ns.model!r} trains through {spec.family!r} (model_type "
-                f"{getattr(config, 'model_type', '?')!r}), which simplefsdp plan does not "
-                "predict; valid: a folder a native family reads (docs/models/index.md), or a flavor"
-            )
+        if spec.data_dependent_reads is not None and spec.data_dependent_reads(config):
+            if spec.plan_method == "trace":
+                # transformers' own mixture-of-experts code: its token routing
+                # does not trace on the meta device
+                raise ValueError(
+                    f"--model {ns.model!r} trains through {spec.family!r} (model_type "
+                    f"{getattr(config, 'model_type', '?')!r}) with routed experts, which "
+                    "simplefsdp plan does not predict; valid: a dense model, a folder a "
+                    "native family reads (docs/models/index.md), or a flavor"
+                )
         return spec, config
     if ns.config is None:
         return resolve_flavor(ns.model)

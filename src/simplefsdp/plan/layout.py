@@ -26,6 +26,7 @@ _LAYOUT_NAMES = {
     "seq_len": "--seq",
     "float8": "--float8",
     "cp": "--cp",
+    "loss_parallel": "--loss-parallel",
 }
 
 
@@ -182,7 +183,8 @@ def validate(args: Any, layout: Layout) -> None:
         layout.engine,
         float8=layout.float8,
         seq_len=layout.seq,
-        sequence_parallel=True,
+        sequence_parallel=spec.sequence_parallel,
+        loss_parallel=layout.loss_parallel and layout.tp > 1,
         batch=layout.batch,
         microbatches=layout.microbatches,
         build=False,  # planned, not built

@@ -525,9 +525,10 @@ def _units_for(
     units = gather_units(t2.forward, sites, cost_model, t2.groups)
     before, block0, block1, after = [], [], [], []
     for u in units:
-        if u.fqn.startswith("model.layers.0."):
+        index = _BLOCK_INDEX.match(u.fqn)
+        if index and index.group(2) == "0":
             block0.append(u)
-        elif u.fqn.startswith("model.layers.1."):
+        elif index and index.group(2) == "1":
             block1.append(u)
         elif block0 or block1:
             after.append(u)
@@ -535,23 +536,29 @@ def _units_for(
             before.append(u)
     result = list(before) if has_first else []
     for i in range(blocks - 1):
-        result += [
-            dataclasses.replace(u, fqn=u.fqn.replace("layers.0.", f"layers.{i}.", 1))
-            for u in block0
-        ]
-    result += [
-        dataclasses.replace(u, fqn=u.fqn.replace("layers.1.", f"layers.{blocks - 1}.", 1))
-        for u in block1
-    ]
+        result += [dataclasses.replace(u, fqn=_with_block_index(u.fqn, i)) for u in block0]
+    result += [dataclasses.replace(u, fqn=_with_block_index(u.fqn, blocks - 1)) for u in block1]
     if has_last:
         result += after
     return result
 
 
+#: A block's parameter: the blocks' container (``model.layers``; in a
+#: ``transformers`` model ``model.model.layers``, ``model.transformer.h``, ...)
+#: and the block's index, the name's first all-digit part.
+_BLOCK_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def _with_block_index(fqn: str, index: int) -> str:
+    """``fqn`` with its block index replaced by ``index``."""
+    return _BLOCK_INDEX.sub(lambda m: f"{m.group(1)}.{index}.", fqn, count=1)
+
+
 def _block_of(fqn: str) -> str:
-    """``model.layers.N`` for a block's parameter, else ``root``."""
-    parts = fqn.split(".")
-    return ".".join(parts[:3]) if parts[1] == "layers" else "root"
+    """``model.layers.N`` (the container and index) for a block's parameter,
+    else ``root``."""
+    match = _BLOCK_INDEX.match(fqn)
+    return f"{match.group(1)}.{match.group(2)}" if match else "root"
 
 
 def _group_units(units: list[GatherUnit], how: str) -> list[list[GatherUnit]]:
@@ -596,7 +603,7 @@ def _forward_order_blocks(units: list[GatherUnit]) -> list[list[GatherUnit]]:
 
 def _in_block(fqn: str) -> str:
     """``fqn`` with its block index replaced by 0."""
-    return re.sub(r"\.layers\.\d+\.", ".layers.0.", fqn)
+    return _with_block_index(fqn, 0)
 
 
 def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Matmuls:
@@ -690,7 +697,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     keys = [
         TraceKey(
             spec.family,
-            layer_variant(config, n),
+            layer_variant(spec, config, n),
             layout.fsdp,  # FSDP shards over dp x cp
             layout.tp,
             mb,
@@ -960,6 +967,8 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
                 f"family {spec.family!r} does not declare context parallelism: simplefsdp "
                 "train refuses this layout"
             )
+    if t2.dropout:
+        notes.append("dropout: planned without it (its masks and random numbers are left out)")
     if fp8 is not None:
         notes.append(
             f"float8: {float8_units} weights gathered and multiplied in float8 at "

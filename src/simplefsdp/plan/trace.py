@@ -109,6 +109,31 @@ def _patched_attention(full_ac: bool) -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+def _enter_autocast_off_meta(original):
+    """``torch.amp._enter_autocast`` taking the meta device as the CPU: a
+    model that disables autocast around a computation of its own
+    (``transformers``' rotary embeddings: ``torch.autocast(device_type=
+    x.device.type, enabled=False)``) names the meta device, which autocast
+    does not know."""
+
+    def enter(*vals):
+        if vals and vals[0] == "meta":
+            vals = ("cpu", *vals[1:])
+        return original(*vals)
+
+    return enter
+
+
+@contextlib.contextmanager
+def _autocast_on_meta() -> Iterator[None]:
+    original = torch.amp._enter_autocast
+    torch.amp._enter_autocast = _enter_autocast_off_meta(original)
+    try:
+        yield
+    finally:
+        torch.amp._enter_autocast = original
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """The per-rank ops of torch's loss-parallel cross-entropy of ``(N, V/tp)``
     fp32 logits (``torch.distributed.tensor.parallel.loss``: its
@@ -204,6 +229,9 @@ class Traced:
     # Weights torchao's float8 conversion converts with torchtitan's filter:
     # every ``nn.Linear`` but the output layer, both dims divisible by 16.
     float8_fqns: frozenset[str] = frozenset()
+    # The model drops out (traced without: the meta device draws no random
+    # numbers, so its masks are not planned).
+    dropout: bool = False
 
 
 @contextlib.contextmanager
@@ -240,10 +268,18 @@ def trace_step(key: TraceKey) -> Traced:
         mesh = init_device_mesh("cpu", (key.dp, key.tp), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             model = spec.build(key.config)
+        model.to("meta")  # buffers a family computes on the host (rotary tables)
+        dropout = False
+        for module in model.modules():
+            if isinstance(module, nn.Dropout) and module.p > 0:
+                module.p, dropout = 0.0, True
         loss_parallel = key.loss_parallel and key.tp > 1
         if key.tp > 1:
             spec.tensor_parallel(
-                model, mesh["tp"], sequence_parallel=True, loss_parallel=loss_parallel
+                model,
+                mesh["tp"],
+                sequence_parallel=spec.sequence_parallel,
+                loss_parallel=loss_parallel,
             )
         apply_activation_checkpointing(model, key.ac)
         wrapped = _WithLoss(model, loss_parallel)
@@ -261,7 +297,7 @@ def trace_step(key: TraceKey) -> Traced:
         backend = wrapped.__dict__["_simplefsdp_backend"]
         backend.saved_activations = []  # for the eager engine's activations
         tokens = torch.zeros(key.batch, key.seq, dtype=torch.long, device="meta")
-        with _patched_attention(full_ac=key.ac == "full"):
+        with _patched_attention(full_ac=key.ac == "full"), _autocast_on_meta():
             wrapped(tokens).backward()
         graphs = dict(backend.graph_modules)
         fqns = [name for name, _ in wrapped.named_parameters()]
@@ -283,6 +319,7 @@ def trace_step(key: TraceKey) -> Traced:
         eager_saved,
         compiled_saved,
         float8,
+        dropout,
     )
 
 
@@ -322,6 +359,8 @@ def _primal_names(gm: fx.GraphModule, report) -> dict[str, str]:
     return names
 
 
-def layer_variant(config: Any, n_layers: int) -> Any:
-    """``config`` with ``n_layers`` blocks."""
+def layer_variant(spec: Any, config: Any, n_layers: int) -> Any:
+    """``config`` with ``n_layers`` blocks (the family's ``with_layers``)."""
+    if spec.with_layers is not None:
+        return spec.with_layers(config, n_layers)
     return dataclasses.replace(config, n_layers=n_layers)

@@ -102,7 +102,12 @@ def validate(
 
         errors += tp_errors(config, tp, n["tp"])
         for key, on in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-            if on:
+            if on and "." not in n[key]:  # a switch (simplefsdp plan), not a config key
+                errors.append(
+                    f"{n[key]} with {n['tp']} {tp}: the transformers family's tensor "
+                    f"parallelism keeps whole sequences and logits; valid: without {n[key]}"
+                )
+            elif on:
                 flag = n[key].lstrip("-")
                 errors.append(
                     f"{flag} true with {n['tp']} {tp}: the transformers family's tensor "
@@ -114,6 +119,18 @@ def validate(
 #: ``config.json`` keys giving a mixture-of-experts model's routed experts
 #: (Mixtral; Qwen2-MoE, OLMoE; DeepSeek; others).
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def with_layers(config: TransformersConfig, n: int) -> TransformersConfig:
+    """``config`` with ``n`` decoder layers (``num_hidden_layers``), its
+    per-layer lists (``layer_types``, ...) cut to their first ``n``."""
+    layers = config.n_layers
+    hf = {
+        key: value[:n] if isinstance(value, list) and layers and len(value) == layers else value
+        for key, value in config.hf_config.items()
+    }
+    hf["num_hidden_layers"] = n
+    return config.replace(hf_config=hf)
 
 
 def routes_to_experts(config: TransformersConfig) -> bool:
@@ -141,4 +158,6 @@ SPEC = ModelSpec(
     tensor_parallel=_tensor_parallel,
     data_dependent_reads=routes_to_experts,
     hf_adapter=TRANSFORMERS_HF_ADAPTER,
+    sequence_parallel=False,
+    with_layers=with_layers,
 )
