@@ -158,30 +158,21 @@ def _folder(tmp_path, **fields) -> str:
     return str(tmp_path)
 
 
-#: Llama 3's debug flavor as a ``config.json`` of another model type, which
-#: simplefsdp trains through transformers' own modeling code.
-_MISTRAL_AS_LLAMA_DEBUG = dict(
-    model_type="mistral",
-    architectures=["MistralForCausalLM"],
-    vocab_size=260,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=512,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    sliding_window=None,
-    tie_word_embeddings=False,
-)
+def _mistral_as_llama_debug() -> dict:
+    """Llama 3's debug flavor as a ``config.json`` of another model type (no
+    sliding window: the same architecture), which simplefsdp trains through
+    transformers' own modeling code."""
+    spec, config = resolve_flavor("llama3_debug")
+    fields = spec.hf_adapter.config_to_hf(config)
+    return {**fields, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+            "sliding_window": None}  # fmt: skip
 
 
 def test_transformers_modeling_code_plans_as_the_native_family_does(tmp_path) -> None:
     # The same architecture through transformers' code and through ours: the
     # same sharded state, and activations, peak and tokens/s within a few
     # percent (transformers computes its rotary tables per step, in fp32).
-    folder = _folder(tmp_path, **_MISTRAL_AS_LLAMA_DEBUG)
+    folder = _folder(tmp_path, **_mistral_as_llama_debug())
     spec, config = plan_cli.resolve_model(plan_cli._parser().parse_args(["--model", folder]))
     assert spec.family == "transformers" and spec.with_layers(config, 2).n_layers == 2
     layout = Layout(gpus=2, batch=2, seq=64)
@@ -215,7 +206,7 @@ def test_transformers_planning_cuts_per_layer_lists_and_drops_dropout(tmp_path, 
 
 
 def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys) -> None:
-    mixtral = {**_MISTRAL_AS_LLAMA_DEBUG, "model_type": "mixtral", "num_local_experts": 4,
+    mixtral = {**_mistral_as_llama_debug(), "model_type": "mixtral", "num_local_experts": 4,
                "architectures": ["MixtralForCausalLM"]}  # fmt: skip
     assert plan_cli.main(["--model", _folder(tmp_path, **mixtral)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
