@@ -50,6 +50,7 @@ METHOD_FLAGS = {
         "--tp",
         "--pp",
         "--cp",
+        "--cp-backend",
         "--microbatches",
         "--dtype",
         "--loss-parallel",
@@ -74,6 +75,7 @@ _GIVEN = {
     "--tp": lambda ns: ns.tp not in (None, 1),
     "--pp": lambda ns: ns.pp != 1,
     "--cp": lambda ns: ns.cp != 1,
+    "--cp-backend": lambda ns: ns.cp_backend != "allgather",
     "--microbatches": lambda ns: ns.microbatches not in (None, 1),
     "--dtype": lambda ns: ns.dtype != "bf16",
     "--loss-parallel": lambda ns: ns.loss_parallel,
@@ -261,6 +263,14 @@ def _parser() -> argparse.ArgumentParser:
         "over dp x cp, keys and values all-gathered per attention (default 1)",
     )
     p.add_argument(
+        "--cp-backend",
+        default="allgather",
+        help="how attention reaches the other CP ranks' keys: allgather (simplefsdp train's "
+        "--parallel.cp_backend default: SDPA with a boolean mask) or torch (torch's "
+        "context_parallel, a ring of flash-attention blocks, as torchtitan and simplefsdp "
+        "bench's fsdp2-torch-cp run it) (default allgather)",
+    )
+    p.add_argument(
         "--ep",
         type=int,
         default=None,
@@ -401,6 +411,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         tp=values["tp"],
         pp=ns.pp,
         cp=ns.cp,
+        cp_backend=ns.cp_backend,
         ac=values["ac"],
         microbatches=ns.microbatches if ns.microbatches is not None else max(ns.pp, 1),
         reshard_after_forward=not ns.no_reshard,

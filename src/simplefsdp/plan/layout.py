@@ -30,6 +30,11 @@ _LAYOUT_NAMES = {
 }
 
 
+#: Context-parallel attention ``simplefsdp plan`` predicts: simplefsdp's
+#: default backend, and torch's context_parallel (what torchtitan runs).
+CP_BACKENDS = ("allgather", "torch")
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout and its options. ``batch`` is per data-parallel rank
@@ -54,6 +59,10 @@ class Layout:
     # Context parallelism: each of ``cp`` ranks holds 1/cp of every sequence;
     # FSDP shards over dp x cp.
     cp: int = 1
+    # How attention reaches the other CP ranks' keys: simplefsdp's
+    # ``allgather`` backend (SDPA with a boolean mask), or ``torch``: torch's
+    # context_parallel (a ring of flash-attention blocks; torchtitan's).
+    cp_backend: str = "allgather"
     # The loss compiled (Inductor): the fp32 upcast, log-softmax and NLL of
     # the logits fused, none of their fp32 tensors materialised (Note: [Plan
     # model]); else the loss runs eager, as traced.
@@ -94,7 +103,9 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + (" loss-parallel" if self.loss_parallel else ""))
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(
+                f"cp{self.cp}" + (f" {self.cp_backend}" if self.cp_backend != "allgather" else "")
+            )
         if self.fused_loss:
             parts.append("fused-loss")
         if self.pp > 1:
@@ -165,6 +176,10 @@ def validate(args: Any, layout: Layout) -> None:
         raise ValueError(
             f"--cp {layout.cp} does not divide the {layout.gpus} GPUs over tp x pp = {rest}; "
             f"valid --cp: {', '.join(map(str, valid))}"
+        )
+    if layout.cp_backend not in CP_BACKENDS:
+        raise ValueError(
+            f"--cp-backend {layout.cp_backend!r} is not planned; valid: {', '.join(CP_BACKENDS)}"
         )
     if layout.cp > 1 and layout.seq % (2 * layout.cp):
         raise ValueError(

@@ -190,6 +190,17 @@ Note: [Context parallelism in the plan]
       memory       the gathered keys and values beyond the local ones,
                    saved for backward per block (no or selective AC) or one
                    block's at a time (full AC, temporary).
+    How attention reaches those keys (``cp_backend``): ``torch`` is torch's
+    context_parallel (a ring of flash-attention blocks, load-balanced, what
+    torchtitan runs), priced as the traced flash attention above;
+    ``allgather`` (simplefsdp's default backend) calls SDPA with a boolean
+    mask built from the positions, ``(T/cp) x T``, which SDPA turns into a
+    bf16 bias: the memory-efficient kernel over every query-key pair (no
+    causal block skipped: twice the flash kernel's work, at its
+    ``MEMORY_EFFICIENT_FRACTION``, the bias read per head), the mask and the
+    bias written and read once per attention (4 bytes per pair), and held
+    while it runs (3 bytes per pair, temporary; without AC the bias is saved
+    for backward, 2 bytes per pair per block).
 """
 
 from __future__ import annotations
@@ -307,6 +318,19 @@ def kernel_seconds(node: fx.Node, kernels: KernelModel, cost_model: CostModel) -
     return cost_model.node_time(node)
 
 
+def _masked_attention_seconds(node: fx.Node, kernels: KernelModel, scale: int) -> float:
+    """Seconds of one traced attention node (its keys ``scale`` times the
+    traced ones, the caller multiplies by ``scale``) run as SDPA with a
+    boolean mask: the memory-efficient kernel, every (query, key) pair
+    computed (no causal skip), the mask's bf16 bias read per head."""
+    q = node.args[1] if "backward" in str(node.target) else node.args[0]
+    b, h, tq, _ = q.meta["val"].shape
+    bias = b * h * tq * tq * 2  # per traced key block; the caller scales by ``scale``
+    moved = node_bytes(node) + sum(node_bytes(i) for i in node.all_input_nodes) + bias
+    backward = "backward" in str(node.target)
+    return kernels.attention_seconds(2 * node_flops(node), moved, backward, flash=False)
+
+
 @dataclass(frozen=True)
 class Float8Matmuls:
     """Which matmuls of a traced graph run in float8, and their cost (Note:
@@ -359,6 +383,7 @@ def compute_time(
     float8: Float8Matmuls | None = None,
     model: KernelModel | None = None,
     attention_scale: int = 1,
+    masked: bool = False,
 ) -> dict[str, float]:
     """Seconds and FLOPs of the compute nodes of ``gm``.
 
@@ -370,7 +395,10 @@ def compute_time(
     and attention priced by their shapes (Note: [Kernel model]).
     ``attention_scale``: attention's keys are that many times the traced
     ones (context parallelism: local queries against every key, Note:
-    [Context parallelism in the plan]).
+    [Context parallelism in the plan]). ``masked``: attention runs with a
+    boolean mask (simplefsdp's ``allgather`` backend): SDPA's
+    memory-efficient kernel over every (query, key) pair, reading the
+    mask's bf16 bias per head.
     """
     flops = matmul_s = other_s = 0.0
     kernels = chains = 0
@@ -385,10 +413,14 @@ def compute_time(
         if _is_heavy(node) or not fused:
             scale = attention_scale if "scaled_dot_product" in str(node.target) else 1
             flops += scale * node_flops(node)
-            if model is not None and _is_heavy(node):
+            attention = "scaled_dot_product" in str(node.target)
+            if model is not None and attention and masked:
+                matmul_s += scale * _masked_attention_seconds(node, model, scale)
+            elif model is not None and _is_heavy(node):
                 matmul_s += scale * kernel_seconds(node, model, cost_model)
             else:
-                matmul_s += scale * cost_model.node_time(node)  # includes its kernel overhead
+                # includes its kernel overhead; a masked kernel skips no block
+                matmul_s += scale * cost_model.node_time(node) * (2 if attention and masked else 1)
             kernels += 1
             continue
         moved = 0
@@ -458,11 +490,12 @@ def measure(
     float8: Float8Matmuls | None = None,
     kernels: KernelModel | None = None,
     attention_scale: int = 1,
+    masked: bool = False,
 ) -> GraphMeasures:
     fw, bw = traced.forward, traced.backward
     fw_mem, bw_mem = estimate_memory(fw), estimate_memory(bw)
-    fw_t = compute_time(fw, cost_model, fused, float8, kernels, attention_scale)
-    bw_t = compute_time(bw, cost_model, fused, float8, kernels, attention_scale)
+    fw_t = compute_time(fw, cost_model, fused, float8, kernels, attention_scale, masked)
+    bw_t = compute_time(bw, cost_model, fused, float8, kernels, attention_scale, masked)
     kv = kv_forward = nodes = 0.0
     for gm in (fw, bw):
         for n in gm.graph.nodes:
@@ -713,8 +746,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     fused = layout.compiled
     probe = cost_model_for(hw, layout, 1.0)
     kernels = kernel_model(hw, probe.bytes_per_s)
-    m1 = measure(t1, probe, fused, fp8, kernels, layout.cp)
-    m2 = measure(t2, probe, fused, fp8, kernels, layout.cp)
+    masked = layout.cp > 1 and layout.cp_backend == "allgather"
+    m1 = measure(t1, probe, fused, fp8, kernels, layout.cp, masked)
+    m2 = measure(t2, probe, fused, fp8, kernels, layout.cp, masked)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
     per_block = m1.per_block(m2)
     kv_per_block = per_block.kv_forward_bytes
@@ -845,6 +879,13 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         cp_s = stage.attention_nodes * hw.comm_seconds("all_gather", layout.cp, 0.0, span)
         cp_s += hw.comm_seconds("all_gather", layout.cp, layout.cp * stage.kv_bytes, span)
         cp_s -= hw.comm_seconds("all_gather", layout.cp, 0.0, span)
+    mask_bytes = 0.0
+    if masked:
+        # simplefsdp's allgather backend: per attention a (T/cp x T) boolean
+        # mask from the positions and SDPA's bf16 bias of it, written and
+        # read once (Note: [Context parallelism in the plan]).
+        mask_bytes = float((layout.seq // layout.cp) * layout.seq)
+        compute_s += stage.attention_nodes * 4 * mask_bytes / cost_model.bytes_per_s
     mb_s = max(pipe_s, compute_s) + copy_s + hooks_s + cp_s
     compute_s += copy_s + hooks_s
     exposed_s = mb_s - compute_s
@@ -888,6 +929,12 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # the vocabulary-parallel backward holds 4 bytes per logit more (a
         # zero gradient, the probabilities, their sum)
         temporary = max(temporary - (10 if parallel else 6) * logits, 0.0)
+    if mask_bytes:
+        # The mask and its bf16 bias while an attention runs; without AC the
+        # bias is saved for backward, per block and microbatch in flight.
+        temporary += 3 * mask_bytes
+        if layout.ac == "none":
+            activations += 2 * mask_bytes * blocks_of_stage * inflight
     if layout.cp > 1:
         # Gathered keys and values: saved for backward, or under full AC one
         # block's at a time (Note: [Context parallelism in the plan]).
@@ -962,6 +1009,13 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
             f"context parallel {layout.cp}: {layout.seq // layout.cp} tokens per rank, keys and "
             f"values all-gathered per attention ({layout.microbatches * cp_s:.3f} s, exposed)"
         )
+        if mask_bytes:
+            notes.append(
+                f"context parallel attention (allgather): SDPA with a {layout.seq // layout.cp} "
+                f"x {layout.seq} boolean mask and its bf16 bias ({3 * mask_bytes / 2**30:.2f} GiB "
+                "per attention), the memory-efficient kernel over every query-key pair; "
+                "--cp-backend torch plans torch's flash-attention ring"
+            )
         if not spec.supports("cp"):
             notes.append(
                 f"family {spec.family!r} does not declare context parallelism: simplefsdp "

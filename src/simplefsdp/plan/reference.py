@@ -82,6 +82,8 @@ class ReferenceRow:
     hardware: str = "h100-96gb-500w"
     source: str = _TT_2024
     fitted: str = ""  # the constant fitted on this row, if any
+    # Context-parallel attention: torchtitan runs torch's context_parallel.
+    cp_backend: str = "torch"
     # torchtitan's apply_fsdp keeps the blocks gathered after forward under
     # pipeline parallelism (no per-microbatch all-gathers).
     reshard_after_forward: bool = True
@@ -324,6 +326,7 @@ def predict_row(row: ReferenceRow, hw=None):
         tp=row.tp,
         pp=row.pp,
         cp=row.cp,
+        cp_backend=row.cp_backend,
         ac=row.ac,
         microbatches=row.microbatches,
         engine=row.engine,
