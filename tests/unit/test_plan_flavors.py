@@ -32,9 +32,9 @@ def test_analytic_cp_splits_tokens_and_gathers_keys_and_values() -> None:
     # attention's work per local token is the whole sequence's, so the step
     # is not halved exactly; the keys and values are gathered per attention.
     base, config = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2)
-    cp2, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2)
+    cp2, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2, cp_backend="torch")
     assert base.time["cp_comm_total"] == 0 and cp2.time["cp_comm_total"] > 0
-    assert cp2.layout.describe().startswith("dp4 cp2 ep2")
+    assert cp2.layout.describe().startswith("dp4 cp2 torch ep2")
     kv = 2 * 2 * config.n_kv_heads * config.head_dim * 2048  # bf16 K and V, local tokens
     one = FIXED.comm_seconds("all_gather", 2, 2 * kv, 2)
     assert cp2.time["cp_comm_total"] == pytest.approx(config.n_layers * 2 * one)
@@ -45,9 +45,17 @@ def test_analytic_cp_splits_tokens_and_gathers_keys_and_values() -> None:
     saved = base.memory["activations"] / 2 + config.n_layers * kv
     assert cp2.memory["activations"] == pytest.approx(saved)
     # Full AC: one block's gathered keys and values at a time.
-    full, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2, ac="full")
+    full, _ = _moe(
+        "qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2, ac="full", cp_backend="torch"
+    )
     none, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=1, ac="full")
     assert full.memory["temporary"] == pytest.approx(none.memory["temporary"] / 2 + kv)
+    # simplefsdp's allgather backend: the (T/cp x T) mask and its bf16 bias
+    # while an attention runs, and the masked kernel's time.
+    ours, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2, ac="full")
+    assert ours.memory["temporary"] - full.memory["temporary"] == pytest.approx(3 * 2048 * 4096)
+    assert ours.time["compute"] > full.time["compute"]
+    assert any("boolean mask" in n for n in ours.notes)
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,11 @@ Note: [Analytic plan model]
     AC's recomputation; backward reduce-scatters their gradients), exposed
     (the attention waits for them); the gathered keys and values are saved
     per block under ``none``/``selective`` AC, one block's at a time under
-    ``full``.
+    ``full``. With ``cp_backend`` ``allgather`` (simplefsdp's) the attention
+    runs with a boolean mask, as for traced plans (Note: [Context
+    parallelism in the plan] in ``plan/predict.py``): its bf16 bias held
+    while an attention runs, the memory-efficient kernel over every
+    query-key pair.
 """
 
 from __future__ import annotations
@@ -149,7 +153,7 @@ from simplefsdp.plan.host import (
     token_syncs,
 )
 from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, kernel_model
-from simplefsdp.plan.layout import AC_MODES, check_engine
+from simplefsdp.plan.layout import AC_MODES, CP_BACKENDS, check_engine
 from simplefsdp.plan.prediction import Prediction
 
 
@@ -170,6 +174,7 @@ class ExpertLayout:
     cp: int = 1
     recompute_experts: bool = False
     fused_loss: bool = False
+    cp_backend: str = "allgather"  # as the traced Layout's
 
     @property
     def dp(self) -> int:
@@ -204,7 +209,9 @@ class ExpertLayout:
         """One line naming the layout, as in ``--sweep`` tables."""
         parts = [f"dp{self.dp}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(
+                f"cp{self.cp}" + (f" {self.cp_backend}" if self.cp_backend != "allgather" else "")
+            )
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [
@@ -233,6 +240,10 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
     for flag, value in (("--ep", layout.ep), ("--cp", layout.cp)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if layout.cp_backend not in CP_BACKENDS:
+        raise ValueError(
+            f"--cp-backend {layout.cp_backend!r} is not planned; valid: {', '.join(CP_BACKENDS)}"
+        )
     if layout.gpus % layout.cp:
         valid = _divisors(layout.gpus)
         raise ValueError(
@@ -448,6 +459,14 @@ def predict_analytic(
         temporary += gathered_kv
     else:
         activations += args.n_layers * gathered_kv
+    # simplefsdp's allgather backend: a (T/cp x T) boolean mask per attention
+    # and SDPA's bf16 bias of it (Note: [Context parallelism in the plan] in
+    # plan/predict.py).
+    masked = cp > 1 and layout.cp_backend == "allgather"
+    mask_bytes = float((layout.seq // cp) * layout.seq) if masked else 0.0
+    temporary += 3 * mask_bytes
+    if layout.ac == "none":
+        activations += 2 * mask_bytes * args.n_layers
     memory = {
         "parameters": 4 * shard_params,
         "gradients": 4 * shard_params,
@@ -530,14 +549,20 @@ def predict_analytic(
         # FlashAttention rates, causal halving (Note: [Kernel model]).
         forward = tokens * attn_flops / 3 / 2  # the spec counts 1 + 2 forwards; causal half
         tensor_peak = hw.peak_bf16_flops * hw.clock_fraction
+        efficient = masked
         if _latent_attention(args):
             qk = args.qk_nope_head_dim + args.qk_rope_head_dim
-            if qk != args.v_head_dim:  # the memory-efficient kernel (Note: [Kernel model])
-                tensor_peak *= MEMORY_EFFICIENT_FRACTION
+            efficient = efficient or qk != args.v_head_dim
+        if efficient:  # the memory-efficient kernel (Note: [Kernel model])
+            tensor_peak *= MEMORY_EFFICIENT_FRACTION
         attention_s = forward / (tensor_peak * hw.flash_fwd_efficiency)
         attention_s += 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
+    if masked:  # a masked kernel skips no causal block
+        attention_s *= 2
     if layout.ac == "full":
         attention_s *= 4 / 3  # its forward again
+    if masked:  # the mask and its bias written and read, per attention call
+        attention_s += args.n_layers * (3 if layout.ac == "full" else 2) * 4 * mask_bytes / bw
     # Elementwise work: three passes over the no-AC activations where the
     # compiler fuses them, one read and one write per op's output unfused
     # (eager FSDP2, aot_eager): about twice the bytes.
@@ -658,6 +683,16 @@ def predict_analytic(
                 f"values all-gathered per attention ({cp_s:.3f} s, exposed)"
             ]
             if cp > 1
+            else []
+        ),
+        *(
+            [
+                f"context parallel attention (allgather): SDPA with a {layout.seq // cp} x "
+                f"{layout.seq} boolean mask and its bf16 bias ({3 * mask_bytes / 2**30:.2f} GiB "
+                "per attention), the memory-efficient kernel over every query-key pair; "
+                "--cp-backend torch plans torch's flash-attention ring"
+            ]
+            if masked
             else []
         ),
         "planned from the model's shapes (docs/scale.md, expert parallelism): per-block "

@@ -62,6 +62,7 @@ METHOD_FLAGS = {
     ),
     "analytic": (
         "--cp",
+        "--cp-backend",
         "--ep",
         "--expert-imbalance",
         "--recompute-experts",
@@ -399,6 +400,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
             reshard_after_forward=not ns.no_reshard,
             imbalance=ns.expert_imbalance,
             cp=ns.cp,
+            cp_backend=ns.cp_backend,
             recompute_experts=ns.recompute_experts,
             fused_loss=ns.fused_loss,
         )
