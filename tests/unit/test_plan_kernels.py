@@ -156,9 +156,36 @@ def test_allgather_attention_pays_its_mask_and_the_masked_kernel(profile) -> Non
     assert any("boolean mask" in n for n in ours.notes)
     assert not any("boolean mask" in n for n in torch_cp.notes)
     with pytest.raises(
-        ValueError, match=r"--cp-backend 'ring' is not planned; valid: allgather, torch"
+        ValueError, match=r"--cp-backend 'ring' is not planned; valid: allgather, ulysses, torch"
     ):
         validate(args, dataclasses.replace(layout, cp_backend="ring"))
+
+
+def test_ulysses_all_to_alls_and_masks_the_whole_sequence() -> None:
+    # Ulysses: the queries, keys, values and output all-to-all'd per attention
+    # (no gathered keys and values kept), SDPA over the whole sequence on
+    # H/cp heads with a (T x T) mask.
+    seq = 2048
+    args = get_config("debug", max_seq_len=seq)
+    layout = Layout(gpus=2, batch=2, seq=seq, cp=2)
+    gathered = predict(LLAMA, args, layout, plan_profiles.FIXED)
+    ulysses = predict(
+        LLAMA, args, dataclasses.replace(layout, cp_backend="ulysses"), plan_profiles.FIXED
+    )
+    assert ulysses.layout.describe().startswith("dp1 cp2 ulysses")
+    masks = 3 * (seq * seq - (seq // 2) * seq)
+    assert ulysses.memory["temporary"] - gathered.memory["temporary"] == pytest.approx(masks)
+    assert ulysses.memory["activations"] < gathered.memory["activations"]
+    assert ulysses.time["cp_comm_total"] != gathered.time["cp_comm_total"] > 0
+    assert any("all-to-all'd" in n for n in ulysses.notes)
+    # 8 heads do not split over 16 ranks
+    with pytest.raises(ValueError, match=r"ulysses needs the 8 attention heads .* --cp 16"):
+        predict(
+            LLAMA,
+            args,
+            Layout(gpus=16, batch=1, seq=seq, cp=16, cp_backend="ulysses"),
+            plan_profiles.FIXED,
+        )
 
 
 def test_context_parallel_needs_a_sequence_and_gpus_it_splits() -> None:

@@ -240,9 +240,11 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
     for flag, value in (("--ep", layout.ep), ("--cp", layout.cp)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if layout.cp_backend not in CP_BACKENDS:
+    planned = tuple(b for b in CP_BACKENDS if b != "ulysses")
+    if layout.cp_backend not in planned:
         raise ValueError(
-            f"--cp-backend {layout.cp_backend!r} is not planned; valid: {', '.join(CP_BACKENDS)}"
+            f"--cp-backend {layout.cp_backend!r} is not planned for a model planned from its "
+            f"shapes; valid: {', '.join(planned)}"
         )
     if layout.gpus % layout.cp:
         valid = _divisors(layout.gpus)

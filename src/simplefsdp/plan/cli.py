@@ -267,7 +267,8 @@ def _parser() -> argparse.ArgumentParser:
         "--cp-backend",
         default="allgather",
         help="how attention reaches the other CP ranks' keys: allgather (simplefsdp train's "
-        "--parallel.cp_backend default: SDPA with a boolean mask) or torch (torch's "
+        "--parallel.cp_backend default: SDPA with a boolean mask), ulysses (simplefsdp's "
+        "all-to-alls to head shards, the whole sequence masked) or torch (torch's "
         "context_parallel, a ring of flash-attention blocks, as torchtitan and simplefsdp "
         "bench's fsdp2-torch-cp run it) (default allgather)",
     )

@@ -31,8 +31,9 @@ _LAYOUT_NAMES = {
 
 
 #: Context-parallel attention ``simplefsdp plan`` predicts: simplefsdp's
-#: default backend, and torch's context_parallel (what torchtitan runs).
-CP_BACKENDS = ("allgather", "torch")
+#: ``allgather`` (default) and ``ulysses`` backends, and torch's
+#: context_parallel (what torchtitan runs).
+CP_BACKENDS = ("allgather", "ulysses", "torch")
 
 
 @dataclass(frozen=True)

@@ -463,6 +463,11 @@ class GraphMeasures:
     kv_bytes: float = 0.0
     kv_forward_bytes: float = 0.0
     attention_nodes: float = 0.0
+    # What Ulysses' all-to-alls move over every attention node: the queries,
+    # the keys and values (repeated to the query heads where the CP degree
+    # does not divide their heads) and the output; and the query heads.
+    ulysses_bytes: float = 0.0
+    attention_heads: float = 0.0
 
     def extrapolate(self, other: GraphMeasures, blocks: float) -> GraphMeasures:
         """``self`` at 1 block, ``other`` at 2: the value at ``blocks``."""
@@ -496,7 +501,7 @@ def measure(
     fw_mem, bw_mem = estimate_memory(fw), estimate_memory(bw)
     fw_t = compute_time(fw, cost_model, fused, float8, kernels, attention_scale, masked)
     bw_t = compute_time(bw, cost_model, fused, float8, kernels, attention_scale, masked)
-    kv = kv_forward = nodes = 0.0
+    kv = kv_forward = nodes = ulysses = heads = 0.0
     for gm in (fw, bw):
         for n in gm.graph.nodes:
             if n.op != "call_function" or "scaled_dot_product" not in str(n.target):
@@ -505,6 +510,10 @@ def measure(
             kv, nodes = kv + pair, nodes + 1
             if gm is fw and "backward" not in str(n.target):
                 kv_forward += pair
+            q, k, v = n.args[1:4] if "backward" in str(n.target) else n.args[0:3]
+            heads, kv_heads = q.meta["val"].shape[1], k.meta["val"].shape[1]
+            repeat = heads / kv_heads if kv_heads % max(attention_scale, 1) else 1
+            ulysses += 2 * node_bytes(q) + repeat * (node_bytes(k) + node_bytes(v))
     params = traced.local_param_bytes
     # Data-parallel bytes reduced per byte gathered (fp32 reduce / bf16 gather).
     dp = traced.groups.is_data_parallel
@@ -532,6 +541,8 @@ def measure(
         kv_bytes=kv,
         kv_forward_bytes=kv_forward,
         attention_nodes=nodes,
+        ulysses_bytes=ulysses,
+        attention_heads=heads,
     )
 
 
@@ -746,7 +757,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     fused = layout.compiled
     probe = cost_model_for(hw, layout, 1.0)
     kernels = kernel_model(hw, probe.bytes_per_s)
-    masked = layout.cp > 1 and layout.cp_backend == "allgather"
+    masked = layout.cp > 1 and layout.cp_backend in ("allgather", "ulysses")
     m1 = measure(t1, probe, fused, fp8, kernels, layout.cp, masked)
     m2 = measure(t2, probe, fused, fp8, kernels, layout.cp, masked)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
@@ -874,17 +885,31 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     # the CP ranks (backward: reduce-scatters their gradients), exposed
     # (Note: [Context parallelism in the plan]).
     cp_s = 0.0
-    if layout.cp > 1:
+    ulysses = layout.cp > 1 and layout.cp_backend == "ulysses"
+    if ulysses and stage.attention_heads % layout.cp:
+        raise ValueError(
+            f"--cp-backend ulysses needs the {int(stage.attention_heads)} attention heads of a "
+            f"rank to divide by --cp {layout.cp}; valid: --cp-backend allgather or torch"
+        )
+    if ulysses:
+        # Four all-to-alls per attention node (queries, keys, values to head
+        # shards, the output back; backward the same of their gradients).
+        span = layout.cp * layout.tp
+        latency = hw.comm_seconds("all_to_all", layout.cp, 0.0, span)
+        cp_s = (4 * stage.attention_nodes - 1) * latency
+        cp_s += hw.comm_seconds("all_to_all", layout.cp, stage.ulysses_bytes, span)
+    elif layout.cp > 1:
         span = layout.cp * layout.tp
         cp_s = stage.attention_nodes * hw.comm_seconds("all_gather", layout.cp, 0.0, span)
         cp_s += hw.comm_seconds("all_gather", layout.cp, layout.cp * stage.kv_bytes, span)
         cp_s -= hw.comm_seconds("all_gather", layout.cp, 0.0, span)
     mask_bytes = 0.0
     if masked:
-        # simplefsdp's allgather backend: per attention a (T/cp x T) boolean
-        # mask from the positions and SDPA's bf16 bias of it, written and
-        # read once (Note: [Context parallelism in the plan]).
-        mask_bytes = float((layout.seq // layout.cp) * layout.seq)
+        # simplefsdp's allgather (ulysses) backend: per attention a (T/cp x T)
+        # (T x T) boolean mask from the positions and SDPA's bf16 bias of it,
+        # written and read once (Note: [Context parallelism in the plan]).
+        queries = layout.seq if ulysses else layout.seq // layout.cp
+        mask_bytes = float(queries * layout.seq)
         compute_s += stage.attention_nodes * 4 * mask_bytes / cost_model.bytes_per_s
     mb_s = max(pipe_s, compute_s) + copy_s + hooks_s + cp_s
     compute_s += copy_s + hooks_s
@@ -935,7 +960,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         temporary += 3 * mask_bytes
         if layout.ac == "none":
             activations += 2 * mask_bytes * blocks_of_stage * inflight
-    if layout.cp > 1:
+    if layout.cp > 1 and not ulysses:
         # Gathered keys and values: saved for backward, or under full AC one
         # block's at a time (Note: [Context parallelism in the plan]).
         gathered_kv = (layout.cp - 1) * kv_per_block
@@ -1005,13 +1030,19 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     if layout.pp > 1:
         notes.append("pipeline: 1F1B; activation send/recv between stages not modelled")
     if layout.cp > 1:
+        how = (
+            "queries, keys, values and output all-to-all'd per attention"
+            if ulysses
+            else "keys and values all-gathered per attention"
+        )
         notes.append(
-            f"context parallel {layout.cp}: {layout.seq // layout.cp} tokens per rank, keys and "
-            f"values all-gathered per attention ({layout.microbatches * cp_s:.3f} s, exposed)"
+            f"context parallel {layout.cp}: {layout.seq // layout.cp} tokens per rank, {how} "
+            f"({layout.microbatches * cp_s:.3f} s, exposed)"
         )
         if mask_bytes:
+            queries = layout.seq if ulysses else layout.seq // layout.cp
             notes.append(
-                f"context parallel attention (allgather): SDPA with a {layout.seq // layout.cp} "
+                f"context parallel attention ({layout.cp_backend}): SDPA with a {queries} "
                 f"x {layout.seq} boolean mask and its bf16 bias ({3 * mask_bytes / 2**30:.2f} GiB "
                 "per attention), the memory-efficient kernel over every query-key pair; "
                 "--cp-backend torch plans torch's flash-attention ring"
