@@ -396,7 +396,7 @@ def compute_time(
     ``attention_scale``: attention's keys are that many times the traced
     ones (context parallelism: local queries against every key, Note:
     [Context parallelism in the plan]). ``masked``: attention runs with a
-    boolean mask (simplefsdp's ``allgather`` backend): SDPA's
+    boolean mask (simplefsdp's ``allgather`` and ``ulysses`` backends): SDPA's
     memory-efficient kernel over every (query, key) pair, reading the
     mask's bf16 bias per head.
     """
@@ -411,9 +411,9 @@ def compute_time(
             kernels += 1
             continue
         if _is_heavy(node) or not fused:
-            scale = attention_scale if "scaled_dot_product" in str(node.target) else 1
-            flops += scale * node_flops(node)
             attention = "scaled_dot_product" in str(node.target)
+            scale = attention_scale if attention else 1
+            flops += scale * node_flops(node)
             if model is not None and attention and masked:
                 matmul_s += scale * _masked_attention_seconds(node, model, scale)
             elif model is not None and _is_heavy(node):
