@@ -153,7 +153,14 @@ from simplefsdp.plan.host import (
     token_syncs,
 )
 from simplefsdp.plan.kernels import MEMORY_EFFICIENT_FRACTION, kernel_model
-from simplefsdp.plan.layout import AC_MODES, CP_BACKENDS, check_engine
+from simplefsdp.plan.layout import (
+    AC_MODES,
+    CP_BACKENDS,
+    check_engine,
+    cp_describe,
+    cp_mask_note,
+    cp_mask_queries,
+)
 from simplefsdp.plan.prediction import Prediction
 
 
@@ -209,9 +216,7 @@ class ExpertLayout:
         """One line naming the layout, as in ``--sweep`` tables."""
         parts = [f"dp{self.dp}"]
         if self.cp > 1:
-            parts.append(
-                f"cp{self.cp}" + (f" {self.cp_backend}" if self.cp_backend != "allgather" else "")
-            )
+            parts.append(cp_describe(self.cp, self.cp_backend))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [
@@ -464,8 +469,9 @@ def predict_analytic(
     # simplefsdp's allgather backend: a (T/cp x T) boolean mask per attention
     # and SDPA's bf16 bias of it (Note: [Context parallelism in the plan] in
     # plan/predict.py).
-    masked = cp > 1 and layout.cp_backend == "allgather"
-    mask_bytes = float((layout.seq // cp) * layout.seq) if masked else 0.0
+    queries = cp_mask_queries(layout.seq, cp, layout.cp_backend)
+    masked = queries > 0
+    mask_bytes = float(queries * layout.seq)
     temporary += 3 * mask_bytes
     if layout.ac == "none":
         activations += 2 * mask_bytes * args.n_layers
@@ -687,16 +693,7 @@ def predict_analytic(
             if cp > 1
             else []
         ),
-        *(
-            [
-                f"context parallel attention (allgather): SDPA with a {layout.seq // cp} x "
-                f"{layout.seq} boolean mask and its bf16 bias ({3 * mask_bytes / 2**30:.2f} GiB "
-                "per attention), the memory-efficient kernel over every query-key pair; "
-                "--cp-backend torch plans torch's flash-attention ring"
-            ]
-            if masked
-            else []
-        ),
+        *([cp_mask_note(layout.seq, queries, layout.cp_backend)] if masked else []),
         "planned from the model's shapes (docs/scale.md, expert parallelism): per-block "
         "FSDP groups for both engines; TP, PP and Float8 of experts not modelled",
     ]

@@ -156,16 +156,16 @@ def resolve_model(ns: argparse.Namespace) -> tuple[Any, Any]:
         from simplefsdp.checkpoint.hf import hf_model_of_folder
 
         spec, config = hf_model_of_folder(ns.model)
-        if spec.data_dependent_reads is not None and spec.data_dependent_reads(config):
-            if spec.plan_method == "trace":
-                # transformers' own mixture-of-experts code: its token routing
-                # does not trace on the meta device
-                raise ValueError(
-                    f"--model {ns.model!r} trains through {spec.family!r} (model_type "
-                    f"{getattr(config, 'model_type', '?')!r}) with routed experts, which "
-                    "simplefsdp plan does not predict; valid: a dense model, a folder a "
-                    "native family reads (docs/models/index.md), or a flavor"
-                )
+        reads = spec.data_dependent_reads
+        if spec.plan_method == "trace" and reads is not None and reads(config):
+            # transformers' own mixture-of-experts code: its token routing does
+            # not trace on the meta device
+            raise ValueError(
+                f"--model {ns.model!r} trains through {spec.family!r} (model_type "
+                f"{getattr(config, 'model_type', '?')!r}) with routed experts, which "
+                "simplefsdp plan does not predict; valid: a dense model, a folder a "
+                "native family reads (docs/models/index.md), or a flavor"
+            )
         return spec, config
     if ns.config is None:
         return resolve_flavor(ns.model)

@@ -36,6 +36,32 @@ _LAYOUT_NAMES = {
 CP_BACKENDS = ("allgather", "ulysses", "torch")
 
 
+def cp_describe(cp: int, backend: str) -> str:
+    """A layout's context-parallel part (``cp2``, ``cp2 torch``; the default
+    backend unnamed)."""
+    return f"cp{cp}" + (f" {backend}" if backend != "allgather" else "")
+
+
+def cp_mask_queries(seq: int, cp: int, backend: str) -> int:
+    """The rows of the boolean mask simplefsdp's masked backends pass SDPA
+    (against all ``seq`` keys): this rank's ``seq / cp`` queries
+    (``allgather``), the whole sequence (``ulysses``), none (``torch``, or no
+    context parallelism)."""
+    if cp == 1 or backend == "torch":
+        return 0
+    return seq if backend == "ulysses" else seq // cp
+
+
+def cp_mask_note(seq: int, queries: int, backend: str) -> str:
+    """The plan's note on a masked backend's attention."""
+    return (
+        f"context parallel attention ({backend}): SDPA with a {queries} x {seq} boolean mask "
+        f"and its bf16 bias ({3 * queries * seq / 2**30:.2f} GiB per attention), the "
+        "memory-efficient kernel over every query-key pair; --cp-backend torch plans torch's "
+        "flash-attention ring"
+    )
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout and its options. ``batch`` is per data-parallel rank
@@ -60,9 +86,10 @@ class Layout:
     # Context parallelism: each of ``cp`` ranks holds 1/cp of every sequence;
     # FSDP shards over dp x cp.
     cp: int = 1
-    # How attention reaches the other CP ranks' keys: simplefsdp's
-    # ``allgather`` backend (SDPA with a boolean mask), or ``torch``: torch's
-    # context_parallel (a ring of flash-attention blocks; torchtitan's).
+    # How attention reaches the other CP ranks' keys (``CP_BACKENDS``):
+    # simplefsdp's ``allgather`` and ``ulysses`` backends (SDPA with a boolean
+    # mask), or ``torch``: torch's context_parallel (a ring of
+    # flash-attention blocks; torchtitan's).
     cp_backend: str = "allgather"
     # The loss compiled (Inductor): the fp32 upcast, log-softmax and NLL of
     # the logits fused, none of their fp32 tensors materialised (Note: [Plan
@@ -104,9 +131,7 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + (" loss-parallel" if self.loss_parallel else ""))
         if self.cp > 1:
-            parts.append(
-                f"cp{self.cp}" + (f" {self.cp_backend}" if self.cp_backend != "allgather" else "")
-            )
+            parts.append(cp_describe(self.cp, self.cp_backend))
         if self.fused_loss:
             parts.append("fused-loss")
         if self.pp > 1:

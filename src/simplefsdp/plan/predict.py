@@ -243,7 +243,7 @@ from simplefsdp.plan.costs import (
 )
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.kernels import KernelModel, kernel_model
-from simplefsdp.plan.layout import Layout, validate
+from simplefsdp.plan.layout import Layout, cp_mask_note, cp_mask_queries, validate
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
 
@@ -757,7 +757,8 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     fused = layout.compiled
     probe = cost_model_for(hw, layout, 1.0)
     kernels = kernel_model(hw, probe.bytes_per_s)
-    masked = layout.cp > 1 and layout.cp_backend in ("allgather", "ulysses")
+    mask_queries = cp_mask_queries(layout.seq, layout.cp, layout.cp_backend)
+    masked = mask_queries > 0
     m1 = measure(t1, probe, fused, fp8, kernels, layout.cp, masked)
     m2 = measure(t2, probe, fused, fp8, kernels, layout.cp, masked)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
@@ -903,13 +904,11 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         cp_s = stage.attention_nodes * hw.comm_seconds("all_gather", layout.cp, 0.0, span)
         cp_s += hw.comm_seconds("all_gather", layout.cp, layout.cp * stage.kv_bytes, span)
         cp_s -= hw.comm_seconds("all_gather", layout.cp, 0.0, span)
-    mask_bytes = 0.0
+    # simplefsdp's masked backends: per attention a (T/cp x T), for ulysses
+    # (T x T), boolean mask from the positions and SDPA's bf16 bias of it,
+    # written and read once (Note: [Context parallelism in the plan]).
+    mask_bytes = float(mask_queries * layout.seq)
     if masked:
-        # simplefsdp's allgather (ulysses) backend: per attention a (T/cp x T)
-        # (T x T) boolean mask from the positions and SDPA's bf16 bias of it,
-        # written and read once (Note: [Context parallelism in the plan]).
-        queries = layout.seq if ulysses else layout.seq // layout.cp
-        mask_bytes = float(queries * layout.seq)
         compute_s += stage.attention_nodes * 4 * mask_bytes / cost_model.bytes_per_s
     mb_s = max(pipe_s, compute_s) + copy_s + hooks_s + cp_s
     compute_s += copy_s + hooks_s
@@ -1039,14 +1038,8 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
             f"context parallel {layout.cp}: {layout.seq // layout.cp} tokens per rank, {how} "
             f"({layout.microbatches * cp_s:.3f} s, exposed)"
         )
-        if mask_bytes:
-            queries = layout.seq if ulysses else layout.seq // layout.cp
-            notes.append(
-                f"context parallel attention ({layout.cp_backend}): SDPA with a {queries} "
-                f"x {layout.seq} boolean mask and its bf16 bias ({3 * mask_bytes / 2**30:.2f} GiB "
-                "per attention), the memory-efficient kernel over every query-key pair; "
-                "--cp-backend torch plans torch's flash-attention ring"
-            )
+        if masked:
+            notes.append(cp_mask_note(layout.seq, mask_queries, layout.cp_backend))
         if not spec.supports("cp"):
             notes.append(
                 f"family {spec.family!r} does not declare context parallelism: simplefsdp "
