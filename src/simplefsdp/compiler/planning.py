@@ -33,8 +33,10 @@ from simplefsdp.compiler.memory_estimate import (
 )
 from simplefsdp.compiler.passes.bucketing import find_sites  # noqa: F401 (re-exported for simplefsdp.plan)
 from simplefsdp.compiler.patterns import (  # noqa: F401 (re-exported for simplefsdp.plan)
+    collective_group_size,
     collective_kind,
     is_compute,
     node_bytes,
     source_placeholder,
+    wait_of,
 )

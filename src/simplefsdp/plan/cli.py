@@ -54,6 +54,7 @@ METHOD_FLAGS = {
         "--microbatches",
         "--dtype",
         "--loss-parallel",
+        "--async-tp",
         "--fused-loss",
         "--float8",
         "--bucketing",
@@ -80,6 +81,7 @@ _GIVEN = {
     "--microbatches": lambda ns: ns.microbatches not in (None, 1),
     "--dtype": lambda ns: ns.dtype != "bf16",
     "--loss-parallel": lambda ns: ns.loss_parallel,
+    "--async-tp": lambda ns: ns.async_tp,
     "--fused-loss": lambda ns: ns.fused_loss,
     "--float8": lambda ns: ns.float8,
     "--bucketing": lambda ns: ns.bucketing != "auto",
@@ -315,6 +317,12 @@ def _parser() -> argparse.ArgumentParser:
         "(simplefsdp train --parallel.loss_parallel true; torchtitan's default)",
     )
     p.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="with --tp: TP's all-gathers and reduce-scatters overlapped with their matmuls "
+        "(torchtitan's enable_async_tensor_parallel, compiled); simplefsdp train runs them whole",
+    )
+    p.add_argument(
         "--fused-loss",
         action="store_true",
         help="the loss compiled with Inductor: fp32 upcast, log-softmax and NLL fused, "
@@ -425,6 +433,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         loss_parallel=ns.loss_parallel,
         fused_loss=ns.fused_loss,
         compile=ns.compile,
+        async_tp=ns.async_tp,
     )
 
 
@@ -553,8 +562,9 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
     policy, TP degree (``base.tp`` and every power of two up to a node,
     ``gpus_per_node``: TP's collectives are on every layer's critical path,
     so it stays on the intra-node link), PP degree (1 and ``base.pp``) and
-    microbatches (``pp`` and ``2 * pp``); invalid ones (a degree that does
-    not divide the GPUs or the model's heads) are left out."""
+    microbatches (``pp`` and ``2 * pp``); ``--async-tp`` wherever TP is on.
+    Invalid ones (a degree that does not divide the GPUs or the model's
+    heads) are left out."""
     from simplefsdp.plan.predict import validate
 
     tps = {1, base.tp}
@@ -580,6 +590,7 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
                                 ac=ac,
                                 reshard_after_forward=reshard,
                                 bucketing=bucketing,
+                                async_tp=base.async_tp and tp > 1,
                             )
                             try:
                                 validate(args, layout)

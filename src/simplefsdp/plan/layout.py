@@ -100,6 +100,11 @@ class Layout:
     # fused kernels and the compiled step's activations under FSDP2's
     # per-block groups and hooks. simplefsdp is always planned compiled.
     compile: bool = False
+    # Async TP (torchtitan's ``enable_async_tensor_parallel``, torch's
+    # micro-pipelined TP under compile): each sequence-parallel all-gather
+    # and reduce-scatter split into ``tp`` chunks that overlap the matmuls
+    # they feed or read. simplefsdp train runs TP's collectives whole.
+    async_tp: bool = False
 
     @property
     def compiled(self) -> bool:
@@ -129,7 +134,11 @@ class Layout:
         if self.float8:
             parts.append("float8")
         if self.tp > 1:
-            parts.append(f"tp{self.tp}" + (" loss-parallel" if self.loss_parallel else ""))
+            parts.append(
+                f"tp{self.tp}"
+                + (" async" if self.async_tp else "")
+                + (" loss-parallel" if self.loss_parallel else "")
+            )
         if self.cp > 1:
             parts.append(cp_describe(self.cp, self.cp_backend))
         if self.fused_loss:
@@ -202,6 +211,13 @@ def validate(args: Any, layout: Layout) -> None:
         raise ValueError(
             f"--cp {layout.cp} does not divide the {layout.gpus} GPUs over tp x pp = {rest}; "
             f"valid --cp: {', '.join(map(str, valid))}"
+        )
+    if layout.async_tp and layout.tp == 1:
+        raise ValueError("--async-tp overlaps tensor-parallel collectives; it needs --tp > 1")
+    if layout.async_tp and not layout.compiled:
+        raise ValueError(
+            f"--async-tp is a compiler pass; --engine {layout.engine} runs eager here "
+            "(valid: --engine simplefsdp, or --engine fsdp2 with --compile)"
         )
     if layout.cp_backend not in CP_BACKENDS:
         raise ValueError(

@@ -174,6 +174,34 @@ Note: [Float8 in the plan]
     Activations are as bf16's: torchao saves the bf16 inputs and casts again
     in backward. MFU stays against the bf16 peak (torchtitan's convention).
 
+Note: [Tensor-parallel communication in the plan]
+    Sequence parallelism's collectives (an all-gather of the normed
+    activations before the attention's and the feed-forward's first
+    matmuls, a reduce-scatter of their last matmuls' outputs, the mirror of
+    each in backward) are waited on where the graph has them: exposed
+    (Note: [Planning around tensor-parallel collectives]). The bucket
+    planner's units carry their forward's, priced at its bytes and
+    mirrored in backward; the plan scales them to what the two traced
+    graphs run (``tp_comm_seconds``): the backward graph's own collectives,
+    a recomputed forward's among them (full AC recomputes every one,
+    selective AC the all-gathers), and
+      float8   an all-gather whose matmuls all run in float8 moves one
+               byte per element: torchao's float8 TP styles cast before
+               gathering (in backward, the row-parallel linears' gathered
+               gradient is float8 too); reduce-scatters stay bf16;
+      async TP each all-gather and reduce-scatter with the matmuls that
+               read its gathered tokens or write what it scatters (found
+               through reshapes: ``tp_matmuls``) run as ``tp`` chunks: the
+               local chunk's matmul needs no communication and the others
+               overlap it, so the pair takes ``max(m, c + m / tp)`` for
+               communication ``c`` and matmuls ``m``; what is exposed is
+               ``max(c + m / tp - m, 0)``. Collectives without such matmuls
+               stay whole: the embedding's, a gradient summed over several
+               linears before its reduce-scatter, and the weight gradients'
+               gathers (their contraction runs over the gathered tokens).
+               The chunked matmuls' own efficiency and async TP's
+               symmetric-memory buffers are not modelled.
+
 Note: [Context parallelism in the plan]
     ``--cp N`` (torchtitan's layout: FSDP over ``dp x cp``, each CP rank
     1/cp of every sequence, causal attention load-balanced over the ranks,
@@ -207,6 +235,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -219,6 +248,7 @@ from simplefsdp.compiler.planning import (
     GatherUnit,
     bucket_comm_s,
     choose_kept,
+    collective_group_size,
     collective_kind,
     estimate_memory,
     find_sites,
@@ -230,6 +260,7 @@ from simplefsdp.compiler.planning import (
     node_flops,
     pipeline_time_s,
     step_extra_bytes,
+    wait_of,
 )
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.plan.allocator import simulate_traced
@@ -468,6 +499,11 @@ class GraphMeasures:
     # does not divide their heads) and the output; and the query heads.
     ulysses_bytes: float = 0.0
     attention_heads: float = 0.0
+    # Non data-parallel (TP) collectives, seconds: the forward graph's as
+    # the bucket planner prices them, and both graphs' as the plan runs
+    # them (Note: [Tensor-parallel communication in the plan]).
+    tp_forward_priced_s: float = 0.0
+    tp_s: float = 0.0
 
     def extrapolate(self, other: GraphMeasures, blocks: float) -> GraphMeasures:
         """``self`` at 1 block, ``other`` at 2: the value at ``blocks``."""
@@ -496,6 +532,7 @@ def measure(
     kernels: KernelModel | None = None,
     attention_scale: int = 1,
     masked: bool = False,
+    async_degree: int = 1,
 ) -> GraphMeasures:
     fw, bw = traced.forward, traced.backward
     fw_mem, bw_mem = estimate_memory(fw), estimate_memory(bw)
@@ -514,6 +551,10 @@ def measure(
             heads, kv_heads = q.meta["val"].shape[1], k.meta["val"].shape[1]
             repeat = heads / kv_heads if kv_heads % max(attention_scale, 1) else 1
             ulysses += 2 * node_bytes(q) + repeat * (node_bytes(k) + node_bytes(v))
+    tp = [
+        tp_comm_seconds(gm, traced.groups, cost_model, fused, float8, kernels, async_degree)
+        for gm in (fw, bw)
+    ]
     params = traced.local_param_bytes
     # Data-parallel bytes reduced per byte gathered (fp32 reduce / bf16 gather).
     dp = traced.groups.is_data_parallel
@@ -543,6 +584,8 @@ def measure(
         attention_nodes=nodes,
         ulysses_bytes=ulysses,
         attention_heads=heads,
+        tp_forward_priced_s=tp[0][0],
+        tp_s=tp[0][1] + tp[1][1],
     )
 
 
@@ -648,6 +691,104 @@ def _forward_order_blocks(units: list[GatherUnit]) -> list[list[GatherUnit]]:
 def _in_block(fqn: str) -> str:
     """``fqn`` with its block index replaced by 0."""
     return _with_block_index(fqn, 0)
+
+
+#: Ops between a tensor-parallel collective and the matmuls it feeds or
+#: reads: the views, slices, splits and concatenations that gather or
+#: scatter the sequence dimension (no transposes: a matmul reading the
+#: gathered tokens transposed contracts over them).
+_RESHAPES = frozenset(
+    {"view", "_unsafe_view", "reshape", "slice", "split", "split_with_sizes", "getitem", "cat",
+     "clone", "alias", "squeeze", "unsqueeze"}
+)  # fmt: skip
+_MATMULS = (aten.mm.default, aten.addmm.default)
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.target is operator.getitem:
+        return "getitem"
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else str(node.target)
+
+
+def tp_matmuls(collective: fx.Node) -> list[fx.Node]:
+    """The matmuls a tensor-parallel collective can overlap under async TP
+    (Note: [Tensor-parallel communication in the plan]): an all-gather's,
+    those whose token operand (the left one) is the gathered tensor; a
+    reduce-scatter's, those whose output it scatters; through reshapes
+    only."""
+    kind = collective_kind(collective)
+    gather = kind == "all_gather"
+    if kind not in ("all_gather", "reduce_scatter"):
+        return []
+    start = (wait_of(collective) or collective) if gather else collective.args[0]
+    if not isinstance(start, fx.Node):
+        return []
+    seen, frontier, found = {start}, [start], []
+    while frontier:
+        node = frontier.pop()
+        if node.target in _MATMULS and node is not start:
+            tokens = node.args[0] if node.target is aten.mm.default else node.args[1]
+            if not gather or tokens in seen:
+                found.append(node)
+            continue
+        if node is not start and _op_name(node) not in _RESHAPES:
+            continue
+        for other in node.users if gather else node.all_input_nodes:
+            if other not in seen:
+                seen.add(other)
+                frontier.append(other)
+    return found
+
+
+def tp_comm_seconds(
+    gm: fx.GraphModule,
+    groups: Any,
+    cost_model: CostModel,
+    fused: bool,
+    float8: Float8Matmuls | None = None,
+    kernels: KernelModel | None = None,
+    async_degree: int = 1,
+) -> tuple[float, float]:
+    """``(as priced, as run)``: seconds of ``gm``'s non data-parallel
+    collectives as the bucket planner prices them (each at its bytes), and
+    as the plan runs them (Note: [Tensor-parallel communication in the
+    plan]): all-gathers feeding float8 matmuls at one byte per element,
+    and with ``async_degree`` (the TP degree under async TP) each
+    collective less what its matmuls hide."""
+    priced = run = 0.0
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is None or groups.is_data_parallel(node):
+            continue
+        role = groups.role(node)
+        seconds = cost_model.collective_time(node, role)
+        priced += seconds
+        matmuls = tp_matmuls(node)
+        if float8 is not None and kind == "all_gather" and matmuls:
+            if all(float8.converts(m) for m in matmuls):
+                size = collective_group_size(node)
+                seconds = cost_model.comm_time(kind, size, node_bytes(node) // 2, role)
+        if async_degree > 1 and matmuls:
+            hidden = sum(_matmul_seconds(m, cost_model, fused, float8, kernels) for m in matmuls)
+            seconds = max(seconds + hidden / async_degree - hidden, 0.0)
+        run += seconds
+    return priced, run
+
+
+def _matmul_seconds(
+    node: fx.Node,
+    cost_model: CostModel,
+    fused: bool,
+    float8: Float8Matmuls | None,
+    kernels: KernelModel | None,
+) -> float:
+    """A matmul node's seconds as ``compute_time`` prices it."""
+    if float8 is not None and float8.converts(node):
+        return float8.seconds(node, cost_model, fused)
+    if kernels is not None:
+        return kernel_seconds(node, kernels, cost_model)
+    return cost_model.node_time(node)
 
 
 def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Matmuls:
@@ -759,8 +900,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     kernels = kernel_model(hw, probe.bytes_per_s)
     mask_queries = cp_mask_queries(layout.seq, layout.cp, layout.cp_backend)
     masked = mask_queries > 0
-    m1 = measure(t1, probe, fused, fp8, kernels, layout.cp, masked)
-    m2 = measure(t2, probe, fused, fp8, kernels, layout.cp, masked)
+    async_degree = layout.tp if layout.async_tp else 1
+    m1 = measure(t1, probe, fused, fp8, kernels, layout.cp, masked, async_degree)
+    m2 = measure(t2, probe, fused, fp8, kernels, layout.cp, masked, async_degree)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
     per_block = m1.per_block(m2)
     kv_per_block = per_block.kv_forward_bytes
@@ -782,7 +924,16 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     compute_s = stage.fw_s + stage.bw_s
     fw_window = sum(u.compute_s for u in units)
     scale = compute_s / (3 * fw_window) if fw_window else 0.0
-    units = [dataclasses.replace(u, compute_s=u.compute_s * scale) for u in units]
+    # The units' TP communication is their forward's, priced at its bytes
+    # and mirrored in backward: scaled to both graphs' as the plan runs them
+    # (Note: [Tensor-parallel communication in the plan]).
+    tp_scale = stage.tp_s / (2 * stage.tp_forward_priced_s) if stage.tp_forward_priced_s else 1.0
+    units = [
+        dataclasses.replace(
+            u, compute_s=u.compute_s * scale, fixed_comm_s=u.fixed_comm_s * tp_scale
+        )
+        for u in units
+    ]
     fsdp2 = get_engine(layout.engine).fsdp2_runtime
     if fsdp2 and not layout.reshard_after_forward and inflight > 1:
         # Kept gathered from forward to backward, the blocks' parameters are
@@ -1045,6 +1196,17 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
                 f"family {spec.family!r} does not declare context parallelism: simplefsdp "
                 "train refuses this layout"
             )
+    if layout.tp > 1:
+        notes.append(
+            f"tensor parallel {layout.tp}: {layout.microbatches * fixed_s:.3f} s of its collectives"
+            + (" beyond what async TP overlaps with their matmuls" if layout.async_tp else "")
+            + " (exposed)"
+            + (
+                "; simplefsdp train runs them whole (async TP: torchtitan's)"
+                if layout.async_tp
+                else ""
+            )
+        )
     if t2.dropout:
         notes.append("dropout: planned without it (its masks and random numbers are left out)")
     if fp8 is not None:
