@@ -33,8 +33,10 @@ def traces():
     return config, out
 
 
-def _cost_model(flops_per_s: float, bytes_per_s: float = 1e12) -> CostModel:
-    fit = LinearFit(0.0, PER_BYTE)
+def _cost_model(
+    flops_per_s: float, bytes_per_s: float = 1e12, per_byte: float = PER_BYTE
+) -> CostModel:
+    fit = LinearFit(0.0, per_byte)
     comm = {f"tp:{kind}/2": fit for kind in ("all_gather", "reduce_scatter", "all_reduce")}
     return CostModel(
         comm=comm, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, kernel_overhead_s=0.0
@@ -155,3 +157,25 @@ def test_reference_async_tp_rows_are_planned_with_it() -> None:
     rows = [r for r in REFERENCE_ROWS if "AsyncTP" in r.note]
     assert len(rows) == 10 and all(r.async_tp and r.modelled and r.tp > 1 for r in rows)
     assert not any(r.async_tp for r in REFERENCE_ROWS if "AsyncTP" not in r.note)
+
+
+def test_async_tp_prices_what_chunked_matmuls_lose(traces) -> None:
+    # On a GPU profile each paired matmul runs as tp matmuls of 1/tp of its
+    # rows: never faster than whole, so async TP exposes at least that.
+    from simplefsdp.plan.hardware import PROFILES
+    from simplefsdp.plan.kernels import kernel_model
+    from simplefsdp.plan.predict import _chunking_seconds
+
+    _, by_ac = traces
+    traced = by_ac["none"]
+    hw = PROFILES["h100"]
+    kernels = kernel_model(hw, hw.memory_bandwidth * hw.memory_efficiency)
+    pairs = [m for n in _tp_collectives(traced, traced.forward) for m in tp_matmuls(n)]
+    lost = [_chunking_seconds(m, None, kernels, 2) for m in pairs]
+    assert all(x > 0 for x in lost)  # a second kernel launch at least
+    # Free communication: all that async TP exposes is what the chunks lose.
+    free = _cost_model(1e12, per_byte=0.0)
+    _, exposed = tp_comm_seconds(
+        traced.forward, traced.groups, free, True, kernels=kernels, async_degree=2
+    )
+    assert exposed == pytest.approx(sum(lost))

@@ -194,13 +194,15 @@ Note: [Tensor-parallel communication in the plan]
                through reshapes: ``tp_matmuls``) run as ``tp`` chunks: the
                local chunk's matmul needs no communication and the others
                overlap it, so the pair takes ``max(m, c + m / tp)`` for
-               communication ``c`` and matmuls ``m``; what is exposed is
-               ``max(c + m / tp - m, 0)``. Collectives without such matmuls
-               stay whole: the embedding's, a gradient summed over several
-               linears before its reduce-scatter, and the weight gradients'
-               gathers (their contraction runs over the gathered tokens).
-               The chunked matmuls' own efficiency and async TP's
-               symmetric-memory buffers are not modelled.
+               communication ``c`` and matmuls ``m`` (each priced as ``tp``
+               matmuls of ``1 / tp`` of its rows by the kernel model); what
+               is exposed is ``max(c + m / tp - m, 0)`` plus what the
+               chunks lose against the whole matmuls. Collectives without
+               such matmuls stay whole: the embedding's, a gradient summed
+               over several linears before its reduce-scatter, and the
+               weight gradients' gathers (their contraction runs over the
+               gathered tokens). Async TP's symmetric-memory buffers are
+               not modelled.
 
 Note: [Context parallelism in the plan]
     ``--cp N`` (torchtitan's layout: FSDP over ``dp x cp``, each CP rank
@@ -770,10 +772,28 @@ def tp_comm_seconds(
                 size = collective_group_size(node)
                 seconds = cost_model.comm_time(kind, size, node_bytes(node) // 2, role)
         if async_degree > 1 and matmuls:
-            hidden = sum(_matmul_seconds(m, cost_model, fused, float8, kernels) for m in matmuls)
-            seconds = max(seconds + hidden / async_degree - hidden, 0.0)
+            whole = sum(_matmul_seconds(m, cost_model, fused, float8, kernels) for m in matmuls)
+            split = whole + sum(
+                _chunking_seconds(m, float8, kernels, async_degree) for m in matmuls
+            )
+            # the overlap, and what the matmuls lose run as ``tp`` chunks
+            seconds = max(seconds + split / async_degree - split, 0.0) + (split - whole)
         run += seconds
     return priced, run
+
+
+def _chunking_seconds(
+    node: fx.Node, float8: Float8Matmuls | None, kernels: KernelModel | None, chunks: int
+) -> float:
+    """What a matmul loses run as ``chunks`` matmuls of ``1 / chunks`` of
+    its rows (async TP), by the kernel model (0 without one)."""
+    dims = _gemm_dims(node)
+    if kernels is None or dims is None:
+        return 0.0
+    batch, m, n, k = dims
+    dtype = "float8" if float8 is not None and float8.converts(node) else _dtype_name(node)
+    whole = kernels.gemm_seconds(m, n, k, dtype, batch)
+    return chunks * kernels.gemm_seconds(-(-m // chunks), n, k, dtype, batch) - whole
 
 
 def _matmul_seconds(
