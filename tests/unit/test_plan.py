@@ -25,7 +25,9 @@ from simplefsdp.plan.predict import (
     Layout,
     compute_time,
     copy_seconds,
+    first_rank_actions,
     measure,
+    pipeline_peak,
     predict,
     traced,
     validate,
@@ -105,6 +107,14 @@ def test_profile_round_trips_through_json(tmp_path) -> None:
         (
             Layout(gpus=4, batch=12, seq=64, pp=4, microbatches=8),
             r"--microbatches 8; valid --microbatches: 4, 6, 12$",
+        ),
+        (
+            Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2, pp_schedule="zigzag"),
+            r"--pp-schedule: unknown pipeline schedule 'zigzag'; valid: gpipe, 1f1b",
+        ),
+        (
+            Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2, stages_per_rank=2),
+            r"schedule '1f1b' runs one stage per rank, got --stages-per-rank 2",
         ),
     ],
 )
@@ -469,6 +479,67 @@ def test_pipeline_bubble_is_pp_minus_one_microbatch_slots() -> None:
     assert pred.time["bubble"] == pytest.approx(per_microbatch)
 
 
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 6), (8, 2, 8)])
+def test_first_rank_actions_are_torchs_interleaved_order(p, v, m) -> None:
+    from torch.distributed.pipelining.schedules import (
+        ScheduleInterleaved1F1B,
+        _ComputationType,
+    )
+
+    rounds = max(1, m // p)
+    fake = types.SimpleNamespace(
+        pp_group_size=p,
+        n_local_stages=v,
+        _n_microbatches=m,
+        number_of_rounds=rounds,
+        microbatches_per_round=m // rounds,
+    )
+    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, 0)
+    theirs = [
+        ("F" if op.computation_type == _ComputationType.FORWARD else "B", op.stage_index // p)
+        for op in ops
+        if op is not None
+    ]
+    assert first_rank_actions("interleaved_1f1b", m, p, v) == theirs
+
+
+def test_pipeline_peak_by_hand() -> None:
+    # One microbatch's activations over the rank's blocks: 1 byte; the
+    # rank's gradient sums: 3 bytes, each stage's from its first backward.
+    def peak(schedule, m, p=2, v=None):
+        layout = Layout(gpus=p, batch=m, seq=64, pp=p, microbatches=m, pp_schedule=schedule,
+                        stages_per_rank=v)  # fmt: skip
+        return pipeline_peak(layout, 1.0, 3.0)
+
+    # 1F1B, m = p = 2: F F B B: after the first backward 1 + 3.
+    assert peak("1f1b", 2) == (1.0, 1.0)
+    # 1F1B, m = 4: two in flight beside all the sums (B then F).
+    assert peak("1f1b", 4) == (2.0, 1.0)
+    # GPipe, m = 4: F x 4 (4), then 3 + 3.
+    assert peak("gpipe", 4) == (3.0, 1.0)
+    # Interleaved, v = 2, m = 2: all four stage-forwards first, then the last
+    # stage's two backwards (1.5 + 1.5, 1 + 1.5), then the first stage's
+    # (0.5 + 3): the peak is 3.5, below 1F1B's 4.
+    assert peak("interleaved_1f1b", 2, v=2) == (0.5, 1.0)
+    # Without a pipeline: one microbatch, the sums where there are several.
+    assert pipeline_peak(Layout(gpus=2, batch=4, seq=64, microbatches=2), 1.0, 3.0) == (1.0, 1.0)
+    assert pipeline_peak(Layout(gpus=2, batch=4, seq=64), 1.0, 3.0) == (1.0, 0.0)
+
+
+def test_interleaved_pipeline_shrinks_the_bubble_by_its_stages_per_rank() -> None:
+    args = _debug()
+    layout = Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2)
+    plain = predict(LLAMA, args, layout, FIXED)
+    interleaved = dataclasses.replace(layout, pp_schedule="interleaved_1f1b")
+    pred = predict(LLAMA, args, interleaved, FIXED)
+    slot = (pred.time["compute"] + pred.time["exposed_comm"]) / 2
+    assert pred.time["bubble"] == pytest.approx(slot / 2)  # (p - 1) / v slots
+    assert pred.step_s < plain.step_s
+    assert "interleaved_1f1b v2" in pred.layout.describe()
+    assert any("interleaved 1F1B, 2 stage(s) per rank" in n for n in pred.notes)
+    assert pred.peak_bytes < plain.peak_bytes  # the last stage's backwards free first
+
+
 def test_accumulation_holds_every_parameters_fp32_gradient_sum() -> None:
     # Both engines sum the micro-batches' unreduced gradients whole, in fp32
     # (simplefsdp.no_sync's accumulators, FSDP2's unsharded_accumulated_grad).
@@ -487,12 +558,14 @@ def test_a_pipeline_holds_the_sums_beside_its_microbatches_in_flight() -> None:
     layout = Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2)
     pred = predict(LLAMA, args, layout, FIXED)
     whole = pred.memory["parameters"] * layout.fsdp  # the stage's fp32 parameters
-    # No more microbatches than stages: the first stage's sums appear with its
-    # first backward, which has freed one of its two microbatches.
-    freed = whole - pred.memory["accumulated"]
-    assert 0 < freed <= pred.memory["activations"] / 2  # one microbatch's, not the loss's
+    assert pred.memory["accumulated"] == pytest.approx(whole)
+    # No more microbatches than stages: the first stage's sums appear with
+    # its first backward, which has freed one of its two microbatches; with
+    # four, two are in flight beside them (the same microbatch size).
     more = predict(LLAMA, args, dataclasses.replace(layout, batch=8, microbatches=4), FIXED)
     assert more.memory["accumulated"] == pytest.approx(whole)
+    assert more.memory["activations"] > pred.memory["activations"]
+    assert more.peak_bytes > pred.peak_bytes
 
 
 def test_fsdp2_under_a_pipeline_holds_the_stage_gathered_once() -> None:

@@ -49,6 +49,8 @@ METHOD_FLAGS = {
     "trace": (
         "--tp",
         "--pp",
+        "--pp-schedule",
+        "--stages-per-rank",
         "--cp",
         "--cp-backend",
         "--microbatches",
@@ -76,6 +78,8 @@ METHOD_FLAGS = {
 _GIVEN = {
     "--tp": lambda ns: ns.tp not in (None, 1),
     "--pp": lambda ns: ns.pp != 1,
+    "--pp-schedule": lambda ns: ns.pp_schedule != "1f1b",
+    "--stages-per-rank": lambda ns: ns.stages_per_rank is not None,
     "--cp": lambda ns: ns.cp != 1,
     "--cp-backend": lambda ns: ns.cp_backend != "allgather",
     "--microbatches": lambda ns: ns.microbatches not in (None, 1),
@@ -302,6 +306,18 @@ def _parser() -> argparse.ArgumentParser:
         help="per step: 1F1B microbatches with --pp (default pp), else gradient "
         "accumulation (default 1); --batch is split among them",
     )
+    p.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        help="with --pp: gpipe, 1f1b (default) or interleaved_1f1b (simplefsdp train "
+        "--parallel.pp_schedule)",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=None,
+        help="with --pp-schedule interleaved_1f1b: pipeline stages each rank holds (default 2)",
+    )
     p.add_argument("--engine", default="simplefsdp", help="simplefsdp (compiled) or fsdp2")
     p.add_argument(
         "--compile",
@@ -434,6 +450,8 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         fused_loss=ns.fused_loss,
         compile=ns.compile,
         async_tp=ns.async_tp,
+        pp_schedule=ns.pp_schedule,
+        stages_per_rank=ns.stages_per_rank,
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from simplefsdp.engines.kinds import ENGINE_CLASSES, get_engine
 from simplefsdp.engines.resolve import job_errors
 from simplefsdp.layout import Layout as Degrees
+from simplefsdp.layout.pipeline import num_stages
 from simplefsdp.parallel_dims import AC_MODES, BUCKETINGS, ACMode, Bucketing, Engine
 
 #: The engines whose step ``simplefsdp plan`` predicts (those declared ``plannable``).
@@ -27,6 +28,8 @@ _LAYOUT_NAMES = {
     "float8": "--float8",
     "cp": "--cp",
     "loss_parallel": "--loss-parallel",
+    "pp_schedule": "--pp-schedule",
+    "stages_per_rank": "--stages-per-rank",
 }
 
 
@@ -105,6 +108,18 @@ class Layout:
     # and reduce-scatter split into ``tp`` chunks that overlap the matmuls
     # they feed or read. simplefsdp train runs TP's collectives whole.
     async_tp: bool = False
+    # The pipeline's schedule (``PIPELINE_SCHEDULES``: gpipe, 1f1b,
+    # interleaved_1f1b) and the stages each rank holds (``None``: the
+    # schedule's default, 2 interleaved, else 1).
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int | None = None
+
+    @property
+    def stages_of_rank(self) -> int:
+        """The pipeline stages each rank holds (1 without a pipeline)."""
+        if self.pp == 1:
+            return 1
+        return num_stages(self.pp, self.pp_schedule, self.stages_per_rank) // self.pp
 
     @property
     def compiled(self) -> bool:
@@ -145,6 +160,8 @@ class Layout:
             parts.append("fused-loss")
         if self.pp > 1:
             parts.append(f"pp{self.pp} m{self.microbatches}")
+            if self.pp_schedule != "1f1b":
+                parts.append(f"{self.pp_schedule} v{self.stages_of_rank}")
         elif self.microbatches > 1:  # gradient accumulation
             parts.append(f"accum{self.microbatches}")
         parts += [
@@ -244,6 +261,8 @@ def validate(args: Any, layout: Layout) -> None:
         loss_parallel=layout.loss_parallel and layout.tp > 1,
         batch=layout.batch,
         microbatches=layout.microbatches,
+        pp_schedule=layout.pp_schedule,
+        stages_per_rank=layout.stages_per_rank,
         build=False,  # planned, not built
         names=_LAYOUT_NAMES,
     )

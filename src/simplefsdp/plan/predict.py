@@ -127,8 +127,31 @@ Note: [Plan model]
     of 1.0, torchtitan's too): 12 bytes per parameter (the norm reads the
     gradient shards, the scaling reads and writes them) and the norm's
     all-reduce.
-    Pipeline parallelism (1F1B) takes ``(m + pp - 1)`` microbatch slots of the
-    slowest stage; the ``pp - 1`` idle ones are the bubble.
+    Pipeline parallelism: Note: [Pipeline schedules in the plan].
+
+Note: [Pipeline schedules in the plan]
+    The most loaded pipeline rank (its ``v`` stages' blocks, ``v`` 2 for
+    interleaved 1F1B unless ``stages_per_rank`` says otherwise, else 1) is
+    planned; one microbatch's forward and backward over its blocks is a
+    slot. With ``m`` microbatches over ``p`` ranks of uniform stages a
+    step takes (Narayanan et al., 2021)
+      GPipe, 1F1B         ``m + p - 1`` slots,
+      interleaved 1F1B    ``m + (p - 1) / v`` slots (each idle step is one
+                          stage's, ``1 / v`` of the rank's blocks);
+    the slots beyond ``m`` are the bubble. Memory is the first rank's, the
+    one with the most forwards ahead of its backwards: its forwards and
+    backwards are replayed in the schedule's order (``first_rank_actions``,
+    torch's: GPipe all forwards first; 1F1B ``min(m, p)`` forwards, then
+    a backward and a forward each step; interleaved 1F1B its warmup of
+    ``(v - 1) r + 2 (p - 1)`` stage-forwards, ``r`` microbatches per
+    round, then a forward and a backward each step, the stages in rounds
+    of ``r``, backwards from the last local stage). A forward adds one
+    stage's share of a microbatch's activations, a backward frees it, and
+    a stage's first backward adds its share of the gradient sums (Note:
+    [Gradient accumulation in the plan]); the plan takes the moment the
+    two together peak (``pipeline_peak``). Interleaving lowers that peak
+    where the last local stage's backwards free their activations before
+    the first stage's sums appear.
 
 Note: [Gradient accumulation in the plan]
     Over the microbatches of a step (``--microbatches`` without a pipeline,
@@ -137,11 +160,11 @@ Note: [Gradient accumulation in the plan]
     the reduction dtype (fp32): ``simplefsdp.no_sync``'s accumulators, FSDP2's
     ``unsharded_accumulated_grad`` under ``set_requires_gradient_sync(False)``
     (torch's pipeline stages set it). That is 4 bytes per parameter of the
-    stage (TP-local), ``fsdp`` times the gradient shards, held from the first
-    backward to the step's reduction: beside the last microbatch's
-    activations, or under 1F1B with no more microbatches than stages beside
-    all in flight but one (the first stage's first backward frees one, and
-    no forward follows it).
+    stage (TP-local), ``fsdp`` times the gradient shards, each stage's held
+    from its first backward to the step's reduction: without a pipeline
+    beside the last microbatch's activations; under a pipeline as the
+    schedule has them alive where the first rank's memory peaks (Note:
+    [Pipeline schedules in the plan]).
     FSDP2 under a pipeline also holds the stage's parameters whole (bf16, or
     float8 for converted weights): torch's stages keep its groups gathered
     after every backward but the step's last, and without resharding after
@@ -870,18 +893,84 @@ def predict(spec: Any, config: Any, layout: Any, hw: HardwareProfile) -> Predict
     return predict_traced(spec, config, layout, hw)
 
 
-def stage_blocks(spec: Any, config: Any, pp: int) -> int:
-    """Blocks of the most loaded of ``pp`` pipeline stages, as the family's
-    ``pipeline_split`` splits a model built on the meta device."""
+def stage_blocks(spec: Any, config: Any, pp: int, stages_per_rank: int = 1) -> int:
+    """Blocks of the most loaded of ``pp`` pipeline ranks, each holding
+    ``stages_per_rank`` stages ("loop" placement: rank ``r`` the stages
+    ``r + k * pp``), as the family's ``pipeline_split`` splits a model
+    built on the meta device."""
     if pp == 1:
         return config.n_layers
-    key = (spec.family, config, pp)
+    key = (spec.family, config, pp, stages_per_rank)
     if key not in _STAGE_BLOCKS:
         with torch.device("meta"):
             model = spec.build(config)
-        stages = spec.pipeline_split(model, list(range(pp)), pp)
-        _STAGE_BLOCKS[key] = max(len(stage.layers) for stage in stages)
+        n = pp * stages_per_rank
+        sizes = [len(stage.layers) for stage in spec.pipeline_split(model, list(range(n)), n)]
+        _STAGE_BLOCKS[key] = max(sum(sizes[r::pp]) for r in range(pp))
     return _STAGE_BLOCKS[key]
+
+
+def first_rank_actions(schedule: str, m: int, p: int, v: int) -> list[tuple[str, int]]:
+    """The first pipeline rank's forwards (``"F"``) and backwards (``"B"``)
+    in the order the schedule runs them, each with its local stage (``0``
+    to ``v - 1``), as torch's schedules order them (Note: [Pipeline
+    schedules in the plan])."""
+    if schedule == "gpipe":
+        return [("F", 0)] * m + [("B", 0)] * m
+    if schedule == "1f1b":
+        warmup = min(m, p)
+        return [("F", 0)] * warmup + [("B", 0), ("F", 0)] * (m - warmup) + [("B", 0)] * warmup
+    # interleaved 1F1B: rank 0's warmup, then one forward and one backward
+    # per step, then the remaining backwards; stages in rounds of
+    # ``per_round`` microbatches, backwards from the last local stage
+    per_round = m // max(1, m // p)
+    total = m * v
+    warmup = min((v - 1) * per_round + 2 * (p - 1), total)
+    steady = total - warmup
+
+    def forward(op: int) -> int:
+        return (op // per_round) % v
+
+    def backward(op: int) -> int:
+        return v - 1 - ((op - warmup) // per_round) % v
+
+    actions = [("F", forward(op)) for op in range(warmup)]
+    for op in range(warmup, warmup + steady):
+        actions += [("F", forward(op)), ("B", backward(op))]
+    actions += [("B", backward(op)) for op in range(warmup + steady, total + warmup)]
+    return actions
+
+
+def pipeline_peak(layout: Layout, activation_bytes: float, sum_bytes: float) -> tuple[float, float]:
+    """Where the first pipeline rank's memory peaks (Note: [Pipeline
+    schedules in the plan]): the microbatches whose activations it holds
+    then (in microbatches over all its blocks, ``activation_bytes`` each)
+    and the fraction of its gradient sums (``sum_bytes`` in all) alive,
+    each local stage's from its first backward on. Without a pipeline one
+    microbatch, beside the sums where there are several."""
+    m, p, v = layout.microbatches, layout.pp, layout.stages_of_rank
+    if p == 1:
+        return 1.0, 1.0 if m > 1 else 0.0
+    held, summed, best = 0, set(), (-1.0, 0.0, 0.0)
+    for kind, stage in first_rank_actions(layout.pp_schedule, m, p, v):
+        if kind == "F":
+            held += 1
+        else:
+            held -= 1
+            summed.add(stage)
+        units, fraction = held / v, len(summed) / v
+        total = units * activation_bytes + fraction * sum_bytes
+        if total > best[0]:
+            best = (total, units, fraction)
+    return best[1], best[2]
+
+
+def pipeline_slots(layout: Layout) -> float:
+    """A step's length in microbatch slots of the first rank's blocks (Note:
+    [Pipeline schedules in the plan])."""
+    if layout.pp == 1:
+        return float(layout.microbatches)
+    return layout.microbatches + (layout.pp - 1) / layout.stages_of_rank
 
 
 _STAGE_BLOCKS: dict[tuple, int] = {}
@@ -898,7 +987,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     validate(config, layout)
     fp8 = float8_matmuls(config, layout, hw) if layout.float8 else None
     mb = layout.batch // layout.microbatches
-    blocks_of_stage = stage_blocks(spec, config, layout.pp)
+    blocks_of_stage = stage_blocks(spec, config, layout.pp, layout.stages_of_rank)
     keys = [
         TraceKey(
             spec.family,
@@ -930,7 +1019,10 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     # (embedding, norm, output, loss; the last stage holds the costly part of
     # it): conservative by the embedding.
     stage = m1.extrapolate(m2, blocks_of_stage)
-    inflight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
+    sums = stage.param_bytes * layout.fsdp if layout.microbatches > 1 else 0.0
+    inflight, sums_alive = pipeline_peak(
+        layout, per_block.saved_bytes * blocks_of_stage, float(sums)
+    )
     # What the forward saves outside the blocks (the loss's log-probabilities,
     # the embedding's output) is held once, beside the blocks' activations of
     # every microbatch in flight (conservative under pipelining: the first
@@ -1084,8 +1176,8 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     mb_s = max(pipe_s, compute_s) + copy_s + hooks_s + cp_s
     compute_s += copy_s + hooks_s
     exposed_s = mb_s - compute_s
-    slots = layout.microbatches + (layout.pp - 1 if layout.pp > 1 else 0)
-    bubble_s = (layout.pp - 1) * mb_s if layout.pp > 1 else 0.0
+    slots = pipeline_slots(layout)
+    bubble_s = (slots - layout.microbatches) * mb_s
     optimizer_s = (param_bytes / 4) * (
         hw.adamw_s_per_param or ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
     )
@@ -1140,18 +1232,10 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
             activations += gathered_kv * blocks_of_stage * inflight
     if fsdp2 and layout.fsdp > 1 and layout.reshard_after_forward:
         gathered = fsdp2_gathered_bytes(units, activations + temporary)
-    accumulated = 0.0
-    if layout.microbatches > 1:
-        # Unreduced gradient sums (Note: [Gradient accumulation in the plan]):
-        # fp32, the stage's parameters whole (TP-local).
-        accumulated = float(param_bytes * layout.fsdp)
-        if layout.microbatches <= layout.pp:
-            # 1F1B with no more microbatches than stages: the sums appear with
-            # the first stage's first backward, which frees a microbatch and is
-            # followed by no forward.
-            per_microbatch = (first_stage_saved - outside_saved) / inflight
-            accumulated = max(accumulated - per_microbatch, 0.0)
-    if fsdp2 and layout.fsdp > 1 and inflight > 1:
+    # Unreduced gradient sums (Note: [Gradient accumulation in the plan]):
+    # fp32, the stage's parameters whole (TP-local), those alive at the peak.
+    accumulated = float(sums_alive * sums)
+    if fsdp2 and layout.fsdp > 1 and layout.pp > 1:
         # FSDP2 under a pipeline holds the stage's parameters whole: kept from
         # the first forward on without resharding, else from the first
         # backward on (torch's pipeline stages keep its groups gathered after
@@ -1198,7 +1282,13 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         "flops": layout.microbatches * (stage.fw_flops + stage.bw_flops),
     }
     if layout.pp > 1:
-        notes.append("pipeline: 1F1B; activation send/recv between stages not modelled")
+        names = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
+        notes.append(
+            f"pipeline: {names.get(layout.pp_schedule, layout.pp_schedule)}, "
+            f"{layout.stages_of_rank} stage(s) per rank, {inflight:g} microbatches' "
+            "activations in flight on the first; activation send/recv between stages "
+            "not modelled"
+        )
     if layout.cp > 1:
         how = (
             "queries, keys, values and output all-to-all'd per attention"

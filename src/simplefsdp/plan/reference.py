@@ -95,6 +95,8 @@ class ReferenceRow:
     tokens_held: bool = True
     # torchtitan's enable_async_tensor_parallel
     async_tp: bool = False
+    # the pipeline's schedule (torchtitan's pipeline_parallel_schedule)
+    pp_schedule: str = "1f1b"
 
 
 def _table(
@@ -161,6 +163,12 @@ TORCHTITAN_H100_202412 = (
         "5", "405B", 512, 32, "full",
         (("3D 1F1B + compile + Float8 + AsyncTP", True, True, 100, 82.5),),
         tp=8, pp=8, microbatches=8, reshard_after_forward=False, async_tp=True,
+    ),
+    *_table(
+        "5", "405B", 512, 32, "full",
+        (("3D interleaved 1F1B + compile + Float8 + AsyncTP", True, True, 128, 72.7),),
+        tp=8, pp=8, microbatches=8, reshard_after_forward=False, async_tp=True,
+        pp_schedule="interleaved_1f1b",
     ),
     *(
         row
@@ -345,6 +353,7 @@ def predict_row(row: ReferenceRow, hw=None):
         compile=row.compile,
         reshard_after_forward=row.reshard_after_forward,
         async_tp=row.async_tp,
+        pp_schedule=row.pp_schedule,
     )
     return predict(spec, config, layout, hw)
 
