@@ -1285,9 +1285,10 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         names = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
         notes.append(
             f"pipeline: {names.get(layout.pp_schedule, layout.pp_schedule)}, "
-            f"{layout.stages_of_rank} stage(s) per rank, {inflight:g} microbatches' "
-            "activations in flight on the first; activation send/recv between stages "
-            "not modelled"
+            f"{layout.stages_of_rank} stage(s) per rank; the first rank peaks holding "
+            f"{inflight:g} microbatch(es) of activations"
+            + (f" and {sums_alive:.0%} of the gradient sums" if sums else "")
+            + "; activation send/recv between stages not modelled"
         )
     if layout.cp > 1:
         how = (
