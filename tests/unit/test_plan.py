@@ -732,6 +732,13 @@ def test_sweep_ranks_by_throughput_and_says_why_losers_lose() -> None:
     # A degree that does not divide the GPUs is left out (6 GPUs: 4 is not tried).
     six = plan_cli.sweep_layouts(_debug(), Layout(gpus=6, batch=2, seq=64))
     assert {lay.tp for lay in six} == {1, 2}
+    # With a pipeline both 1F1B and interleaved 1F1B are tried (the debug
+    # model's 4 blocks split into 2 x 2 stages), and the schedule asked for.
+    piped = plan_cli.sweep_layouts(_debug(), Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2))
+    assert {lay.pp_schedule for lay in piped if lay.pp == 2} == {"1f1b", "interleaved_1f1b"}
+    assert {lay.pp_schedule for lay in piped if lay.pp == 1} == {"1f1b"}
+    gpipe = Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2, pp_schedule="gpipe")
+    assert "gpipe" in {lay.pp_schedule for lay in plan_cli.sweep_layouts(_debug(), gpipe)}
     # Three options that share one trace; one of them made not to fit.
     preds = [
         predict(LLAMA, _debug(), Layout(gpus=2, batch=2, seq=64, bucketing=b), FIXED)

@@ -580,7 +580,8 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
     policy, TP degree (``base.tp`` and every power of two up to a node,
     ``gpus_per_node``: TP's collectives are on every layer's critical path,
     so it stays on the intra-node link), PP degree (1 and ``base.pp``) and
-    microbatches (``pp`` and ``2 * pp``); ``--async-tp`` wherever TP is on.
+    its schedule (1F1B, interleaved 1F1B and the one given), microbatches
+    (``pp`` and ``2 * pp``); ``--async-tp`` wherever TP is on.
     Invalid ones (a degree that does not divide the GPUs or the model's
     heads) are left out."""
     from simplefsdp.plan.predict import validate
@@ -594,8 +595,15 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
     pps = sorted({1, base.pp})
     layouts = []
     for tp in tps:
-        for pp in pps:
+        for pp, schedule in (
+            (degree, schedule)
+            for degree in pps
+            for schedule in (
+                ["1f1b"] if degree == 1 else sorted({base.pp_schedule, "1f1b", "interleaved_1f1b"})
+            )
+        ):
             micro = [1] if pp == 1 else sorted({pp, 2 * pp})
+            stages = base.stages_per_rank if schedule == base.pp_schedule else None
             for m in micro:
                 for ac in ("none", "selective", "full"):
                     for reshard in (True, False):
@@ -609,6 +617,8 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
                                 reshard_after_forward=reshard,
                                 bucketing=bucketing,
                                 async_tp=base.async_tp and tp > 1,
+                                pp_schedule=schedule,
+                                stages_per_rank=stages,
                             )
                             try:
                                 validate(args, layout)
@@ -656,7 +666,8 @@ def sweep_predictions(args, layouts, hw, predict_fn) -> tuple[list, list[dict]]:
     """Predict the sweep's ``layouts`` with ``predict_fn(args, layout, hw)``
     (``simplefsdp.plan.predict.predict``); returns ``(predictions, skipped)``.
 
-    Layouts that share TP, PP, microbatches and EP are predicted with full AC
+    Layouts that share TP, PP, microbatches, EP and the pipeline's schedule
+    are predicted with full AC
     and resharding after forward first, the least memory any of them can
     need (less AC saves more activations, keeping parameters gathered holds
     more).
@@ -667,7 +678,9 @@ def sweep_predictions(args, layouts, hw, predict_fn) -> tuple[list, list[dict]]:
     """
     groups: dict[tuple, list] = {}
     for layout in layouts:
-        key = tuple(getattr(layout, k, 1) for k in ("tp", "pp", "microbatches", "ep"))
+        key = tuple(
+            getattr(layout, k, 1) for k in ("tp", "pp", "microbatches", "ep", "pp_schedule")
+        )
         groups.setdefault(key, []).append(layout)
     preds, skipped = [], []
     for group in groups.values():
