@@ -197,43 +197,6 @@ def test_report_replicate_mode_all_reduces_only() -> None:
     assert len(_kinds(graphs["backward"], "all_reduce")) == 3
 
 
-def _config_snapshot() -> dict:
-    import torch._dynamo.config as dynamo_config
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    return {
-        "inductor": inductor_config.get_config_copy(),
-        "functorch": functorch_config.get_config_copy(),
-        "dynamo": dynamo_config.get_config_copy(),
-    }
-
-
-def _same(a, b) -> bool:
-    # Sets (e.g. dynamo's _save_config_ignore) may repr in a different order.
-    try:
-        return bool(a == b)
-    except Exception:
-        return repr(a) == repr(b)
-
-
-def _config_hygiene_body() -> None:
-    before = _config_snapshot()
-    model = simplefsdp.data_parallel(build("mlp"))
-    simplefsdp.compile(model, backend="inductor", bucketing="none")
-    assert _config_snapshot() == before
-    inputs, targets = make_batch("mlp", 0, 4)
-    loss_fn("mlp", model(_local(inputs)), _local(targets)).backward()
-    after = _config_snapshot()
-    for section in before:
-        changed = {k for k in before[section] if not _same(before[section][k], after[section][k])}
-        assert not changed, (section, changed)
-
-
-def test_torch_config_unchanged_by_compile_and_step() -> None:
-    run_distributed(_config_hygiene_body, 2, timeout_s=600)
-
-
 def _bad_options_body() -> None:
     model = simplefsdp.data_parallel(build("mlp"))
     with pytest.raises(ValueError, match="unknown backend 'eager'"):
