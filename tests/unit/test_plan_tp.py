@@ -155,7 +155,7 @@ def test_async_tp_errors_are_one_line(capsys) -> None:
 
 def test_reference_async_tp_rows_are_planned_with_it() -> None:
     rows = [r for r in REFERENCE_ROWS if "AsyncTP" in r.note]
-    assert len(rows) == 10 and all(r.async_tp and r.modelled and r.tp > 1 for r in rows)
+    assert len(rows) == 11 and all(r.async_tp and r.modelled and r.tp > 1 for r in rows)
     assert not any(r.async_tp for r in REFERENCE_ROWS if "AsyncTP" not in r.note)
 
 
