@@ -688,6 +688,12 @@ def test_defaults_are_torchtitans_layouts_and_given_values_win() -> None:
     assert values("--model", "70B", "--tp", "2", "--batch", "3", "--ac", "none") == {
         "gpus": 64, "tp": 2, "batch": 3, "seq": 8192, "ac": "none"
     }  # fmt: skip
+    # A default batch the microbatches do not divide is raised to their next
+    # multiple (405B's published batch 2 under 8 pipeline stages); a given
+    # batch is left to the one-line error.
+    assert values("--model", "405B", "--pp", "8")["batch"] == 8
+    assert values("--model", "405B", "--pp", "4", "--microbatches", "6")["batch"] == 6
+    assert values("--model", "405B", "--pp", "8", "--batch", "2")["batch"] == 2
 
 
 @pytest.mark.slow

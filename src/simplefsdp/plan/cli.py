@@ -390,7 +390,9 @@ def plan_defaults(
     defaults.
 
     A default TP degree that does not divide the GPUs given is lowered to the
-    largest power of two that does.
+    largest power of two that does; a default batch that the microbatches
+    (``--microbatches``, else ``--pp``) do not divide is raised to their
+    next multiple.
     """
     preset = None if ns.config is not None else reference_layout(spec, config)
     if preset is None:
@@ -406,6 +408,10 @@ def plan_defaults(
     if "tp" in defaulted and values["gpus"] >= 1:
         while values["tp"] > 1 and values["gpus"] % values["tp"]:
             values["tp"] //= 2
+    micro = getattr(ns, "microbatches", None) or max(getattr(ns, "pp", 1) or 1, 1)
+    if "batch" in defaulted and micro > 1 and values["batch"] % micro:
+        # a pipeline's (or accumulation's) microbatches split the batch
+        values["batch"] = -(-values["batch"] // micro) * micro
     return values, defaulted
 
 
