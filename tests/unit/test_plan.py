@@ -581,6 +581,29 @@ def test_fsdp2_under_a_pipeline_holds_the_stage_gathered_once() -> None:
     assert kept.memory["activations"] == pytest.approx(resharded.memory["activations"], rel=0.1)
 
 
+def test_fsdp2_under_a_pipeline_without_resharding_communicates_once_per_step() -> None:
+    # torch's stages leave FSDP2's groups gathered and unsynchronised between
+    # microbatches: without resharding it gathers at the first forward and
+    # reduce-scatters at the last backward, whatever the microbatch count;
+    # the compiled engine gathers and reduces per microbatch.
+    args = _debug()
+    layout = Layout(
+        gpus=4, batch=8, seq=64, pp=2, microbatches=4, engine="fsdp2", reshard_after_forward=False
+    )
+    more = dataclasses.replace(layout, batch=16, microbatches=8)  # the same microbatch
+    once, twice = (predict(LLAMA, args, lay, FIXED) for lay in (layout, more))
+    assert twice.time["dp_comm_total"] == pytest.approx(once.time["dp_comm_total"])
+    assert twice.time["copies"] == pytest.approx(once.time["copies"])
+    for pred in (once, twice):
+        parts = ("compute", "exposed_comm", "bubble", "optimizer")
+        assert sum(pred.time[k] for k in parts) == pytest.approx(pred.step_s)
+    compiled = [
+        predict(LLAMA, args, dataclasses.replace(lay, engine="simplefsdp"), FIXED)
+        for lay in (layout, more)
+    ]
+    assert compiled[1].time["dp_comm_total"] == pytest.approx(2 * compiled[0].time["dp_comm_total"])
+
+
 @pytest.mark.slow
 def test_llama3_8b_traces_at_world_size_8() -> None:
     # The real 8B shapes (two blocks), fake process group of 8 ranks, no GPU.

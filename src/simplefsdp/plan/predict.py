@@ -152,6 +152,13 @@ Note: [Pipeline schedules in the plan]
     two together peak (``pipeline_peak``). Interleaving lowers that peak
     where the last local stage's backwards free their activations before
     the first stage's sums appear.
+    FSDP2 without resharding after forward (torchtitan's setting under PP)
+    gathers each parameter once per step, at the first forward, and
+    reduce-scatters it once, at the last backward (torch's stages leave its
+    groups gathered and unsynchronised after every other backward): one
+    slot of the step carries the data-parallel collectives and their
+    copies, the others run without them. The compiled engine gathers per
+    microbatch: every slot carries them.
 
 Note: [Gradient accumulation in the plan]
     Over the microbatches of a step (``--microbatches`` without a pipeline,
@@ -1177,7 +1184,24 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     compute_s += copy_s + hooks_s
     exposed_s = mb_s - compute_s
     slots = pipeline_slots(layout)
-    bubble_s = (slots - layout.microbatches) * mb_s
+    m = layout.microbatches
+    if fsdp2 and layout.pp > 1 and not layout.reshard_after_forward and layout.fsdp > 1:
+        # FSDP2 under a pipeline, not resharding: it gathers at the step's first
+        # forward and reduces at its last backward; the other slots run without
+        # data-parallel collectives and their copies (Note: [Pipeline
+        # schedules in the plan]).
+        free_compute = compute_s - copy_s
+        free_s = free_compute + fixed_s + cp_s
+        step_mb_s = (slots - 1) * free_s + mb_s
+        bubble_s = (slots - m) * free_s
+        compute_total = m * free_compute + copy_s
+        exposed_total = (m - 1) * (free_s - free_compute) + exposed_s
+        copies_total, dp_total = copy_s, dp_comm_s
+    else:
+        step_mb_s = slots * mb_s
+        bubble_s = (slots - m) * mb_s
+        compute_total, exposed_total = m * compute_s, m * exposed_s
+        copies_total, dp_total = m * copy_s, m * dp_comm_s
     optimizer_s = (param_bytes / 4) * (
         hw.adamw_s_per_param or ADAMW_BYTES_PER_PARAM / cost_model.bytes_per_s
     )
@@ -1188,7 +1212,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # The amaxes of the converted weights, one all-reduce per step.
         span = layout.fsdp * layout.tp
         optimizer_s += hw.comm_seconds("all_reduce", layout.fsdp, 4 * float8_units, span)
-    step_s = slots * mb_s + optimizer_s
+    step_s = step_mb_s + optimizer_s
     gathered = prefetch_extra_bytes(buckets, kept) if layout.fsdp > 1 else 0.0
     activations = first_stage_saved
     if not layout.compiled:
@@ -1268,15 +1292,15 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     tps = tokens / step_s / layout.gpus
     mfu = tps * spec.flops_per_token(config, layout.seq) / hw.peak_bf16_flops
     time = {
-        "compute": layout.microbatches * compute_s,
+        "compute": compute_total,
         # Part of compute: the copies around the collectives (Note: [Plan model]).
-        "copies": layout.microbatches * copy_s,
+        "copies": copies_total,
         # Part of compute: eager FSDP2's hooks (Note: [Plan model]).
         "hooks": layout.microbatches * hooks_s,
-        "exposed_comm": layout.microbatches * exposed_s,
+        "exposed_comm": exposed_total,
         "bubble": bubble_s,
         "optimizer": optimizer_s,
-        "dp_comm_total": layout.microbatches * dp_comm_s,
+        "dp_comm_total": dp_total,
         "tp_comm_total": layout.microbatches * fixed_s,
         "cp_comm_total": layout.microbatches * cp_s,
         "flops": layout.microbatches * (stage.fw_flops + stage.bw_flops),
