@@ -242,6 +242,18 @@ def test_measure_runs_one_rank_on_cpu_with_a_fake_group() -> None:
     assert not torch.distributed.is_initialized()  # the fake group is gone
 
 
+def test_measure_runs_tensor_parallel_after_the_plans_own_trace(capsys) -> None:
+    # The plan traces over a fake group with meshes of its own first; the
+    # measured rank's meshes (the same ranks, other dim names) must still
+    # compose TP with FSDP: torch's cached slices of the traced mesh do not
+    # count as another mesh.
+    argv = ["--model", "debug", "--gpus", "4", "--tp", "2", "--batch", "2", "--seq", "32"]
+    argv += ["--ac", "none", "--dtype", "fp32", "--measure", "--hardware", "cpu-gloo"]
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "measured on this cpu" in out and "step compute" in out
+
+
 def test_measured_reserved_peak_is_set_beside_the_plans() -> None:
     # On a GPU the plan's peak (reserved) is compared with the allocator's
     # reserved peak, the tensors' with its allocated peak.
