@@ -28,6 +28,23 @@ def root_mesh(mesh):
     return _mesh_resources.get_root_mesh(mesh)
 
 
+def slices_of_one_mesh(mesh, other) -> bool:
+    """Whether ``other`` is a slice of the mesh ``mesh`` was sliced from: the
+    same root, or that root's dims of ``other``'s names over the same ranks.
+    torch caches slices by their dims and ranks, so in a process that built an
+    equal mesh before, a new slice can report the older mesh as its root."""
+    root = root_mesh(mesh)
+    if root_mesh(other) == root:
+        return True
+    names = other.mesh_dim_names
+    if not names or not set(names) <= set(root.mesh_dim_names or ()):
+        return False
+    try:
+        return torch.equal(root[names].mesh, other.mesh)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+
+
 # Note: [Gloo all-gather workaround]
 # ``_c10d_functional.all_gather_into_tensor`` (what DTensor's redistribute and
 # every compiled FSDP all-gather call, under aot_eager and Inductor alike)

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
-from simplefsdp._compat import install_gloo_all_gather_workaround, root_mesh
+from simplefsdp._compat import install_gloo_all_gather_workaround, root_mesh, slices_of_one_mesh
 from simplefsdp.frontend import rank_check
 from simplefsdp.frontend.expert_parallel import apply_expert_parallel, expert_parallel_params
 from simplefsdp.frontend.mesh import resolve_mesh
@@ -259,31 +259,13 @@ def _tensor_parallel_mesh(
             f"{sorted(shared)}; data_parallel shards plain or tensor-parallel parameters, "
             "pass the mesh dims that are not the tensor-parallel ones (e.g. mesh['dp'])"
         )
-    if not _slices_of_one_mesh(mesh, tp_mesh):
+    if not slices_of_one_mesh(mesh, tp_mesh):
         raise ValueError(
             f"the data-parallel mesh {dp_names} and the tensor-parallel mesh {tp_names} of "
             f"parameter {name!r} are not slices of one mesh; build one mesh with "
             "init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and slice both from it"
         )
     return tp_mesh
-
-
-def _slices_of_one_mesh(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> bool:
-    """Whether the tensor-parallel mesh is a slice of the data-parallel mesh's
-    root: the same root, or the root's dims of its names over the same ranks
-    (torch caches slices by their dims and ranks, so a process that built an
-    equal mesh before may hand out a slice whose recorded root is the older
-    one)."""
-    root = root_mesh(mesh)
-    if root_mesh(tp_mesh) == root:
-        return True
-    names = tp_mesh.mesh_dim_names
-    if not names or not set(names) <= set(root.mesh_dim_names or ()):
-        return False
-    try:
-        return torch.equal(root[names].mesh, tp_mesh.mesh)
-    except (KeyError, ValueError, RuntimeError):
-        return False
 
 
 def _spanning_mesh(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:

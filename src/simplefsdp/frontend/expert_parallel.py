@@ -314,7 +314,7 @@ def expert_parallel_params(
             one ep mesh, ``hybrid_shard`` or a 2-D ``expert_mesh``, or meshes
             that are not differently named slices of one mesh.
     """
-    from simplefsdp._compat import root_mesh
+    from simplefsdp._compat import slices_of_one_mesh
 
     found: dict[int, DeviceMesh] = {}
     for sub in module.modules():
@@ -345,7 +345,7 @@ def expert_parallel_params(
             f"{expert_mesh.ndim}-D mesh with mode {mode!r}"
         )
     shared = set(expert_mesh.mesh_dim_names or ()) & set(ep_mesh.mesh_dim_names or ())
-    if root_mesh(expert_mesh) != root_mesh(ep_mesh) or shared:
+    if not slices_of_one_mesh(expert_mesh, ep_mesh) or shared:
         raise ValueError(
             f"expert_mesh {expert_mesh.mesh_dim_names} and the ep mesh "
             f"{ep_mesh.mesh_dim_names} must be differently named slices of one mesh, e.g. "
