@@ -116,6 +116,10 @@ def test_profile_round_trips_through_json(tmp_path) -> None:
             Layout(gpus=4, batch=4, seq=64, pp=2, microbatches=2, stages_per_rank=2),
             r"schedule '1f1b' runs one stage per rank, got --stages-per-rank 2",
         ),
+        (
+            Layout(gpus=2, batch=4, seq=64, pp_schedule="interleaved_1f1b"),
+            r"^--pp-schedule schedules a pipeline; it needs --pp > 1$",
+        ),
     ],
 )
 def test_bad_layouts_name_the_value_and_what_is_valid(layout, message) -> None:

@@ -153,6 +153,21 @@ def test_async_tp_errors_are_one_line(capsys) -> None:
         assert message in err and "\n" not in err, err
 
 
+def test_async_tp_needs_a_sequence_parallel_tp_plan(tmp_path, capsys) -> None:
+    # transformers' own TP plans all-reduce: nothing for async TP to overlap.
+    import json
+
+    spec, config = resolve_flavor("llama3_debug")
+    fields = spec.hf_adapter.config_to_hf(config)
+    fields |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "sliding_window": None}))
+    argv = ["--model", str(tmp_path), "--gpus", "4", "--tp", "2", "--batch", "2", "--seq", "64"]
+    assert plan_cli.main([*argv, "--async-tp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the transformers family's TP plan has none (it all-reduces)" in err
+    assert "\n" not in err
+
+
 def test_reference_async_tp_rows_are_planned_with_it() -> None:
     rows = [r for r in REFERENCE_ROWS if "AsyncTP" in r.note]
     assert len(rows) == 11 and all(r.async_tp and r.modelled and r.tp > 1 for r in rows)

@@ -236,6 +236,9 @@ def validate(args: Any, layout: Layout) -> None:
             f"--async-tp is a compiler pass; --engine {layout.engine} runs eager here "
             "(valid: --engine simplefsdp, or --engine fsdp2 with --compile)"
         )
+    if layout.pp == 1 and (layout.pp_schedule != "1f1b" or layout.stages_per_rank is not None):
+        flag = "--stages-per-rank" if layout.stages_per_rank is not None else "--pp-schedule"
+        raise ValueError(f"{flag} schedules a pipeline; it needs --pp > 1")
     if layout.cp_backend not in CP_BACKENDS:
         raise ValueError(
             f"--cp-backend {layout.cp_backend!r} is not planned; valid: {', '.join(CP_BACKENDS)}"
@@ -246,6 +249,12 @@ def validate(args: Any, layout: Layout) -> None:
             f"attention needs a multiple of 2 * cp = {2 * layout.cp})"
         )
     spec = _spec_of(args)
+    if layout.async_tp and not spec.sequence_parallel:
+        raise ValueError(
+            "--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
+            f"their matmuls; the {spec.family} family's TP plan has none (it all-reduces): "
+            "plan it without --async-tp"
+        )
     # A family that does not declare context parallelism yet is planned with
     # cp folded into FSDP's degree (the note of the prediction says so).
     degrees = layout.degrees if spec.supports("cp") else Degrees(tp=layout.tp, pp=layout.pp)
