@@ -242,16 +242,21 @@ def test_measure_runs_one_rank_on_cpu_with_a_fake_group() -> None:
     assert not torch.distributed.is_initialized()  # the fake group is gone
 
 
-def test_measure_runs_tensor_parallel_after_the_plans_own_trace(capsys) -> None:
+def test_measure_runs_tensor_parallel_after_the_plans_own_trace() -> None:
     # The plan traces over a fake group with meshes of its own first; the
     # measured rank's meshes (the same ranks, other dim names) must still
     # compose TP with FSDP: torch's cached slices of the traced mesh do not
     # count as another mesh.
-    argv = ["--model", "debug", "--gpus", "4", "--tp", "2", "--batch", "2", "--seq", "32"]
-    argv += ["--ac", "none", "--dtype", "fp32", "--measure", "--hardware", "cpu-gloo"]
-    assert plan_cli.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "measured on this cpu" in out and "step compute" in out
+    import torch
+
+    from simplefsdp.plan.measure import measure_step
+    from simplefsdp.plan.trace import TraceKey, layer_variant, trace_step
+
+    args = get_config("debug", n_layers=1)
+    trace_step(TraceKey("llama3", layer_variant(LLAMA, args, 1), 2, 2, 1, 32, "none"))
+    layout = Layout(gpus=4, tp=2, batch=1, seq=32, ac="none", dtype="fp32")
+    measured = measure_step(LLAMA, args, layout, torch.device("cpu"), warmup=1)
+    assert measured.step_s > 0
 
 
 def test_measured_reserved_peak_is_set_beside_the_plans() -> None:
