@@ -194,3 +194,20 @@ def test_async_tp_prices_what_chunked_matmuls_lose(traces) -> None:
         traced.forward, traced.groups, free, True, kernels=kernels, async_degree=2
     )
     assert exposed == pytest.approx(sum(lost))
+
+
+def test_tp_without_data_parallel_sharding_still_communicates() -> None:
+    # All GPUs in TP (dp 1): nothing for FSDP to gather, but TP's collectives
+    # run all the same; they were dropped with the (empty) bucket plan.
+    from simplefsdp.plan.hardware import PROFILES
+    from simplefsdp.plan.layout import Layout
+    from simplefsdp.plan.predict import predict
+
+    spec, config = resolve_flavor("debug")
+    hw = PROFILES["h100"]
+    alone = predict(spec, config, Layout(gpus=2, batch=BATCH, seq=SEQ, tp=2), hw)
+    sharded = predict(spec, config, Layout(gpus=4, batch=BATCH, seq=SEQ, tp=2), hw)
+    assert alone.time["dp_comm_total"] == 0.0
+    assert alone.time["tp_comm_total"] > 0.0
+    assert alone.time["tp_comm_total"] == pytest.approx(sharded.time["tp_comm_total"], rel=0.25)
+    assert alone.time["exposed_comm"] >= alone.time["tp_comm_total"] * 0.99

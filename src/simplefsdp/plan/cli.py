@@ -599,15 +599,13 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
         degree *= 2
     tps = sorted(tps)
     pps = sorted({1, base.pp})
+    pipelines = [(1, "1f1b")]  # (PP degree, schedule): one schedule without a pipeline
+    for degree in pps[1:]:
+        for schedule in sorted({base.pp_schedule, "1f1b", "interleaved_1f1b"}):
+            pipelines.append((degree, schedule))
     layouts = []
     for tp in tps:
-        for pp, schedule in (
-            (degree, schedule)
-            for degree in pps
-            for schedule in (
-                ["1f1b"] if degree == 1 else sorted({base.pp_schedule, "1f1b", "interleaved_1f1b"})
-            )
-        ):
+        for pp, schedule in pipelines:
             micro = [1] if pp == 1 else sorted({pp, 2 * pp})
             stages = base.stages_per_rank if schedule == base.pp_schedule else None
             for m in micro:

@@ -229,6 +229,12 @@ FP8_EFFICIENCY = 0.8183
 # 267.9 of 312 TFLOPS, H100 SXM 792.1 of 989 TFLOPS.
 _MAMF_A100 = 267.9 / 312
 _MAMF_H100 = 792.1 / 989
+# The same table's later rows: B200 SXM bf16 1,745.0 of 2,250 TFLOPS
+# (torch 2.7.1+cu128); float8 (e4m3) B200 SXM 3,432.5 of 4,500 and H100
+# SXM 1,402.6 of 1,979 (torch 2.7).
+_MAMF_B200 = 1745.0 / 2250
+_MAMF_FP8_B200 = 3432.5 / 4500
+_MAMF_FP8_H100 = 1402.6 / 1979
 # FlashAttention-2 forward and backward rates, causal, head dim 128, long
 # sequences, as fractions of the bf16 peak: A100 from the FlashAttention-2
 # paper (Dao 2023, fig. 4-5: about 220 and 170 TFLOPS), H100 from the
@@ -364,16 +370,18 @@ PROFILES: dict[str, HardwareProfile] = {
         # PFLOPS fp8 training and 1,440 GB HBM3e at 64 TB/s for 8 GPUs, i.e.
         # per GPU 4.5 PFLOPS fp8 dense, 2.25 PFLOPS bf16 dense, 180 GB at
         # 8 TB/s; NVLink 5 1.8 TB/s bidirectional per GPU; 8x ConnectX-7
-        # 400 Gb/s. 148 SMs (Blackwell whitepaper). The achievable rates of
-        # the H100 are assumed (no published mamf-finder / FlashAttention-2
-        # rates for it here).
+        # 400 Gb/s. 148 SMs (Blackwell whitepaper). GEMMs at the part's
+        # published mamf-finder rates: bf16 its own; float8 the H100's
+        # fitted fraction (FP8_EFFICIENCY) times the two parts' published
+        # float8 ratio. FlashAttention's rates are the H100's (none
+        # published for this part here).
         peak_bf16_flops=2250 * TFLOPS,
         peak_fp32_flops=80 * TFLOPS,
         peak_fp8_flops=4500 * TFLOPS,
         sm_count=148,
-        gemm_efficiency=_MAMF_H100,  # assumption: as H100
-        matmul_efficiency=_MAMF_H100,
-        fp8_matmul_efficiency=FP8_EFFICIENCY,  # assumption: as H100
+        gemm_efficiency=_MAMF_B200,
+        matmul_efficiency=_MAMF_B200,
+        fp8_matmul_efficiency=FP8_EFFICIENCY * _MAMF_FP8_B200 / _MAMF_FP8_H100,
         flash_fwd_efficiency=_FA2_H100[0],  # assumption: as H100
         flash_bwd_efficiency=_FA2_H100[1],
         memory_bytes=178.35 * GiB,  # CUDA's total (its out-of-memory messages)
@@ -386,7 +394,7 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_latency_s=20e-6,
         inter_bandwidth=42.5 * GB,
         inter_latency_s=50e-6,
-        source="NVIDIA DGX B200 datasheet; achievable rates assumed as the H100's",
+        source="NVIDIA DGX B200 datasheet, mamf-finder; FlashAttention rates assumed as the H100's",
     ),
     # Measured on a 2-core, 24 GB CPU machine (gloo) by
     # ``simplefsdp plan --calibrate`` at a 1-minute load

@@ -439,6 +439,30 @@ class Float8Matmuls:
         )
 
 
+def own_kernel_seconds(
+    node: fx.Node,
+    cost_model: CostModel,
+    fused: bool,
+    float8: Float8Matmuls | None = None,
+    kernels: KernelModel | None = None,
+    attention_scale: int = 1,
+    masked: bool = False,
+) -> float:
+    """Seconds of a compute node that runs as a kernel of its own (a
+    matmul, attention or embedding; any node of an unfused graph) as
+    :func:`compute_time` prices it, its arguments as there."""
+    if float8 is not None and float8.converts(node):
+        return float8.seconds(node, cost_model, fused)
+    attention = "scaled_dot_product" in str(node.target)
+    scale = attention_scale if attention else 1
+    if kernels is not None and attention and masked:
+        return scale * _masked_attention_seconds(node, kernels, scale)
+    if kernels is not None and _is_heavy(node):
+        return scale * kernel_seconds(node, kernels, cost_model)
+    # includes its kernel overhead; a masked kernel skips no block
+    return scale * cost_model.node_time(node) * (2 if attention and masked else 1)
+
+
 def compute_time(
     gm: fx.GraphModule,
     cost_model: CostModel,
@@ -468,22 +492,13 @@ def compute_time(
     for node in gm.graph.nodes:
         if not is_compute(node):
             continue
-        if float8 is not None and float8.converts(node):
-            flops += node_flops(node)
-            matmul_s += float8.seconds(node, cost_model, fused)
-            kernels += 1
-            continue
-        if _is_heavy(node) or not fused:
-            attention = "scaled_dot_product" in str(node.target)
-            scale = attention_scale if attention else 1
-            flops += scale * node_flops(node)
-            if model is not None and attention and masked:
-                matmul_s += scale * _masked_attention_seconds(node, model, scale)
-            elif model is not None and _is_heavy(node):
-                matmul_s += scale * kernel_seconds(node, model, cost_model)
-            else:
-                # includes its kernel overhead; a masked kernel skips no block
-                matmul_s += scale * cost_model.node_time(node) * (2 if attention and masked else 1)
+        converted = float8 is not None and float8.converts(node)
+        if converted or _is_heavy(node) or not fused:
+            attention = not converted and "scaled_dot_product" in str(node.target)
+            flops += (attention_scale if attention else 1) * node_flops(node)
+            matmul_s += own_kernel_seconds(
+                node, cost_model, fused, float8, model, attention_scale, masked
+            )
             kernels += 1
             continue
         moved = 0
@@ -748,7 +763,18 @@ def tp_matmuls(collective: fx.Node) -> list[fx.Node]:
     (Note: [Tensor-parallel communication in the plan]): an all-gather's,
     those whose token operand (the left one) is the gathered tensor; a
     reduce-scatter's, those whose output it scatters; through reshapes
-    only."""
+    only. Kept in the node's meta: a traced graph is predicted again for
+    every layout that shares it."""
+    cached = collective.meta.get(_TP_MATMULS_META)
+    if cached is None:
+        cached = collective.meta[_TP_MATMULS_META] = _find_tp_matmuls(collective)
+    return list(cached)
+
+
+_TP_MATMULS_META = "simplefsdp_plan_tp_matmuls"
+
+
+def _find_tp_matmuls(collective: fx.Node) -> list[fx.Node]:
     kind = collective_kind(collective)
     gather = kind == "all_gather"
     if kind not in ("all_gather", "reduce_scatter"):
@@ -802,7 +828,7 @@ def tp_comm_seconds(
                 size = collective_group_size(node)
                 seconds = cost_model.comm_time(kind, size, node_bytes(node) // 2, role)
         if async_degree > 1 and matmuls:
-            whole = sum(_matmul_seconds(m, cost_model, fused, float8, kernels) for m in matmuls)
+            whole = sum(own_kernel_seconds(m, cost_model, fused, float8, kernels) for m in matmuls)
             split = whole + sum(
                 _chunking_seconds(m, float8, kernels, async_degree) for m in matmuls
             )
@@ -824,21 +850,6 @@ def _chunking_seconds(
     dtype = "float8" if float8 is not None and float8.converts(node) else _dtype_name(node)
     whole = kernels.gemm_seconds(m, n, k, dtype, batch)
     return chunks * kernels.gemm_seconds(-(-m // chunks), n, k, dtype, batch) - whole
-
-
-def _matmul_seconds(
-    node: fx.Node,
-    cost_model: CostModel,
-    fused: bool,
-    float8: Float8Matmuls | None,
-    kernels: KernelModel | None,
-) -> float:
-    """A matmul node's seconds as ``compute_time`` prices it."""
-    if float8 is not None and float8.converts(node):
-        return float8.seconds(node, cost_model, fused)
-    if kernels is not None:
-        return kernel_seconds(node, kernels, cost_model)
-    return cost_model.node_time(node)
 
 
 def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Matmuls:
@@ -1126,7 +1137,10 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     if not units:
         buckets = []
     pipe_s = pipeline_time_s(buckets, cost_model, layout.reshard_after_forward, kept)
-    fixed_s = 2.0 * sum(u.fixed_comm_s for u in units)
+    # TP's collectives, on the critical path: the units carry them, scaled
+    # to both graphs' as run; without data-parallel sharding there are no
+    # units and they are the stage's own.
+    fixed_s = 2.0 * sum(u.fixed_comm_s for u in units) if units else stage.tp_s
     dp_comm_s = sum(
         bucket_comm_s(b, cost_model, layout.reshard_after_forward, kept) for b in buckets
     )
