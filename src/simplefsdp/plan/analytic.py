@@ -7,11 +7,25 @@ Note: [Analytic plan model]
     attention's head dims (multi-head latent attention where the config has
     ``kv_lora_rank``), ...), not from traced graphs. Parameter counts and FLOPs per token come from the
     family's ``ModelSpec``.
-    The layout is torchtitan's: ``gpus`` data-parallel ranks (no TP or PP),
-    experts split over ``ep`` ranks (``num_experts / ep`` each) and sharded
-    over the ``dp / ep`` ranks that hold the same experts
-    (``dp_shard_mod_ep``); everything else (attention, dense feed-forward,
-    router, shared experts, embedding, output) sharded over all ``dp`` ranks.
+    The layout is torchtitan's: ``gpus`` ranks (no TP), ``pp`` pipeline
+    stages of ``gpus / pp`` data-parallel ranks, experts split over ``ep``
+    ranks (``num_experts / ep`` each) and sharded over the ``dp / ep`` ranks
+    that hold the same experts (``dp_shard_mod_ep``); everything else
+    (attention, dense feed-forward, router, shared experts, embedding,
+    output) sharded over all ``dp`` ranks of a stage.
+
+    Pipeline and accumulation (``pp``, ``microbatches``): the model below is
+    one microbatch of the most loaded pipeline rank, its blocks as the
+    family's ``pipeline_split`` places them (``stage_config``: the config
+    cut to them, the embedding and the output kept: conservative, as traced
+    plans), scaled as traced plans scale theirs (Note: [Pipeline schedules
+    in the plan] in ``plan/predict.py``): the activations of the
+    microbatches in flight where the first rank peaks, beside the fp32
+    gradient sums of its parameters, whole (Note: [Gradient accumulation in
+    the plan]); FSDP2 under a pipeline holding its parameters gathered; a
+    step of ``m + (p - 1) / v`` slots, FSDP2 without resharding talking in
+    one of them, the compiled engine in every one. Send/recv between
+    stages is not modelled.
 
     Memory per GPU (bytes):
       parameters, gradients, optimizer
@@ -114,7 +128,7 @@ Note: [Analytic plan model]
     causal mask) over the bf16 peak.
     Load imbalance: ``imbalance`` (default 1.0, perfectly balanced routing)
     is the ratio of the most loaded EP rank's routed tokens to the mean; the
-    step waits for that rank. Not modelled: Float8, TP and PP.
+    step waits for that rank. Not modelled: Float8 and TP.
 
     Context parallelism (``cp``, torchtitan's layout as for traced plans):
     FSDP and EP over all ``gpus`` ranks (``ep`` a multiple of ``cp``), each
@@ -134,12 +148,14 @@ Note: [Analytic plan model]
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from simplefsdp.engines.activation import check_recompute_experts
 from simplefsdp.engines.kinds import get_engine
+from simplefsdp.layout.pipeline import num_stages, pipeline_errors
 from simplefsdp.plan.allocator import cached_bytes
 from simplefsdp.plan.costs import ADAMW_BYTES_PER_PARAM, CLIP_BYTES_PER_PARAM
 from simplefsdp.plan.hardware import HardwareProfile
@@ -162,13 +178,16 @@ from simplefsdp.plan.layout import (
     cp_mask_queries,
 )
 from simplefsdp.plan.prediction import Prediction
+from simplefsdp.plan.trace import layer_variant
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """A layout of the analytic model: ``gpus`` data-parallel ranks, experts
-    over ``ep``; ``imbalance`` is the most loaded EP rank's routed tokens over
-    the mean. ``batch`` is per data-parallel rank per step."""
+    """A layout of the analytic model: ``gpus`` ranks, ``pp`` pipeline
+    stages of ``gpus / pp`` data-parallel ranks each, experts over ``ep``;
+    ``imbalance`` is the most loaded EP rank's routed tokens over the mean.
+    ``batch`` is per data-parallel rank per step, split into
+    ``microbatches`` (a pipeline's, or gradient accumulation's)."""
 
     gpus: int
     batch: int
@@ -182,27 +201,37 @@ class ExpertLayout:
     recompute_experts: bool = False
     fused_loss: bool = False
     cp_backend: str = "allgather"  # as the traced Layout's
+    pp: int = 1
+    microbatches: int = 1
+    pp_schedule: str = "1f1b"  # as the traced Layout's
+    stages_per_rank: int | None = None
 
     @property
     def dp(self) -> int:
-        """Ranks that read different batches: the GPUs over ``cp``."""
-        return self.gpus // self.cp
+        """Ranks that read different batches: the GPUs over ``pp`` and ``cp``."""
+        return self.gpus // (self.pp * self.cp)
 
     @property
     def fsdp(self) -> int:
-        """Ranks FSDP shards over (``dp x cp``: every GPU)."""
-        return self.gpus
+        """Ranks FSDP shards over (``dp x cp``: every GPU of a stage)."""
+        return self.gpus // self.pp
 
     @property
-    def microbatches(self) -> int:
-        """Always one (no pipeline, no gradient accumulation)."""
-        return 1
+    def stages_of_rank(self) -> int:
+        """The pipeline stages each rank holds (1 without a pipeline)."""
+        if self.pp == 1:
+            return 1
+        return self.num_stages // self.pp
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline's stages (``pp`` times the stages of a rank)."""
+        return num_stages(self.pp, self.pp_schedule, self.stages_per_rank) if self.pp > 1 else 1
 
     # What the analytic method does not vary, under the traced Layout's
-    # names (``--measure`` runs either layout): no TP or pipeline, bf16,
-    # per-block groups, the vocabulary whole for the loss.
+    # names (``--measure`` runs either layout): no TP, bf16, per-block
+    # groups, the vocabulary whole for the loss.
     tp = 1
-    pp = 1
     dtype = "bf16"
     bucketing = "per_block"
     loss_parallel = False
@@ -219,6 +248,12 @@ class ExpertLayout:
             parts.append(cp_describe(self.cp, self.cp_backend))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp} m{self.microbatches}")
+            if self.pp_schedule != "1f1b":
+                parts.append(f"{self.pp_schedule} v{self.stages_of_rank}")
+        elif self.microbatches > 1:  # gradient accumulation
+            parts.append(f"accum{self.microbatches}")
         parts += [
             f"ac={self.ac}" + ("+experts" if self.recompute_experts else ""),
             "per_block",
@@ -227,6 +262,30 @@ class ExpertLayout:
         if self.fused_loss:
             parts.append("fused-loss")
         return " ".join(parts)
+
+
+#: How ``simplefsdp plan`` spells the pipeline's settings.
+_PIPELINE_NAMES = {
+    "pp": "--pp",
+    "microbatches": "--microbatches",
+    "batch": "--batch",
+    "pp_schedule": "--pp-schedule",
+    "stages_per_rank": "--stages-per-rank",
+}
+
+
+_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
+
+
+def stage_config(spec: Any, config: Any, blocks: int) -> Any:
+    """``config`` cut to the ``blocks`` of a pipeline rank (all of them:
+    ``config``); its leading dense blocks kept where the rank holds as many."""
+    if blocks >= config.n_layers:
+        return config
+    try:
+        return layer_variant(spec, config, blocks)
+    except ValueError:  # fewer blocks than the model's leading dense ones
+        return dataclasses.replace(config, n_layers=blocks, n_dense_layers=blocks)
 
 
 def _divisors(n: int) -> list[int]:
@@ -242,19 +301,38 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
     for flag, value in (("--gpus", layout.gpus), ("--batch", layout.batch), ("--seq", layout.seq)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    for flag, value in (("--ep", layout.ep), ("--cp", layout.cp)):
+    for flag, value in (("--ep", layout.ep), ("--cp", layout.cp), ("--pp", layout.pp)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if layout.gpus % layout.pp:
+        raise ValueError(
+            f"--pp {layout.pp} does not divide the {layout.gpus} GPUs; "
+            f"valid --pp: {', '.join(map(str, _divisors(layout.gpus)))}"
+        )
+    if layout.pp == 1 and (layout.pp_schedule != "1f1b" or layout.stages_per_rank is not None):
+        flag = "--stages-per-rank" if layout.stages_per_rank is not None else "--pp-schedule"
+        raise ValueError(f"{flag} schedules a pipeline; it needs --pp > 1")
+    errors = pipeline_errors(
+        layout.pp,
+        layout.pp_schedule,
+        layout.microbatches,
+        layout.stages_per_rank,
+        batch=layout.batch,
+        names=_PIPELINE_NAMES,
+    )
+    if errors:
+        raise ValueError(errors[0])
     planned = tuple(b for b in CP_BACKENDS if b != "ulysses")
     if layout.cp_backend not in planned:
         raise ValueError(
             f"--cp-backend {layout.cp_backend!r} is not planned for a model planned from its "
             f"shapes; valid: {', '.join(planned)}"
         )
-    if layout.gpus % layout.cp:
-        valid = _divisors(layout.gpus)
+    if layout.fsdp % layout.cp:
+        valid = _divisors(layout.fsdp)
+        over = f" over --pp {layout.pp}" if layout.pp > 1 else ""
         raise ValueError(
-            f"--cp {layout.cp} does not divide the {layout.gpus} GPUs; "
+            f"--cp {layout.cp} does not divide the {layout.gpus} GPUs{over}; "
             f"valid --cp: {', '.join(map(str, valid))}"
         )
     if layout.cp > 1 and layout.seq % (2 * layout.cp):
@@ -423,16 +501,22 @@ def predict_analytic(
     Raises:
         ValueError: a bad layout (``validate_analytic``).
     """
+    from simplefsdp.plan.predict import pipeline_peak, pipeline_slots, stage_blocks
+
     validate_analytic(spec, config, layout)
-    args = config
+    m = layout.microbatches
+    # A pipeline rank's blocks (its stages'), with the embedding and the
+    # output: conservative by the embedding, as traced plans (Note:
+    # [Pipeline schedules in the plan] in plan/predict.py).
+    blocks_of_stage = stage_blocks(spec, config, layout.pp, layout.stages_of_rank)
+    args = stage_config(spec, config, blocks_of_stage)
     dp, ep, cp = layout.fsdp, layout.ep, layout.cp
-    tokens = layout.batch * layout.seq // cp  # this rank's
-    total = spec.num_params(config)
-    experts = expert_params(config)
+    tokens = (layout.batch // m) * layout.seq // cp  # this rank's, per microbatch
+    total = spec.num_params(args)
+    experts = expert_params(args)
     dense = total - experts
-    active = spec.active_params(config)
-    active_blocks = spec.active_params(config, exclude_embeddings=True)
-    flops_per_token = spec.flops_per_token(config, layout.seq)
+    active_blocks = spec.active_params(args, exclude_embeddings=True)
+    flops_per_token = spec.flops_per_token(args, layout.seq)
 
     # ---- memory
     shard_params = dense / dp + experts / dp
@@ -442,17 +526,7 @@ def predict_analytic(
     moe_block = block_dense + args.num_experts // ep * per_expert
     biggest = 2 * (moe_block if args.n_moe_layers else block_dense)  # bf16 bytes
     local_expert_params = args.num_experts // ep * per_expert
-    if dp == 1:
-        gathered = 0.0
-    elif layout.reshard_after_forward:
-        gathered = 3 * biggest
-    else:  # every block kept from its forward to its backward, one's gradients beside
-        blocks = dense - 2 * embed - args.dim + args.n_moe_layers * local_expert_params
-        gathered = 2 * blocks + biggest
     engine = get_engine(layout.engine)
-    if dp > 1 and engine.fsdp2_runtime:
-        # FSDP2 does not reshard its root group after forward
-        gathered += 2 * (2 * embed + args.dim)
     acts = activation_elements(args, layout.ac, layout.imbalance, layout.recompute_experts, ep)
     activations = 2 * acts["saved"] * tokens
     temporary = (4 if layout.fused_loss else 10) * args.vocab_size * tokens
@@ -475,11 +549,36 @@ def predict_analytic(
     temporary += 3 * mask_bytes
     if layout.ac == "none":
         activations += 2 * mask_bytes * args.n_layers
+    # Microbatches (a pipeline's, or accumulation's): the activations of
+    # those in flight where the first rank peaks, beside the unreduced fp32
+    # gradient sums of the rank's parameters, whole (Note: [Gradient
+    # accumulation in the plan] in plan/predict.py).
+    local_params = dense + experts / ep
+    sums = 4 * local_params if m > 1 else 0.0
+    inflight, sums_alive = pipeline_peak(layout, activations, sums)
+    activations *= inflight
+    blocks = dense - 2 * embed - args.dim + args.n_moe_layers * local_expert_params
+    if dp == 1:
+        gathered = 0.0
+    elif layout.reshard_after_forward:
+        gathered = 3 * biggest
+    elif engine.fsdp2_runtime:  # every block kept from its forward to its backward
+        gathered = 2 * blocks + biggest  # one's gradients beside
+    else:  # the compiled engine gathers each microbatch's own
+        gathered = 2 * blocks * inflight + biggest
+    if dp > 1 and engine.fsdp2_runtime:
+        # FSDP2 does not reshard its root group after forward
+        gathered += 2 * (2 * embed + args.dim)
+        if layout.pp > 1:
+            # torch's pipeline stages keep its groups gathered after every
+            # backward but the step's last: the rank's parameters whole
+            gathered = max(gathered, 2 * local_params)
     memory = {
         "parameters": 4 * shard_params,
         "gradients": 4 * shard_params,
         "optimizer": 8 * shard_params,
         "activations": activations,
+        "accumulated": sums_alive * sums,
         "gathered": gathered,
         "temporary": temporary,
     }
@@ -502,7 +601,7 @@ def predict_analytic(
             root=(group(2 * embed + args.dim, dp),),
             reshard_after_forward=layout.reshard_after_forward,
         )
-    recording = EagerStep(spec, config, layout.ac, ep, layout.batch, layout.seq // cp, kernels,
+    recording = EagerStep(spec, args, layout.ac, ep, layout.batch // m, layout.seq // cp, kernels,
                           layout.imbalance, cp, buffers, layout.recompute_experts,
                           layout.fused_loss)  # fmt: skip
     cache_note = []
@@ -538,15 +637,15 @@ def predict_analytic(
     local_experts = args.num_experts // ep
     per_expert_tokens = max(int(tokens * args.top_k * layout.imbalance * ep / args.num_experts), 1)
     if kernels is not None and args.n_moe_layers:
-        d, h, m = args.dim, args.moe_hidden_dim, per_expert_tokens
-        fwd = 2 * kernels.gemm_seconds(m, h, d, "bfloat16", local_experts)
-        fwd += kernels.gemm_seconds(m, d, h, "bfloat16", local_experts)
+        d, h, rows = args.dim, args.moe_hidden_dim, per_expert_tokens
+        fwd = 2 * kernels.gemm_seconds(rows, h, d, "bfloat16", local_experts)
+        fwd += kernels.gemm_seconds(rows, d, h, "bfloat16", local_experts)
         # input and weight gradients: the same FLOPs, transposed shapes
         bwd = (
-            2 * kernels.gemm_seconds(m, d, h, "bfloat16", local_experts)
-            + kernels.gemm_seconds(m, h, d, "bfloat16", local_experts)
-            + 2 * kernels.gemm_seconds(h, d, m, "bfloat16", local_experts)
-            + kernels.gemm_seconds(d, h, m, "bfloat16", local_experts)
+            2 * kernels.gemm_seconds(rows, d, h, "bfloat16", local_experts)
+            + kernels.gemm_seconds(rows, h, d, "bfloat16", local_experts)
+            + 2 * kernels.gemm_seconds(h, d, rows, "bfloat16", local_experts)
+            + kernels.gemm_seconds(d, h, rows, "bfloat16", local_experts)
         )
         matmul_s = tokens * (linear + dense_recompute) / rate
         matmul_s += args.n_moe_layers * ((1 + routed_share) * fwd + bwd)
@@ -667,19 +766,40 @@ def predict_analytic(
                 size = 2 * params  # bf16 gathered bytes
                 written += count * (gathers * (size + size / group) + size)
     copies_s = hw.copy_bytes_per_byte * written / bw
-    step_s = compute_s + copies_s + exposed_s + optimizer_s
-    tps = tokens / step_s
-    mfu = tps * flops_per_token / hw.peak_bf16_flops
+    # A microbatch's slot; under a pipeline ``m + (p - 1) / v`` slots per
+    # step (Note: [Pipeline schedules in the plan] in plan/predict.py).
+    slot_s = compute_s + copies_s + exposed_s
+    slots = pipeline_slots(layout)
+    if engine.fsdp2_runtime and layout.pp > 1 and not layout.reshard_after_forward and dp > 1:
+        # FSDP2 under a pipeline, not resharding: it gathers at the step's first
+        # forward and reduces at its last backward; the other slots run without
+        # data-parallel collectives and their copies.
+        free_s = compute_s + a2a_s + cp_s
+        step_s = (slots - 1) * free_s + slot_s
+        bubble_s = (slots - m) * free_s
+        copies_total, dp_total = copies_s, dp_comm_s
+        exposed_total = (m - 1) * (a2a_s + cp_s) + exposed_s
+    else:
+        step_s = slots * slot_s
+        bubble_s = (slots - m) * slot_s
+        copies_total, dp_total = m * copies_s, m * dp_comm_s
+        exposed_total = m * exposed_s
+    step_s += optimizer_s
+    tps = layout.batch * layout.seq * layout.dp / step_s / layout.gpus
+    mfu = tps * spec.flops_per_token(config, layout.seq) / hw.peak_bf16_flops
+    model_experts = expert_params(config)
     notes = [
         *cache_note,
-        f"parameters: {total / 1e9:.2f}B total, {active / 1e9:.2f}B activated per token "
-        f"({experts / 1e9:.2f}B in routed experts, {args.num_experts // ep} of "
+        f"parameters: {spec.num_params(config) / 1e9:.2f}B total, "
+        f"{spec.active_params(config) / 1e9:.2f}B activated per token "
+        f"({model_experts / 1e9:.2f}B in routed experts, {args.num_experts // ep} of "
         f"{args.num_experts} per EP rank)",
         f"MoE: grouped GEMMs of {per_expert_tokens} tokens per local expert; router "
-        f"{router_s:.3f} s, permutation {permute_s:.3f} s, host syncs {host.sync_s:.3f} s",
+        f"{m * router_s:.3f} s, permutation {m * permute_s:.3f} s, host syncs "
+        f"{m * host.sync_s:.3f} s",
         _host_note(host, eager=kernels is not None and not fused),
         (
-            f"all-to-all: {a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
+            f"all-to-all: {m * a2a_count} per step of {a2a_bytes / 2**20:.1f} MiB per rank "
             f"({'NVLink' if intra else 'NIC'}), exposed"
             if ep > 1
             else "all-to-all: none (--ep 1)"
@@ -687,15 +807,27 @@ def predict_analytic(
         + f"; expert load imbalance {layout.imbalance:g} (1: balanced)",
         *(
             [
-                f"context parallel {cp}: {tokens // layout.batch} tokens per rank, keys and "
-                f"values all-gathered per attention ({cp_s:.3f} s, exposed)"
+                f"context parallel {cp}: {layout.seq // cp} tokens per rank, keys and "
+                f"values all-gathered per attention ({m * cp_s:.3f} s, exposed)"
             ]
             if cp > 1
             else []
         ),
         *([cp_mask_note(layout.seq, queries, layout.cp_backend)] if masked else []),
+        *(
+            [
+                f"pipeline: {_SCHEDULE_NAMES.get(layout.pp_schedule, layout.pp_schedule)}, "
+                f"{layout.stages_of_rank} stage(s) per rank, {blocks_of_stage} blocks on the "
+                f"most loaded rank (with the embedding and the output); the first rank peaks "
+                f"holding {inflight:g} microbatch(es) of activations"
+                + (f" and {sums_alive:.0%} of the gradient sums" if sums else "")
+                + "; activation send/recv between stages not modelled"
+            ]
+            if layout.pp > 1
+            else []
+        ),
         "planned from the model's shapes (docs/scale.md, expert parallelism): per-block "
-        "FSDP groups for both engines; TP, PP and Float8 of experts not modelled",
+        "FSDP groups for both engines; TP and Float8 of experts not modelled",
     ]
     return Prediction(
         layout=layout,
@@ -704,24 +836,29 @@ def predict_analytic(
         peak_bytes=peak,
         usable_bytes=usable,
         time={
-            "compute": compute_s + copies_s,  # the copies included, as traced plans report
-            "copies": copies_s,
+            # the copies included, as traced plans report
+            "compute": m * compute_s + copies_total,
+            "copies": copies_total,
             "hooks": 0.0,
-            "exposed_comm": exposed_s,
-            "bubble": 0.0,
+            "exposed_comm": exposed_total,
+            "bubble": bubble_s,
             "optimizer": optimizer_s,
-            "dp_comm_total": dp_comm_s,
+            "dp_comm_total": dp_total,
             "tp_comm_total": 0.0,
-            "ep_comm_total": a2a_s,
-            "cp_comm_total": cp_s,
-            "flops": tokens * (linear + routed + recompute + attn_flops),
-            "host": host.host_s,
-            "host_wait": host.wait_s,
+            "ep_comm_total": m * a2a_s,
+            "cp_comm_total": m * cp_s,
+            "flops": m * tokens * (linear + routed + recompute + attn_flops),
+            "host": m * host.host_s,
+            "host_wait": m * host.wait_s,
         },
         step_s=step_s,
         tokens_per_s_per_gpu=tps,
         mfu=mfu,
         buckets=None,
         notes=notes,
-        params={"total": total, "activated": active, "routed_experts": experts},
+        params={
+            "total": spec.num_params(config),
+            "activated": spec.active_params(config),
+            "routed_experts": model_experts,
+        },
     )

@@ -64,6 +64,10 @@ METHOD_FLAGS = {
         "--measure",
     ),
     "analytic": (
+        "--pp",
+        "--microbatches",
+        "--pp-schedule",
+        "--stages-per-rank",
         "--cp",
         "--cp-backend",
         "--ep",
@@ -434,6 +438,10 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
             cp_backend=ns.cp_backend,
             recompute_experts=ns.recompute_experts,
             fused_loss=ns.fused_loss,
+            pp=ns.pp,
+            microbatches=ns.microbatches if ns.microbatches is not None else max(ns.pp, 1),
+            pp_schedule=ns.pp_schedule,
+            stages_per_rank=ns.stages_per_rank,
         )
     from simplefsdp.plan.predict import Layout
 
