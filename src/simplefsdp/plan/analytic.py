@@ -176,6 +176,7 @@ from simplefsdp.plan.layout import (
     cp_describe,
     cp_mask_note,
     cp_mask_queries,
+    pipeline_describe,
 )
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import layer_variant
@@ -248,12 +249,7 @@ class ExpertLayout:
             parts.append(cp_describe(self.cp, self.cp_backend))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        if self.pp > 1:
-            parts.append(f"pp{self.pp} m{self.microbatches}")
-            if self.pp_schedule != "1f1b":
-                parts.append(f"{self.pp_schedule} v{self.stages_of_rank}")
-        elif self.microbatches > 1:  # gradient accumulation
-            parts.append(f"accum{self.microbatches}")
+        parts += pipeline_describe(self)
         parts += [
             f"ac={self.ac}" + ("+experts" if self.recompute_experts else ""),
             "per_block",

@@ -158,12 +158,7 @@ class Layout:
             parts.append(cp_describe(self.cp, self.cp_backend))
         if self.fused_loss:
             parts.append("fused-loss")
-        if self.pp > 1:
-            parts.append(f"pp{self.pp} m{self.microbatches}")
-            if self.pp_schedule != "1f1b":
-                parts.append(f"{self.pp_schedule} v{self.stages_of_rank}")
-        elif self.microbatches > 1:  # gradient accumulation
-            parts.append(f"accum{self.microbatches}")
+        parts += pipeline_describe(self)
         parts += [
             f"ac={self.ac}",
             "per_block" if get_engine(self.engine).fsdp2_runtime else self.bucketing,
@@ -175,6 +170,17 @@ class Layout:
             "reshard" if self.reshard_after_forward else "no-reshard",
         ]
         return " ".join(parts)
+
+
+def pipeline_describe(layout: Any) -> list[str]:
+    """The pipeline's (or gradient accumulation's) words of a layout's
+    one-line description: ``pp8 m8``, ``interleaved_1f1b v2``, ``accum2``."""
+    if layout.pp > 1:
+        parts = [f"pp{layout.pp} m{layout.microbatches}"]
+        if layout.pp_schedule != "1f1b":
+            parts.append(f"{layout.pp_schedule} v{layout.stages_of_rank}")
+        return parts
+    return [f"accum{layout.microbatches}"] if layout.microbatches > 1 else []
 
 
 def _spec_of(args: Any) -> Any:
