@@ -20,14 +20,13 @@ from simplefsdp.models.llama3 import get_config, num_params
 from simplefsdp.models.registry import get_spec
 from simplefsdp.plan import cli as plan_cli
 from simplefsdp.plan.hardware import PROFILES, HardwareProfile, get_profile
+from simplefsdp.plan.pipeline import first_rank_actions, pipeline_peak
 from simplefsdp.plan.predict import (
     ADAMW_BYTES_PER_PARAM,
     Layout,
     compute_time,
     copy_seconds,
-    first_rank_actions,
     measure,
-    pipeline_peak,
     predict,
     traced,
     validate,

@@ -178,6 +178,7 @@ from simplefsdp.plan.layout import (
     cp_mask_queries,
     pipeline_describe,
 )
+from simplefsdp.plan.pipeline import pipeline_peak, pipeline_slots, stage_blocks
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import layer_variant
 
@@ -497,8 +498,6 @@ def predict_analytic(
     Raises:
         ValueError: a bad layout (``validate_analytic``).
     """
-    from simplefsdp.plan.predict import pipeline_peak, pipeline_slots, stage_blocks
-
     validate_analytic(spec, config, layout)
     m = layout.microbatches
     # A pipeline rank's blocks (its stages'), with the embedding and the

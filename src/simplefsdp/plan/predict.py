@@ -307,6 +307,7 @@ from simplefsdp.plan.costs import (
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.kernels import KernelModel, kernel_model
 from simplefsdp.plan.layout import Layout, cp_mask_note, cp_mask_queries, validate
+from simplefsdp.plan.pipeline import pipeline_peak, pipeline_slots, stage_blocks
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
 
@@ -909,89 +910,6 @@ def predict(spec: Any, config: Any, layout: Any, hw: HardwareProfile) -> Predict
 
         return predict_analytic(spec, config, layout, hw)
     return predict_traced(spec, config, layout, hw)
-
-
-def stage_blocks(spec: Any, config: Any, pp: int, stages_per_rank: int = 1) -> int:
-    """Blocks of the most loaded of ``pp`` pipeline ranks, each holding
-    ``stages_per_rank`` stages ("loop" placement: rank ``r`` the stages
-    ``r + k * pp``), as the family's ``pipeline_split`` splits a model
-    built on the meta device."""
-    if pp == 1:
-        return config.n_layers
-    key = (spec.family, config, pp, stages_per_rank)
-    if key not in _STAGE_BLOCKS:
-        with torch.device("meta"):
-            model = spec.build(config)
-        n = pp * stages_per_rank
-        sizes = [len(stage.layers) for stage in spec.pipeline_split(model, list(range(n)), n)]
-        _STAGE_BLOCKS[key] = max(sum(sizes[r::pp]) for r in range(pp))
-    return _STAGE_BLOCKS[key]
-
-
-def first_rank_actions(schedule: str, m: int, p: int, v: int) -> list[tuple[str, int]]:
-    """The first pipeline rank's forwards (``"F"``) and backwards (``"B"``)
-    in the order the schedule runs them, each with its local stage (``0``
-    to ``v - 1``), as torch's schedules order them (Note: [Pipeline
-    schedules in the plan])."""
-    if schedule == "gpipe":
-        return [("F", 0)] * m + [("B", 0)] * m
-    if schedule == "1f1b":
-        warmup = min(m, p)
-        return [("F", 0)] * warmup + [("B", 0), ("F", 0)] * (m - warmup) + [("B", 0)] * warmup
-    # interleaved 1F1B: rank 0's warmup, then one forward and one backward
-    # per step, then the remaining backwards; stages in rounds of
-    # ``per_round`` microbatches, backwards from the last local stage
-    per_round = m // max(1, m // p)
-    total = m * v
-    warmup = min((v - 1) * per_round + 2 * (p - 1), total)
-    steady = total - warmup
-
-    def forward(op: int) -> int:
-        return (op // per_round) % v
-
-    def backward(op: int) -> int:
-        return v - 1 - ((op - warmup) // per_round) % v
-
-    actions = [("F", forward(op)) for op in range(warmup)]
-    for op in range(warmup, warmup + steady):
-        actions += [("F", forward(op)), ("B", backward(op))]
-    actions += [("B", backward(op)) for op in range(warmup + steady, total + warmup)]
-    return actions
-
-
-def pipeline_peak(layout: Layout, activation_bytes: float, sum_bytes: float) -> tuple[float, float]:
-    """Where the first pipeline rank's memory peaks (Note: [Pipeline
-    schedules in the plan]): the microbatches whose activations it holds
-    then (in microbatches over all its blocks, ``activation_bytes`` each)
-    and the fraction of its gradient sums (``sum_bytes`` in all) alive,
-    each local stage's from its first backward on. Without a pipeline one
-    microbatch, beside the sums where there are several."""
-    m, p, v = layout.microbatches, layout.pp, layout.stages_of_rank
-    if p == 1:
-        return 1.0, 1.0 if m > 1 else 0.0
-    held, summed, best = 0, set(), (-1.0, 0.0, 0.0)
-    for kind, stage in first_rank_actions(layout.pp_schedule, m, p, v):
-        if kind == "F":
-            held += 1
-        else:
-            held -= 1
-            summed.add(stage)
-        units, fraction = held / v, len(summed) / v
-        total = units * activation_bytes + fraction * sum_bytes
-        if total > best[0]:
-            best = (total, units, fraction)
-    return best[1], best[2]
-
-
-def pipeline_slots(layout: Layout) -> float:
-    """A step's length in microbatch slots of the first rank's blocks (Note:
-    [Pipeline schedules in the plan])."""
-    if layout.pp == 1:
-        return float(layout.microbatches)
-    return layout.microbatches + (layout.pp - 1) / layout.stages_of_rank
-
-
-_STAGE_BLOCKS: dict[tuple, int] = {}
 
 
 def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) -> Prediction:
