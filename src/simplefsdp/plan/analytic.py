@@ -178,7 +178,7 @@ from simplefsdp.plan.layout import (
     cp_mask_queries,
     pipeline_describe,
 )
-from simplefsdp.plan.pipeline import pipeline_peak, pipeline_slots, stage_blocks
+from simplefsdp.plan.pipeline import pipeline_note, pipeline_peak, pipeline_slots, stage_blocks
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import layer_variant
 
@@ -269,9 +269,6 @@ _PIPELINE_NAMES = {
     "pp_schedule": "--pp-schedule",
     "stages_per_rank": "--stages-per-rank",
 }
-
-
-_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
 
 
 def stage_config(spec: Any, config: Any, blocks: int) -> Any:
@@ -810,14 +807,7 @@ def predict_analytic(
         ),
         *([cp_mask_note(layout.seq, queries, layout.cp_backend)] if masked else []),
         *(
-            [
-                f"pipeline: {_SCHEDULE_NAMES.get(layout.pp_schedule, layout.pp_schedule)}, "
-                f"{layout.stages_of_rank} stage(s) per rank, {blocks_of_stage} blocks on the "
-                f"most loaded rank (with the embedding and the output); the first rank peaks "
-                f"holding {inflight:g} microbatch(es) of activations"
-                + (f" and {sums_alive:.0%} of the gradient sums" if sums else "")
-                + "; activation send/recv between stages not modelled"
-            ]
+            [pipeline_note(layout, inflight, sums_alive if sums else None, blocks_of_stage)]
             if layout.pp > 1
             else []
         ),

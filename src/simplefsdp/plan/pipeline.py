@@ -90,3 +90,27 @@ def pipeline_slots(layout: Any) -> float:
     if layout.pp == 1:
         return float(layout.microbatches)
     return layout.microbatches + (layout.pp - 1) / layout.stages_of_rank
+
+
+_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
+
+
+def pipeline_note(
+    layout: Any, inflight: float, sums_alive: float | None, blocks: int | None = None
+) -> str:
+    """The plan's one line on its pipeline: the schedule, the stages (and
+    ``blocks``) of a rank, what the first rank holds at its peak
+    (``sums_alive``: the fraction of the gradient sums, ``None`` without
+    any)."""
+    name = _SCHEDULE_NAMES.get(layout.pp_schedule, layout.pp_schedule)
+    where = (
+        f", {blocks} blocks on the most loaded rank (with the embedding and the output)"
+        if blocks is not None
+        else ""
+    )
+    sums = f" and {sums_alive:.0%} of the gradient sums" if sums_alive is not None else ""
+    return (
+        f"pipeline: {name}, {layout.stages_of_rank} stage(s) per rank{where}; the first rank "
+        f"peaks holding {inflight:g} microbatch(es) of activations{sums}; activation "
+        "send/recv between stages not modelled"
+    )

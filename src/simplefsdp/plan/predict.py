@@ -307,7 +307,7 @@ from simplefsdp.plan.costs import (
 from simplefsdp.plan.hardware import HardwareProfile
 from simplefsdp.plan.kernels import KernelModel, kernel_model
 from simplefsdp.plan.layout import Layout, cp_mask_note, cp_mask_queries, validate
-from simplefsdp.plan.pipeline import pipeline_peak, pipeline_slots, stage_blocks
+from simplefsdp.plan.pipeline import pipeline_note, pipeline_peak, pipeline_slots, stage_blocks
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import Traced, TraceKey, layer_variant, trace_step
 
@@ -1238,14 +1238,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         "flops": layout.microbatches * (stage.fw_flops + stage.bw_flops),
     }
     if layout.pp > 1:
-        names = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
-        notes.append(
-            f"pipeline: {names.get(layout.pp_schedule, layout.pp_schedule)}, "
-            f"{layout.stages_of_rank} stage(s) per rank; the first rank peaks holding "
-            f"{inflight:g} microbatch(es) of activations"
-            + (f" and {sums_alive:.0%} of the gradient sums" if sums else "")
-            + "; activation send/recv between stages not modelled"
-        )
+        notes.append(pipeline_note(layout, inflight, sums_alive if sums else None))
     if layout.cp > 1:
         how = (
             "queries, keys, values and output all-to-all'd per attention"
