@@ -180,6 +180,15 @@ def test_cli_moe_sweep_ranks_ep_degrees_ac_and_resharding(capsys) -> None:
     assert sum("ac=selective+experts" in line for line in lines) == 3 * 2
     column = lines[0].index(" peak GiB")  # every layout fits its column
     assert all(line[column] == " " for line in lines[1:] if " ac=" in line)
+    # Under --pp: no pipeline too, and at --pp 2 the 1F1B and interleaved
+    # schedules with 2 and 4 microbatches (EP over the 4 ranks of a stage).
+    piped = plan_cli.sweep_expert_layouts(spec, config, MoELayout(gpus=8, batch=4, seq=4096, pp=2))
+    pipelines = {(lay.pp, lay.pp_schedule, lay.microbatches) for lay in piped}
+    assert pipelines == {
+        (1, "1f1b", 1),
+        *((2, schedule, m) for schedule in ("1f1b", "interleaved_1f1b") for m in (2, 4)),
+    }
+    assert sorted({lay.ep for lay in piped if lay.pp == 2}) == [1, 2, 4]
 
 
 def test_cli_moe_plan_prints_parameters_and_all_to_all(capsys) -> None:

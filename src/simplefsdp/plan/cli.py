@@ -589,6 +589,20 @@ def format_sweep(preds) -> str:
     return "\n".join(lines)
 
 
+def sweep_pipelines(base) -> list[tuple[int, str, int | None, int]]:
+    """``(pp, schedule, stages_per_rank, microbatches)`` the sweeps try
+    around ``base``: no pipeline (one microbatch), and at ``base.pp`` (if
+    above 1) 1F1B, interleaved 1F1B and the schedule given, each with
+    ``pp`` and ``2 * pp`` microbatches (``base``'s stages per rank for
+    its own schedule)."""
+    found = [(1, "1f1b", None, 1)]
+    if base.pp > 1:
+        for schedule in sorted({base.pp_schedule, "1f1b", "interleaved_1f1b"}):
+            stages = base.stages_per_rank if schedule == base.pp_schedule else None
+            found += [(base.pp, schedule, stages, m) for m in sorted({base.pp, 2 * base.pp})]
+    return found
+
+
 def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
     """Layouts and options around ``base``: AC modes, bucketing, reshard
     policy, TP degree (``base.tp`` and every power of two up to a node,
@@ -606,39 +620,31 @@ def sweep_layouts(args, base, gpus_per_node: int = 8) -> list:
         tps.add(degree)
         degree *= 2
     tps = sorted(tps)
-    pps = sorted({1, base.pp})
-    pipelines = [(1, "1f1b")]  # (PP degree, schedule): one schedule without a pipeline
-    for degree in pps[1:]:
-        for schedule in sorted({base.pp_schedule, "1f1b", "interleaved_1f1b"}):
-            pipelines.append((degree, schedule))
     layouts = []
     for tp in tps:
-        for pp, schedule in pipelines:
-            micro = [1] if pp == 1 else sorted({pp, 2 * pp})
-            stages = base.stages_per_rank if schedule == base.pp_schedule else None
-            for m in micro:
-                for ac in ("none", "selective", "full"):
-                    for reshard in (True, False):
-                        for bucketing in ("auto", "per_block"):
-                            layout = dataclasses.replace(
-                                base,
-                                tp=tp,
-                                pp=pp,
-                                microbatches=m,
-                                ac=ac,
-                                reshard_after_forward=reshard,
-                                bucketing=bucketing,
-                                async_tp=base.async_tp and tp > 1,
-                                pp_schedule=schedule,
-                                stages_per_rank=stages,
-                            )
-                            try:
-                                validate(args, layout)
-                            except ValueError:
-                                continue
-                            if layout.fsdp == 1 and (bucketing != "auto" or not reshard):
-                                continue  # nothing to gather: these options do not apply
-                            layouts.append(layout)
+        for pp, schedule, stages, m in sweep_pipelines(base):
+            for ac in ("none", "selective", "full"):
+                for reshard in (True, False):
+                    for bucketing in ("auto", "per_block"):
+                        layout = dataclasses.replace(
+                            base,
+                            tp=tp,
+                            pp=pp,
+                            microbatches=m,
+                            ac=ac,
+                            reshard_after_forward=reshard,
+                            bucketing=bucketing,
+                            async_tp=base.async_tp and tp > 1,
+                            pp_schedule=schedule,
+                            stages_per_rank=stages,
+                        )
+                        try:
+                            validate(args, layout)
+                        except ValueError:
+                            continue
+                        if layout.fsdp == 1 and (bucketing != "auto" or not reshard):
+                            continue  # nothing to gather: these options do not apply
+                        layouts.append(layout)
     return layouts
 
 
@@ -646,9 +652,9 @@ def sweep_expert_layouts(spec: Any, config: Any, base) -> list:
     """Layouts and options around ``base`` (an ``ExpertLayout``) for a model
     planned from its shapes: every EP degree that divides both the experts
     and the GPUs (a multiple of ``base.cp``), AC modes (selective with and
-    without recomputing the experts) and reshard policy;
-    the GPUs, batch, sequence, CP degree, engine and imbalance are
-    ``base``'s. Invalid ones are left out."""
+    without recomputing the experts), reshard policy and the pipelines of
+    :func:`sweep_pipelines`; the GPUs, batch, sequence, CP degree, engine
+    and imbalance are ``base``'s. Invalid ones are left out."""
     from simplefsdp.plan.analytic import validate_analytic
 
     eps = [
@@ -658,19 +664,22 @@ def sweep_expert_layouts(spec: Any, config: Any, base) -> list:
     ]
     modes = (("none", False), ("selective", False), ("selective", True), ("full", False))
     layouts = []
-    for ep in eps:
-        for ac, recompute in modes:
-            for reshard in (True, False):
-                layout = dataclasses.replace(
-                    base, ep=ep, ac=ac, recompute_experts=recompute, reshard_after_forward=reshard
-                )
-                if layout.fsdp == 1 and not reshard:
-                    continue  # nothing to gather: the option does not apply
-                try:
-                    validate_analytic(spec, config, layout)
-                except ValueError:
-                    continue
-                layouts.append(layout)
+    for pp, schedule, stages, m in sweep_pipelines(base):
+        for ep in eps:
+            for ac, recompute in modes:
+                for reshard in (True, False):
+                    layout = dataclasses.replace(
+                        base, ep=ep, ac=ac, recompute_experts=recompute,
+                        reshard_after_forward=reshard, pp=pp, microbatches=m,
+                        pp_schedule=schedule, stages_per_rank=stages,
+                    )  # fmt: skip
+                    if layout.fsdp == 1 and not reshard:
+                        continue  # nothing to gather: the option does not apply
+                    try:
+                        validate_analytic(spec, config, layout)
+                    except ValueError:
+                        continue
+                    layouts.append(layout)
     return layouts
 
 
