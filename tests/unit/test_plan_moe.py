@@ -433,3 +433,14 @@ def test_cli_plans_a_pipeline_of_a_model_planned_from_its_shapes(capsys) -> None
         assert plan_cli.main([*argv, *extra]) == 2, extra
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
+
+
+def test_changes_that_fit_include_a_larger_ep(capsys) -> None:
+    # Under a pipeline each rank sums its local experts' gradients whole: a
+    # larger EP degree is the change that fits (EP 4 on the 40 GB part).
+    argv = ["--model", "deepseek_v3_16b", "--gpus", "16", "--batch", "2", "--seq", "4096"]
+    argv += ["--ep", "1", "--pp", "2", "--ac", "full", "--hardware", "a100-40gb"]
+    assert plan_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "changes that fit, fastest first:" in err and "--ep 4 (30.9 GiB" in err, err
+    assert "--ep 2 (" not in err  # the smallest degree that fits, not every one

@@ -813,9 +813,10 @@ def _candidate_changes(
     """Single changes to a layout that does not fit, as ladders: each ladder
     is tried in order until one fits (the cheapest of its kind). Only
     changes away from what was given: a leaner AC mode, resharding after
-    forward, bf16, a larger TP degree within a node, a deeper pipeline, more
-    GPUs (when the sharded state is what overflows); each only where the
-    model composes with it and its plan method plans it."""
+    forward, bf16, a larger TP degree within a node, a larger EP degree, a
+    deeper pipeline, more GPUs (when the sharded state is what overflows);
+    each only where the model composes with it and its plan method plans
+    it."""
     from simplefsdp.plan.layout import AC_MODES
 
     layout = pred.layout
@@ -834,6 +835,14 @@ def _candidate_changes(
             tps.append((f"--tp {tp}", replace(layout, tp=tp)))
             tp *= 2
         ladders.append(tps)
+    if "--ep" in planned and spec.supports("ep"):
+        # fewer local experts: their gathered blocks, gradients and (under a
+        # pipeline or accumulation) gradient sums shrink with them
+        eps, ep = [], layout.ep * 2
+        while ep <= layout.fsdp:
+            eps.append((f"--ep {ep}", replace(layout, ep=ep)))
+            ep *= 2
+        ladders.append(eps)
     if "--pp" in planned and spec.supports("pp"):
         pp = max(layout.pp, 1) * 2
         micro = max(layout.microbatches, pp)
