@@ -41,6 +41,7 @@ from simplefsdp.checkpoint._files import (
     build_manifest,
     check_files,
     fsync_dir,
+    gather_from_all,
     hash_files,
     manifest_problem,
     payload_files,
@@ -48,7 +49,11 @@ from simplefsdp.checkpoint._files import (
     read_manifest,
     write_json_atomic,
 )
-from simplefsdp.checkpoint._metadata_check import check_state_fits, check_storage_files
+from simplefsdp.checkpoint._metadata_check import (
+    check_state_fits,
+    check_storage_files,
+    flatten_keys,
+)
 from simplefsdp.checkpoint._safe_reader import (
     SafeFileSystemReader,
     TensorOnlyLoadPlanner,
@@ -361,7 +366,13 @@ def load(
         model, optimizer, rng_device=model_device(model) if rng else None
     )
     _drop_missing_rng(state, metadata.state_dict_metadata, folder)
-    _agree(check_state_fits(folder, metadata, state, strict=strict))
+    # Every rank's keys count as loaded (a pipeline stage holds only its own
+    # blocks), and any rank's problem stops every rank.
+    keys = set().union(*gather_from_all(set(flatten_keys(state))))
+    problems = gather_from_all(
+        check_state_fits(folder, metadata, state, strict=strict, loaded_keys=keys)
+    )
+    _agree(next((p for p in problems if p is not None), None))
     with _single_process_ok():
         dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner(), no_dist=_no_dist())
     apply_tensor_state(model, optimizer, state, optim_sd)

@@ -187,6 +187,15 @@ def check_files(
     return None
 
 
+def gather_from_all(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value``, in rank order (``[value]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
 def broadcast_from_rank0(value: Any, group: Any = None) -> Any:
     """Rank 0's ``value`` on every rank (identity without a process group).
 

@@ -54,13 +54,19 @@ def _missing_sections(saved: Any, flat: dict[str, Any]) -> list[str]:
 
 
 def state_mismatches(
-    metadata: Metadata, state: dict[str, Any], *, strict: bool = True
+    metadata: Metadata,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    loaded_keys: set[str] | None = None,
 ) -> list[str]:
     """Every way ``state`` (nested, as given to ``dcp.load``) does not fit ``metadata``.
 
     A key missing from the checkpoint, a non-tensor entry where a tensor is
     expected, a different global shape, and (``strict``) a model or optimizer
-    entry in the checkpoint that ``state`` does not have.
+    entry in the checkpoint that no rank loads: ``loaded_keys``, the
+    flattened keys of every rank's state (a pipeline stage holds only its
+    own blocks), default ``state``'s.
     """
     saved = metadata.state_dict_metadata
     flat = flatten_keys(state)
@@ -83,16 +89,25 @@ def state_mismatches(
                 f"but {_shape(value)} here"
             )
     if strict:
-        extra = sorted(k for k in saved if k.split(".", 1)[0] in STRICT_SECTIONS and k not in flat)
+        loaded = flat.keys() if loaded_keys is None else loaded_keys
+        extra = sorted(
+            k for k in saved if k.split(".", 1)[0] in STRICT_SECTIONS and k not in loaded
+        )
         problems += [f"{_describe(k)} is in the checkpoint but not here" for k in extra]
     return problems
 
 
 def check_state_fits(
-    folder: Path, metadata: Metadata, state: dict[str, Any], *, strict: bool = True
+    folder: Path,
+    metadata: Metadata,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    loaded_keys: set[str] | None = None,
 ) -> str | None:
-    """One line naming ``folder``'s metadata and the first mismatch, or ``None``."""
-    problems = state_mismatches(metadata, state, strict=strict)
+    """One line naming ``folder``'s metadata and the first mismatch, or ``None``
+    (``loaded_keys``: as :func:`state_mismatches`)."""
+    problems = state_mismatches(metadata, state, strict=strict, loaded_keys=loaded_keys)
     if not problems:
         return None
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
