@@ -153,7 +153,7 @@ def _tp_case(solo) -> dict:
     assert attention.wkv_b.weight.placements == (Shard(0),)
     assert attention.wo.weight.placements == (Shard(1),)
     assert not isinstance(attention.wkv_a.weight, DTensor)  # latent: replicated
-    assert not isinstance(model.layers["1"].moe.experts.w1, DTensor)
+    assert model.layers["1"].moe.experts.w1.placements == (Shard(1),)  # expert hidden dim
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     tokens = _tokens()

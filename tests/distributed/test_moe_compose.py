@@ -1,6 +1,6 @@
 """The mixture-of-experts family composes like Llama 3 (through its spec):
-tensor parallelism (attention, dense and shared-expert feed-forward split;
-router and routed experts replicated over tp), pipeline stages and float8
+tensor parallelism (attention, dense and shared-expert feed-forward and the
+routed experts' hidden dim split; the router replicated), pipeline stages and float8
 dense linears, each on 2 ranks against the same model in one process.
 
 One spawn runs the tp and pp cases (a tiny model, eager, SGD), another the
@@ -109,7 +109,8 @@ def _tp_case(solo) -> dict:
     model = _model()
     spec.tensor_parallel(model, init_device_mesh("cpu", (WORLD,)), sequence_parallel=True)
     moe = model.layers["1"].moe
-    assert not isinstance(moe.experts.w1, DTensor)  # routed experts: replicated over tp
+    assert moe.experts.w1.placements == (Shard(1),)  # routed experts: hidden dim split
+    assert moe.experts.w2.placements == (Shard(2),)
     assert not isinstance(moe.router.gate.weight, DTensor)
     assert moe.shared_experts.w1.weight.placements == (Shard(0),)
     assert model.layers["0"].feed_forward.w2.weight.placements == (Shard(1),)

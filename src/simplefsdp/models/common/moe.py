@@ -6,8 +6,9 @@ the tokens and the token count of each expert (torchtitan's
 ``GroupedExperts`` convention). Expert parallelism is applied from the outside
 to the module named ``experts`` (:mod:`simplefsdp.frontend.expert_parallel`);
 under tensor parallelism the shared experts are sharded like a dense
-feed-forward network and the routed experts stay replicated over the
-tensor-parallel ranks (:func:`simplefsdp.models.common.tensor_parallel.moe_plan`).
+feed-forward network and the routed experts over their hidden dim, as the
+experts module declares in ``tp_shard_dims``
+(:func:`simplefsdp.models.common.tensor_parallel.moe_plan`).
 
 Parameter FQNs follow torchtitan: ``moe.router.gate.weight``,
 ``moe.experts.w1`` (3-D, ``(num_experts, hidden, dim)``),
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from .feed_forward import FeedForward
 from .norms import trunc_normal_
@@ -65,6 +66,21 @@ def _as_local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+def partial_output_bias(bias: torch.Tensor, weight: torch.Tensor, dim: int) -> torch.Tensor:
+    """The local part of ``bias``, added to the output of a matmul by
+    ``weight``: the whole bias when that output is whole; under tensor
+    parallelism, when ``weight`` is split on its input dim ``dim`` (so the
+    output is a partial sum over the TP ranks), the bias on the first TP rank
+    and zeros on the others, with its gradient summed over them (the bias is
+    added once, and every rank's copy trains alike)."""
+    if not (isinstance(weight, DTensor) and isinstance(bias, DTensor)):
+        return _as_local(bias)
+    if weight.device_mesh.ndim != 1 or weight.placements[0] != Shard(dim % weight.ndim):
+        return _as_local(bias)
+    keep = 1.0 if weight.device_mesh.get_local_rank() == 0 else 0.0
+    return bias.to_local(grad_placements=(Partial(),)) * keep
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts stored as 3-D parameters.
 
@@ -88,6 +104,8 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.use_grouped_mm = use_grouped_mm
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # Expert tensor parallelism splits the hidden dim.
+        self.tp_shard_dims = {"w1": 1, "w2": 2, "w3": 1}
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 

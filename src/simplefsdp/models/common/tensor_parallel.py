@@ -37,12 +37,17 @@ One function per component (:func:`attention_plan`, :func:`feed_forward_plan`,
   in backward. Rowwise-scaled and unconverted layers keep the plain styles
   (the ``Float8Linear`` then casts its DTensor inputs itself).
 * ``layers.*.moe`` (a mixture-of-experts layer): the input is all-gathered
-  to the whole sequence and the output split back onto it
-  (:class:`PrepareModuleInputOutput`); the router gate and the routed
-  experts stay plain tensors, replicated over the TP ranks (each rank routes
-  and runs every token: expert parallelism, not TP, splits the experts); the
-  shared experts are sharded like a dense feed-forward network and their
-  output all-reduced.
+  to the whole sequence and the layer's output, a partial sum over the TP
+  ranks, is reduce-scattered back onto it (:class:`PrepareModuleInputOutput`;
+  all-reduced without sequence parallelism). The router gate stays a plain
+  tensor, replicated: every rank routes every token alike. The routed
+  experts are split over their hidden dim (:class:`ExpertTensorParallel`,
+  torchtitan's expert TP): every rank runs every token through its slice of
+  every expert, so each holds and computes ``1/tp`` of the experts. The
+  shared experts are sharded like a dense feed-forward network; both leave
+  partial sums, added before the one reduce-scatter. In backward the
+  gradients the slices leave partial (the routed tokens', the routing
+  weights') are all-reduced, so the router trains alike on every rank.
 * ``output``: :class:`ColwiseParallel` over the vocabulary. With loss
   parallelism the logits stay a ``Shard(-1)`` DTensor
   (``use_local_output=False``) and must be consumed by ``F.cross_entropy``
@@ -50,8 +55,8 @@ One function per component (:func:`attention_plan`, :func:`feed_forward_plan`,
   plain replicated ``(B, T, vocab_size)`` tensor.
 
 Constraints (checked by :func:`apply_decoder_tp` where possible):
-``n_heads``, ``n_kv_heads`` and the SwiGLU hidden dims (dense and shared
-experts) must be divisible by the TP size, and ``vocab_size`` too when ``loss_parallel`` is on (an uneven
+``n_heads``, ``n_kv_heads`` and the SwiGLU hidden dims (dense, shared and
+routed experts) must be divisible by the TP size, and ``vocab_size`` too when ``loss_parallel`` is on (an uneven
 vocabulary is otherwise fine: DTensor shards it unevenly). With
 ``sequence_parallel`` the sequence length of every batch must be divisible by
 the TP size -- only known at run time, so :func:`apply_decoder_tp`
@@ -74,9 +79,10 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -143,22 +149,24 @@ def feed_forward_plan(
 def moe_plan(prefix: str, moe: nn.Module, seq: Placement, styles: Any) -> dict[str, ParallelStyle]:
     """TP plan of one :class:`~.moe.MoE` layer at FQN ``prefix``.
 
-    The layer sees the whole sequence (its input gathered from ``seq``, its
-    output split back to ``seq``); the router gate and the routed
-    ``experts`` are left plain, replicated over the TP ranks (every rank
-    routes and runs all tokens; expert parallelism is what splits experts);
-    the shared experts are a feed-forward network split over TP whose output
-    is all-reduced to the whole tensor.
+    The layer sees the whole sequence (its input gathered from ``seq``) and
+    leaves a partial sum, reduced back onto ``seq``; the router gate is left
+    plain (replicated; its routing weights' gradient summed over the ranks,
+    :class:`SumGradOverTP`), the routed ``experts`` are split over their
+    hidden dim (:class:`ExpertTensorParallel`) and the shared experts are a
+    feed-forward network split over TP, its output left partial.
     """
     plan: dict[str, ParallelStyle] = {
         prefix: PrepareModuleInputOutput(
             input_layouts=(seq,),
             desired_input_layouts=(Replicate(),),
             use_local_input=True,
-            output_layouts=(Replicate(),),
+            output_layouts=(Partial(),),
             desired_output_layouts=(seq,),
             use_local_output=True,
-        )
+        ),
+        f"{prefix}.router": SumGradOverTP(),
+        f"{prefix}.experts": ExpertTensorParallel(),
     }
     if getattr(moe, "shared_experts", None) is not None:
         plan.update(
@@ -167,10 +175,90 @@ def moe_plan(prefix: str, moe: nn.Module, seq: Placement, styles: Any) -> dict[s
                 moe.shared_experts,
                 Replicate(),
                 styles,
-                output_layout=Replicate(),
+                output_layout=Partial(),
             )
         )
     return plan
+
+
+def _sum_grad_over(tensor: Any, mesh: DeviceMesh) -> Any:
+    """``tensor`` unchanged, its gradient all-reduced over ``mesh`` in
+    backward (each rank's is a partial sum: Megatron's "copy to the
+    tensor-parallel region")."""
+    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+        return tensor
+    replicated = DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False)
+    return replicated.to_local(grad_placements=(Partial(),))
+
+
+class SumGradOverTP(ParallelStyle):
+    """A module whose parameters stay plain and replicated, and whose first
+    output's gradient is a partial sum over the TP ranks: it is all-reduced
+    in backward (forward is untouched).
+
+    The router of a TP-split mixture-of-experts layer: its routing weights
+    scale the experts' partial outputs, so each rank's gradient of them is
+    partial; summed, every rank's router receives the whole gradient.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def output_fn(mod: nn.Module, inputs: Any, outputs: Any) -> Any:
+            if isinstance(outputs, tuple):
+                return (_sum_grad_over(outputs[0], device_mesh), *outputs[1:])
+            return _sum_grad_over(outputs, device_mesh)
+
+        module.register_forward_hook(output_fn)
+        return module
+
+
+#: Name of the attribute an experts module declares its TP split in: parameter
+#: name -> the dim split over the TP ranks, or ``None`` for a parameter kept
+#: whole (a bias added to the partial output; see
+#: :func:`~.moe.partial_output_bias`).
+EXPERT_TP_DIMS = "tp_shard_dims"
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Split an experts module's stacked experts over the TP ranks, on their
+    hidden dim (torchtitan's expert tensor parallelism).
+
+    The module names its split in ``tp_shard_dims`` (:data:`EXPERT_TP_DIMS`),
+    e.g. ``{"w1": 1, "w2": 2, "w3": 1}`` for SwiGLU experts stored
+    ``(E, hidden, dim)`` / ``(E, dim, hidden)``: each parameter becomes a
+    ``Shard(d)`` DTensor (``None``: a ``Replicate`` one). Every rank receives
+    every routed token; its slices of the experts leave a partial sum of the
+    output. The routed tokens' gradient, partial for the same reason, is
+    all-reduced in backward (so the tokens' input need not know about TP).
+
+    The module's forward takes the local tensors (``DTensor.to_local``).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dims = getattr(module, EXPERT_TP_DIMS, None)
+        if not dims:
+            raise ValueError(
+                f"tensor parallel: experts module {type(module).__name__} declares no "
+                f"{EXPERT_TP_DIMS} (parameter name -> the dim split over TP); add it to "
+                "split its experts over TP"
+            )
+        for name, param in list(module.named_parameters(recurse=False)):
+            if name not in dims:
+                raise ValueError(
+                    f"tensor parallel: parameter {name!r} of {type(module).__name__} is not in "
+                    f"its {EXPERT_TP_DIMS} {sorted(dims)}; name how TP splits it"
+                )
+            dim = dims[name]
+            placement = Replicate() if dim is None else Shard(dim)
+            sharded = distribute_tensor(param.data, device_mesh, [placement])
+            module.register_parameter(
+                name, nn.Parameter(sharded, requires_grad=param.requires_grad)
+            )
+
+        def input_fn(mod: nn.Module, args: tuple) -> tuple:
+            return (_sum_grad_over(args[0], device_mesh), *args[1:])
+
+        module.register_forward_pre_hook(input_fn)
+        return module
 
 
 def decoder_plan(
@@ -233,8 +321,8 @@ def built_split_sizes(model: nn.Module, *, loss_parallel: bool = False) -> dict[
     """The sizes of a built decoder that its TP plan splits over the TP ranks.
 
     ``n_heads``, ``n_kv_heads``, the first dense block's feed-forward hidden
-    dim, the first MoE block's shared-experts hidden dim, and with
-    ``loss_parallel`` the vocabulary; each must divide by the TP size.
+    dim, the first MoE block's shared- and routed-experts hidden dims, and
+    with ``loss_parallel`` the vocabulary; each must divide by the TP size.
     """
     args = model.args
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads}
@@ -243,11 +331,23 @@ def built_split_sizes(model: nn.Module, *, loss_parallel: bool = False) -> dict[
             shared = block.moe.shared_experts
             if shared is not None:
                 sizes.setdefault("shared-experts hidden dim", shared.w1.out_features)
+            sizes.setdefault("routed-experts hidden dim", _expert_hidden_dim(block.moe.experts))
         else:
             sizes.setdefault("feed-forward hidden dim", block.feed_forward.w1.out_features)
     if loss_parallel:
         sizes["vocab_size"] = args.vocab_size
     return sizes
+
+
+def _expert_hidden_dim(experts: nn.Module) -> int:
+    """One routed expert's hidden dim: the size its second projection (the
+    one split on its last dim, see :data:`EXPERT_TP_DIMS`) splits."""
+    dims = getattr(experts, EXPERT_TP_DIMS, None) or {}
+    for name, dim in dims.items():
+        param = getattr(experts, name, None)
+        if dim is not None and param is not None and dim == param.ndim - 1:
+            return param.shape[dim]
+    return 1
 
 
 def is_float8_tensorwise(module: nn.Module) -> bool:
@@ -333,6 +433,7 @@ def _validate(model: nn.Module, tp_mesh: Any, loss_parallel: bool) -> None:
         "feed-forward hidden dim": "ffn hidden dim (feed_forward.w1.out_features)",
         "shared-experts hidden dim": "shared experts hidden dim "
         "(moe.shared_experts.w1.out_features)",
+        "routed-experts hidden dim": "routed experts hidden dim (moe_hidden_dim)",
     }
     why = {"vocab_size": " (required with loss_parallel=True)"}
     for name, value in sizes.items():

@@ -94,7 +94,7 @@ def expert_errors(
     """The rules of a mixture-of-experts decoder (with
     :class:`~simplefsdp.models.common.moe.MoE` layers) against the layout:
     ``ep`` divides the routed experts, and expert parallelism does not combine
-    with tensor parallelism (the routed experts are replicated over tp).
+    with tensor parallelism (tp splits every expert's hidden dim instead).
 
     Args:
         num_experts: routed experts per MoE layer.
@@ -114,7 +114,7 @@ def expert_errors(
     if ep > 1 and tp > 1:
         errors.append(
             f"{n['ep']} {ep} with {n['tp']} {tp}: expert and tensor parallelism do not compose "
-            f"for mixture-of-experts models (routed experts are replicated over tp); use "
+            f"for mixture-of-experts models (tp splits every routed expert instead); use "
             f"{n['ep']} 1 or {n['tp']} 1"
         )
     return errors
@@ -186,7 +186,10 @@ def moe_decoder_validate(
         """A mixture-of-experts decoder against the layout: the decoder's
         rules, experts vs ep, ep with tp refused (see
         :class:`~simplefsdp.models.spec.ModelSpec` for the arguments)."""
-        tp_sizes = tp_split_sizes(config, loss_parallel=loss_parallel)
+        tp_sizes = dict(tp_split_sizes(config, loss_parallel=loss_parallel))
+        hidden = getattr(config, "moe_hidden_dim", 0)
+        if hidden and getattr(config, "n_moe_layers", 1):
+            tp_sizes.setdefault("routed-experts hidden dim", hidden)
         return moe_decoder_errors(config, layout, tp_sizes=tp_sizes, **inputs)
 
     return validate

@@ -22,7 +22,12 @@ from torch.distributed.tensor import DTensor
 
 from simplefsdp.models.common.attention import Attention, attend, rotate_qk
 from simplefsdp.models.common.decoder import Decoder, DecoderBlock
-from simplefsdp.models.common.moe import MoE, _ContiguousGrad, grouped_mm_supported
+from simplefsdp.models.common.moe import (
+    MoE,
+    _ContiguousGrad,
+    grouped_mm_supported,
+    partial_output_bias,
+)
 from simplefsdp.models.common.norms import RMSNorm, trunc_normal_
 
 from .args import GptOssArgs
@@ -121,6 +126,10 @@ class GptOssExperts(nn.Module):
         self.mlp1_bias = nn.Parameter(torch.empty(e, 2 * f))
         self.mlp2_weight = nn.Parameter(torch.empty(e, d, f))
         self.mlp2_bias = nn.Parameter(torch.empty(e, d))
+        # Expert tensor parallelism splits the hidden dim: mlp1's rows are
+        # (gate, up) pairs, so an even split keeps the pairs whole; the output
+        # bias is added once (partial_output_bias).
+        self.tp_shard_dims = {"mlp1_weight": 1, "mlp1_bias": 1, "mlp2_weight": 2, "mlp2_bias": None}
 
     def init_weights(self, init_std: float) -> None:
         """Initialise in place: ``mlp1_weight`` std 0.02, ``mlp2_weight``
@@ -141,7 +150,7 @@ class GptOssExperts(nn.Module):
             ``(R, D)``.
         """
         w1, b1 = _local(self.mlp1_weight), _local(self.mlp1_bias)
-        w2, b2 = _local(self.mlp2_weight), _local(self.mlp2_bias)
+        w2, b2 = _local(self.mlp2_weight), partial_output_bias(self.mlp2_bias, self.mlp2_weight, -1)
         use_grouped = self.use_grouped_mm
         if use_grouped is None:
             use_grouped = grouped_mm_supported(x, w1, w2)

@@ -1,8 +1,8 @@
 """The GPT-OSS family's :class:`~simplefsdp.models.spec.ModelSpec`.
 
 Composes with tensor parallelism (attention heads and their sinks split over
-tp; the router and the experts replicated over tp, as for the ``moe``
-family), pipeline stages (the shared decoder split), expert parallelism (the
+tp; the router replicated and the routed experts split over their hidden
+dim, as for the ``moe`` family), pipeline stages (the shared decoder split), expert parallelism (the
 ``experts`` modules over ep; not together with tp), float8 attention
 projections (the router gate and the stacked experts stay in high
 precision) and Hugging Face checkpoints both ways.

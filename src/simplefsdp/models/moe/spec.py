@@ -1,8 +1,8 @@
 """The mixture-of-experts family's :class:`~simplefsdp.models.spec.ModelSpec`.
 
 Composes like Llama 3: tensor parallelism (attention, dense feed-forward
-layers and shared experts split over tp; the router and the routed experts
-replicated over tp), pipeline stages (the shared decoder split), float8 for
+layers, shared experts and the routed experts' hidden dim split over tp;
+the router replicated), pipeline stages (the shared decoder split), float8 for
 the dense linears (the router gate and the grouped routed experts stay in
 high precision) and expert parallelism (the ``experts`` modules over ep).
 Expert and tensor parallelism together are refused.

@@ -7,7 +7,8 @@ planning from shapes rather than traces, graph breaks at the token counts,
 the load metrics after each step, the Hugging Face ``model_type``).
 
 Composes like the ``moe`` family: tensor parallelism (attention and dense
-blocks split, router and routed experts replicated over tp), pipeline
+blocks split, the routed experts over their hidden dim, the router
+replicated), pipeline
 stages, expert parallelism (the ``experts`` modules over ep), float8 for the
 attention and dense linears (router and grouped experts stay in high
 precision) and Hugging Face weights (``model_type`` ``qwen3_moe``). Expert
