@@ -41,6 +41,17 @@ def test_validate_owns_the_model_rules():
     )
 
 
+def test_tp_must_divide_the_routed_experts_hidden_dim():
+    # Tensor parallelism splits every routed expert's hidden dim, for every
+    # family with routed experts; heads that divide do not hide it.
+    for flavor in ("moe_debug", "gpt_oss_debug", "qwen3_moe_debug", "deepseek_v3_debug"):
+        spec, config = resolve_flavor(flavor, moe_hidden_dim=36)
+        (line,) = spec.validate(config, SimpleNamespace(tp=8, ep=1))
+        assert "routed-experts hidden dim 36" in line, (flavor, line)
+        assert "valid tensor-parallel sizes" in line and "\n" not in line
+        assert spec.validate(config, SimpleNamespace(tp=2, ep=1)) == []
+
+
 def test_checkpoint_records_family_flavor_and_config():
     from simplefsdp.models.record import model_from_record, model_record
 
