@@ -21,6 +21,7 @@ from torch import nn
 from simplefsdp.testing import run_distributed
 
 WORLD, BATCH, SEQ = 2, 2, 8
+_KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
 
 class _Holder(nn.Module):
@@ -75,6 +76,24 @@ def _run(holder: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple:
     return out.detach(), x.grad
 
 
+class _Collectives:
+    """Records each functional collective's op name and input size."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        sizes = self.sizes = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__
+                if func.namespace == "_c10d_functional" and name.split(".")[0] in _KINDS:
+                    sizes.append((name.split(".")[0], args[0].numel()))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -106,7 +125,9 @@ def _body(families: tuple[str, ...]) -> dict:
             rows = slice(rank * SEQ // WORLD, (rank + 1) * SEQ // WORLD)
             local_x = x[:, rows] if sequence_parallel else x
             local_grad = grad[:, rows] if sequence_parallel else grad
-            out, dx = _run(holder, local_x, local_grad)
+            recorder = _Collectives()
+            with recorder.mode:
+                out, dx = _run(holder, local_x, local_grad)
             want_out, want_dx = (
                 (want_out[:, rows], want_dx[:, rows]) if sequence_parallel else (want_out, want_dx)
             )
@@ -122,6 +143,7 @@ def _body(families: tuple[str, ...]) -> dict:
                 diffs[name] = (_full(param.grad) - want).abs().max() / want.abs().max()
             key = f"{family}, sequence_parallel={sequence_parallel}"
             worst[key] = {name: float(d) for name, d in diffs.items()}
+            worst[key + ", collectives"] = recorder.sizes
     return worst
 
 
@@ -138,3 +160,22 @@ def test_expert_tp_layer_matches_one_process(results, family: str, sequence_para
         # Same math, the hidden dim's sum split over two ranks: fp32 rounding.
         bad = {name: d for name, d in diffs.items() if d > 1e-5}
         assert not bad, bad
+
+
+@pytest.mark.parametrize("family", ["moe", "gpt_oss"])
+def test_expert_tp_moves_the_layer_input_not_the_routed_tokens(results, family: str) -> None:
+    # Forward: the input gathered, the output reduced; backward the same
+    # pair, the shared experts' input gradient all-reduced (moe) and the
+    # routing weights' (BATCH x SEQ x top_k floats). None carries the
+    # routed tokens (top_k times the input: what torchtitan's expert TP
+    # all-reduces in backward).
+    whole = BATCH * SEQ * 32  # the layer's input, gathered
+    for rank_result in results:
+        sizes = rank_result[f"{family}, sequence_parallel=True, collectives"]
+        names = sorted(name for name, _ in sizes)
+        shared = ["all_reduce"] if family == "moe" else []
+        assert names == sorted(
+            ["all_gather_into_tensor"] * 2 + ["reduce_scatter_tensor"] * 2 + ["all_reduce"] + shared
+        ), sizes
+        assert max(size for _, size in sizes) <= whole, sizes
+        assert sum(size for _, size in sizes) <= (4 + len(shared)) * whole + BATCH * SEQ * 2, sizes

@@ -38,16 +38,16 @@ One function per component (:func:`attention_plan`, :func:`feed_forward_plan`,
   (the ``Float8Linear`` then casts its DTensor inputs itself).
 * ``layers.*.moe`` (a mixture-of-experts layer): the input is all-gathered
   to the whole sequence and the layer's output, a partial sum over the TP
-  ranks, is reduce-scattered back onto it (:class:`PrepareModuleInputOutput`;
+  ranks, is reduce-scattered back onto it (:class:`MoETensorParallel`;
   all-reduced without sequence parallelism). The router gate stays a plain
-  tensor, replicated: every rank routes every token alike. The routed
-  experts are split over their hidden dim (:class:`ExpertTensorParallel`,
-  torchtitan's expert TP): every rank runs every token through its slice of
-  every expert, so each holds and computes ``1/tp`` of the experts. The
-  shared experts are sharded like a dense feed-forward network; both leave
-  partial sums, added before the one reduce-scatter. In backward the
-  gradients the slices leave partial (the routed tokens', the routing
-  weights') are all-reduced, so the router trains alike on every rank.
+  tensor, replicated: every rank routes every token alike
+  (:class:`RouterTensorParallel`). The routed experts are split over their
+  hidden dim (:class:`ExpertTensorParallel`, torchtitan's expert TP): every
+  rank runs every token through its slice of every expert, so each holds
+  and computes ``1/tp`` of the experts. The shared experts are sharded like
+  a dense feed-forward network; both leave partial sums, added before the
+  one reduce-scatter. In backward the input's gradient, partial, is
+  reduce-scattered once (Note: [Expert tensor parallelism's gradients]).
 * ``output``: :class:`ColwiseParallel` over the vocabulary. With loss
   parallelism the logits stay a ``Shard(-1)`` DTensor
   (``use_local_output=False``) and must be consumed by ``F.cross_entropy``
@@ -87,7 +87,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -150,22 +149,16 @@ def moe_plan(prefix: str, moe: nn.Module, seq: Placement, styles: Any) -> dict[s
     """TP plan of one :class:`~.moe.MoE` layer at FQN ``prefix``.
 
     The layer sees the whole sequence (its input gathered from ``seq``) and
-    leaves a partial sum, reduced back onto ``seq``; the router gate is left
-    plain (replicated; its routing weights' gradient summed over the ranks,
-    :class:`SumGradOverTP`), the routed ``experts`` are split over their
-    hidden dim (:class:`ExpertTensorParallel`) and the shared experts are a
-    feed-forward network split over TP, its output left partial.
+    leaves a partial sum, reduced back onto ``seq`` (:class:`MoETensorParallel`,
+    which also leaves the input's gradient partial: one reduce-scatter in
+    backward); the router gate is left plain, replicated (:class:`RouterTensorParallel`);
+    the routed ``experts`` are split over their hidden dim
+    (:class:`ExpertTensorParallel`) and the shared experts are a feed-forward
+    network split over TP, its output left partial.
     """
     plan: dict[str, ParallelStyle] = {
-        prefix: PrepareModuleInputOutput(
-            input_layouts=(seq,),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Partial(),),
-            desired_output_layouts=(seq,),
-            use_local_output=True,
-        ),
-        f"{prefix}.router": SumGradOverTP(),
+        prefix: MoETensorParallel(seq),
+        f"{prefix}.router": RouterTensorParallel(),
         f"{prefix}.experts": ExpertTensorParallel(),
     }
     if getattr(moe, "shared_experts", None) is not None:
@@ -181,32 +174,119 @@ def moe_plan(prefix: str, moe: nn.Module, seq: Placement, styles: Any) -> dict[s
     return plan
 
 
+# Note: [Expert tensor parallelism's gradients]
+#     Under TP a mixture-of-experts layer runs on the whole sequence: its
+#     input is all-gathered, every rank routes every token alike (the router
+#     replicated) and runs it through its slice of every expert, whose
+#     output is a partial sum over the ranks; the routed and the shared
+#     experts' partial outputs are added and reduce-scattered once. In
+#     backward the gradient each rank computes for the gathered input is
+#     partial too, so it is reduce-scattered back onto the sequence (one
+#     collective the size of the layer's input, as for a dense feed-forward
+#     network), not all-reduced where it leaves the experts (``top_k`` times
+#     larger: torchtitan's expert TP all-reduces the routed tokens'
+#     gradient). For that sum every path into the input must leave a partial
+#     gradient:
+#     * the routed experts' slices do;
+#     * the shared experts' input conversion all-reduces theirs (a DTensor
+#       feed-forward network's), so only the first rank passes it on;
+#     * the router is replicated and its gradient whole on every rank, so
+#       only the first rank passes its input's gradient on. Its routing
+#       weights scale the experts' partial outputs: their gradient is
+#       partial and is all-reduced (``tokens x top_k`` floats) before it
+#       reaches the gate, which then trains alike on every rank.
+
+
 def _sum_grad_over(tensor: Any, mesh: DeviceMesh) -> Any:
     """``tensor`` unchanged, its gradient all-reduced over ``mesh`` in
-    backward (each rank's is a partial sum: Megatron's "copy to the
-    tensor-parallel region")."""
+    backward (each rank's is a partial sum)."""
     if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
         return tensor
     replicated = DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False)
     return replicated.to_local(grad_placements=(Partial(),))
 
 
-class SumGradOverTP(ParallelStyle):
-    """A module whose parameters stay plain and replicated, and whose first
-    output's gradient is a partial sum over the TP ranks: it is all-reduced
-    in backward (forward is untouched).
+class _GradOnFirstRank(torch.autograd.Function):
+    """Identity; in backward the gradient passes on the first rank of the
+    mesh only (zeros elsewhere): a whole gradient made a partial sum."""
 
-    The router of a TP-split mixture-of-experts layer: its routing weights
-    scale the experts' partial outputs, so each rank's gradient of them is
-    partial; summed, every rank's router receives the whole gradient.
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, first: bool) -> torch.Tensor:
+        ctx.first = first
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad if ctx.first else torch.zeros_like(grad)), None
+
+
+def _grad_on_first_rank(tensor: Any, mesh: DeviceMesh) -> Any:
+    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+        return tensor
+    return _GradOnFirstRank.apply(tensor, mesh.get_local_rank() == 0)
+
+
+class MoETensorParallel(ParallelStyle):
+    """The input and output of a TP-split mixture-of-experts layer (Note:
+    [Expert tensor parallelism's gradients]).
+
+    Forward: the input, in layout ``seq`` (plain or a DTensor), is all-gathered to the whole
+    sequence (a plain tensor); the output, a partial sum, is reduce-scattered
+    back to ``seq`` (all-reduced where ``seq`` is ``Replicate``). Backward:
+    the output's gradient is all-gathered; the input's, a partial sum, is
+    reduce-scattered. The shared experts' input gradient, whole after their
+    own conversion, passes on from the first rank only.
+    """
+
+    def __init__(self, seq: Placement) -> None:
+        super().__init__()
+        self.seq = seq
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        seq = self.seq
+
+        def input_fn(mod: nn.Module, args: tuple) -> tuple:
+            x = args[0]
+            if not isinstance(x, DTensor):  # a DTensor comes from a SequenceParallel norm
+                x = DTensor.from_local(x, device_mesh, (seq,), run_check=False)
+            whole = x.redistribute(device_mesh, (Replicate(),))
+            return (whole.to_local(grad_placements=(Partial(),)), *args[1:])
+
+        def output_fn(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            partial = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False)
+            return partial.redistribute(device_mesh, (seq,)).to_local()
+
+        module.register_forward_pre_hook(input_fn)
+        module.register_forward_hook(output_fn)
+        shared = getattr(module, "shared_experts", None)
+        if shared is not None:
+            # before the shared experts' own input conversion, whichever comes first
+            shared.register_forward_pre_hook(
+                lambda mod, args: (_grad_on_first_rank(args[0], device_mesh), *args[1:]),
+                prepend=True,
+            )
+        return module
+
+
+class RouterTensorParallel(ParallelStyle):
+    """The router of a TP-split mixture-of-experts layer: its parameters stay
+    plain and replicated (every rank routes every token alike). Backward:
+    the gradient of its first output (the routing weights, which scale the
+    experts' partial outputs) is all-reduced; its input's gradient, whole,
+    passes on from the first rank only (Note: [Expert tensor parallelism's
+    gradients]).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def output_fn(mod: nn.Module, inputs: Any, outputs: Any) -> Any:
+        def input_fn(mod: nn.Module, args: tuple) -> tuple:
+            return (_grad_on_first_rank(args[0], device_mesh), *args[1:])
+
+        def output_fn(mod: nn.Module, args: tuple, outputs: Any) -> Any:
             if isinstance(outputs, tuple):
                 return (_sum_grad_over(outputs[0], device_mesh), *outputs[1:])
             return _sum_grad_over(outputs, device_mesh)
 
+        module.register_forward_pre_hook(input_fn)
         module.register_forward_hook(output_fn)
         return module
 
@@ -227,8 +307,9 @@ class ExpertTensorParallel(ParallelStyle):
     ``(E, hidden, dim)`` / ``(E, dim, hidden)``: each parameter becomes a
     ``Shard(d)`` DTensor (``None``: a ``Replicate`` one). Every rank receives
     every routed token; its slices of the experts leave a partial sum of the
-    output. The routed tokens' gradient, partial for the same reason, is
-    all-reduced in backward (so the tokens' input need not know about TP).
+    output, and of the routed tokens' gradient, which the layer's
+    :class:`MoETensorParallel` reduce-scatters (Note: [Expert tensor
+    parallelism's gradients]).
 
     The module's forward takes the local tensors (``DTensor.to_local``).
     """
@@ -254,10 +335,6 @@ class ExpertTensorParallel(ParallelStyle):
                 name, nn.Parameter(sharded, requires_grad=param.requires_grad)
             )
 
-        def input_fn(mod: nn.Module, args: tuple) -> tuple:
-            return (_sum_grad_over(args[0], device_mesh), *args[1:])
-
-        module.register_forward_pre_hook(input_fn)
         return module
 
 
