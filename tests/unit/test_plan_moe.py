@@ -371,7 +371,9 @@ def test_copies_around_the_collectives_as_the_traced_plans_count_them() -> None:
 
 def test_pipeline_and_accumulation_of_a_model_planned_from_its_shapes() -> None:
     # --pp: the family's pipeline_split puts 6 of moe_small's 12 blocks on
-    # each of 2 ranks (the rank planned with the embedding and the output);
+    # each of 2 ranks, the dense first block on the first; the rank planned
+    # is the second, all 6 with routed experts (with the embedding and the
+    # output);
     # 1F1B runs m + p - 1 microbatch slots, the first rank holding two
     # microbatches in flight at its peak beside the fp32 gradient sums of
     # its parameters, whole (Note: [Gradient accumulation in the plan]).
@@ -379,7 +381,8 @@ def test_pipeline_and_accumulation_of_a_model_planned_from_its_shapes() -> None:
     spec = spec_for_config(args)
     base = MoELayout(gpus=8, batch=4, seq=512, ep=2, ac="full", microbatches=4)
     piped = predict_moe(args, dataclasses.replace(base, pp=2), FIXED)
-    stage = dataclasses.replace(args, n_layers=6)
+    assert args.n_dense_layers == 1
+    stage = dataclasses.replace(args, n_layers=6, n_dense_layers=0)
     local = spec.num_params(stage) - (1 - 1 / 2) * analytic.expert_params(stage)
     assert piped.memory["accumulated"] == pytest.approx(4 * local)
     assert piped.memory["activations"] == pytest.approx(2 * (6 * args.dim) * 512 * 2)
@@ -399,6 +402,30 @@ def test_pipeline_and_accumulation_of_a_model_planned_from_its_shapes() -> None:
     assert accum.time["bubble"] == 0.0
     work = accum.step_s - accum.time["optimizer"]
     assert work == pytest.approx(4 * (once.step_s - once.time["optimizer"]))
+
+
+def test_pipeline_plans_each_rank_that_may_be_the_most_loaded() -> None:
+    # moe_small's dense first block sits on the first of 2 ranks: its 6
+    # blocks (5 with routed experts) and the second's 6 (all) are both
+    # planned; the memory is the heavier's, the step the slower's.
+    from simplefsdp.plan.pipeline import stage_compositions
+
+    args = get_config("moe_small")
+    spec = spec_for_config(args)
+    assert stage_compositions(spec, args, 2) == [(6, 6), (6, 5)]
+    assert stage_compositions(spec, args, 1) == [(12, 11)]
+    layout = MoELayout(gpus=8, batch=4, seq=512, ep=2, ac="full", microbatches=4, pp=2)
+    both = [analytic._predict_rank(spec, args, layout, FIXED, r) for r in [(6, 6), (6, 5)]]
+    plan = predict_moe(args, layout, FIXED)
+    assert both[0].peak_bytes > both[1].peak_bytes  # the experts weigh more
+    assert plan.peak_bytes == max(p.peak_bytes for p in both)
+    assert plan.memory == max(both, key=lambda p: p.peak_bytes).memory
+    assert plan.step_s == max(p.step_s for p in both)
+    assert any("pipeline ranks planned: 2" in note for note in plan.notes)
+    # a model's own dense blocks kept, by the field its family counts them in
+    qwen = resolve_flavor("qwen3_moe_debug", n_layers=8, mlp_only_layers=(0, 1))[1]
+    cut = analytic.stage_config(get_spec("qwen3_moe"), qwen, 4, 3)
+    assert (cut.n_layers, cut.n_moe_layers) == (4, 3)
 
 
 def test_fsdp2_under_a_pipeline_without_resharding_talks_once_per_step() -> None:

@@ -15,10 +15,14 @@ Note: [Analytic plan model]
     output) sharded over all ``dp`` ranks of a stage.
 
     Pipeline and accumulation (``pp``, ``microbatches``): the model below is
-    one microbatch of the most loaded pipeline rank, its blocks as the
-    family's ``pipeline_split`` places them (``stage_config``: the config
-    cut to them, the embedding and the output kept: conservative, as traced
-    plans), scaled as traced plans scale theirs (Note: [Pipeline schedules
+    one microbatch of a pipeline rank, its blocks as the family's
+    ``pipeline_split`` places them (``stage_config``: the config cut to
+    them, the embedding and the output kept, with the first rank's
+    microbatches in flight: conservative, as traced plans), for each rank
+    that may be the most loaded (``stage_compositions``: a model's leading
+    dense blocks on the first, only routed-expert blocks on others): the
+    memory the highest peak's, the step the slowest rank's; scaled as
+    traced plans scale theirs (Note: [Pipeline schedules
     in the plan] in ``plan/predict.py``): the activations of the
     microbatches in flight where the first rank peaks, beside the fp32
     gradient sums of its parameters, whole (Note: [Gradient accumulation in
@@ -178,7 +182,12 @@ from simplefsdp.plan.layout import (
     cp_mask_queries,
     pipeline_describe,
 )
-from simplefsdp.plan.pipeline import pipeline_note, pipeline_peak, pipeline_slots, stage_blocks
+from simplefsdp.plan.pipeline import (
+    pipeline_note,
+    pipeline_peak,
+    pipeline_slots,
+    stage_compositions,
+)
 from simplefsdp.plan.prediction import Prediction
 from simplefsdp.plan.trace import layer_variant
 
@@ -271,11 +280,24 @@ _PIPELINE_NAMES = {
 }
 
 
-def stage_config(spec: Any, config: Any, blocks: int) -> Any:
+def stage_config(spec: Any, config: Any, blocks: int, moe_blocks: int | None = None) -> Any:
     """``config`` cut to the ``blocks`` of a pipeline rank (all of them:
-    ``config``); its leading dense blocks kept where the rank holds as many."""
+    ``config``), ``moe_blocks`` of them with routed experts (``None``: the
+    model's leading dense blocks kept where the rank holds as many)."""
     if blocks >= config.n_layers:
         return config
+    if moe_blocks is not None:
+        dense = blocks - moe_blocks
+        fields = {f.name for f in dataclasses.fields(config)}
+        variant = None
+        if "n_dense_layers" in fields:
+            variant = dataclasses.replace(config, n_layers=blocks, n_dense_layers=dense)
+        elif "mlp_only_layers" in fields:
+            variant = dataclasses.replace(
+                config, n_layers=blocks, mlp_only_layers=tuple(range(dense)), decoder_sparse_step=1
+            )
+        if variant is not None and getattr(variant, "n_moe_layers", None) == moe_blocks:
+            return variant
     try:
         return layer_variant(spec, config, blocks)
     except ValueError:  # fewer blocks than the model's leading dense ones
@@ -492,16 +514,50 @@ def predict_analytic(
     """Predict ``layout`` of ``config`` (a flavor of ``spec``) on ``hw`` from
     its shapes (Note: [Analytic plan model]).
 
+    Under a pipeline each rank that may be the most loaded is planned
+    (``stage_compositions``): the memory is the highest peak's, the step the
+    slowest rank's (the pipeline runs at its pace).
+
     Raises:
         ValueError: a bad layout (``validate_analytic``).
     """
     validate_analytic(spec, config, layout)
+    ranks = stage_compositions(spec, config, layout.pp, layout.stages_of_rank)
+    plans = [_predict_rank(spec, config, layout, hw, rank) for rank in ranks]
+    if len(plans) == 1:
+        return plans[0]
+    heaviest = max(range(len(plans)), key=lambda i: plans[i].peak_bytes)
+    slowest = max(range(len(plans)), key=lambda i: plans[i].step_s)
+
+    def rank_words(i: int) -> str:
+        blocks, moe = ranks[i]
+        return f"{blocks} blocks, {moe} with routed experts"
+
+    note = (
+        f"pipeline ranks planned: {len(ranks)} ({'; '.join(map(rank_words, range(len(ranks))))}); "
+        f"memory of the one with {rank_words(heaviest)}, step of the one with "
+        f"{rank_words(slowest)}"
+    )
+    plan = plans[slowest]
+    return dataclasses.replace(
+        plan,
+        memory=plans[heaviest].memory,
+        peak_bytes=plans[heaviest].peak_bytes,
+        notes=[*plan.notes, note],
+    )
+
+
+def _predict_rank(
+    spec: Any, config: Any, layout: ExpertLayout, hw: HardwareProfile, rank: tuple[int, int]
+) -> Prediction:
+    """:func:`predict_analytic` of one pipeline rank holding ``rank``'s
+    ``(blocks, blocks with routed experts)``."""
     m = layout.microbatches
     # A pipeline rank's blocks (its stages'), with the embedding and the
     # output: conservative by the embedding, as traced plans (Note:
     # [Pipeline schedules in the plan] in plan/predict.py).
-    blocks_of_stage = stage_blocks(spec, config, layout.pp, layout.stages_of_rank)
-    args = stage_config(spec, config, blocks_of_stage)
+    blocks_of_stage, moe_of_stage = rank
+    args = stage_config(spec, config, blocks_of_stage, moe_of_stage)
     dp, ep, cp = layout.fsdp, layout.ep, layout.cp
     tokens = (layout.batch // m) * layout.seq // cp  # this rank's, per microbatch
     total = spec.num_params(args)

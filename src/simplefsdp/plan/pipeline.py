@@ -9,24 +9,57 @@ from typing import Any
 
 import torch
 
-_STAGE_BLOCKS: dict[tuple, int] = {}
+_RANK_BLOCKS: dict[tuple, list[tuple[int, int]]] = {}
 
 
-def stage_blocks(spec: Any, config: Any, pp: int, stages_per_rank: int = 1) -> int:
-    """Blocks of the most loaded of ``pp`` pipeline ranks, each holding
-    ``stages_per_rank`` stages ("loop" placement: rank ``r`` the stages
-    ``r + k * pp``), as the family's ``pipeline_split`` splits a model
-    built on the meta device."""
-    if pp == 1:
-        return config.n_layers
+def _rank_blocks(spec: Any, config: Any, pp: int, stages_per_rank: int) -> list[tuple[int, int]]:
+    """Each of ``pp`` pipeline ranks' ``(blocks, blocks with routed
+    experts)``, each rank holding ``stages_per_rank`` stages ("loop"
+    placement: rank ``r`` the stages ``r + k * pp``), as the family's
+    ``pipeline_split`` splits a model built on the meta device."""
     key = (spec.family, config, pp, stages_per_rank)
-    if key not in _STAGE_BLOCKS:
+    if key not in _RANK_BLOCKS:
         with torch.device("meta"):
             model = spec.build(config)
         n = pp * stages_per_rank
-        sizes = [len(stage.layers) for stage in spec.pipeline_split(model, list(range(n)), n)]
-        _STAGE_BLOCKS[key] = max(sum(sizes[r::pp]) for r in range(pp))
-    return _STAGE_BLOCKS[key]
+        stages = [
+            (
+                len(stage.layers),
+                sum(bool(getattr(b, "moe_enabled", False)) for b in stage.layers.values()),
+            )
+            for stage in spec.pipeline_split(model, list(range(n)), n)
+        ]
+        _RANK_BLOCKS[key] = [
+            (sum(s[0] for s in stages[r::pp]), sum(s[1] for s in stages[r::pp])) for r in range(pp)
+        ]
+    return _RANK_BLOCKS[key]
+
+
+def stage_blocks(spec: Any, config: Any, pp: int, stages_per_rank: int = 1) -> int:
+    """Blocks of the most loaded of ``pp`` pipeline ranks (see
+    :func:`_rank_blocks` for the placement)."""
+    if pp == 1:
+        return config.n_layers
+    return max(blocks for blocks, _ in _rank_blocks(spec, config, pp, stages_per_rank))
+
+
+def stage_compositions(
+    spec: Any, config: Any, pp: int, stages_per_rank: int = 1
+) -> list[tuple[int, int]]:
+    """The ``(blocks, blocks with routed experts)`` of the pipeline ranks
+    that may be the most loaded: those no other rank outdoes in both blocks
+    with and without routed experts (a model's leading dense blocks make
+    its first rank one, the ranks of only routed-expert blocks another),
+    most blocks with routed experts first (see :func:`_rank_blocks` for the
+    placement)."""
+    if pp == 1:
+        return [(config.n_layers, getattr(config, "n_moe_layers", 0))]
+    ranks = set(_rank_blocks(spec, config, pp, stages_per_rank))
+
+    def outdone(r: tuple[int, int]) -> bool:
+        return any(o != r and o[1] >= r[1] and o[0] - o[1] >= r[0] - r[1] for o in ranks)
+
+    return sorted((r for r in ranks if not outdone(r)), key=lambda r: (-r[1], -r[0]))
 
 
 def first_rank_actions(schedule: str, m: int, p: int, v: int) -> list[tuple[str, int]]:
