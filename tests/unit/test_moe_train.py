@@ -34,7 +34,7 @@ from simplefsdp.layout import Layout
          "breaks"),
         (["--nproc", "4", "--parallel.tp", "2", "--parallel.ep", "2", "--compile.enable", "false"],
          "parallel.ep 2 with parallel.tp 2: expert parallelism composes with data "
-         "parallelism (dp_shard, cp) only"),
+         "parallelism (dp_shard, cp) and pipeline stages only"),
         (["--nproc", "2", "--parallel.ep", "0"], "parallel.ep: invalid value 0; must be >= 1"),
     ],
 )  # fmt: skip
@@ -59,6 +59,10 @@ def test_layout_and_spec_check_experts():
     assert Layout(ep=2).validate(4) == []  # no model: the degrees only
     (line,) = Layout(tp=2, ep=2).validate(4)
     assert "ep 2 with tp 2: expert parallelism composes" in line
+    # each pipeline stage's ranks form their own EP groups
+    assert Layout(pp=2, ep=2).validate(4) == []
+    (line,) = Layout(pp=2, ep=4).validate(4)
+    assert "ep 4 does not divide the 2 ranks of dp_shard 2" in line
     (line,) = Layout(ep=4).validate(6)
     assert "ep 4 does not divide the 6 ranks of dp_shard 6" in line
 

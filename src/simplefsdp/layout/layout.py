@@ -134,8 +134,8 @@ class Layout:
         rest); the degrees multiply to the world size; ``ep`` divides
         ``dp_shard x cp`` and is a multiple of ``cp`` (an expert-parallel
         group takes whole context-parallel groups); expert parallelism
-        composes with ``dp_shard`` and ``cp`` only (``dp_replicate``, ``tp``
-        and ``pp`` 1). Model and engine rules belong to the model's spec
+        composes with ``dp_shard``, ``cp`` and ``pp`` only (``dp_replicate``
+        and ``tp`` 1: each pipeline stage's ranks form its own EP groups). Model and engine rules belong to the model's spec
         and the engine.
 
         Args:
@@ -200,13 +200,14 @@ class Layout:
         if ep == 1:
             return []
         errors = []
-        others = [k for k in ("dp_replicate", "tp", "pp") if getattr(self, k) > 1]
+        others = [k for k in ("dp_replicate", "tp") if getattr(self, k) > 1]
         if others:
             have = ", ".join(f"{n[k]} {getattr(self, k)}" for k in others)
             use = " and ".join(f"{n[k]} 1" for k in others)
             errors.append(
                 f"{n['ep']} {ep} with {have}: expert parallelism composes with data "
-                f"parallelism (dp_shard, cp) only; use {use}, or {n['ep']} 1"
+                f"parallelism (dp_shard, cp) and pipeline stages only; use {use}, or "
+                f"{n['ep']} 1"
             )
         span = dp_shard * self.cp
         if span % ep or ep % self.cp:
