@@ -194,9 +194,10 @@ class ParallelConfig:
         reduce_dtype: Gradient reduction dtype (``None``: the ``param_dtype``).
         tp: Tensor-parallel size: each group of ``tp`` ranks splits every
             block's attention heads and feed-forward (the model family's
-            tensor-parallel plan, ``ModelSpec.tensor_parallel``); the data-parallel
-            dims cover ``world_size / tp`` ranks. Engines ``simplefsdp`` and
-            ``fsdp2`` only.
+            tensor-parallel plan, ``ModelSpec.tensor_parallel``; a
+            mixture-of-experts layer's routed experts over their hidden dim);
+            the data-parallel dims cover ``world_size / tp`` ranks. Engines
+            ``simplefsdp`` and ``fsdp2`` only.
         sequence_parallel: With ``tp > 1``, shard the norms' activations along
             the sequence (``data.seq_len`` must divide by ``tp``).
         loss_parallel: With ``tp > 1``, keep the logits sharded over the
@@ -224,7 +225,9 @@ class ParallelConfig:
             hold the same experts (torchtitan's ``dp_shard_mod_ep``), the
             others over all ranks. Must divide the data-parallel ranks and
             ``num_experts``; engines ``simplefsdp`` and ``fsdp2``, modes
-            ``fully_shard`` and ``replicate``, without ``tp``/``pp``.
+            ``fully_shard`` and ``replicate``; with ``pp`` each pipeline
+            stage's data-parallel ranks form their own groups; not with
+            ``tp`` (which splits every expert's hidden dim instead).
         cp: Context-parallel size: groups of ``cp`` ranks split each
             sequence (load-balanced: head-tail chunks for causal batches,
             balanced block-causal work with document masks); they read the
