@@ -70,15 +70,15 @@ def test_pipeline_run_resumes_at_dp4_and_exports(tmp_path):
 
 def test_moe_pipeline_with_expert_parallelism_resumes_without_it(tmp_path):
     # pp2 x ep2 on 4 processes (each stage's 2 ranks one EP group, holding
-    # half its experts), resumed at pp2 alone: the same losses, the experts
-    # resharded by the checkpoint's load.
+    # half its experts), resumed at pp2 alone on 2 processes with the same
+    # global batch: the same losses, the experts resharded by the load.
     moe = ["--model.name", "moe_debug", "--parallel.pp", "2"]
     _train(tmp_path, "ep", [*moe, "--parallel.ep", "2"])
     ep = losses(only_run(tmp_path / "ep") / "metrics.jsonl")
     assert sorted(ep) == [1, 2, 3, 4] and ep[4] < ep[1]
     ck = checkpoints(only_run(tmp_path / "ep"))
     pp_run = checkpoint_as_run(ck / "step-2", tmp_path / "pp")
-    proc = _train(tmp_path, "pp", [*moe, "--resume"])
+    proc = _train(tmp_path, "pp", [*moe, "--nproc", "2", "--data.batch_size", "4", "--resume"])
     assert "steps          2 -> 4" in proc.stdout
     pp = losses(pp_run / "metrics.jsonl")
     for step in (3, 4):  # the experts' sums in another order: fp32 tolerance
