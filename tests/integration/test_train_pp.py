@@ -70,10 +70,18 @@ def test_pipeline_run_resumes_at_dp4_and_exports(tmp_path):
 
 def test_moe_pipeline_with_expert_parallelism_resumes_without_it(tmp_path):
     # pp2 x ep2 on 4 processes (each stage's 2 ranks one EP group, holding
-    # half its experts), resumed at pp2 alone on 2 processes with the same
-    # global batch: the same losses, the experts resharded by the load.
+    # half its experts), interleaved: 2 stages of one block per rank, the
+    # first of them the dense block (no experts); resumed at pp2 1F1B alone
+    # on 2 processes with the same global batch: the same losses, the
+    # experts resharded by the load.
     moe = ["--model.name", "moe_debug", "--parallel.pp", "2"]
-    _train(tmp_path, "ep", [*moe, "--parallel.ep", "2"])
+    interleaved = [
+        "--parallel.pp_schedule",
+        "interleaved_1f1b",
+        "--parallel.pp_stages_per_rank",
+        "2",
+    ]
+    _train(tmp_path, "ep", [*moe, "--parallel.ep", "2", *interleaved])
     ep = losses(only_run(tmp_path / "ep") / "metrics.jsonl")
     assert sorted(ep) == [1, 2, 3, 4] and ep[4] < ep[1]
     ck = checkpoints(only_run(tmp_path / "ep"))

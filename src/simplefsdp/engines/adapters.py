@@ -474,6 +474,7 @@ def parallelize(
     init_fn: InitFn | None = None,
     tp_fn: TensorParallelFn | None = None,
     loss_fn: LossFn | None = None,
+    need_experts: bool = True,
 ) -> ParallelModel:
     """Parallelise ``model`` with ``spec``; see the module docstring.
 
@@ -492,11 +493,15 @@ def parallelize(
             required when ``spec.tp > 1``.
         loss_fn: ``loss_fn(output, targets)``, for :meth:`ParallelModel.step`
             and :meth:`ParallelModel.eval_loss`.
+        need_experts: with ``spec.ep > 1``, a model without ``experts``
+            modules is an error; ``False`` parallelises it without expert
+            parallelism (a pipeline stage of dense blocks only).
 
     Raises:
         ValueError: a meta model without ``init_fn``, a mesh that does not
             match ``spec.tp`` or ``spec.ep``, ``spec.tp > 1`` without ``tp_fn``,
-            ``spec.ep > 1`` on a model without ``experts`` modules, or invalid
+            ``spec.ep > 1`` on a model without ``experts`` modules (with
+            ``need_experts``), or invalid
             settings (the engines' own errors).
     """
     meshes = _meshes(mesh, spec.ep)
@@ -529,13 +534,14 @@ def parallelize(
         from simplefsdp.frontend.expert_parallel import apply_expert_parallel
 
         applied = apply_expert_parallel(model, meshes.ep)
-        if not applied:
+        if not applied and need_experts:
             raise ValueError(
                 f"spec.ep={spec.ep} but {type(model).__name__} has no submodule named 'experts' "
                 "to shard over the expert-parallel ranks"
             )
-        logger.info("expert parallelism (ep %d) on %d experts modules", spec.ep, len(applied))
-        expert_mesh = meshes.expert_dp
+        if applied:
+            logger.info("expert parallelism (ep %d) on %d experts modules", spec.ep, len(applied))
+            expert_mesh = meshes.expert_dp
     apply_activation_checkpointing(model, spec.activation_checkpoint, spec.recompute_experts)
     if expert_mesh is not None:
         parallel = _ADAPTERS[spec.engine](model, spec, meshes.fsdp, device, init_fn, expert_mesh)

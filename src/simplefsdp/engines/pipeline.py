@@ -457,8 +457,10 @@ def parallelize_pipeline(
     stage_ids = [pp_rank + k * pipeline.pp for k in range(pipeline.stages_per_rank)]
     modules = split_fn(model, stage_ids, pipeline.num_stages)
     rest = mesh if isinstance(mesh, Meshes) else stage_mesh(mesh)
+    # a stage of dense blocks only (a model's leading ones) has no experts
     parts = [
-        parallelize(module, spec, rest, device, init_fn=init_fn, tp_fn=tp_fn) for module in modules
+        parallelize(module, spec, rest, device, init_fn=init_fn, tp_fn=tp_fn, need_experts=False)
+        for module in modules
     ]
     return PipelinedModel(
         parts,
