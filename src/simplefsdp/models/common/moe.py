@@ -104,10 +104,10 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.use_grouped_mm = use_grouped_mm
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        # Expert tensor parallelism splits the hidden dim.
-        self.tp_shard_dims = {"w1": 1, "w2": 2, "w3": 1}
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # Expert tensor parallelism splits the hidden dim.
+        self.tp_shard_dims = {"w1": 1, "w2": 2, "w3": 1}
 
     def init_weights(self, init_std: float) -> None:
         """Initialise in place: ``w1`` with std 0.02, ``w2``/``w3`` with ``init_std``."""
