@@ -237,6 +237,11 @@ def test_fsdp2_holds_its_root_and_the_last_blocks_as_backward_starts() -> None:
     assert fsdp2_gathered_bytes(units, beside=100.0) == 9 + 2 * 1 + 2
     # the root's copy-out as forward starts (2 * 9 + 3) where nothing else is held
     assert fsdp2_gathered_bytes(units, beside=0.0) == 2 * 9 + 3
+    # torchtitan's split root: the output (4) kept from forward, resharded
+    # before the last block's backward prefetches the one before it (2)
+    assert fsdp2_gathered_bytes(units, beside=100.0, root="split") == 2 * 1 + max(4, 2)
+    # the embedding alone copied out as forward starts (2 * 5 + 3)
+    assert fsdp2_gathered_bytes(units, beside=0.0, root="split") == 2 * 5 + 3
 
 
 def test_kept_parameters_are_held_once_beside_the_later_buckets() -> None:
@@ -383,6 +388,24 @@ def test_full_ac_recomputes_and_saves_less() -> None:
     }
     assert preds["full"].memory["activations"] < preds["selective"].memory["activations"]
     assert preds["full"].time["flops"] > preds["selective"].time["flops"]
+
+
+def test_selective_ac_without_the_attention_recomputes_exactly_it() -> None:
+    # An op list that does not name the run's attention kernel (torchtitan's
+    # on a B200, where cuDNN's runs first): every block's attention output
+    # and log-sum-exp are no longer saved, and its forward runs again.
+    spec, args = get_spec("llama3"), get_config("debug")
+    kept, recomputed = (
+        predict(spec, args, Layout(gpus=2, batch=2, seq=64, attention_saved=saved), FIXED)
+        for saved in (True, False)
+    )
+    batch, seq, heads, dim = 2, 64, args.n_heads, args.dim
+    per_block = batch * seq * dim * 2 + batch * heads * seq * 4  # bf16 output, fp32 lse
+    saved = kept.memory["activations"] - recomputed.memory["activations"]
+    assert saved == args.n_layers * per_block
+    attention_forward = 4 * batch * heads * seq * seq * (dim // heads)
+    assert recomputed.time["flops"] - kept.time["flops"] == args.n_layers * attention_forward
+    assert "attention-recomputed" in recomputed.layout.describe()
 
 
 def test_eager_saved_activations_match_eager_autograd() -> None:
@@ -632,6 +655,7 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path, capsys) -> None:
         (["--model", "llama3_9b"], "unknown model 'llama3_9b'"),
         (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
         (["--config", str(not_an_object)], "must hold a JSON object of the model config's fields"),
+        (["--model", "debug", "--fsdp2-root", "split"], "use it with --engine fsdp2"),
     ]
     for argv, message in cases:
         assert plan_cli.main(argv) == 2

@@ -172,6 +172,20 @@ def test_fsdp2s_collective_streams_stay_with_compiled_blocks() -> None:
     assert pred.memory["cached"] == streams
 
 
+def test_expandable_segments_are_simulated_where_the_layout_asks() -> None:
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's
+    # run_train.sh): one growing segment per pool and stream
+    spec, args = get_spec("llama3"), get_config("debug")
+    layout = Layout(gpus=2, batch=2, seq=256, expandable_segments=True)
+    pred = predict(spec, args, layout, FIXED)
+    key = TraceKey("llama3", dataclasses.replace(args, n_layers=2), 2, 1, 2, 256, "selective")
+    t2 = traced(key)
+    grown, fixed = (simulate_traced(t2, expandable_segments=e).cached_bytes for e in (True, False))
+    assert grown < fixed  # the activations' freed blocks merge into the growing segment
+    assert pred.memory["cached"] == grown
+    assert "expandable" in pred.layout.describe()
+
+
 def test_at_capacity_the_plans_reserved_peak_stays_within_the_usable_memory() -> None:
     # A device just above the tensors: the allocator releases its cache and
     # retries, so the reserved peak stays within the usable memory (FSDP2:

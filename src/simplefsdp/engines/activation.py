@@ -30,24 +30,34 @@ logger = logging.getLogger(__name__)
 #     costliest ops. ``recompute_experts`` recomputes them too, as
 #     torchtitan does: less memory (the experts' hidden and output rows of
 #     every routed token) for one more forward of the experts per MoE layer.
+#     ``save_attention=False`` leaves the attention kernels out of the list,
+#     as an op list that names only some of torch's SDPA kernels does where
+#     torch picks another (the planner's model of such a run): every block's
+#     attention is then recomputed in backward.
 
 _EXPERT_MATMULS = ("_grouped_mm", "_scaled_grouped_mm")
 
 
-def _sac_save_ops(recompute_experts: bool = False) -> tuple[frozenset[Any], frozenset[Any]]:
+def _sac_save_ops(
+    recompute_experts: bool = False, save_attention: bool = True
+) -> tuple[frozenset[Any], frozenset[Any]]:
     """``(save, matmuls)``: the ops whose outputs selective AC keeps, those of
     this torch build, and among them the matmuls, of which every second one
     per block is recomputed (Note: [Selective activation checkpointing]);
-    the experts' grouped matmuls not kept with ``recompute_experts``."""
+    the experts' grouped matmuls not kept with ``recompute_experts``, the
+    attention kernels not kept without ``save_attention``."""
+    attention = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
     aten = torch.ops.aten
     matmuls = {aten.mm.default, aten.addmm.default, aten.linear.default}
     save = set(matmuls) | {aten.bmm.default, aten.baddbmm.default, aten.max.default}
     save.add(aten.topk.default)
     for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
+        *(attention if save_attention else ()),
         *(() if recompute_experts else _EXPERT_MATMULS),
         "_scaled_mm",
     ):
@@ -137,7 +147,7 @@ def check_recompute_experts(mode: str, recompute_experts: bool, flag: str) -> No
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, mode: str, recompute_experts: bool = False
+    model: nn.Module, mode: str, recompute_experts: bool = False, *, save_attention: bool = True
 ) -> int:
     """Wrap every repeated block (``simplefsdp.bucket_plan.repeated_blocks``) for AC.
 
@@ -145,7 +155,8 @@ def apply_activation_checkpointing(
     wrapped blocks. ``"full"`` recomputes the whole block in backward;
     ``"selective"`` is torchtitan's op-level policy (Note: [Selective
     activation checkpointing]), the experts' grouped matmuls recomputed
-    too with ``recompute_experts``. Checkpoint keys are
+    too with ``recompute_experts``, the attention without
+    ``save_attention``. Checkpoint keys are
     unchanged: DCP and the wrapper's state-dict hooks strip its prefix.
 
     Returns:
@@ -167,7 +178,9 @@ def apply_activation_checkpointing(
     kwargs: dict[str, Any] = {"preserve_rng_state": False}
     if mode == "selective":
         _ignore_profiler_ranges_in_sac()
-        kwargs["context_fn"] = partial(_sac_context_fn, *_sac_save_ops(recompute_experts))
+        kwargs["context_fn"] = partial(
+            _sac_context_fn, *_sac_save_ops(recompute_experts, save_attention)
+        )
     blocks = repeated_blocks(model)
     for fqn, block in blocks:
         parent_fqn, _, name = fqn.rpartition(".")

@@ -580,7 +580,11 @@ def simulate_traced(
 
 
 def cached_bytes(
-    step: Sequence[Event], allocated: float, usable: float, steps: int = 2
+    step: Sequence[Event],
+    allocated: float,
+    usable: float,
+    steps: int = 2,
+    expandable: bool = False,
 ) -> tuple[float, int]:
     """Reserved minus allocated bytes at the caching allocator's peaks over
     ``steps`` repetitions of one step's events, and its allocation retries,
@@ -588,7 +592,8 @@ def cached_bytes(
     tensors) less the simulated ones are taken: past that capacity the
     cache is released and the allocation retried, and the reserved peak is
     the usable memory at most. A ``Free`` of a :class:`Previous` key frees
-    the step before's tensor."""
+    the step before's tensor. ``expandable``: the allocator's expandable
+    segments."""
     events: list[Event] = []
     for n in range(steps):
         for e in step:
@@ -599,10 +604,10 @@ def cached_bytes(
                     events.append(Free((n - 1, e.key.key)))
             else:
                 events.append(Free((n, e.key)))
-    free = CachingAllocator().run(events)
+    free = CachingAllocator(expandable_segments=expandable).run(events)
     capacity = usable - max(allocated - free.allocated_peak_bytes, 0.0)
     if capacity <= 0 or free.reserved_peak_bytes <= capacity:
         return float(free.cached_bytes), 0
-    capped = CachingAllocator(int(capacity)).run(events)
+    capped = CachingAllocator(int(capacity), expandable_segments=expandable).run(events)
     cached = min(max(capped.cached_bytes, 0), max(usable - allocated, 0.0))
     return float(cached), capped.retries

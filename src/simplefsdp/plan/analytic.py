@@ -216,6 +216,7 @@ class ExpertLayout:
     microbatches: int = 1
     pp_schedule: str = "1f1b"  # as the traced Layout's
     stages_per_rank: int | None = None
+    expandable_segments: bool = False  # as the traced Layout's
 
     @property
     def dp(self) -> int:
@@ -267,6 +268,8 @@ class ExpertLayout:
         ]
         if self.fused_loss:
             parts.append("fused-loss")
+        if self.expandable_segments:
+            parts.append("expandable")
         return " ".join(parts)
 
 
@@ -657,7 +660,9 @@ def _predict_rank(
         # What the caching allocator holds free at its reserved peak, over two
         # eager steps of the family's own ops (Note: [Analytic plan model]).
         events = eager_step_events(recording)
-        cached, retries = cached_bytes(events, sum(memory.values()), usable)
+        cached, retries = cached_bytes(
+            events, sum(memory.values()), usable, expandable=layout.expandable_segments
+        )
         memory["cached"] = cached
         cache_note = [
             f"peak is the caching allocator's reserved memory: {cached / 2**30:.1f} GiB cached"

@@ -58,6 +58,8 @@ METHOD_FLAGS = {
         "--loss-parallel",
         "--async-tp",
         "--fused-loss",
+        "--expandable-segments",
+        "--fsdp2-root",
         "--float8",
         "--bucketing",
         "--sweep",
@@ -74,6 +76,7 @@ METHOD_FLAGS = {
         "--expert-imbalance",
         "--recompute-experts",
         "--fused-loss",
+        "--expandable-segments",
         "--sweep",
         "--measure",
     ),
@@ -91,6 +94,8 @@ _GIVEN = {
     "--loss-parallel": lambda ns: ns.loss_parallel,
     "--async-tp": lambda ns: ns.async_tp,
     "--fused-loss": lambda ns: ns.fused_loss,
+    "--expandable-segments": lambda ns: ns.expandable_segments,
+    "--fsdp2-root": lambda ns: ns.fsdp2_root != "whole",
     "--float8": lambda ns: ns.float8,
     "--bucketing": lambda ns: ns.bucketing != "auto",
     "--sweep": lambda ns: ns.sweep,
@@ -349,6 +354,20 @@ def _parser() -> argparse.ArgumentParser:
         "their fp32 tensors never held (torchtitan compiles it with compile on since 2025)",
     )
     p.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="the CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "(torchtitan's run_train.sh sets it): its cached memory simulated so",
+    )
+    p.add_argument(
+        "--fsdp2-root",
+        default="whole",
+        choices=("whole", "split"),  # simplefsdp.plan.layout.FSDP2_ROOTS (imports torch)
+        help="with --engine fsdp2: the parameters outside the blocks in one root group kept "
+        "gathered through backward (whole: the fsdp2 engine's), or the embedding resharded "
+        "after forward apart from the final norm and output (split: torchtitan's since 2025-07)",
+    )
+    p.add_argument(
         "--float8",
         action="store_true",
         help="torchao float8 training (tensorwise, float8 all-gather) of every linear "
@@ -438,6 +457,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
             cp_backend=ns.cp_backend,
             recompute_experts=ns.recompute_experts,
             fused_loss=ns.fused_loss,
+            expandable_segments=ns.expandable_segments,
             pp=ns.pp,
             microbatches=ns.microbatches if ns.microbatches is not None else max(ns.pp, 1),
             pp_schedule=ns.pp_schedule,
@@ -466,6 +486,8 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
         async_tp=ns.async_tp,
         pp_schedule=ns.pp_schedule,
         stages_per_rank=ns.stages_per_rank,
+        fsdp2_root=ns.fsdp2_root,
+        expandable_segments=ns.expandable_segments,
     )
 
 

@@ -38,6 +38,14 @@ _LAYOUT_NAMES = {
 #: context_parallel (what torchtitan runs).
 CP_BACKENDS = ("allgather", "ulysses", "torch")
 
+#: How FSDP2 groups the parameters outside the blocks (``Layout.fsdp2_root``):
+#: ``whole``, one root group (embedding, final norm, output) gathered from its
+#: forward to the end of backward (the fsdp2 engine's grouping); ``split``,
+#: the embedding a group of its own, resharded after forward, and the final
+#: norm with the output one kept gathered from forward into backward
+#: (torchtitan's ``apply_fsdp`` from pytorch/torchtitan#1094 on).
+FSDP2_ROOTS = ("whole", "split")
+
 
 def cp_describe(cp: int, backend: str) -> str:
     """A layout's context-parallel part (``cp2``, ``cp2 torch``; the default
@@ -113,6 +121,18 @@ class Layout:
     # schedule's default, 2 interleaved, else 1).
     pp_schedule: str = "1f1b"
     stages_per_rank: int | None = None
+    # FSDP2's grouping of the parameters outside the blocks (FSDP2_ROOTS).
+    fsdp2_root: str = "whole"
+    # Selective AC keeps the attention's output. False models an op list
+    # that does not name the kernel the run uses (torchtitan of 2025-08 puts
+    # cuDNN's attention first on B200s; its list names flash's and the
+    # memory-efficient one): every block's attention is recomputed.
+    attention_saved: bool = True
+    # The caching allocator maps pages into one growing segment per pool
+    # and stream (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which
+    # torchtitan's run_train.sh sets) rather than reserving fixed segments,
+    # its default (Note: [Caching allocator simulation]).
+    expandable_segments: bool = False
 
     @property
     def stages_of_rank(self) -> int:
@@ -169,6 +189,12 @@ class Layout:
             ),
             "reshard" if self.reshard_after_forward else "no-reshard",
         ]
+        if get_engine(self.engine).fsdp2_runtime and self.fsdp2_root != "whole":
+            parts.append(f"{self.fsdp2_root}-root")
+        if not self.attention_saved and self.ac == "selective":
+            parts.append("attention-recomputed")
+        if self.expandable_segments:
+            parts.append("expandable")
         return " ".join(parts)
 
 
@@ -245,6 +271,15 @@ def validate(args: Any, layout: Layout) -> None:
     if layout.pp == 1 and (layout.pp_schedule != "1f1b" or layout.stages_per_rank is not None):
         flag = "--stages-per-rank" if layout.stages_per_rank is not None else "--pp-schedule"
         raise ValueError(f"{flag} schedules a pipeline; it needs --pp > 1")
+    if layout.fsdp2_root not in FSDP2_ROOTS:
+        raise ValueError(
+            f"unknown --fsdp2-root {layout.fsdp2_root!r}; valid: {', '.join(FSDP2_ROOTS)}"
+        )
+    if layout.fsdp2_root != "whole" and not get_engine(layout.engine).fsdp2_runtime:
+        raise ValueError(
+            f"--fsdp2-root {layout.fsdp2_root} groups FSDP2's parameters; --engine "
+            f"{layout.engine} has no such groups (use it with --engine fsdp2)"
+        )
     if layout.cp_backend not in CP_BACKENDS:
         raise ValueError(
             f"--cp-backend {layout.cp_backend!r} is not planned; valid: {', '.join(CP_BACKENDS)}"

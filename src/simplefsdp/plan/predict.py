@@ -35,7 +35,9 @@ Note: [Plan model]
                    the activations peak, as backward starts: the root
                    group, gathered from its forward to the end of
                    backward, the last block gathered again and copied out
-                   and the one before it prefetched
+                   and the one before it prefetched; with torchtitan's
+                   split root (``fsdp2_root``) the final norm and output
+                   alone, resharded before that prefetch
                    (``fsdp2_gathered_bytes``),
       accumulated  with more than one microbatch (gradient accumulation, or
                    a pipeline's microbatches), the unreduced gradient sums
@@ -709,23 +711,37 @@ def _group_units(units: list[GatherUnit], how: str) -> list[list[GatherUnit]]:
     return ([root] if root else []) + blocks
 
 
-def fsdp2_gathered_bytes(units: list[GatherUnit], beside: float) -> float:
+def fsdp2_gathered_bytes(units: list[GatherUnit], beside: float, root: str = "whole") -> float:
     """FSDP2's gathered parameters at the step's peak, beyond the one the
-    traced graph holds (Note: [Plan model]): its root group (embedding,
-    final norm, output) stays gathered from its forward to the end of
-    backward (FSDP2 does not reshard the root after forward), and as
-    backward starts, where the activations (``beside``) peak, the last
-    block is gathered again and copied out of its all-gather buffer
-    (``2 * B_n``) with the one before it prefetched (``B_(n-1)``). The
-    root's own copy-out as forward starts (``2 * R + B_1``, no activations
-    yet) is the peak only where it exceeds that and ``beside``."""
-    root = sum(u.gathered_bytes for u in units if _block_of(u.fqn) == "root")
-    blocks = [sum(u.gathered_bytes for u in g) for g in _group_units(units, "per_block")]
-    blocks = blocks[1:] if root else blocks
+    traced graph holds (Note: [Plan model]). With ``root`` ``whole`` its root
+    group (embedding, final norm, output) stays gathered from its forward
+    to the end of backward (FSDP2 does not reshard the root after forward),
+    and as backward starts, where the activations (``beside``) peak, the
+    last block is gathered again and copied out of its all-gather buffer
+    (``2 * B_n``) with the one before it prefetched (``B_(n-1)``). With
+    ``split`` (``FSDP2_ROOTS``) only the final norm and output (``R_out``)
+    are kept from forward, and they are resharded when their backward ends,
+    before the last block's backward prefetches the one before it:
+    ``2 * B_n + max(R_out, B_(n-1))``. The first group's own copy-out as
+    forward starts (``2 * R + B_1``, or ``2 * R_in + B_1`` for the embedding
+    alone, no activations yet) is the peak only where it exceeds that and
+    ``beside``."""
+    ordered = _forward_order_blocks(units)
+    roots = [g for g in ordered if _block_of(g[0].fqn) == "root"]
+    blocks = [sum(u.gathered_bytes for u in g) for g in ordered if _block_of(g[0].fqn) != "root"]
+    whole = float(sum(u.gathered_bytes for g in roots for u in g))
     if not blocks:
-        return float(2 * root)
-    at_backward = root + 2 * blocks[-1] + (blocks[-2] if len(blocks) > 1 else 0)
-    at_start = 2 * root + blocks[0]
+        return 2 * whole
+    first = ordered[0]
+    before = float(sum(u.gathered_bytes for u in first)) if roots and roots[0] is first else 0.0
+    after = whole - before
+    previous = blocks[-2] if len(blocks) > 1 else 0.0
+    if root == "split":
+        at_backward = 2 * blocks[-1] + max(after, previous)
+        at_start = 2 * before + blocks[0]
+    else:
+        at_backward = whole + 2 * blocks[-1] + previous
+        at_start = 2 * whole + blocks[0]
     return float(max(at_backward, at_start - beside))
 
 
@@ -875,15 +891,23 @@ def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Ma
 
 
 def _cached_bytes(
-    t2: Traced, allocated: float, usable: float, streams: bool, fused_vocab: int
+    t2: Traced,
+    allocated: float,
+    usable: float,
+    streams: bool,
+    fused_vocab: int,
+    expandable: bool = False,
 ) -> tuple[float, int]:
     """Reserved minus allocated bytes at the caching allocator's peaks over
     two steps of ``t2``'s graphs, and its allocation retries, on a device
     of ``usable`` bytes of which the plan's ``allocated`` bytes beyond the
     simulated tensors are taken; ``streams``: the collectives' buffers on
     streams of their own, as eager FSDP2 allocates them; ``fused_vocab``:
-    the local vocabulary of a fused loss (0: eager) (Note: [Plan model])."""
-    kw = dict(collective_streams=streams, fused_loss_vocab=fused_vocab)
+    the local vocabulary of a fused loss (0: eager); ``expandable``: the
+    allocator's expandable segments (Note: [Plan model])."""
+    kw = dict(
+        collective_streams=streams, fused_loss_vocab=fused_vocab, expandable_segments=expandable
+    )
     free = simulate_traced(t2, **kw)
     capacity = usable - max(allocated - free.allocated_peak_bytes, 0.0)
     if capacity <= 0 or free.reserved_peak_bytes <= capacity:
@@ -936,6 +960,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
             layout.reshard_after_forward,
             layout.dtype,
             layout.loss_parallel and layout.tp > 1,
+            layout.attention_saved,
         )
         for n in (1, 2)
     ]
@@ -1187,7 +1212,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         else:
             activations += gathered_kv * blocks_of_stage * inflight
     if fsdp2 and layout.fsdp > 1 and layout.reshard_after_forward:
-        gathered = fsdp2_gathered_bytes(units, activations + temporary)
+        gathered = fsdp2_gathered_bytes(units, activations + temporary, layout.fsdp2_root)
     # Unreduced gradient sums (Note: [Gradient accumulation in the plan]):
     # fp32, the stage's parameters whole (TP-local), those alive at the peak.
     accumulated = float(sums_alive * sums)
@@ -1212,7 +1237,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         vocab = config.vocab_size // (layout.tp if layout.loss_parallel else 1)
         fused_vocab = vocab if layout.fused_loss else 0
         streams = get_engine(layout.engine).fsdp2_runtime  # compiled blocks too
-        cached, retries = _cached_bytes(t2, sum(memory.values()), usable, streams, fused_vocab)
+        cached, retries = _cached_bytes(
+            t2, sum(memory.values()), usable, streams, fused_vocab, layout.expandable_segments
+        )
         memory["cached"] = cached
         notes.append(
             f"peak is the caching allocator's reserved memory: {cached / 2**30:.1f} GiB cached "

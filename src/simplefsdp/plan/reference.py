@@ -97,6 +97,16 @@ class ReferenceRow:
     async_tp: bool = False
     # the pipeline's schedule (torchtitan's pipeline_parallel_schedule)
     pp_schedule: str = "1f1b"
+    # torchtitan's grouping outside the blocks: "split" from
+    # pytorch/torchtitan#1094 (2025-07) on, one root group before it
+    fsdp2_root: str = "whole"
+    # selective AC keeps the attention's output (False: the run's attention
+    # kernel is not in its op list)
+    attention_saved: bool = True
+    # launched by torchtitan's run_train.sh, which has set
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True since 2024-10 (where a
+    # source names no launcher: the allocator's default)
+    expandable_segments: bool = False
 
 
 def _table(
@@ -249,12 +259,13 @@ DEEPSEEK_V3_2080 = tuple(
 # value torchtitan#1792 then made the default, citing this issue): FSDP 8 x
 # EP 8, seq 4096, selective AC by the op list (the experts recomputed), the
 # loss compiled. Tokens/s: the mean of the four logged windows (steps 10 to
-# 40: 11,636, 11,758, 11,533, 11,254); memory: their reserved peak.
+# 40: 11,636, 11,758, 11,533, 11,254); memory: their reserved peak. Launched
+# by run_train.sh (the issue's command): expandable segments.
 DEEPSEEK_V3_1789 = (
     ReferenceRow(
         "EP", "deepseek_v3_16b", 8, 4, 4096, "selective", 1, 1, 1, "fsdp2", 11545, 73.32,
         True, "FSDP2 eager, compiled loss", ep=8, hardware="h100", source=_DSV3_1789,
-        recompute_experts=True, fused_loss=True,
+        recompute_experts=True, fused_loss=True, expandable_segments=True,
     ),
 )  # fmt: skip
 
@@ -265,10 +276,11 @@ DEEPSEEK_V3_1789 = (
 # H100s of the other rows (not stated), and the loss eager: torchtitan
 # compiles it from pytorch/torchtitan#1033, after that torch pre-release.
 # Memory: torchtitan's logged reserved peak (ao's parse_torchtitan_logs.py).
+# ao's torchtitan_benchmark.sh launches run_train.sh: expandable segments.
 TORCHAO_H100_2025 = tuple(
     ReferenceRow(
         "8 GPUs", "8B", 8, 1, 8192, "selective", 1, 1, 1, "fsdp2", tps, gib, True, note,
-        float8=float8, source=_TORCHAO_H100, compile=True,
+        float8=float8, source=_TORCHAO_H100, compile=True, expandable_segments=True,
     )
     for note, float8, tps, gib in (
         ("FSDP + torch.compile, batch 1", False, 6150.0, 47.65),
@@ -281,12 +293,16 @@ TORCHAO_H100_2025 = tuple(
 # torch.compile (the loss too), FSDP2, per-op SAC; bf16 and float8
 # tensorwise with float8 all-gather. Their limit is not published, so their
 # tokens/s are not held; "Peak Memory (GB)" is torchtitan's logged reserved
-# peak (GiB).
+# peak (GiB). At that commit torchtitan shards the embedding apart from the
+# final norm and output (#1094), and on a B200 its attention runs cuDNN's
+# kernel first (models/attention.py), which its op list for selective AC
+# does not name: every block's attention is recomputed. Launched by ao's
+# torchtitan_benchmark.sh (run_train.sh): expandable segments.
 TORCHAO_B200_202508 = tuple(
     ReferenceRow(
         "8 GPUs", "8B", 8, 1, 8192, "selective", 1, 1, 1, "fsdp2", tps, gib, True, note,
         float8=float8, hardware="b200", source=_TORCHAO_B200, fused_loss=True, compile=True,
-        tokens_held=False,
+        tokens_held=False, fsdp2_root="split", attention_saved=False, expandable_segments=True,
     )
     for note, float8, tps, gib in (
         ("FSDP + torch.compile, power-limited", False, 8307.5, 33.71),
@@ -334,6 +350,7 @@ def predict_row(row: ReferenceRow, hw=None):
             engine=row.engine,
             recompute_experts=row.recompute_experts,
             fused_loss=row.fused_loss,
+            expandable_segments=row.expandable_segments,
         )
         return predict(spec, config, layout, hw)
     layout = Layout(
@@ -354,6 +371,9 @@ def predict_row(row: ReferenceRow, hw=None):
         reshard_after_forward=row.reshard_after_forward,
         async_tp=row.async_tp,
         pp_schedule=row.pp_schedule,
+        fsdp2_root=row.fsdp2_root,
+        attention_saved=row.attention_saved,
+        expandable_segments=row.expandable_segments,
     )
     return predict(spec, config, layout, hw)
 
@@ -381,7 +401,8 @@ def _error(predicted: float, measured: float | None) -> str:
 def _trace_shape(row: ReferenceRow) -> tuple:
     """What the traces of ``row`` depend on (rows equal here share them):
     the model, the FSDP degree (``dp x cp``), TP, the microbatch's tokens
-    per rank, AC and loss parallelism."""
+    per rank, AC (and whether it keeps the attention) and loss
+    parallelism."""
     fsdp = row.gpus // (row.tp * row.pp)
     return (
         row.model,
@@ -394,6 +415,7 @@ def _trace_shape(row: ReferenceRow) -> tuple:
         row.loss_parallel,
         row.ep,
         row.reshard_after_forward,
+        row.attention_saved,
     )
 
 

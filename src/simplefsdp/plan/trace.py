@@ -14,9 +14,10 @@ Note: [Planning traces]
 
     Attention is traced as one fused (flash) attention op, as it runs on a GPU:
     torch's CPU build would otherwise decompose ``scaled_dot_product_attention``
-    into a math path that materialises the (T x T) score matrix. Under full
-    activation checkpointing the op is a planning-only custom op (ATen's CPU
-    flash op counts as random, and the meta device cannot save RNG state).
+    into a math path that materialises the (T x T) score matrix. Wherever it
+    is recomputed (full activation checkpointing, or selective AC that does
+    not keep it) the op is a planning-only custom op (ATen's CPU flash op
+    counts as random, and the meta device cannot save RNG state).
 
     A model of ``L`` identical blocks is traced with 1 and 2 blocks only: a
     quantity ``q`` of the graphs (FLOPs, node times, saved bytes, liveness
@@ -209,6 +210,8 @@ class TraceKey:
     reshard_after_forward: bool = True
     dtype: str = "bf16"  # compute dtype: bf16 (mixed precision) or fp32
     loss_parallel: bool = False  # logits sharded over the vocabulary under TP
+    # Selective AC keeps the attention's output (Layout.attention_saved).
+    attention_saved: bool = True
 
 
 @dataclass
@@ -281,7 +284,9 @@ def trace_step(key: TraceKey) -> Traced:
                 sequence_parallel=spec.sequence_parallel,
                 loss_parallel=loss_parallel,
             )
-        apply_activation_checkpointing(model, key.ac)
+        apply_activation_checkpointing(
+            model, key.ac, save_attention=key.attention_saved
+        )
         wrapped = _WithLoss(model, loss_parallel)
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -297,7 +302,8 @@ def trace_step(key: TraceKey) -> Traced:
         backend = wrapped.__dict__["_simplefsdp_backend"]
         backend.saved_activations = []  # for the eager engine's activations
         tokens = torch.zeros(key.batch, key.seq, dtype=torch.long, device="meta")
-        with _patched_attention(full_ac=key.ac == "full"), _autocast_on_meta():
+        recomputed = key.ac == "full" or (key.ac == "selective" and not key.attention_saved)
+        with _patched_attention(full_ac=recomputed), _autocast_on_meta():
             wrapped(tokens).backward()
         graphs = dict(backend.graph_modules)
         fqns = [name for name, _ in wrapped.named_parameters()]
