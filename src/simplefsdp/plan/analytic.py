@@ -534,7 +534,7 @@ def predict_analytic(
 
     def rank_words(i: int) -> str:
         blocks, moe = ranks[i]
-        return f"{blocks} blocks, {moe} with routed experts"
+        return f"{blocks} block{'s' * (blocks != 1)}, {moe} with routed experts"
 
     note = (
         f"pipeline ranks planned: {len(ranks)} ({'; '.join(map(rank_words, range(len(ranks))))}); "

@@ -137,7 +137,8 @@ def pipeline_note(
     any)."""
     name = _SCHEDULE_NAMES.get(layout.pp_schedule, layout.pp_schedule)
     where = (
-        f", {blocks} blocks on the most loaded rank (with the embedding and the output)"
+        f", {blocks} block{'s' * (blocks != 1)} on the most loaded rank "
+        "(with the embedding and the output)"
         if blocks is not None
         else ""
     )

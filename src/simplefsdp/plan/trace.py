@@ -284,9 +284,7 @@ def trace_step(key: TraceKey) -> Traced:
                 sequence_parallel=spec.sequence_parallel,
                 loss_parallel=loss_parallel,
             )
-        apply_activation_checkpointing(
-            model, key.ac, save_attention=key.attention_saved
-        )
+        apply_activation_checkpointing(model, key.ac, save_attention=key.attention_saved)
         wrapped = _WithLoss(model, loss_parallel)
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
