@@ -133,6 +133,48 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return _outermost_modules(model, is_block)
 
 
+def outer_modules(
+    model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]] | None:
+    """The modules holding the parameters outside ``blocks``, split at the
+    blocks: ``(before, after)``, the outermost non-root modules with such
+    parameters registered before the first block (the embedding) and after
+    it (the final norm, the output), in ``named_modules()`` order.
+
+    ``None`` where the two sides share a parameter (tied input and output
+    embeddings), or no block is found: the parameters outside the blocks
+    then stay one group. Parameters of the root module itself belong to
+    neither side.
+    """
+    names = [fqn for fqn, _ in blocks]
+    if not names:
+        return None
+    in_blocks = {id(p) for _, block in blocks for p in block.parameters()}
+
+    def inside(fqn: str, prefixes: Sequence[str]) -> bool:
+        return any(fqn == t or fqn.startswith(t + ".") for t in prefixes)
+
+    before: list[tuple[str, nn.Module]] = []
+    after: list[tuple[str, nn.Module]] = []
+    seen_block = False
+    for fqn, module in model.named_modules():
+        if not fqn:
+            continue
+        if inside(fqn, names):
+            seen_block = True
+            continue
+        if any(name.startswith(fqn + ".") for name in names):
+            continue  # holds blocks (a transformers model's ``model``)
+        if inside(fqn, [t for t, _ in before + after]):
+            continue
+        if any(id(p) not in in_blocks for p in module.parameters()):
+            (after if seen_block else before).append((fqn, module))
+    ids = [{id(p) for _, m in side for p in m.parameters()} for side in (before, after)]
+    if ids[0] & ids[1]:
+        return None
+    return before, after
+
+
 def _entries_from_spec(model: nn.Module, spec: PlanSpec) -> list[list[str]]:
     if isinstance(spec, str):
         if spec == "per_block":

@@ -72,7 +72,27 @@ def _engines_body(engines: list[str]) -> dict:
         mean = torch.tensor(losses)
         dist.all_reduce(mean)
         out[engine] = {"global": (mean / world).tolist(), "local": losses}
+        if engine == "fsdp2":
+            out["fsdp2_groups"] = _fsdp2_groups(parallel, batches[0][rows])
     return out
+
+
+def _fsdp2_groups(parallel, tokens: torch.Tensor) -> dict:
+    """The fsdp2 engine's FSDP modules, and which of them a forward leaves
+    gathered (its parameters plain tensors, not sharded DTensors)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    model = parallel.module
+    groups = sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
+    loss = _loss(parallel.forward, tokens)
+    gathered = sorted(
+        name
+        for name in groups
+        if name and not isinstance(next(model.get_submodule(name).parameters()), DTensor)
+    )
+    loss.backward()
+    return {"groups": groups, "gathered_after_forward": gathered}
 
 
 def _reference(rows: slice) -> list[float]:
@@ -98,6 +118,12 @@ def test_every_engine_matches_a_single_process_run(engines):
                 assert ranks[r][engine]["local"] == pytest.approx(half, rel=1e-5), r
             continue
         assert ranks[0][engine]["global"] == pytest.approx(full, rel=1e-5), engine
+    if "fsdp2" in engines:
+        # torchtitan's groups: the embedding apart, resharded after forward
+        # like the blocks; the final norm and output one group, kept
+        groups = ranks[0]["fsdp2_groups"]
+        assert groups["groups"] == ["", "layers.0", "layers.1", "norm", "output", "tok_embeddings"]
+        assert groups["gathered_after_forward"] == ["norm", "output"]
 
 
 def test_engine_spec_rejects_bad_values():

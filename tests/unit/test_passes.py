@@ -420,3 +420,26 @@ def test_planner_counts_tp_collectives_as_fixed_communication() -> None:
     kwargs = dict(reshard_after_forward=True, base_peak_bytes=0, memory_budget_bytes=None)
     buckets = greedy_buckets(fixed, cost, **kwargs)
     assert [u.fqn for b in buckets for u in b] == [u.fqn for u in fixed]
+
+
+def test_outer_modules_split_at_the_blocks_unless_the_embeddings_are_tied() -> None:
+    transformers = pytest.importorskip("transformers")
+    from simplefsdp.bucket_plan import outer_modules
+
+    for tied in (False, True):
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=64,
+            tie_word_embeddings=tied,
+        )
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        outer = outer_modules(model, repeated_blocks(model))
+        if tied:  # one parameter on both sides: no split
+            assert outer is None
+        else:
+            before, after = ([name for name, _ in side] for side in outer)
+            assert (before, after) == (["model.embed_tokens"], ["model.norm", "lm_head"])

@@ -234,9 +234,9 @@ def test_fsdp2_holds_its_root_and_the_last_blocks_as_backward_starts() -> None:
     units += [unit("_orig_mod.output.weight", 4)]
     # as backward starts: the root (9), the last block copied out (2 * 1),
     # the one before it prefetched (2)
-    assert fsdp2_gathered_bytes(units, beside=100.0) == 9 + 2 * 1 + 2
+    assert fsdp2_gathered_bytes(units, beside=100.0, root="whole") == 9 + 2 * 1 + 2
     # the root's copy-out as forward starts (2 * 9 + 3) where nothing else is held
-    assert fsdp2_gathered_bytes(units, beside=0.0) == 2 * 9 + 3
+    assert fsdp2_gathered_bytes(units, beside=0.0, root="whole") == 2 * 9 + 3
     # torchtitan's split root: the output (4) kept from forward, resharded
     # before the last block's backward prefetches the one before it (2)
     assert fsdp2_gathered_bytes(units, beside=100.0, root="split") == 2 * 1 + max(4, 2)
@@ -363,15 +363,17 @@ def test_a_measured_adamw_rate_replaces_the_bandwidth_estimate() -> None:
 
 
 def test_eager_fsdp2_pays_its_hooks_per_group_and_the_compiled_engine_does_not() -> None:
-    args = _debug()  # 4 blocks: FSDP2 has 5 groups (the blocks and the root)
+    # 4 blocks: FSDP2 has 6 groups (the blocks, the embedding, the final norm
+    # and output), 5 with one root group
+    args = _debug()
     hooked = dataclasses.replace(FIXED, fsdp2_group_s=1e-3)
-    for gpus in (1, 2):
-        layout = Layout(gpus=gpus, batch=2, seq=64, engine="fsdp2")
+    for gpus, root, groups in ((1, "split", 6), (2, "split", 6), (2, "whole", 5)):
+        layout = Layout(gpus=gpus, batch=2, seq=64, engine="fsdp2", fsdp2_root=root)
         base, pred = predict(LLAMA, args, layout, FIXED), predict(LLAMA, args, layout, hooked)
         assert base.time["hooks"] == 0
-        assert pred.time["hooks"] == pytest.approx(5e-3)
-        assert pred.time["compute"] - base.time["compute"] == pytest.approx(5e-3)
-        assert pred.step_s - base.step_s == pytest.approx(5e-3)
+        assert pred.time["hooks"] == pytest.approx(groups * 1e-3)
+        assert pred.time["compute"] - base.time["compute"] == pytest.approx(groups * 1e-3)
+        assert pred.step_s - base.step_s == pytest.approx(groups * 1e-3)
     compiled = Layout(gpus=2, batch=2, seq=64, engine="simplefsdp")
     assert predict(LLAMA, args, compiled, hooked).time["hooks"] == 0
     assert (
@@ -477,7 +479,9 @@ def test_fsdp2_with_compiled_blocks_fuses_kernels_and_keeps_its_groups() -> None
         ours.memory["activations"] + 2 * extra1 - extra2
     )
     assert blocks.memory["activations"] < eager.memory["activations"]
-    assert blocks.buckets == eager.buckets and blocks.kept == []
+    # torchtitan's groups: the final norm and output kept from forward
+    assert blocks.buckets == eager.buckets
+    assert set(blocks.kept) == {"model.norm.weight", "model.output.weight"}
     assert "compiled blocks" in blocks.layout.describe()
 
 
@@ -485,7 +489,8 @@ def test_compiled_engine_keeps_what_the_compiler_keeps_for_free() -> None:
     # The compiler's keep search keeps the buckets gathered at the
     # forward/backward boundary anyway (prefetch distance 1: the last two of
     # the per-block reference plan, the root's norm and output and the last
-    # block); eager FSDP2 and a plan without resharding keep nothing.
+    # block); eager FSDP2 its final norm and output group (none with one root
+    # group), a plan without resharding nothing.
     args = _debug()
     layout = Layout(gpus=2, batch=2, seq=64, ac="none", dtype="fp32")
     ours = predict(LLAMA, args, layout, FIXED)
@@ -494,7 +499,12 @@ def test_compiled_engine_keeps_what_the_compiler_keeps_for_free() -> None:
     assert any(f.startswith(last) for f in ours.kept)
     assert not any(f.startswith("model.layers.0.") for f in ours.kept)
     assert ours.to_dict()["kept_gathered"] == ours.kept
-    assert predict(LLAMA, args, dataclasses.replace(layout, engine="fsdp2"), FIXED).kept == []
+    fsdp2 = dataclasses.replace(layout, engine="fsdp2")
+    assert set(predict(LLAMA, args, fsdp2, FIXED).kept) == {
+        "model.norm.weight",
+        "model.output.weight",
+    }
+    assert predict(LLAMA, args, dataclasses.replace(fsdp2, fsdp2_root="whole"), FIXED).kept == []
     no_reshard = dataclasses.replace(layout, reshard_after_forward=False)
     assert predict(LLAMA, args, no_reshard, FIXED).kept == []
 
@@ -655,7 +665,7 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path, capsys) -> None:
         (["--model", "llama3_9b"], "unknown model 'llama3_9b'"),
         (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
         (["--config", str(not_an_object)], "must hold a JSON object of the model config's fields"),
-        (["--model", "debug", "--fsdp2-root", "split"], "use it with --engine fsdp2"),
+        (["--model", "debug", "--fsdp2-root", "whole"], "use it with --engine fsdp2"),
     ]
     for argv, message in cases:
         assert plan_cli.main(argv) == 2

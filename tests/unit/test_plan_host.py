@@ -93,6 +93,22 @@ def test_fsdp2s_buffers_leave_the_recorded_kernels_alone(dsv3):
     first_param = ("fsdp2-param", "forward", 0, 0)
     freed = keys.index(first_param, keys.index(first_param) + 1)  # its Free, same key
     assert freed > keys.index(("fsdp2-grad", 0, 0))  # after its backward's gradients
+    # torchtitan's split root: the embedding gathered in forward and again
+    # for its backward, the step's last; the final norm and output once,
+    # reduced before the last block's backward gathers it
+    split = dataclasses.replace(buffers, embedding=group)
+    recorder = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6, True, split)
+    assert recorder.ops == ops
+    keys = [e.key for e in recorder.events]
+    gathers = [e.key for e in recorder.events if getattr(e, "stream", 0) == 1]
+    assert len(gathers) == 2 * (1 + 2 * 2) + 1 + 2
+    assert [k for k in gathers if k[2] == "embedding"] == [
+        ("fsdp2-ag", "forward", "embedding", 0),
+        ("fsdp2-ag", "backward", "embedding", 0),
+    ]
+    last = config.n_dense_layers + 1
+    assert keys.index(("fsdp2-rs", "root", 0)) < keys.index(("fsdp2-ag", "backward", last, 0))
+    assert keys.index(("fsdp2-rs", "embedding", 0)) > keys.index(("fsdp2-rs", 0, 0))
 
 
 def test_steps_kernels_recorded_on_the_model(dsv3):

@@ -83,6 +83,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from simplefsdp._compat import all_gather_single, reduce_scatter_single
+from simplefsdp.bucket_plan import outer_modules
 
 _C10D_OPS: dict[str, str] = {
     "c10d::_allgather_base_": "all_gather",
@@ -213,14 +214,30 @@ def profile_collectives(fn: Callable[[], Any]) -> tuple[dict[str, int], dict[str
     return counts, nbytes
 
 
-def fsdp_unit_numels(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[int, bool]]:
-    """``(numel, resharded)`` per FSDP unit: the root's own parameters (not
-    resharded after forward), then each block (resharded), as FSDP2 wraps them."""
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
-    units = [(root, False)] if root else []
-    units.extend((sum(p.numel() for p in block.parameters()), True) for block in blocks)
-    return units
+def fsdp_unit_numels(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]]
+) -> list[tuple[int, bool]]:
+    """``(numel, resharded)`` per FSDP unit in forward order, as the fsdp2
+    engine wraps them (:func:`simplefsdp.bucket_plan.outer_modules`): the
+    embedding (resharded after forward), each block (resharded), the final
+    norm and output (kept); with tied embeddings every parameter outside
+    the blocks is the root's unit, first and kept."""
+
+    def numel(modules: list[nn.Module]) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    block_units = [(numel([block]), True) for _, block in blocks]
+    outer = outer_modules(model, blocks)
+    grouped = {id(p) for _, b in blocks for p in b.parameters()}
+    if outer is not None:
+        before, after = ([m for _, m in side] for side in outer)
+        grouped |= {id(p) for m in before + after for p in m.parameters()}
+        root = sum(p.numel() for p in model.parameters() if id(p) not in grouped)
+        head = [(numel(before), True)] if before else []
+        tail = [(numel(after), False)] if after else []
+        return ([(root, False)] if root else []) + head + block_units + tail
+    root = sum(p.numel() for p in model.parameters() if id(p) not in grouped)
+    return ([(root, False)] if root else []) + block_units
 
 
 def _comm_buffers(

@@ -366,7 +366,7 @@ def _run_training(
 def _run_comm_only(spec: BenchSpec, device: torch.device) -> dict:
     with torch.device("meta"):
         model = build_model(spec.workload, spec.seed)
-    units = fsdp_unit_numels(model, [block for _, block in repeated_blocks(model)])
+    units = fsdp_unit_numels(model, repeated_blocks(model))
     return run_comm_only(
         units, steps=spec.workload.steps, warmup=spec.workload.warmup, device=device
     )

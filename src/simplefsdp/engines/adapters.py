@@ -17,9 +17,10 @@ in order (as torchtitan's ``parallelize_*`` functions do):
      ``torch_passes`` is on (the peer we compare against);
    - ``simplefsdp_eager``: ``data_parallel``, then the eager executor
      (``simplefsdp.eager``), never compiled;
-   - ``fsdp2``: torch's ``fully_shard`` per block and on the root (the root is
-     not resharded after forward); with compile on, each block is compiled in
-     place first;
+   - ``fsdp2``: torch's ``fully_shard`` as torchtitan applies it: per block,
+     on the embedding (resharded after forward like the blocks), on the final
+     norm and output together (kept from forward into backward) and on the
+     root; with compile on, each block is compiled in place first;
    - ``ddp``: ``DistributedDataParallel``; with compile on, each block is
      compiled in place first;
    - ``replica``: no data parallelism, each rank trains its own copy (the
@@ -48,7 +49,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from simplefsdp.bucket_plan import repeated_blocks
+from simplefsdp.bucket_plan import outer_modules, repeated_blocks
 from simplefsdp.engines.activation import apply_activation_checkpointing
 from simplefsdp.engines.kinds import composition_errors, engine_names, get_engine
 from simplefsdp.engines.parallel_model import LossFn, ParallelModel
@@ -354,7 +355,8 @@ def _apply_fsdp2(
         reduce_dtype=dtype_from_name(spec.reduce_dtype),
     )
     groups: list[list[nn.Module]] = []  # per block: the block, then its experts' groups
-    for _, block in repeated_blocks(model):
+    blocks = repeated_blocks(model)
+    for _, block in blocks:
         if spec.compile:
             # As torchtitan: per-block compile; with TP the block's DTensor ops
             # are traced too (fullgraph may not hold for every TP plan).
@@ -376,8 +378,27 @@ def _apply_fsdp2(
             block, mesh=mesh, mp_policy=policy, reshard_after_forward=spec.reshard_after_forward
         )
         groups.append([block, *experts_groups])
-    # The root keeps embeddings, final norm and output; like torchtitan it is
-    # not resharded after forward, since backward needs it first.
+    # As torchtitan (pytorch/torchtitan#1094): the embedding a group of its
+    # own, resharded after forward like the blocks; the final norm and the
+    # output one group, kept from forward into backward, which needs them
+    # first. Tied embeddings stay in the root group, not resharded either.
+    outer = outer_modules(model, blocks)
+    if outer is not None:
+        before, after = ([m for _, m in side] for side in outer)
+        if before:
+            fully_shard(
+                before if len(before) > 1 else before[0],
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=spec.reshard_after_forward,
+            )
+        if after:
+            fully_shard(
+                after if len(after) > 1 else after[0],
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=False,
+            )
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     if expert_mesh is not None and groups:
         _prefetch_explicitly(model, groups)

@@ -53,9 +53,9 @@ Note: [Analytic plan model]
                    block's experts being its ``num_experts / ep`` local ones;
                    without resharding after forward every block, kept from
                    its forward to its backward, and one block's unsharded
-                   gradients; for FSDP2 its root group too (embeddings,
-                   final norm, output), gathered from its forward to the
-                   end of backward;
+                   gradients; for FSDP2 its final norm and output group
+                   too (with ``fsdp2_root`` ``whole`` the embeddings with
+                   them), gathered from its forward into backward;
       temporary    the loss's logits (bf16), fp32 logits and their
                    gradient, ``10 * vocab`` bytes per token (``4`` with
                    ``fused_loss``: the bf16 logits and their bf16 gradient,
@@ -177,6 +177,7 @@ from simplefsdp.plan.layout import (
     AC_MODES,
     CP_BACKENDS,
     check_engine,
+    check_fsdp2_root,
     cp_describe,
     cp_mask_note,
     cp_mask_queries,
@@ -217,6 +218,7 @@ class ExpertLayout:
     pp_schedule: str = "1f1b"  # as the traced Layout's
     stages_per_rank: int | None = None
     expandable_segments: bool = False  # as the traced Layout's
+    fsdp2_root: str = "split"  # as the traced Layout's (FSDP2_ROOTS)
 
     @property
     def dp(self) -> int:
@@ -270,6 +272,8 @@ class ExpertLayout:
             parts.append("fused-loss")
         if self.expandable_segments:
             parts.append("expandable")
+        if get_engine(self.engine).fsdp2_runtime and self.fsdp2_root != "split":
+            parts.append(f"{self.fsdp2_root}-root")
         return " ".join(parts)
 
 
@@ -315,6 +319,7 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
     """One-line ``ValueError`` naming the bad value and what would be valid:
     the options here, the model against the layout by ``spec.validate``."""
     check_engine(layout.engine)
+    check_fsdp2_root(layout.fsdp2_root, layout.engine)
     if layout.ac not in AC_MODES:
         raise ValueError(f"unknown --ac {layout.ac!r}; valid: {', '.join(AC_MODES)}")
     for flag, value in (("--gpus", layout.gpus), ("--batch", layout.batch), ("--seq", layout.seq)):
@@ -617,9 +622,11 @@ def _predict_rank(
         gathered = 2 * blocks + biggest  # one's gradients beside
     else:  # the compiled engine gathers each microbatch's own
         gathered = 2 * blocks * inflight + biggest
+    split_root = layout.fsdp2_root == "split"
     if dp > 1 and engine.fsdp2_runtime:
-        # FSDP2 does not reshard its root group after forward
-        gathered += 2 * (2 * embed + args.dim)
+        # FSDP2 does not reshard its root group after forward: the final norm
+        # and output, or with the embedding in one group, all three
+        gathered += 2 * ((1 if split_root else 2) * embed + args.dim)
         if layout.pp > 1:
             # torch's pipeline stages keep its groups gathered after every
             # backward but the step's last: the rank's parameters whole
@@ -649,8 +656,9 @@ def _predict_rank(
         buffers = Fsdp2Buffers(
             dense=(group(block_dense + 3 * args.dim * args.dense_hidden_dim, dp),),
             moe=(group(block_dense, dp), group(local_expert_params, max(dp // ep, 1))),
-            root=(group(2 * embed + args.dim, dp),),
+            root=(group((1 if split_root else 2) * embed + args.dim, dp),),
             reshard_after_forward=layout.reshard_after_forward,
+            embedding=(group(embed, dp),) if split_root else (),
         )
     recording = EagerStep(spec, args, layout.ac, ep, layout.batch // m, layout.seq // cp, kernels,
                           layout.imbalance, cp, buffers, layout.recompute_experts,

@@ -77,6 +77,7 @@ METHOD_FLAGS = {
         "--recompute-experts",
         "--fused-loss",
         "--expandable-segments",
+        "--fsdp2-root",
         "--sweep",
         "--measure",
     ),
@@ -95,7 +96,7 @@ _GIVEN = {
     "--async-tp": lambda ns: ns.async_tp,
     "--fused-loss": lambda ns: ns.fused_loss,
     "--expandable-segments": lambda ns: ns.expandable_segments,
-    "--fsdp2-root": lambda ns: ns.fsdp2_root != "whole",
+    "--fsdp2-root": lambda ns: ns.fsdp2_root != "split",
     "--float8": lambda ns: ns.float8,
     "--bucketing": lambda ns: ns.bucketing != "auto",
     "--sweep": lambda ns: ns.sweep,
@@ -361,11 +362,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fsdp2-root",
-        default="whole",
-        choices=("whole", "split"),  # simplefsdp.plan.layout.FSDP2_ROOTS (imports torch)
-        help="with --engine fsdp2: the parameters outside the blocks in one root group kept "
-        "gathered through backward (whole: the fsdp2 engine's), or the embedding resharded "
-        "after forward apart from the final norm and output (split: torchtitan's since 2025-07)",
+        default="split",
+        choices=("split", "whole"),  # simplefsdp.plan.layout.FSDP2_ROOTS (imports torch)
+        help="with --engine fsdp2: the embedding resharded after forward apart from the final "
+        "norm and output (split: the fsdp2 engine's and torchtitan's since 2025-07), or one "
+        "root group kept gathered through backward (whole: torchtitan's before)",
     )
     p.add_argument(
         "--float8",
@@ -458,6 +459,7 @@ def make_layout(ns: argparse.Namespace, spec: Any, values: dict):
             recompute_experts=ns.recompute_experts,
             fused_loss=ns.fused_loss,
             expandable_segments=ns.expandable_segments,
+            fsdp2_root=ns.fsdp2_root,
             pp=ns.pp,
             microbatches=ns.microbatches if ns.microbatches is not None else max(ns.pp, 1),
             pp_schedule=ns.pp_schedule,

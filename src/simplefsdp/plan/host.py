@@ -54,15 +54,19 @@ Note: [FSDP2's collective buffers]
     the other way round. For the allocator's simulation of an eager MoE
     step the recording adds them as the ``fsdp2`` engine's groups allocate
     them (:class:`Fsdp2Buffers`: one group per block, the experts of an
-    MoE block a group of their own, as torchtitan wraps them too, and the
-    root: embeddings, final norm and output): a group's all-gather output
+    MoE block a group of their own, as torchtitan wraps them too, the
+    embedding and the final norm with the output, or with ``fsdp2_root``
+    ``whole`` one root group of all three): a group's all-gather output
     (its bf16 parameters whole) on the all-gather stream (1), issued as
     the block's forward starts (under expert parallelism one block ahead,
     the engine's explicit prefetch; in backward one block ahead, FSDP2's
     backward prefetch) and freed when copied out to the gathered
     parameters on the compute stream; those freed after the block's
-    forward (resharded) and its backward, the root's kept from the
-    forward's start to the end of backward; in backward the unsharded
+    forward (resharded) and its backward, the embedding's after its
+    forward and gathered again for its backward (the step's last), the
+    final norm's and output's kept from their forward to the last block's
+    backward (one root group: from the forward's start to the end of
+    backward); in backward the unsharded
     gradients on the compute stream;
     at each group's post-backward (the next block's backward starts) its
     gradients copied into the reduce-scatter's fp32 input on the
@@ -99,6 +103,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from simplefsdp.bucket_plan import outer_modules, repeated_blocks
 from simplefsdp.plan.allocator import Alloc, Free, Previous
 
 #: ATen ops that launch no kernel: views and aliases (metadata only),
@@ -416,8 +421,9 @@ class _MemoryRecorder(_KernelRecorder):
 class Fsdp2Buffers:
     """Eager FSDP2's FSDP groups as its collective buffers see them (Note:
     [FSDP2's collective buffers]): for a dense block, an MoE block (its
-    experts a group of their own) and the root (embeddings, final norm and
-    output), each group's ``(gathered, shard)`` bytes: its bf16 parameters
+    experts a group of their own) and the root (the final norm and output;
+    with ``embedding`` given, the embedding a group apart, else in the
+    root's), each group's ``(gathered, shard)`` bytes: its bf16 parameters
     gathered whole, and this rank's fp32 gradient shard; whether the blocks
     are resharded after forward (else kept gathered to their backward)."""
 
@@ -425,6 +431,10 @@ class Fsdp2Buffers:
     moe: tuple[tuple[int, int], ...]
     root: tuple[tuple[int, int], ...]
     reshard_after_forward: bool = True
+    # With a split root (``fsdp2_root``): the embedding's group, gathered
+    # for its forward and again for its backward; ``root`` is then the final
+    # norm and output, kept from their forward to the end of their backward.
+    embedding: tuple[tuple[int, int], ...] = ()
 
 
 class _Fsdp2Events:
@@ -440,6 +450,7 @@ class _Fsdp2Events:
         self.issued: set[Any] = set()  # all-gathers issued, not yet copied out
         self.gathered: dict[Any, str] = {}  # block -> the pass that gathered it
         self.reducing: list[Any] = []  # the reduce-scatter input held to the next one
+        self.split = False  # the embedding a group of its own (Fsdp2Buffers.embedding)
         self.shards: list[Any] = []
 
     def _groups(self, block: Any) -> tuple[tuple[int, int], ...]:
@@ -498,12 +509,16 @@ class _Fsdp2Events:
         self.reshard(block)
 
     def finish(self) -> None:
-        """The first block's and the root's post-backward (the last); the
-        last reduce-scatter's input released; the gradient shards of the
-        step before freed as the step starts (``zero_grad``)."""
-        if self.kinds:
-            self.reduce(0)  # the first block's post-backward
-        self.reduce("root")
+        """The first block's and the root's post-backward (the last; with a
+        split root the embedding's, the others reduced as backward reached
+        them); the last reduce-scatter's input released; the gradient
+        shards of the step before freed as the step starts (``zero_grad``)."""
+        if self.split:
+            self.reduce("embedding")
+        else:
+            if self.kinds:
+                self.reduce(0)  # the first block's post-backward
+            self.reduce("root")
         for held in self.reducing:
             self._emit(Free(held))
         self.reducing = []
@@ -536,7 +551,34 @@ def _hook_fsdp2(
     fsdp = _Fsdp2Events(recorder, buffers, kinds)
     last = len(blocks) - 1
     first = 0 if prefetch and blocks else None
-    model.register_forward_pre_hook(lambda *_: fsdp.unshard("root", "forward", first))
+    outer = outer_modules(model, repeated_blocks(model)) if buffers.embedding else None
+    if outer is not None and outer[0] and outer[1]:
+        # Split root: the embedding gathered as the forward starts, resharded
+        # after it, gathered again as its backward (the step's last) starts,
+        # once the first block's has ended; the final norm and output
+        # gathered as their forward starts, reduced as the last block's
+        # backward starts.
+        embedding, head = outer[0][0][1], outer[1][0][1]
+        model.register_forward_pre_hook(lambda *_: fsdp.unshard("embedding", "forward", first))
+        head.register_forward_pre_hook(lambda *_: fsdp.unshard("root", "forward"))
+
+        def embedding_backward() -> None:
+            if blocks:
+                fsdp.reduce(0)
+            fsdp.unshard("embedding", "backward")
+
+        def embedding_forward(output: Any) -> None:
+            if recorder.backward:
+                return
+            if buffers.reshard_after_forward:
+                fsdp.reshard("embedding")
+            _on_output_grad(output, embedding_backward)
+
+        embedding.register_forward_hook(lambda _m, _a, out: embedding_forward(out))
+        fsdp.split = True
+    else:
+        model.register_forward_pre_hook(lambda *_: fsdp.unshard("root", "forward", first))
+    split = fsdp.split
 
     def post_forward(i: int, output: Any) -> None:
         if buffers.reshard_after_forward:
@@ -546,6 +588,8 @@ def _hook_fsdp2(
     def pre_backward(i: int) -> None:
         if i < last:
             fsdp.reduce(i + 1)  # the block after it has finished its backward
+        elif split:
+            fsdp.reduce("root")  # the final norm's and output's have ended
         fsdp.unshard(i, "backward", i - 1 if i else None)
 
     for i, block in enumerate(blocks):

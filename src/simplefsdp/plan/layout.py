@@ -39,12 +39,13 @@ _LAYOUT_NAMES = {
 CP_BACKENDS = ("allgather", "ulysses", "torch")
 
 #: How FSDP2 groups the parameters outside the blocks (``Layout.fsdp2_root``):
-#: ``whole``, one root group (embedding, final norm, output) gathered from its
-#: forward to the end of backward (the fsdp2 engine's grouping); ``split``,
-#: the embedding a group of its own, resharded after forward, and the final
-#: norm with the output one kept gathered from forward into backward
-#: (torchtitan's ``apply_fsdp`` from pytorch/torchtitan#1094 on).
-FSDP2_ROOTS = ("whole", "split")
+#: ``split``, the embedding a group of its own, resharded after forward, and
+#: the final norm with the output one kept gathered from forward into
+#: backward (the fsdp2 engine's grouping, torchtitan's ``apply_fsdp`` from
+#: pytorch/torchtitan#1094 on); ``whole``, one root group (embedding, final
+#: norm, output) gathered from its forward to the end of backward (torchtitan
+#: before that, and the fsdp2 engine with tied embeddings).
+FSDP2_ROOTS = ("split", "whole")
 
 
 def cp_describe(cp: int, backend: str) -> str:
@@ -122,7 +123,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     stages_per_rank: int | None = None
     # FSDP2's grouping of the parameters outside the blocks (FSDP2_ROOTS).
-    fsdp2_root: str = "whole"
+    fsdp2_root: str = "split"
     # Selective AC keeps the attention's output. False models an op list
     # that does not name the kernel the run uses (torchtitan of 2025-08 puts
     # cuDNN's attention first on B200s; its list names flash's and the
@@ -189,7 +190,7 @@ class Layout:
             ),
             "reshard" if self.reshard_after_forward else "no-reshard",
         ]
-        if get_engine(self.engine).fsdp2_runtime and self.fsdp2_root != "whole":
+        if get_engine(self.engine).fsdp2_runtime and self.fsdp2_root != "split":
             parts.append(f"{self.fsdp2_root}-root")
         if not self.attention_saved and self.ac == "selective":
             parts.append("attention-recomputed")
@@ -229,6 +230,18 @@ def check_engine(name: str) -> None:
         plannable = False
     if not plannable:
         raise ValueError(f"unknown engine {name!r}; valid: {', '.join(ENGINES)}")
+
+
+def check_fsdp2_root(root: str, engine: str) -> None:
+    """A one-line ``ValueError`` for an unknown ``--fsdp2-root``, or one
+    other than the default for an engine without FSDP2's groups."""
+    if root not in FSDP2_ROOTS:
+        raise ValueError(f"unknown --fsdp2-root {root!r}; valid: {', '.join(FSDP2_ROOTS)}")
+    if root != FSDP2_ROOTS[0] and not get_engine(engine).fsdp2_runtime:
+        raise ValueError(
+            f"--fsdp2-root {root} groups FSDP2's parameters; --engine {engine} has no such "
+            "groups (use it with --engine fsdp2)"
+        )
 
 
 def validate(args: Any, layout: Layout) -> None:
@@ -271,15 +284,7 @@ def validate(args: Any, layout: Layout) -> None:
     if layout.pp == 1 and (layout.pp_schedule != "1f1b" or layout.stages_per_rank is not None):
         flag = "--stages-per-rank" if layout.stages_per_rank is not None else "--pp-schedule"
         raise ValueError(f"{flag} schedules a pipeline; it needs --pp > 1")
-    if layout.fsdp2_root not in FSDP2_ROOTS:
-        raise ValueError(
-            f"unknown --fsdp2-root {layout.fsdp2_root!r}; valid: {', '.join(FSDP2_ROOTS)}"
-        )
-    if layout.fsdp2_root != "whole" and not get_engine(layout.engine).fsdp2_runtime:
-        raise ValueError(
-            f"--fsdp2-root {layout.fsdp2_root} groups FSDP2's parameters; --engine "
-            f"{layout.engine} has no such groups (use it with --engine fsdp2)"
-        )
+    check_fsdp2_root(layout.fsdp2_root, layout.engine)
     if layout.cp_backend not in CP_BACKENDS:
         raise ValueError(
             f"--cp-backend {layout.cp_backend!r} is not planned; valid: {', '.join(CP_BACKENDS)}"

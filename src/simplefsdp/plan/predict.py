@@ -711,7 +711,7 @@ def _group_units(units: list[GatherUnit], how: str) -> list[list[GatherUnit]]:
     return ([root] if root else []) + blocks
 
 
-def fsdp2_gathered_bytes(units: list[GatherUnit], beside: float, root: str = "whole") -> float:
+def fsdp2_gathered_bytes(units: list[GatherUnit], beside: float, root: str = "split") -> float:
     """FSDP2's gathered parameters at the step's peak, beyond the one the
     traced graph holds (Note: [Plan model]). With ``root`` ``whole`` its root
     group (embedding, final norm, output) stays gathered from its forward
@@ -1044,7 +1044,14 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     base_peak = max(stage.fw_peak, stage.saved_bytes + stage.bw_transient)
     kept: set[str] = set()  # gathered once, kept from forward to backward
     kept_spent = 0.0  # their bytes beyond the buckets gathered at the boundary anyway
-    if not _compiled(layout.engine) or layout.bucketing == "per_block":
+    split_root = get_engine(layout.engine).fsdp2_runtime and layout.fsdp2_root == "split"
+    if split_root:
+        # torchtitan's groups in forward order: the embedding, the blocks,
+        # the final norm and output (kept from forward into backward)
+        buckets = _forward_order_blocks(units)
+        if len(buckets) > 1 and _block_of(buckets[-1][0].fqn) == "root":
+            kept = {u.fqn for u in buckets[-1]}
+    elif not _compiled(layout.engine) or layout.bucketing == "per_block":
         buckets = _group_units(units, "per_block")
     elif layout.bucketing == "none":
         buckets = _group_units(units, "none")
@@ -1101,12 +1108,14 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         copy_s = copy_seconds(
             buckets, cost_model, layout.reshard_after_forward, hw.copy_bytes_per_byte, kept
         )
-    # Eager FSDP2's hooks, per group: one per block and the root (Note:
-    # [Plan model]). Host time on the compute stream, at any world size.
+    # Eager FSDP2's hooks, per group: one per block and the root's (the
+    # embedding apart with a split root) (Note: [Plan model]). Host time on
+    # the compute stream, at any world size.
     group_s = hw.fsdp2_group_s
     if layout.fsdp > 1 and hw.fsdp2_sharded_group_s > 0:
         group_s = hw.fsdp2_sharded_group_s  # measured sharding, with collectives
-    hooks_s = (blocks_of_stage + 1) * group_s if not _compiled(layout.engine) else 0.0
+    outer_groups = 2 if split_root else 1
+    hooks_s = (blocks_of_stage + outer_groups) * group_s if not _compiled(layout.engine) else 0.0
     # The replay counts communication competing with compute for the CPU
     # (hw.comm_overlap < 1) as compute-stream time: it is exposed too.
     # Context parallelism: every attention gathers its keys and values from

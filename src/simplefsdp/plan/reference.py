@@ -247,7 +247,7 @@ TRAINY_H200_202506 = tuple(
 DEEPSEEK_V3_2080 = tuple(
     ReferenceRow(
         "EP", "deepseek_v3_16b", 8, 1, 4096, "selective", 1, 1, 1, "fsdp2", tps, gib, held,
-        note, ep=2, source=_DSV3, recompute_experts=True,
+        note, ep=2, source=_DSV3, recompute_experts=True, fsdp2_root="split",
     )
     for note, tps, gib, held in (
         ("SimpleFSDP (aot_eager)", 5136, 51.1, False), ("FSDP2 eager", 5942, 59.5, True)
@@ -265,7 +265,7 @@ DEEPSEEK_V3_1789 = (
     ReferenceRow(
         "EP", "deepseek_v3_16b", 8, 4, 4096, "selective", 1, 1, 1, "fsdp2", 11545, 73.32,
         True, "FSDP2 eager, compiled loss", ep=8, hardware="h100", source=_DSV3_1789,
-        recompute_experts=True, fused_loss=True, expandable_segments=True,
+        recompute_experts=True, fused_loss=True, expandable_segments=True, fsdp2_root="split",
     ),
 )  # fmt: skip
 
@@ -351,6 +351,7 @@ def predict_row(row: ReferenceRow, hw=None):
             recompute_experts=row.recompute_experts,
             fused_loss=row.fused_loss,
             expandable_segments=row.expandable_segments,
+            fsdp2_root=row.fsdp2_root,
         )
         return predict(spec, config, layout, hw)
     layout = Layout(
