@@ -192,10 +192,23 @@ def test_transformers_modeling_code_plans_as_the_native_family_does(tmp_path) ->
     assert theirs.memory["activations"] == pytest.approx(ours.memory["activations"], rel=0.02)
     assert theirs.peak_bytes == pytest.approx(ours.peak_bytes, rel=0.05)
     assert theirs.tokens_per_s_per_gpu == pytest.approx(ours.tokens_per_s_per_gpu, rel=0.05)
-    # FSDP2's groups: one per decoder layer (model.model.layers.N) and the root's.
+    # FSDP2's groups: the embedding, one per decoder layer (model.model.layers.N),
+    # the final norm and output.
     fsdp2 = dataclasses.replace(layout, engine="fsdp2")
     groups = predict(spec, config, fsdp2, plan_profiles.FIXED).buckets
     assert len(groups) == len(predict(llama, debug, fsdp2, plan_profiles.FIXED).buckets)
+    assert groups[0] == ["model.model.embed_tokens.weight"]
+    assert groups[1][0].startswith("model.model.layers.0.")
+    assert "model.model.norm.weight" in groups[-1]
+    # Tied input and output embeddings: the engine keeps one root group, first.
+    tied_folder = tmp_path / "tied"
+    tied_folder.mkdir()
+    fields = {**_mistral_as_llama_debug(), "tie_word_embeddings": True}
+    tied = plan_cli.resolve_model(
+        plan_cli._parser().parse_args(["--model", _folder(tied_folder, **fields)])
+    )
+    groups = predict(*tied, fsdp2, plan_profiles.FIXED).buckets
+    assert "model.model.embed_tokens.weight" in groups[0] and "model.model.norm.weight" in groups[0]
     assert groups[1][0].startswith("model.model.layers.0.")
 
 

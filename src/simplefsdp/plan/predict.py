@@ -1044,7 +1044,11 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     base_peak = max(stage.fw_peak, stage.saved_bytes + stage.bw_transient)
     kept: set[str] = set()  # gathered once, kept from forward to backward
     kept_spent = 0.0  # their bytes beyond the buckets gathered at the boundary anyway
-    split_root = get_engine(layout.engine).fsdp2_runtime and layout.fsdp2_root == "split"
+    # torchtitan's groups, as the fsdp2 engine's; one root group where the
+    # model ties its embeddings (the engine keeps them together)
+    split_root = (
+        get_engine(layout.engine).fsdp2_runtime and layout.fsdp2_root == "split" and t2.outer_split
+    )
     if split_root:
         # torchtitan's groups in forward order: the embedding, the blocks,
         # the final norm and output (kept from forward into backward)
@@ -1221,7 +1225,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         else:
             activations += gathered_kv * blocks_of_stage * inflight
     if fsdp2 and layout.fsdp > 1 and layout.reshard_after_forward:
-        gathered = fsdp2_gathered_bytes(units, activations + temporary, layout.fsdp2_root)
+        gathered = fsdp2_gathered_bytes(
+            units, activations + temporary, "split" if split_root else "whole"
+        )
     # Unreduced gradient sums (Note: [Gradient accumulation in the plan]):
     # fp32, the stage's parameters whole (TP-local), those alive at the peak.
     accumulated = float(sums_alive * sums)

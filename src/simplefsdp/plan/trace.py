@@ -235,6 +235,10 @@ class Traced:
     # The model drops out (traced without: the meta device draws no random
     # numbers, so its masks are not planned).
     dropout: bool = False
+    # The parameters outside the blocks split into FSDP2 groups before and
+    # after them (``bucket_plan.outer_modules``): not where the input and
+    # output embeddings are tied, which the fsdp2 engine keeps in one group.
+    outer_split: bool = True
 
 
 @contextlib.contextmanager
@@ -257,6 +261,7 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 def trace_step(key: TraceKey) -> Traced:
     """Trace one training step of ``key`` (Note: [Planning traces])."""
     import simplefsdp
+    from simplefsdp.bucket_plan import outer_modules, repeated_blocks
     from simplefsdp.compiler.planning import CostModel
     from simplefsdp.engines.activation import apply_activation_checkpointing
     from simplefsdp.models.registry import get_spec
@@ -285,6 +290,7 @@ def trace_step(key: TraceKey) -> Traced:
                 loss_parallel=loss_parallel,
             )
         apply_activation_checkpointing(model, key.ac, save_attention=key.attention_saved)
+        outer_split = outer_modules(model, repeated_blocks(model)) is not None
         wrapped = _WithLoss(model, loss_parallel)
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -324,6 +330,7 @@ def trace_step(key: TraceKey) -> Traced:
         compiled_saved,
         float8,
         dropout,
+        outer_split,
     )
 
 
