@@ -226,18 +226,15 @@ def fsdp_unit_numels(
     def numel(modules: list[nn.Module]) -> int:
         return sum(p.numel() for m in modules for p in m.parameters())
 
-    block_units = [(numel([block]), True) for _, block in blocks]
-    outer = outer_modules(model, blocks)
-    grouped = {id(p) for _, b in blocks for p in b.parameters()}
-    if outer is not None:
-        before, after = ([m for _, m in side] for side in outer)
-        grouped |= {id(p) for m in before + after for p in m.parameters()}
-        root = sum(p.numel() for p in model.parameters() if id(p) not in grouped)
-        head = [(numel(before), True)] if before else []
-        tail = [(numel(after), False)] if after else []
-        return ([(root, False)] if root else []) + head + block_units + tail
+    before, after = ([m for _, m in side] for side in outer_modules(model, blocks) or ([], []))
+    grouped = {id(p) for m in [b for _, b in blocks] + before + after for p in m.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in grouped)
-    return ([(root, False)] if root else []) + block_units
+    return (
+        ([(root, False)] if root else [])
+        + ([(numel(before), True)] if before else [])
+        + [(numel([block]), True) for _, block in blocks]
+        + ([(numel(after), False)] if after else [])
+    )
 
 
 def _comm_buffers(

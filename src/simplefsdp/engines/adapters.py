@@ -384,21 +384,11 @@ def _apply_fsdp2(
     # first. Tied embeddings stay in the root group, not resharded either.
     outer = outer_modules(model, blocks)
     if outer is not None:
-        before, after = ([m for _, m in side] for side in outer)
-        if before:
-            fully_shard(
-                before if len(before) > 1 else before[0],
-                mesh=mesh,
-                mp_policy=policy,
-                reshard_after_forward=spec.reshard_after_forward,
-            )
-        if after:
-            fully_shard(
-                after if len(after) > 1 else after[0],
-                mesh=mesh,
-                mp_policy=policy,
-                reshard_after_forward=False,
-            )
+        for side, reshard in zip(outer, (spec.reshard_after_forward, False)):
+            modules = [m for _, m in side]
+            if modules:
+                group = modules if len(modules) > 1 else modules[0]
+                fully_shard(group, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     if expert_mesh is not None and groups:
         _prefetch_explicitly(model, groups)

@@ -578,7 +578,6 @@ def _hook_fsdp2(
         fsdp.split = True
     else:
         model.register_forward_pre_hook(lambda *_: fsdp.unshard("root", "forward", first))
-    split = fsdp.split
 
     def post_forward(i: int, output: Any) -> None:
         if buffers.reshard_after_forward:
@@ -588,7 +587,7 @@ def _hook_fsdp2(
     def pre_backward(i: int) -> None:
         if i < last:
             fsdp.reduce(i + 1)  # the block after it has finished its backward
-        elif split:
+        elif fsdp.split:
             fsdp.reduce("root")  # the final norm's and output's have ended
         fsdp.unshard(i, "backward", i - 1 if i else None)
 
