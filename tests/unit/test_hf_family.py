@@ -223,7 +223,7 @@ def test_resolve_takes_the_family_and_config_from_the_folder(folders, llama_fold
     errors, _ = job_errors(_job(folders["gemma"][0], "--data.seq_len", "128"), 2)
     assert errors == [
         "data.seq_len 128 exceeds max_position_embeddings 64 of the 'gemma' model; "
-        "valid: at most 64"
+        "valid: at most 64 (or raise model.max_seq_len)"
     ]
     # what the family does not compose with: one line
     folder = folders["gemma"][0]

@@ -159,6 +159,31 @@ def test_a_hugging_face_folder_plans_as_its_family(flavor, tmp_path, capsys) -> 
     assert from_folder == from_flavor
 
 
+def test_a_longer_sequence_than_the_model_takes_is_raised_by_a_config(tmp_path, capsys) -> None:
+    # Beyond max_seq_len: one line saying how to raise it, and a --config
+    # naming a model folder as its base raises it for that folder.
+    import json
+
+    spec, config = resolve_flavor("qwen3_debug")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(spec.hf_adapter.config_to_hf(config)))
+    longer = 2 * config.max_seq_len
+    argv = ["--gpus", "2", "--hardware", "h100", "--seq", str(longer), "--json"]
+    assert plan_cli.main(["--model", str(folder), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--seq {longer} exceeds max_seq_len" in err[0]
+    assert 'raise max_seq_len with --config FILE.json (holding {"max_seq_len": N})' in err[0]
+    raised = tmp_path / "long.json"
+    raised.write_text(json.dumps({"base": str(folder), "max_seq_len": longer}))
+    assert plan_cli.main(["--model", str(folder), "--config", str(raised), *argv]) == 0
+    assert json.loads(capsys.readouterr().out)["predictions"][0]["layout"]["seq"] == longer
+    raised.write_text(json.dumps({"base": str(folder), "max_seq_length": longer}))
+    assert plan_cli.main(["--config", str(raised), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max_seq_length not a field" in err[0] and "max_seq_len" in err[0]
+
+
 def _folder(tmp_path, **fields) -> str:
     import json
 

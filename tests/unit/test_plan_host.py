@@ -131,10 +131,17 @@ def test_steps_kernels_recorded_on_the_model(dsv3):
                         recompute_experts=True)  # fmt: skip
     assert [op[0] for op in lean].count("recompute") == recompute + 3
     # FSDP's groups: the root, the blocks and the experts, each hooked
-    # before its forward and its backward (the root's in forward only);
-    # the blocks' gathers issued one block ahead, the first by the root
+    # before its forward and its backward; the blocks' gathers issued one
+    # block ahead, the first by the root
     blocks = config.n_dense_layers + 1
-    assert phases.count("hook") == 1 + 2 * (blocks + 1)
+    assert phases.count("hook") == 2 * (1 + blocks + 1)
+    # FSDP2's split root: the embedding's group and the final norm's with
+    # the output hooked too, the embedding's hooked before the step's last
+    # kernel (its gradient)
+    split = _record_step(spec, small, "selective", 2, 1, 256, lambda *_: 1e-6, split_root=True)
+    assert [op[0] for op in split].count("hook") == 2 * (3 + blocks + 1)
+    last_hook = max(i for i, op in enumerate(split) if op[0] == "hook")
+    assert [op[0] for op in split[last_hook + 1 :]] == ["backward"]
     assert [op.gather for op in ops if op.gather] == ["dense", "moe"]
     assert sum(op.wait for op in ops) == blocks
     assert not any(op[2] for op in _record_step(spec, small, "selective", 1, 1, 256,

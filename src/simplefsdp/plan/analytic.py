@@ -662,7 +662,7 @@ def _predict_rank(
         )
     recording = EagerStep(spec, args, layout.ac, ep, layout.batch // m, layout.seq // cp, kernels,
                           layout.imbalance, cp, buffers, layout.recompute_experts,
-                          layout.fused_loss)  # fmt: skip
+                          layout.fused_loss, split_root and engine.fsdp2_runtime)  # fmt: skip
     cache_note = []
     if hw.caching_allocator and not fused:
         # What the caching allocator holds free at its reserved peak, over two

@@ -164,8 +164,8 @@ def resolve_model(ns: argparse.Namespace) -> tuple[Any, Any]:
     a Hugging Face model folder: the family that reads its ``config.json``
     and that configuration, as ``simplefsdp train --checkpoint.init_from_hf``
     builds it) or ``--config`` (a JSON file of the config's fields,
-    optionally with ``"base"``: the flavor it overrides, default
-    ``--model``'s)."""
+    optionally with ``"base"``: the flavor or model folder it overrides,
+    default ``--model``)."""
     from simplefsdp.models.registry import resolve_flavor
 
     if ns.config is None and Path(ns.model).is_dir():
@@ -195,6 +195,16 @@ def resolve_model(ns: argparse.Namespace) -> tuple[Any, Any]:
             f"got a {type(data).__name__}"
         )
     base = data.pop("base", ns.model)
+    if Path(base).is_dir():
+        # a model folder's config with the file's fields replaced
+        spec, config = resolve_model(argparse.Namespace(model=base, config=None))
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(config)})
+        if unknown:
+            raise ValueError(
+                f"--config {ns.config!r}: {', '.join(unknown)} not a field of {base!r}'s "
+                f"config; valid: {', '.join(f.name for f in dataclasses.fields(config))}"
+            )
+        return spec, dataclasses.replace(config, **data)
     return resolve_flavor(base, **data)
 
 
@@ -235,7 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         help="JSON file of the model config's fields (optional key 'base': the flavor "
-        "they override, default --model)",
+        'or model folder they override, default --model), e.g. {"max_seq_len": 131072}',
     )
     p.add_argument(
         "--gpus",

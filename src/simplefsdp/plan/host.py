@@ -34,7 +34,8 @@ Note: [Host-bound steps]
     stream: a kernel starts when it is issued and its predecessor is done;
     at a sync the host waits for the device.
     FSDP's groups (the blocks, the experts of each MoE block under expert
-    parallelism, the root) cost the host their hooks (FSDP2's: the
+    parallelism, the root, and with FSDP2's split root the embedding and
+    the final norm with the output) cost the host their hooks (FSDP2's: the
     profile's ``host_fsdp2_group_s`` per group and step, half as the
     group's forward starts, after the token sync for the experts, half as
     its backward starts), kernel-less ops in the timeline. Each block's
@@ -610,6 +611,7 @@ def _record_step(
     buffers: Fsdp2Buffers | None = None,
     recompute_experts: bool = False,
     fused_loss: bool = False,
+    split_root: bool = False,
 ) -> Any:
     """The kernels of one training step of ``config``'s model at its real
     shapes (meta tensors, bfloat16, the experts' grouped GEMMs), in issue
@@ -622,7 +624,9 @@ def _record_step(
     them (:func:`_hook_fsdp2`). The loss is a log-sum-exp over the
     vocabulary: of fp32 logits (eager: their fp32 copy and its gradient
     allocated), or with ``fused_loss`` of the bf16 logits (a compiled loss
-    holds no fp32 tensor of the vocabulary's width)."""
+    holds no fp32 tensor of the vocabulary's width). ``split_root``: the
+    embedding and the final norm with the output are FSDP2 groups of their
+    own beside the root (``fsdp2_root`` ``split``), each hooked."""
     import inspect
 
     from simplefsdp.engines.activation import apply_activation_checkpointing
@@ -668,6 +672,13 @@ def _record_step(
     for index, block in enumerate(blocks):
         block.register_forward_pre_hook(lambda *_, index=index: pre_forward(index))
         block.register_forward_hook(lambda _m, _a, out: hook_backward(out))
+    outer = outer_modules(model, repeated_blocks(model)) if split_root else None
+    if outer is not None and outer[0] and outer[1]:
+        # the embedding's group and the final norm's with the output: hooked
+        # as their forward starts and as their backward starts
+        for side in outer:
+            side[0][1].register_forward_pre_hook(lambda *_: None if recorder.backward else hook())
+            side[-1][1].register_forward_hook(lambda _m, _a, out: hook_backward(out))
 
     def token_sync() -> None:
         # the token counts' copy to the host: in forward, and again where
@@ -700,6 +711,7 @@ def _record_step(
             recorder.sweep()
             recorder.forward_end = len(recorder.events)  # what backward will read is live
         recorder.backward = True
+        hook()  # the root's pre-backward, as the loss's backward starts
         if fsdp:
             fsdp.gradients("root")  # from the output layer's backward, the first
         loss.backward()
@@ -723,8 +735,9 @@ class EagerStep:
     ``kernels`` that price its ops (``None``: unpriced), the most loaded EP
     rank's routed tokens over the mean (``imbalance``), the CP degree,
     eager FSDP2's collective ``buffers`` (``None``: none recorded),
-    whether selective AC recomputes the experts and whether the loss is
-    compiled (``fused_loss``)."""
+    whether selective AC recomputes the experts, whether the loss is
+    compiled (``fused_loss``) and whether FSDP2 groups the embedding and
+    the final norm with the output apart from its root (``split_root``)."""
 
     spec: Any
     config: Any
@@ -738,13 +751,14 @@ class EagerStep:
     buffers: Fsdp2Buffers | None = None
     recompute_experts: bool = False
     fused_loss: bool = False
+    split_root: bool = False
 
     def key(self) -> tuple:
         """What the recording depends on, hashable (the kernel model by its
         repr: it holds dicts)."""
         return (self.spec.family, self.config, self.ac, self.ep, self.batch, self.seq,
                 repr(self.kernels), self.imbalance, self.cp, self.buffers,
-                self.recompute_experts, self.fused_loss)  # fmt: skip
+                self.recompute_experts, self.fused_loss, self.split_root)  # fmt: skip
 
 
 def eager_step_events(step: EagerStep) -> tuple:
@@ -800,7 +814,11 @@ def _recorded(step: EagerStep) -> tuple:
             else (lambda *_: 0.0)
         )
         shape = (step.ac, step.ep, step.batch, step.seq, price)
-        recompute = {"recompute_experts": step.recompute_experts, "fused_loss": step.fused_loss}
+        recompute = {
+            "recompute_experts": step.recompute_experts,
+            "fused_loss": step.fused_loss,
+            "split_root": step.split_root,
+        }
 
         def model(extra: int) -> Any:
             return dataclasses.replace(config, n_layers=config.n_dense_layers + extra)

@@ -25,6 +25,7 @@ _LAYOUT_NAMES = {
     "microbatches": "--microbatches",
     "batch": "--batch",
     "seq_len": "--seq",
+    "max_seq_len": 'max_seq_len with --config FILE.json (holding {"max_seq_len": N})',
     "float8": "--float8",
     "cp": "--cp",
     "loss_parallel": "--loss-parallel",

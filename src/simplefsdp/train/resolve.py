@@ -36,6 +36,7 @@ FLAGS = {
     "stages_per_rank": "parallel.pp_stages_per_rank",
     "batch": "data.batch_size",
     "seq_len": "data.seq_len",
+    "max_seq_len": "model.max_seq_len",
     "sequence_parallel": "--parallel.sequence_parallel",
     "loss_parallel": "parallel.loss_parallel",
     "float8": "float8.enable",

@@ -55,9 +55,11 @@ def decoder_errors(
     model = f"model {model_name!r}" if model_name else "the model"
     errors = []
     if seq_len is not None and seq_len > config.max_seq_len:
+        # where the caller names how to raise it (``names["max_seq_len"]``)
+        raise_it = f" or raise {n['max_seq_len']}" if "max_seq_len" in n else ""
         errors.append(
             f"{n['seq_len']} {seq_len} exceeds max_seq_len {config.max_seq_len} of {model}; "
-            f"use {n['seq_len']} <= {config.max_seq_len}"
+            f"use {n['seq_len']} <= {config.max_seq_len}{raise_it}"
         )
     tp = getattr(layout, "tp", 1)
     if tp > 1:

@@ -95,6 +95,7 @@ def validate(
         errors.append(
             f"{n['seq_len']} {seq_len} exceeds max_position_embeddings {config.max_seq_len} "
             f"of the {config.model_type!r} model; valid: at most {config.max_seq_len}"
+            + (f" (or raise {n['max_seq_len']})" if "max_seq_len" in n else "")
         )
     tp = getattr(layout, "tp", 1)
     if isinstance(tp, int) and tp > 1:
