@@ -70,6 +70,28 @@ def test_every_expert_flavor_plans_with_its_defaults(flavor, cp, capsys) -> None
     assert "DOES NOT FIT" not in out and "defaults (generic)" in out
 
 
+def test_a_generic_ep_default_is_the_fastest_degree_that_fits(capsys) -> None:
+    # No published layout: the EP degree left out is the fastest of those
+    # that fit; one given is planned as given.
+    import json
+
+    def plan(*argv: str) -> dict:
+        assert plan_cli.main(["--model", "gpt_oss_120b", *argv, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["predictions"][0]
+
+    chosen = plan()
+    assert any("the fastest EP degree that fits" in n for n in chosen["notes"])
+    gpus, experts = chosen["layout"]["gpus"], resolve_flavor("gpt_oss_120b")[1].num_experts
+    speeds = {}
+    for ep in (d for d in range(1, gpus + 1) if gpus % d == 0 and experts % d == 0):
+        pred = plan("--ep", str(ep))
+        assert pred["layout"]["ep"] == ep
+        if pred["fits"]:
+            speeds[ep] = pred["tokens_per_s_per_gpu"]
+    assert len(speeds) > 1 and max(speeds, key=speeds.get) == chosen["layout"]["ep"]
+    assert chosen["tokens_per_s_per_gpu"] == speeds[chosen["layout"]["ep"]]
+
+
 def test_generic_defaults_grow_with_the_model() -> None:
     usable = PROFILES["h100"].memory_bytes * PROFILES["h100"].usable_memory_fraction
     spec, config = resolve_flavor("deepseek_v3_671b")

@@ -717,6 +717,31 @@ def sweep_expert_layouts(spec: Any, config: Any, base) -> list:
     return layouts
 
 
+def fastest_default_ep(spec: Any, config: Any, base, defaulted, hw, predict_fn):
+    """The prediction of ``base`` (an ``ExpertLayout`` whose EP degree is a
+    generic default) at the EP degree that is fastest among those that fit:
+    every degree dividing the experts and the GPUs (a multiple of
+    ``base.cp``), each with the other defaults (``defaulted``) lowered where
+    it does not fit as :func:`fit_defaults` lowers them, the rest of
+    ``base`` as it is. ``None`` where none fits (the default stays, and what
+    would fit is listed as for any layout)."""
+    from simplefsdp.plan.analytic import validate_analytic
+
+    best = None
+    for ep in range(1, base.gpus + 1):
+        if base.gpus % ep or config.num_experts % ep or (ep > 1 and ep % base.cp):
+            continue
+        layout = dataclasses.replace(base, ep=ep)
+        try:
+            validate_analytic(spec, config, layout)
+        except ValueError:
+            continue
+        pred = fit_defaults(config, predict_fn(config, layout, hw), defaulted, hw, predict_fn)
+        if pred.fits and (best is None or pred.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
+            best = pred
+    return best
+
+
 def sweep_predictions(args, layouts, hw, predict_fn) -> tuple[list, list[dict]]:
     """Predict the sweep's ``layouts`` with ``predict_fn(args, layout, hw)``
     (``simplefsdp.plan.predict.predict``); returns ``(predictions, skipped)``.
@@ -1048,7 +1073,22 @@ def main(argv: list[str] | None = None) -> int:
             preds, skipped = sweep_predictions(config, layouts, hw, predict_fn)
             preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
         else:
-            preds = [fit_defaults(config, predict_fn(config, base, hw), defaulted, hw, predict_fn)]
+            first = None
+            preset = ns.config is None and reference_layout(spec, config) is not None
+            if "ep" in defaulted and not preset and spec.plan_method == "analytic":
+                # a generic EP degree: the fastest that fits
+                first = fastest_default_ep(spec, config, base, defaulted, hw, predict_fn)
+                if first is not None and first.layout.ep != values["ep"]:
+                    first.notes.append(
+                        f"--ep {first.layout.ep}: the fastest EP degree that fits this "
+                        "layout (--sweep ranks the others)"
+                    )
+                    values["ep"] = first.layout.ep
+            if first is None:
+                first = fit_defaults(
+                    config, predict_fn(config, base, hw), defaulted, hw, predict_fn
+                )
+            preds = [first]
             skipped = []
             values["ac"] = preds[0].layout.ac
         shown = ", ".join(
