@@ -270,3 +270,27 @@ def test_measured_reserved_peak_is_set_beside_the_plans() -> None:
     text = format_measured(Measured("cuda", int(pred.peak_bytes), 1.0, "cuda", reserved), pred)
     assert "reserved peak" in text and "(+25.0%; the caching allocator's)" in text
     assert "reserved peak" not in format_measured(Measured("cpu", GiB, 1.0, "rss"), pred)
+
+
+def test_measure_runs_float8_as_the_trainer_converts_it(monkeypatch) -> None:
+    # --float8 --measure: the linears converted as simplefsdp train
+    # --float8.enable converts them (the output left bf16), then one step.
+    import torch
+
+    import simplefsdp
+    from simplefsdp.plan.measure import measure_step
+
+    converted = []
+    real = simplefsdp.convert_linears_to_float8
+
+    def spy(model, recipe, filter_fqns):
+        out = real(model, recipe, filter_fqns)
+        converted.extend(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+        return out
+
+    monkeypatch.setattr(simplefsdp, "convert_linears_to_float8", spy)
+    args = get_config("debug", n_layers=1)
+    layout = Layout(gpus=2, batch=1, seq=32, ac="none", engine="fsdp2", float8=True)
+    measured = measure_step(LLAMA, args, layout, torch.device("cpu"), warmup=1)
+    assert measured.step_s > 0
+    assert converted and "output" not in converted and any("attention" in n for n in converted)

@@ -253,7 +253,10 @@ def test_cli_bad_moe_layouts_are_one_line_errors(capsys) -> None:
             ["--model", "moe_small", "--cp", "2", "--seq", "510"],
             "--seq 510 does not split over --cp 2",
         ),
-        (["--model", "moe_debug", "--float8"], "--float8 is not planned for 'moe_debug'"),
+        (
+            ["--model", "moe_debug", "--float8", "--engine", "fsdp2"],
+            "--float8 with --engine fsdp2 is not planned for a model with routed experts",
+        ),
         (
             ["--model", "moe_debug", "--ep", "2", "--measure"],
             "--measure runs one rank, whose experts' all-to-all needs the other ranks' tokens; "
@@ -471,3 +474,58 @@ def test_changes_that_fit_include_a_larger_ep(capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert "changes that fit, fastest first:" in err and "--ep 4 (30.9 GiB" in err, err
     assert "--ep 2 (" not in err  # the smallest degree that fits, not every one
+
+
+def test_float8_converts_the_blocks_dense_linears_and_no_routed_expert(capsys) -> None:
+    # simplefsdp train --float8.enable on DeepSeek-V3: multi-head latent
+    # attention's four projections and the dense or shared feed-forward
+    # network; not the router, the routed experts or the output.
+    spec, config = resolve_flavor("deepseek_v3_16b")
+    heads, d = config.n_heads, config.dim
+    attention = d * heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+    attention += d * (config.kv_lora_rank + config.qk_rope_head_dim)
+    attention += config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
+    attention += heads * config.v_head_dim * d
+    shared = 3 * d * config.num_shared_experts * config.moe_hidden_dim
+    found = analytic.float8_linears(spec, config)
+    sizes = {kind: sum(i * o for i, o in shapes) for kind, shapes in found.items()}
+    assert sizes == {
+        "moe": attention + shared,
+        "dense": attention + 3 * d * config.dense_hidden_dim,
+    }
+
+    layout = MoELayout(gpus=8, batch=1, seq=1024, ep=2, ac="selective")
+    hw = dataclasses.replace(FIXED, peak_fp8_flops=4e12, fp8_matmul_efficiency=0.5)
+    bf16 = predict_moe(config, layout, hw)
+    fp8 = predict_moe(config, dataclasses.replace(layout, float8=True), hw)
+    assert "float8" in fp8.layout.describe()
+    # Memory: only the gathered blocks shrink, one byte per converted weight
+    # (two blocks gathered and one copied out, resharding after forward).
+    for part, value in bf16.memory.items():
+        expected = value - 3 * sizes["moe"] if part == "gathered" else value
+        assert fp8.memory[part] == pytest.approx(expected), part
+    # Time: the converted matmuls at four times the rate, less the casts
+    tokens = layout.batch * layout.seq
+    flops = (
+        6 * tokens * (config.n_moe_layers * sizes["moe"] + config.n_dense_layers * sizes["dense"])
+    )
+    flops *= 1 + 0.5 / 3  # selective AC recomputes half of the forward
+    rate = hw.peak_bf16_flops * hw.matmul_efficiency
+    saved = flops / rate - flops / (4 * rate)
+    casts = fp8.time["compute"] - (bf16.time["compute"] - saved)
+    assert 0 < casts < 0.2 * saved
+    # The same rate as bf16: slower by the casts alone
+    even = dataclasses.replace(hw, peak_fp8_flops=1e12)
+    slower = predict_moe(config, dataclasses.replace(layout, float8=True), even)
+    assert slower.time["compute"] - bf16.time["compute"] == pytest.approx(casts, rel=1e-6)
+
+    # One line where it is not planned: an eager engine, a part without float8
+    argv = ["--model", "deepseek_v3_16b", "--gpus", "8", "--ep", "2", "--float8"]
+    assert plan_cli.main([*argv, "--engine", "fsdp2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--float8 with --engine fsdp2 is not planned" in err[0]
+    assert plan_cli.main([*argv, "--hardware", "a100"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hardware 'a100' has no float8 peak" in err[0]
+    assert plan_cli.main([*argv, "--hardware", "h100"]) == 0
+    assert "float8" in capsys.readouterr().out

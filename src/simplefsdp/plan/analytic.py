@@ -132,7 +132,7 @@ Note: [Analytic plan model]
     causal mask) over the bf16 peak.
     Load imbalance: ``imbalance`` (default 1.0, perfectly balanced routing)
     is the ratio of the most loaded EP rank's routed tokens to the mean; the
-    step waits for that rank. Not modelled: Float8 and TP.
+    step waits for that rank. Not modelled: TP.
 
     Context parallelism (``cp``, torchtitan's layout as for traced plans):
     FSDP and EP over all ``gpus`` ranks (``ep`` a multiple of ``cp``), each
@@ -148,6 +148,31 @@ Note: [Analytic plan model]
     parallelism in the plan] in ``plan/predict.py``): its bf16 bias held
     while an attention runs, the memory-efficient kernel over every
     query-key pair.
+
+Note: [Float8 of a model with experts]
+    ``float8`` plans ``simplefsdp train --float8.enable`` (torchao's
+    tensorwise recipe, float8 all-gathers) as it converts a model with
+    routed experts: the ``nn.Linear`` layers of its blocks (attention, the
+    dense and shared feed-forward networks) whose dims are multiples of 16,
+    not the output layer, the router (the family's ``float8_skip_fqns``) or
+    the routed experts (grouped GEMMs, not linears), found on the family's
+    model built on the meta device (:func:`float8_linears`). As the traced
+    plans price them (Note: [Float8 in the plan] in ``plan/predict.py``):
+      matmuls      a converted linear's forward, both backward matmuls and
+                   AC's share of its forward again at the profile's
+                   ``peak_fp8_flops * fp8_matmul_efficiency``;
+      casts        the activation operands (the forward's input, the
+                   gradient for the input's matmul, the gradient and the
+                   input for the weight's; the input again where AC
+                   recomputes) cast at 3 bytes per element moved (the amax
+                   fused into the producer; compiled engines only: an eager
+                   step's kernels are recorded in bf16, so ``--float8`` with
+                   an eager engine is refused);
+      all-gathers  the converted weights gather one byte per parameter (the
+                   gathered blocks in memory, the collectives and the copies
+                   around them); gradients are still reduced in fp32;
+      scales       one all-reduce of the converted weights' amaxes per step.
+    Activations are as bf16's (torchao saves the bf16 inputs).
 """
 
 from __future__ import annotations
@@ -162,7 +187,7 @@ from simplefsdp.engines.kinds import get_engine
 from simplefsdp.layout.pipeline import num_stages, pipeline_errors
 from simplefsdp.plan.allocator import cached_bytes
 from simplefsdp.plan.costs import ADAMW_BYTES_PER_PARAM, CLIP_BYTES_PER_PARAM
-from simplefsdp.plan.hardware import HardwareProfile
+from simplefsdp.plan.hardware import HardwareProfile, check_float8
 from simplefsdp.plan.host import (
     EagerStep,
     Fsdp2Buffers,
@@ -219,6 +244,7 @@ class ExpertLayout:
     stages_per_rank: int | None = None
     expandable_segments: bool = False  # as the traced Layout's
     fsdp2_root: str = "split"  # as the traced Layout's (FSDP2_ROOTS)
+    float8: bool = False  # the blocks' dense linears (Note: [Float8 of a model with experts])
 
     @property
     def dp(self) -> int:
@@ -270,6 +296,8 @@ class ExpertLayout:
         ]
         if self.fused_loss:
             parts.append("fused-loss")
+        if self.float8:
+            parts.append("float8")
         if self.expandable_segments:
             parts.append("expandable")
         if get_engine(self.engine).fsdp2_runtime and self.fsdp2_root != "split":
@@ -367,6 +395,11 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
     if not layout.imbalance >= 1.0:
         raise ValueError(f"--expert-imbalance must be >= 1 (1: balanced), got {layout.imbalance}")
     check_recompute_experts(layout.ac, layout.recompute_experts, "--recompute-experts")
+    if layout.float8 and not get_engine(layout.engine).fused_buckets:
+        raise ValueError(
+            f"--float8 with --engine {layout.engine} is not planned for a model with routed "
+            "experts (its eager step is recorded in bf16); valid: --engine simplefsdp"
+        )
     errors = spec.validate(config, layout, build=False)  # planned, not built
     if errors:
         raise ValueError(errors[0])
@@ -387,6 +420,46 @@ def validate_analytic(spec: Any, config: Any, layout: ExpertLayout) -> None:
 def expert_params(args: Any) -> int:
     """Parameters of the routed experts (all MoE layers)."""
     return args.n_moe_layers * args.num_experts * 3 * args.dim * args.moe_hidden_dim
+
+
+_FLOAT8_LINEARS: dict[tuple, dict[str, tuple[tuple[int, int], ...]]] = {}
+
+
+def float8_linears(spec: Any, config: Any) -> dict[str, tuple[tuple[int, int], ...]]:
+    """``(in_features, out_features)`` of the linears ``simplefsdp train
+    --float8.enable`` converts in a block without routed experts
+    (``"dense"``) and in one with them (``"moe"``): every ``nn.Linear`` of
+    the block whose name holds none of ``output`` and the family's
+    ``float8_skip_fqns`` (the router) and whose dims are multiples of 16,
+    the family's model built on the meta device. The routed experts (not
+    linears) stay bf16."""
+    key = (spec.family, config)
+    if key not in _FLOAT8_LINEARS:
+        import torch
+        import torch.nn as nn
+
+        from simplefsdp.bucket_plan import repeated_blocks
+
+        n_dense = min(getattr(config, "n_dense_layers", 0), 1)
+        small = dataclasses.replace(
+            config, n_layers=n_dense + 1, **({"n_dense_layers": n_dense} if n_dense else {})
+        )
+        with torch.device("meta"):
+            model = spec.build(small)
+        skip = ("output", *spec.float8_skip_fqns)
+        found: dict[str, tuple[tuple[int, int], ...]] = {"dense": (), "moe": ()}
+        for index, (fqn, block) in enumerate(repeated_blocks(model)):
+            kind = "dense" if index < n_dense else "moe"
+            found[kind] = tuple(
+                (sub.in_features, sub.out_features)
+                for name, sub in block.named_modules()
+                if isinstance(sub, nn.Linear)
+                and not any(frag in f"{fqn}.{name}" for frag in skip)
+                and sub.in_features % 16 == 0
+                and sub.out_features % 16 == 0
+            )
+        _FLOAT8_LINEARS[key] = found
+    return _FLOAT8_LINEARS[key]
 
 
 def _latent_attention(args: Any) -> bool:
@@ -530,6 +603,8 @@ def predict_analytic(
         ValueError: a bad layout (``validate_analytic``).
     """
     validate_analytic(spec, config, layout)
+    if layout.float8:
+        check_float8(hw)
     ranks = stage_compositions(spec, config, layout.pp, layout.stages_of_rank)
     plans = [_predict_rank(spec, config, layout, hw, rank) for rank in ranks]
     if len(plans) == 1:
@@ -583,6 +658,12 @@ def _predict_rank(
     biggest = 2 * (moe_block if args.n_moe_layers else block_dense)  # bf16 bytes
     local_expert_params = args.num_experts // ep * per_expert
     engine = get_engine(layout.engine)
+    # Float8 (Note: [Float8 of a model with experts]): the converted weights
+    # of a block, which gather one byte per parameter
+    f8 = float8_linears(spec, config) if layout.float8 else {"dense": (), "moe": ()}
+    f8_params = {kind: sum(i * o for i, o in shapes) for kind, shapes in f8.items()}
+    f8_biggest = f8_params["moe"] if args.n_moe_layers else f8_params["dense"]
+    f8_blocks = args.n_moe_layers * f8_params["moe"] + args.n_dense_layers * f8_params["dense"]
     acts = activation_elements(args, layout.ac, layout.imbalance, layout.recompute_experts, ep)
     activations = 2 * acts["saved"] * tokens
     temporary = (4 if layout.fused_loss else 10) * args.vocab_size * tokens
@@ -617,11 +698,11 @@ def _predict_rank(
     if dp == 1:
         gathered = 0.0
     elif layout.reshard_after_forward:
-        gathered = 3 * biggest
+        gathered = 3 * (biggest - f8_biggest)
     elif engine.fsdp2_runtime:  # every block kept from its forward to its backward
-        gathered = 2 * blocks + biggest  # one's gradients beside
+        gathered = 2 * blocks - f8_blocks + biggest  # one's gradients beside
     else:  # the compiled engine gathers each microbatch's own
-        gathered = 2 * blocks * inflight + biggest
+        gathered = (2 * blocks - f8_blocks) * inflight + biggest
     split_root = layout.fsdp2_root == "split"
     if dp > 1 and engine.fsdp2_runtime:
         # FSDP2 does not reshard its root group after forward: the final norm
@@ -693,6 +774,24 @@ def _predict_rank(
     permute_share = 0.0 if layout.ac == "none" else 1.0
     dense_recompute = dense_share * (linear - 6.0 * embed) / 3  # the blocks' non-expert matmuls
     recompute = dense_recompute + routed_share * routed / 3
+    # Float8: the converted linears' matmuls (forward, both backward ones and
+    # AC's share of the forward again) at the float8 rate, and the casts of
+    # their activation operands (Note: [Float8 of a model with experts])
+    f8_flops = 6.0 * f8_blocks  # per token
+    f8_recompute = dense_share * f8_flops / 3
+    f8_io = sum(
+        count * sum(2 * (i + o) + dense_share * i for i, o in f8[kind])
+        for kind, count in (("moe", args.n_moe_layers), ("dense", args.n_dense_layers))
+    )
+    f8_linears = args.n_moe_layers * len(f8["moe"]) + args.n_dense_layers * len(f8["dense"])
+    float8_s = 0.0
+    if layout.float8:
+        rate8 = hw.peak_fp8_flops * (hw.fp8_matmul_efficiency or hw.matmul_efficiency)
+        float8_s = tokens * (f8_flops + f8_recompute) / rate8
+        float8_s += 3.0 * f8_io * tokens / bw  # amax fused into the producer, then the cast
+        float8_s += f8_linears * (4 + dense_share) * hw.kernel_overhead_s
+    bf16_linear = linear - f8_flops
+    bf16_recompute = dense_recompute - f8_recompute
     # Routed experts as grouped GEMMs at the per-expert token count (Note:
     # [Analytic plan model]: MoE terms); forward (3), backward (6) per layer.
     local_experts = args.num_experts // ep
@@ -708,10 +807,11 @@ def _predict_rank(
             + 2 * kernels.gemm_seconds(h, d, rows, "bfloat16", local_experts)
             + kernels.gemm_seconds(d, h, rows, "bfloat16", local_experts)
         )
-        matmul_s = tokens * (linear + dense_recompute) / rate
+        matmul_s = tokens * (bf16_linear + bf16_recompute) / rate
         matmul_s += args.n_moe_layers * ((1 + routed_share) * fwd + bwd)
     else:
-        matmul_s = tokens * (linear + routed + recompute) / rate
+        matmul_s = tokens * (bf16_linear + routed + recompute - f8_recompute) / rate
+    matmul_s += float8_s
     attention_s = tokens * attn_flops / (rate * hw.attention_efficiency)
     if kernels is not None:
         # FlashAttention rates, causal halving (Note: [Kernel model]).
@@ -757,20 +857,23 @@ def _predict_rank(
     span = dp  # the dp / ep ranks holding the same experts are ep apart
     gathers = 2 if layout.reshard_after_forward else 1
 
-    def block_comm(dense_p: float, expert_p: float, gathers: int = gathers) -> float:
+    def block_comm(
+        dense_p: float, expert_p: float, f8_p: float = 0.0, gathers: int = gathers
+    ) -> float:
+        # ``f8_p`` of the dense parameters gather in float8, one byte each
         seconds = 0.0
-        for count, group in ((dense_p, dp), (expert_p, dp // ep)):
+        for count, group, f8_count in ((dense_p, dp, f8_p), (expert_p, dp // ep, 0.0)):
             if count <= 0 or group <= 1:
                 continue
-            seconds += gathers * hw.comm_seconds("all_gather", group, 2 * count, span)
+            seconds += gathers * hw.comm_seconds("all_gather", group, 2 * count - f8_count, span)
             seconds += hw.comm_seconds("reduce_scatter", group, 4 * count, span)
         return seconds
 
-    def block_gather(dense_p: float, expert_p: float) -> float:
-        return block_comm(dense_p, expert_p, 1) - block_comm(dense_p, expert_p, 0)
+    def block_gather(dense_p: float, expert_p: float, f8_p: float = 0.0) -> float:
+        return block_comm(dense_p, expert_p, f8_p, 1) - block_comm(dense_p, expert_p, f8_p, 0)
 
-    moe_params = (block_dense, args.num_experts // ep * per_expert)
-    dense_params = (block_dense + 3 * args.dim * args.dense_hidden_dim, 0)
+    moe_params = (block_dense, args.num_experts // ep * per_expert, f8_params["moe"])
+    dense_params = (block_dense + 3 * args.dim * args.dense_hidden_dim, 0, f8_params["dense"])
 
     # ---- host: an eager step's kernels as the host issues them against the
     # device, each block's forward gather issued as its forward starts (Note:
@@ -812,20 +915,24 @@ def _predict_rank(
     # gradient clipping's passes and all-reduce, then AdamW (Note: [Plan model])
     optimizer_s = shard_params * (ADAMW_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / bw
     optimizer_s += hw.comm_seconds("all_reduce", layout.gpus, 4, layout.gpus)
+    if f8_linears and dp > 1:
+        # the converted weights' amaxes, one all-reduce per step
+        optimizer_s += hw.comm_seconds("all_reduce", dp, 4 * f8_linears, dp)
     # The copies around FSDP's collectives on the compute stream, as the
     # traced plans count them (``copy_written_bytes``): per all-gather the
     # shards in and the gathered block out, per reduce-scatter the
     # gradients in, each byte written moving ``copy_bytes_per_byte``.
     written = 0.0
-    for count, (dense_p, expert_p) in (
+    for count, (dense_p, expert_p, f8_p) in (
         (args.n_moe_layers, moe_params),
         (args.n_dense_layers, dense_params),
-        (1, (2 * embed + args.dim, 0)),
+        (1, (2 * embed + args.dim, 0, 0.0)),
     ):
-        for params, group in ((dense_p, dp), (expert_p, dp // ep)):
+        for params, group, f8_count in ((dense_p, dp, f8_p), (expert_p, dp // ep, 0.0)):
             if params > 0 and group > 1:
-                size = 2 * params  # bf16 gathered bytes
-                written += count * (gathers * (size + size / group) + size)
+                size = 2 * params - f8_count  # gathered bytes (bf16, float8 one)
+                reduced = 2 * params  # the bf16 gradients in
+                written += count * (gathers * (size + size / group) + reduced)
     copies_s = hw.copy_bytes_per_byte * written / bw
     # A microbatch's slot; under a pipeline ``m + (p - 1) / v`` slots per
     # step (Note: [Pipeline schedules in the plan] in plan/predict.py).
@@ -881,7 +988,7 @@ def _predict_rank(
             else []
         ),
         "planned from the model's shapes (docs/scale.md, expert parallelism): per-block "
-        "FSDP groups for both engines; TP and Float8 of experts not modelled",
+        "FSDP groups for both engines; TP not modelled, Float8 converts no routed expert",
     ]
     return Prediction(
         layout=layout,

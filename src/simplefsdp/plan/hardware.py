@@ -423,6 +423,16 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
+def check_float8(hw: HardwareProfile) -> None:
+    """One-line ``ValueError`` where ``hw`` has no float8 peak (``--float8``)."""
+    if hw.peak_fp8_flops <= 0:
+        with_fp8 = ", ".join(n for n, p in PROFILES.items() if p.peak_fp8_flops > 0)
+        raise ValueError(
+            f"--float8 needs float8 tensor cores; hardware {hw.name!r} has no float8 peak "
+            f"(peak_fp8_flops; built-in profiles with one: {with_fp8})"
+        )
+
+
 def profile_names() -> list[str]:
     return sorted(PROFILES)
 

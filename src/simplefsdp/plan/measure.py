@@ -2,7 +2,9 @@
 
 Note: [Measured plan]
     The planned layout's rank 0 runs here: the model built by its family's
-    ``ModelSpec.build`` on the meta device, parallelised by the one recipe of
+    ``ModelSpec.build`` on the meta device (with ``float8`` its linears
+    converted as ``simplefsdp train --float8.enable`` converts them),
+    parallelised by the one recipe of
     train and bench (``parallelize_model``: TP plan, activation
     checkpointing, the engine's data parallelism, compilation) over a
     *fake* process group of the layout's size, its weights initialised
@@ -104,6 +106,13 @@ def measure_step(
         meshes = Degrees(tp=layout.tp).build(device.type, world)
         with torch.device("meta"):
             model = spec.build(config)
+        if getattr(layout, "float8", False):
+            # as simplefsdp train --float8.enable converts it (tensorwise)
+            from simplefsdp import convert_linears_to_float8
+
+            convert_linears_to_float8(
+                model, "tensorwise", ",".join(("output", *spec.float8_skip_fqns))
+            )
         bf16 = layout.dtype == "bf16"
         engine = EngineSpec(
             layout.engine,
@@ -131,6 +140,7 @@ def measure_step(
             for _ in range(microbatches):
                 parallel.step(inputs, targets, scale=1.0 / microbatches)
             optimizer.step()
+            parallel.after_optimizer_step()
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -306,7 +306,7 @@ from simplefsdp.plan.costs import (
     fsdp2_copy_seconds,
     prefetch_extra_bytes,
 )
-from simplefsdp.plan.hardware import HardwareProfile
+from simplefsdp.plan.hardware import HardwareProfile, check_float8
 from simplefsdp.plan.kernels import KernelModel, kernel_model
 from simplefsdp.plan.layout import Layout, cp_mask_note, cp_mask_queries, validate
 from simplefsdp.plan.pipeline import pipeline_note, pipeline_peak, pipeline_slots, stage_blocks
@@ -875,11 +875,7 @@ def float8_matmuls(config: Any, layout: Layout, hw: HardwareProfile) -> Float8Ma
     Raises:
         ValueError: ``hw`` has no float8 peak.
     """
-    if hw.peak_fp8_flops <= 0:
-        raise ValueError(
-            f"--float8 needs float8 tensor cores; hardware {hw.name!r} has no float8 peak "
-            "(peak_fp8_flops; built-in profiles with one: h100, h100-96gb-500w, h200)"
-        )
+    check_float8(hw)
     efficiency = hw.fp8_matmul_efficiency or hw.matmul_efficiency
     probe = cost_model_for(hw, layout, 1.0)
     return Float8Matmuls(
