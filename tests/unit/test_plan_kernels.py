@@ -135,16 +135,21 @@ def test_context_parallel_gathers_keys_and_scales_attention() -> None:
 
 
 @pytest.mark.parametrize("profile", ["fixed", "h100"])
-def test_allgather_attention_pays_its_mask_and_the_masked_kernel(profile) -> None:
+def test_allgather_attention_pays_its_mask_and_the_masked_kernel(profile, monkeypatch) -> None:
     # simplefsdp's allgather backend runs SDPA with a (T/cp x T) boolean mask:
     # the mask and its bf16 bias while an attention runs, and the masked
     # kernel skips no block; torch's flash ring (--cp-backend torch) does
     # neither. The same traces, the same communication.
+    import importlib
+
     seq = 2048
     args = get_config("debug", max_seq_len=seq)
     hw = plan_profiles.FIXED if profile == "fixed" else PROFILES[profile]
     layout = Layout(gpus=2, batch=2, seq=seq, cp=2)
     ours = predict(LLAMA, args, layout, hw)
+    # the kernels alone: without the ring's merges and copies beside them
+    predict_module = importlib.import_module("simplefsdp.plan.predict")
+    monkeypatch.setattr(predict_module, "ring_attention_bytes", lambda *a, **k: (0.0, 0.0))
     torch_cp = predict(LLAMA, args, dataclasses.replace(layout, cp_backend="torch"), hw)
     assert torch_cp.layout.describe().startswith("dp1 cp2 torch")
     mask = (seq // 2) * seq
@@ -159,6 +164,88 @@ def test_allgather_attention_pays_its_mask_and_the_masked_kernel(profile) -> Non
         ValueError, match=r"--cp-backend 'ring' is not planned; valid: allgather, ulysses, torch"
     ):
         validate(args, dataclasses.replace(layout, cp_backend="ring"))
+
+
+def _bytes_moved(fn) -> float:
+    """Bytes that ``fn``'s ATen ops read and write (inputs and outputs), views
+    (an output sharing an input's storage) moving none."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Count(TorchDispatchMode):
+        moved = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            storages = {t.untyped_storage().data_ptr() for t in ins}
+            if any(t.untyped_storage().data_ptr() not in storages for t in outs):
+                Count.moved += sum(t.numel() * t.element_size() for t in (*ins, *outs))
+            return out
+
+    with Count():
+        fn()
+    return Count.moved
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_torch_rings_merges_move_what_the_plan_counts(cp) -> None:
+    # torch's own merger of a ring's partial outputs (the last rank's: every
+    # step whole), run eagerly and its bytes counted, against the plan's
+    # forward bytes without the key/value copies the merger does not make.
+    import torch
+
+    attention = pytest.importorskip(
+        "torch.distributed.tensor.experimental._context_parallel._attention"
+    )
+    from simplefsdp.plan.costs import ring_attention_bytes
+
+    b, h, t, d = 1, 4, 256, 64
+    outs = [torch.randn(b, h, t, d, dtype=torch.bfloat16) for _ in range(cp)]
+    lses = [torch.randn(b, h, t) for _ in range(cp)]
+
+    def merge() -> None:
+        merger = attention._SDPAMerger(True, seq_dim=2)
+        for out, lse in zip(outs, lses):
+            merger.step(out, lse, False)
+        merger.results()
+
+    e = b * h * t * d
+    forward, _ = ring_attention_bytes(e, 0, 2, cp, fused=False)
+    assert _bytes_moved(merge) == pytest.approx(forward, rel=0.05)  # the lse's traffic
+    fused, _ = ring_attention_bytes(e, 0, 2, cp, fused=True)
+    assert fused < forward
+
+
+@pytest.mark.parametrize("engine", ["simplefsdp", "fsdp2"])
+def test_torch_ring_adds_its_merges_and_copies_to_the_step(engine) -> None:
+    # The torch backend's step: its attention kernels as the traced ones
+    # scaled, plus per attention node what the ring moves outside them.
+    import importlib
+
+    from simplefsdp.plan.costs import ring_attention_bytes
+
+    predict_module = importlib.import_module("simplefsdp.plan.predict")
+
+    seq = 512
+    args = get_config("debug", max_seq_len=seq)
+    hw = plan_profiles.FIXED
+    layout = Layout(gpus=2, batch=2, seq=seq, cp=2, cp_backend="torch", engine=engine)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(predict_module, "ring_attention_bytes", lambda *a, **k: (0.0, 0.0))
+        bare = predict(LLAMA, args, layout, hw)
+    ring = predict(LLAMA, args, layout, hw)
+    # per block: a forward and a backward attention (selective AC saves it)
+    heads, d = args.n_heads, args.dim // args.n_heads
+    out = 2 * (seq // 2) * heads * d  # this rank's queries, bf16
+    fused = engine == "simplefsdp"  # compiled: the merges fused
+    forward, backward = ring_attention_bytes(out, 2 * out, 2, 2, fused, False)
+    expected = args.n_layers * (forward + backward) / (hw.memory_bandwidth * hw.memory_efficiency)
+    added = ring.time["compute"] - bare.time["compute"]
+    assert added == pytest.approx(expected, rel=0.02)
+    assert ring.step_s > bare.step_s
 
 
 def test_ulysses_all_to_alls_and_masks_the_whole_sequence() -> None:

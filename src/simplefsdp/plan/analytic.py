@@ -147,7 +147,10 @@ Note: [Analytic plan model]
     runs with a boolean mask, as for traced plans (Note: [Context
     parallelism in the plan] in ``plan/predict.py``): its bf16 bias held
     while an attention runs, the memory-efficient kernel over every
-    query-key pair.
+    query-key pair; with ``torch`` (torch's ring) the ring's merges and
+    copies outside the kernels are added as for traced plans, per layer
+    for each forward (AC's recomputation included) and backward, the keys
+    and values repeated to the query heads as attention reads them.
 
 Note: [Float8 of a model with experts]
     ``float8`` plans ``simplefsdp train --float8.enable`` (torchao's
@@ -186,7 +189,11 @@ from simplefsdp.engines.activation import check_recompute_experts
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.layout.pipeline import num_stages, pipeline_errors
 from simplefsdp.plan.allocator import cached_bytes
-from simplefsdp.plan.costs import ADAMW_BYTES_PER_PARAM, CLIP_BYTES_PER_PARAM
+from simplefsdp.plan.costs import (
+    ADAMW_BYTES_PER_PARAM,
+    CLIP_BYTES_PER_PARAM,
+    ring_attention_bytes,
+)
 from simplefsdp.plan.hardware import HardwareProfile, check_float8
 from simplefsdp.plan.host import (
     EagerStep,
@@ -842,7 +849,23 @@ def _predict_rank(
     router_s = args.n_moe_layers * tokens * (2 * args.dim * args.num_experts) * 3 / rate
     permute_fw = args.n_moe_layers * 2 * (2 * 2 * moe_tokens * args.dim) / bw
     permute_s = 2 * permute_fw * (1 + permute_share)
-    device_s = matmul_s + attention_s + elementwise_s + router_s + permute_s
+    # torch's ring (the ``torch`` CP backend): its merges and copies outside
+    # the attention kernels, per forward (and recomputed forward) and
+    # backward (Note: [Context parallelism in the plan] in plan/predict.py);
+    # attention reads the keys and values repeated to the query heads
+    ring_s = 0.0
+    if cp > 1 and layout.cp_backend == "torch":
+        if _latent_attention(args):
+            k_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
+            v_dim = args.v_head_dim
+        else:
+            k_dim = v_dim = args.head_dim
+        out = tokens * args.n_heads * v_dim
+        keys_values = tokens * args.n_heads * (k_dim + v_dim)
+        forward, backward = ring_attention_bytes(out, keys_values, 2, cp, fused, False)
+        forwards = 2 if layout.ac == "full" else 1
+        ring_s = args.n_layers * (forwards * forward + backward) / bw
+    device_s = matmul_s + attention_s + elementwise_s + router_s + permute_s + ring_s
 
     # ---- all-to-all
     intra = ep <= hw.gpus_per_node
@@ -888,7 +911,7 @@ def _predict_rank(
     eager_timeline = kernels is not None and not fused
     # the eager timeline holds the step's kernels and forward gathers, not
     # its all-to-alls
-    compute_s = host.step_s if eager_timeline else device_s + host.wait_s
+    compute_s = host.step_s + ring_s if eager_timeline else device_s + host.wait_s
 
     blocks = args.n_layers
     block_compute = (compute_s - tokens * 6.0 * embed / rate) / blocks

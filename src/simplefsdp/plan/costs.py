@@ -100,6 +100,57 @@ def prefetch_extra_bytes(buckets: list[list[GatherUnit]], kept: Collection[str] 
     return float(max(max(forward, default=0), backward))
 
 
+def ring_attention_bytes(
+    out_elements: float,
+    kv_elements: float,
+    itemsize: int,
+    cp: int,
+    fused: bool,
+    contiguous: bool = True,
+) -> tuple[float, float]:
+    """Bytes torch's ring attention (``context_parallel``, the ``torch`` CP
+    backend) moves outside its attention kernels in one forward and in one
+    backward call, on the rank that merges the most (the last: every step
+    whole), for an attention whose output has ``out_elements`` and whose
+    keys and values ``kv_elements`` together, in ``itemsize``-byte elements,
+    over ``cp`` ranks (Note: [Context parallelism in the plan] in
+    ``plan/predict.py``). ``(0, 0)`` for ``cp`` 1.
+
+    Forward: the keys and values made contiguous (unless ``contiguous``) and
+    concatenated for the next step before each step but the last; each
+    step's output cast to fp32 and merged into the fp32 result by its
+    log-sum-exp (three passes over fp32 unfused, one reading both and
+    writing the result ``fused``); the result cast back. Backward: fp32
+    zeros for the three gradients, the keys and values concatenated as in
+    forward, each step's query gradient added into its fp32 sum and the key
+    and value gradients added into the sums the ring passes on (half of
+    them from the second step, whose partial update concatenates the whole
+    sum again unfused), the key and value sums concatenated to be sent each
+    step (unfused), and the three sums cast back."""
+    if cp <= 1:
+        return 0.0, 0.0
+    s, f = itemsize, 4
+    e, a = out_elements, kv_elements
+    cast = (f + s) if s < f else 0  # to fp32 (read s, write 4) or nothing
+    copy_kv = 0.0 if contiguous else 2 * s * a
+    cats = (cp - 1) * 2 * s * a
+    if fused:
+        merge = (2 * f + s) * e  # read the sum and the step's output, write the sum
+        forward = cast * e + (cp - 1) * merge + cast * e
+    else:
+        merge = 8 * f * e  # out - block, times the weights, out - that
+        forward = cast * e + (cp - 1) * (cast * e + merge) + cast * e
+    forward += copy_kv + cats
+    add = 2 * f + s  # read the sum and the step's gradient, write the sum
+    backward = f * (e + a) + copy_kv + cats + cp * add * e
+    if fused:
+        backward += cp * add * a
+    else:
+        backward += add * a + (cp - 1) * (add * a / 2 + 2 * f * a) + cp * 2 * f * a
+    backward += cast * (e + a)
+    return forward, backward
+
+
 def cost_model_for(hw: HardwareProfile, layout: Layout, rs_to_ag_ratio: float = 2.0) -> CostModel:
     """The compiler's ``CostModel`` for ``hw`` and the layout's groups.
 

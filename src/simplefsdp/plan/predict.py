@@ -254,7 +254,12 @@ Note: [Context parallelism in the plan]
                    block's at a time (full AC, temporary).
     How attention reaches those keys (``cp_backend``): ``torch`` is torch's
     context_parallel (a ring of flash-attention blocks, load-balanced, what
-    torchtitan runs), priced as the traced flash attention above;
+    torchtitan runs), priced as the traced flash attention above, plus, per
+    attention node, the memory-bound passes of its ring code outside the
+    kernels (``ring_attention_bytes`` in ``plan/costs.py``: the keys and
+    values concatenated per step, the fp32 merges of the steps' outputs in
+    forward, the fp32 gradient sums in backward; fused where the step is
+    compiled);
     ``allgather`` (simplefsdp's default backend) calls SDPA with a boolean
     mask built from the positions, ``(T/cp) x T``, which SDPA turns into a
     bf16 bias: the memory-efficient kernel over every query-key pair (no
@@ -305,6 +310,7 @@ from simplefsdp.plan.costs import (
     cost_model_for,
     fsdp2_copy_seconds,
     prefetch_extra_bytes,
+    ring_attention_bytes,
 )
 from simplefsdp.plan.hardware import HardwareProfile, check_float8
 from simplefsdp.plan.kernels import KernelModel, kernel_model
@@ -583,24 +589,41 @@ def measure(
     attention_scale: int = 1,
     masked: bool = False,
     async_degree: int = 1,
+    ring: bool = False,
 ) -> GraphMeasures:
+    """``ring``: attention runs as torch's ring over ``attention_scale`` CP
+    ranks (the ``torch`` backend), whose merges and copies outside the
+    attention kernels are added (:func:`ring_attention_bytes`)."""
     fw, bw = traced.forward, traced.backward
     fw_mem, bw_mem = estimate_memory(fw), estimate_memory(bw)
     fw_t = compute_time(fw, cost_model, fused, float8, kernels, attention_scale, masked)
     bw_t = compute_time(bw, cost_model, fused, float8, kernels, attention_scale, masked)
     kv = kv_forward = nodes = ulysses = heads = 0.0
-    for gm in (fw, bw):
+    for gm, timed in ((fw, fw_t), (bw, bw_t)):
         for n in gm.graph.nodes:
             if n.op != "call_function" or "scaled_dot_product" not in str(n.target):
                 continue
             pair = sum(node_bytes(a) for a in n.args[1:3] if isinstance(a, fx.Node))
             kv, nodes = kv + pair, nodes + 1
-            if gm is fw and "backward" not in str(n.target):
+            backward = "backward" in str(n.target)
+            if gm is fw and not backward:
                 kv_forward += pair
-            q, k, v = n.args[1:4] if "backward" in str(n.target) else n.args[0:3]
+            q, k, v = n.args[1:4] if backward else n.args[0:3]
             heads, kv_heads = q.meta["val"].shape[1], k.meta["val"].shape[1]
             repeat = heads / kv_heads if kv_heads % max(attention_scale, 1) else 1
             ulysses += 2 * node_bytes(q) + repeat * (node_bytes(k) + node_bytes(v))
+            if ring:
+                qv, kval, vval = (x.meta["val"] for x in (q, k, v))
+                out = qv.numel() // qv.shape[-1] * vval.shape[-1]
+                moved = ring_attention_bytes(
+                    out,
+                    kval.numel() + vval.numel(),
+                    qv.element_size(),
+                    attention_scale,
+                    fused,
+                    kval.is_contiguous() and vval.is_contiguous(),
+                )[1 if backward else 0]
+                timed["seconds"] += moved / cost_model.bytes_per_s
     tp = [
         tp_comm_seconds(gm, traced.groups, cost_model, fused, float8, kernels, async_degree)
         for gm in (fw, bw)
@@ -967,8 +990,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     mask_queries = cp_mask_queries(layout.seq, layout.cp, layout.cp_backend)
     masked = mask_queries > 0
     async_degree = layout.tp if layout.async_tp else 1
-    m1 = measure(t1, probe, fused, fp8, kernels, layout.cp, masked, async_degree)
-    m2 = measure(t2, probe, fused, fp8, kernels, layout.cp, masked, async_degree)
+    ring = layout.cp > 1 and layout.cp_backend == "torch"
+    m1 = measure(t1, probe, fused, fp8, kernels, layout.cp, masked, async_degree, ring)
+    m2 = measure(t2, probe, fused, fp8, kernels, layout.cp, masked, async_degree, ring)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
     per_block = m1.per_block(m2)
     kv_per_block = per_block.kv_forward_bytes
