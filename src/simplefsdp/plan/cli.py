@@ -1058,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         base = make_layout(ns, spec, values)
         validate_layout(spec, config, base)
+        # the defaults came from the flavor's published layout, not generic ones
+        preset = ns.config is None and reference_layout(spec, config) is not None
         measured = None
         if ns.measure:
             from simplefsdp.plan.measure import measure_errors, measure_step
@@ -1076,7 +1078,6 @@ def main(argv: list[str] | None = None) -> int:
             preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu))
         else:
             first = None
-            preset = ns.config is None and reference_layout(spec, config) is not None
             if "ep" in defaulted and not preset and spec.plan_method == "analytic":
                 # a generic EP degree: the fastest that fits
                 first = fastest_default_ep(spec, config, base, defaulted, hw, predict_fn)
@@ -1099,7 +1100,6 @@ def main(argv: list[str] | None = None) -> int:
             if name in defaulted and not (name in ("tp", "ep") and values[name] == 1)
         )
         if shown:
-            preset = ns.config is None and reference_layout(spec, config) is not None
             source = "published layout" if preset else "generic"
             preds[0].notes.insert(0, f"defaults ({source}): {shown}")
         pred = preds[0]
