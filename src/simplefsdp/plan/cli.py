@@ -693,11 +693,7 @@ def sweep_expert_layouts(spec: Any, config: Any, base) -> list:
     and imbalance are ``base``'s. Invalid ones are left out."""
     from simplefsdp.plan.analytic import validate_analytic
 
-    eps = [
-        ep
-        for ep in range(1, base.gpus + 1)
-        if base.gpus % ep == 0 and config.num_experts % ep == 0 and (ep == 1 or ep % base.cp == 0)
-    ]
+    eps = expert_degrees(config, base)
     modes = (("none", False), ("selective", False), ("selective", True), ("full", False))
     layouts = []
     for pp, schedule, stages, m in sweep_pipelines(base):
@@ -719,6 +715,16 @@ def sweep_expert_layouts(spec: Any, config: Any, base) -> list:
     return layouts
 
 
+def expert_degrees(config: Any, base) -> list[int]:
+    """The EP degrees ``base`` (an ``ExpertLayout``) may take: those dividing
+    both the experts and the GPUs, a multiple of ``base.cp`` above 1."""
+    return [
+        ep
+        for ep in range(1, base.gpus + 1)
+        if base.gpus % ep == 0 and config.num_experts % ep == 0 and (ep == 1 or ep % base.cp == 0)
+    ]
+
+
 def fastest_default_ep(spec: Any, config: Any, base, defaulted, hw, predict_fn):
     """The prediction of ``base`` (an ``ExpertLayout`` whose EP degree is a
     generic default) at the EP degree that is fastest among those that fit:
@@ -730,9 +736,7 @@ def fastest_default_ep(spec: Any, config: Any, base, defaulted, hw, predict_fn):
     from simplefsdp.plan.analytic import validate_analytic
 
     best = None
-    for ep in range(1, base.gpus + 1):
-        if base.gpus % ep or config.num_experts % ep or (ep > 1 and ep % base.cp):
-            continue
+    for ep in expert_degrees(config, base):
         layout = dataclasses.replace(base, ep=ep)
         try:
             validate_analytic(spec, config, layout)
