@@ -273,6 +273,36 @@ def test_transformers_planning_cuts_per_layer_lists_and_drops_dropout(tmp_path, 
     assert any(n.startswith("dropout: planned without it") for n in notes)
 
 
+def test_a_model_keeping_its_layers_under_its_own_key_plans_every_layer(tmp_path, capsys) -> None:
+    # GPT-2 keeps the layers in n_layer, the positions in n_positions (its
+    # config class's attribute_map); MPT the layers in n_layers and the
+    # positions in max_seq_len, which no map names.
+    from simplefsdp.models.hf_transformers.config import config_from_hf, field_keys
+
+    gpt2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=128, n_embd=32,
+                n_layer=4, n_head=4, n_positions=128, activation_function="gelu")  # fmt: skip
+    spec, config = plan_cli.resolve_model(
+        plan_cli._parser().parse_args(["--model", _folder(tmp_path, **gpt2)])
+    )
+    assert config.n_layers == 4 and config.max_seq_len == 128
+    assert spec.with_layers(config, 1).hf_config["n_layer"] == 1
+    assert "num_hidden_layers" not in spec.with_layers(config, 1).hf_config
+    layout = Layout(gpus=2, batch=2, seq=64)
+    pred = predict(spec, config, layout, plan_profiles.FIXED)
+    # every block's fp32 shard, not the one- and two-block traces'
+    assert pred.memory["parameters"] == pytest.approx(4 * spec.num_params(config) / 2, rel=0.01)
+    assert 0 < pred.mfu < 1
+    assert plan_cli.main(["--model", str(tmp_path), "--gpus", "2", "--seq", "256"]) == 2
+    assert "exceeds max_position_embeddings 128" in capsys.readouterr().err
+    mpt = {"model_type": "mpt", "n_layers": 2, "d_model": 32, "n_heads": 4, "max_seq_len": 64}
+    assert field_keys(mpt, {"num_hidden_layers": "n_layers", "hidden_size": "d_model"}) == {
+        "num_hidden_layers": "n_layers", "hidden_size": "d_model",
+        "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"config.json: no number of decoder layers .* got None"):
+        config_from_hf({"model_type": "gpt2", "vocab_size": 128})
+
+
 def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys) -> None:
     mixtral = {**_mistral_as_llama_debug(), "model_type": "mixtral", "num_local_experts": 4,
                "architectures": ["MixtralForCausalLM"]}  # fmt: skip

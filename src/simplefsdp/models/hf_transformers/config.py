@@ -47,20 +47,35 @@ class TransformersConfig:
     max_seq_len: int = 2048
     trust_remote_code: bool = False
     code_folder: str | None = None
+    keys: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def model_type(self) -> str:
         """``config.json``'s ``model_type``."""
         return str(self.hf_config.get("model_type", ""))
 
+    def key(self, name: str) -> str:
+        """The ``config.json`` key holding the standard field ``name``
+        (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
+        ``max_position_embeddings``): GPT-2 keeps the layers in ``n_layer``,
+        MPT in ``n_layers`` (see :func:`field_keys`)."""
+        return self.keys.get(name, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The value of the standard field ``name`` under the key this
+        model's ``config.json`` gives it."""
+        return self.hf_config.get(self.key(name), default)
+
     @property
     def n_layers(self) -> int:
-        """Decoder layers (``num_hidden_layers``; 0 when the config does not say)."""
-        return int(self.hf_config.get("num_hidden_layers") or 0)
+        """Decoder layers (``num_hidden_layers`` or the model's own key for
+        it; 0 when the config does not say)."""
+        return int(self.get("num_hidden_layers") or 0)
 
     def __hash__(self) -> int:  # the config.json mapping is not hashable itself
         return hash((json.dumps(self.hf_config, sort_keys=True, default=str), self.vocab_size,
-                     self.max_seq_len, self.trust_remote_code, self.code_folder))  # fmt: skip
+                     self.max_seq_len, self.trust_remote_code, self.code_folder,
+                     tuple(sorted(self.keys.items()))))  # fmt: skip
 
     def replace(self, **changes: Any) -> TransformersConfig:
         """A copy with ``changes`` applied."""
@@ -75,6 +90,38 @@ class TransformersConfig:
             for k in keys
             if self.hf_config.get(k) != other.hf_config.get(k)
         ]
+
+
+#: The standard fields training reads, and the keys other models keep them
+#: under: where the config class is not ``transformers``' own (a folder's
+#: code), the first of these the ``config.json`` has.
+_OTHER_KEYS = {
+    "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+    "hidden_size": ("n_embd", "d_model"),
+    "num_attention_heads": ("n_head", "n_heads"),
+    "max_position_embeddings": ("n_positions", "max_seq_len", "seq_length"),
+}
+
+
+def field_keys(config: Mapping[str, Any], attribute_map: Mapping[str, str] | None) -> dict[str, str]:
+    """``standard name -> config.json key`` for the fields of ``_OTHER_KEYS``
+    the ``config.json`` keeps under another name: by its config class's
+    ``attribute_map`` (GPT-2: ``num_hidden_layers`` is ``n_layer``), else
+    (``attribute_map`` ``None``: a folder's own code) the first other key
+    present. MPT maps its layers but keeps its positions in ``max_seq_len``,
+    which no map names: those fall back as well."""
+    out = {}
+    for name, others in _OTHER_KEYS.items():
+        if name in config:
+            continue
+        mapped = (attribute_map or {}).get(name)
+        if mapped is not None and mapped in config:
+            out[name] = mapped
+            continue
+        found = next((k for k in others if k in config), None)
+        if found is not None:
+            out[name] = found
+    return out
 
 
 def causal_lm_architectures() -> dict[str, str]:
@@ -135,9 +182,24 @@ def config_from_hf(
     vocab = config.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
         raise ValueError(f"{source}: vocab_size {vocab!r} is not a positive integer")
-    max_seq_len = config.get("max_position_embeddings") or 2048
+    attribute_map = None
+    if not auto_map:
+        from transformers import CONFIG_MAPPING
+
+        attribute_map = getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {}
+    keys = field_keys(config, attribute_map)
+    layers = config.get(keys.get("num_hidden_layers", "num_hidden_layers"))
+    if not isinstance(layers, int) or layers <= 0:
+        raise ValueError(
+            f"{source}: no number of decoder layers (num_hidden_layers, or the key its "
+            f"model type keeps it under: {', '.join(_OTHER_KEYS['num_hidden_layers'])}); "
+            f"got {layers!r}"
+        )
+    max_seq_len = config.get(keys.get("max_position_embeddings", "max_position_embeddings"))
+    max_seq_len = max_seq_len or 2048
     return TransformersConfig(
         hf_config=dict(config),
+        keys=keys,
         vocab_size=vocab,
         max_seq_len=int(max_seq_len),
         trust_remote_code=bool(auto_map) and trust_remote_code,

@@ -60,13 +60,13 @@ class TransformersHFAdapter(HFAdapter):
         self, args: TransformersConfig, dtype: torch.dtype = torch.float32
     ) -> dict[str, Any]:
         """The ``config.json`` read, with ``torch_dtype`` the exported tensors'
-        and ``max_position_embeddings`` at least the trained ``max_seq_len``."""
+        and ``max_position_embeddings`` (under the model's own key for it) at
+        least the trained ``max_seq_len``."""
         out = dict(args.hf_config)
         out["torch_dtype"] = str(dtype).removeprefix("torch.")
-        if "max_position_embeddings" in out:
-            out["max_position_embeddings"] = max(
-                int(out["max_position_embeddings"] or 0), args.max_seq_len
-            )
+        key = args.key("max_position_embeddings")
+        if key in out:
+            out[key] = max(int(out[key] or 0), args.max_seq_len)
         return out
 
     def config_differences(self, ours: TransformersConfig, theirs: TransformersConfig) -> list[str]:

@@ -63,8 +63,7 @@ def num_params(config: TransformersConfig, exclude_embeddings: bool = False) -> 
 def flops_per_token(config: TransformersConfig, seq_len: int) -> int:
     """Training FLOPs per token: ``6 N`` (non-embedding parameters) plus the
     attention scores, ``12 * layers * hidden * seq_len`` (PaLM's estimate)."""
-    hf = config.hf_config
-    hidden = int(hf.get("hidden_size") or 0)
+    hidden = int(config.get("hidden_size") or 0)
     return 6 * num_params(config, exclude_embeddings=True) + 12 * config.n_layers * hidden * seq_len
 
 
@@ -123,14 +122,15 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 
 
 def with_layers(config: TransformersConfig, n: int) -> TransformersConfig:
-    """``config`` with ``n`` decoder layers (``num_hidden_layers``), its
-    per-layer lists (``layer_types``, ...) cut to their first ``n``."""
+    """``config`` with ``n`` decoder layers (``num_hidden_layers``, or the
+    model's own key for it), its per-layer lists (``layer_types``, ...) cut
+    to their first ``n``."""
     layers = config.n_layers
     hf = {
         key: value[:n] if isinstance(value, list) and layers and len(value) == layers else value
         for key, value in config.hf_config.items()
     }
-    hf["num_hidden_layers"] = n
+    hf[config.key("num_hidden_layers")] = n
     return config.replace(hf_config=hf)
 
 

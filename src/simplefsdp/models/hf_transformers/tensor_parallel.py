@@ -44,11 +44,11 @@ def tp_errors(config: Any, tp: int, flag: str = "tp") -> list[str]:
             f"{', '.join(other)}, which is not applied (valid: {', '.join(STYLES)}); "
             f"use {flag} 1"
         ]
-    hf = config.hf_config
+    heads = config.get("num_attention_heads")
     sizes = {
-        "num_attention_heads": hf.get("num_attention_heads"),
-        "num_key_value_heads": hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
-        "intermediate_size": hf.get("intermediate_size"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.get("num_key_value_heads") or heads,
+        "intermediate_size": config.get("intermediate_size"),
     }
     return [
         f"{flag} {tp} does not divide the {key} {value} of the {config.model_type!r} model; "
