@@ -103,7 +103,9 @@ _OTHER_KEYS = {
 }
 
 
-def field_keys(config: Mapping[str, Any], attribute_map: Mapping[str, str] | None) -> dict[str, str]:
+def field_keys(
+    config: Mapping[str, Any], attribute_map: Mapping[str, str] | None
+) -> dict[str, str]:
     """``standard name -> config.json key`` for the fields of ``_OTHER_KEYS``
     the ``config.json`` keeps under another name: by its config class's
     ``attribute_map`` (GPT-2: ``num_hidden_layers`` is ``n_layer``), else
