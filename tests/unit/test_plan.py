@@ -151,6 +151,46 @@ def test_fused_compute_time_by_hand() -> None:
     assert fused["flops"] == unfused["flops"] == 2 * 8 * 16 * 32
 
 
+def test_a_loss_compiled_beside_eager_blocks_fuses_its_vocabulary_wide_ops() -> None:
+    # --fused-loss with an eager engine: the ops of the logits' width (fp32
+    # copy, log-softmax, the target's gather, their gradients) group as the
+    # compiled engine groups them; the blocks' own ops stay one kernel each.
+    vocab, hidden = 96, 16
+
+    def step(x, w, o, target):
+        h = torch.relu(x @ w) * 2.0  # a block's elementwise ops
+        logits = (h @ o).float()
+        return torch.nn.functional.cross_entropy(logits, target)
+
+    args = (torch.randn(8, hidden), torch.randn(hidden, hidden), torch.randn(hidden, vocab))
+    target = torch.randint(0, vocab, (8,))
+    forward = make_fx(step, tracing_mode="fake")(*args, target)
+    joint = make_fx(lambda *a: torch.autograd.grad(step(*a), a[:3]), tracing_mode="fake")(
+        *(t.requires_grad_() for t in args), target
+    )
+    cm = CostModel(flops_per_s=1e9, bytes_per_s=1e6, kernel_overhead_s=1e-3)
+    for gm in (forward, joint):
+        eager = compute_time(gm, cm, fused=False)["seconds"]
+        compiled = compute_time(gm, cm, fused=True)["seconds"]
+        loss_fused = compute_time(gm, cm, fused=False, loss_vocab=vocab)
+        assert compiled < loss_fused["seconds"] < eager
+        # the blocks' relu and mul (and their gradients) keep their own kernels
+        block = compute_time(gm, cm, fused=False, loss_vocab=vocab + 1)["seconds"]
+        assert block == eager
+        assert loss_fused["kernels"] < compute_time(gm, cm, fused=False)["kernels"]
+    # A step: the eager FSDP2 step gains; the compiled engine's, fused
+    # already, does not change.
+    layout = Layout(gpus=2, batch=2, seq=64)
+    for engine, faster in (("fsdp2", True), ("simplefsdp", False)):
+        plain = predict(LLAMA, _debug(), dataclasses.replace(layout, engine=engine), FIXED)
+        fused = predict(
+            LLAMA, _debug(), dataclasses.replace(layout, engine=engine, fused_loss=True), FIXED
+        )
+        assert (fused.time["compute"] < plain.time["compute"]) is faster, engine
+        if not faster:
+            assert fused.time["compute"] == plain.time["compute"]
+
+
 def test_a_matmuls_new_output_pays_its_first_touch() -> None:
     def f(x, w):
         return (x @ w).relu()

@@ -480,6 +480,7 @@ def compute_time(
     model: KernelModel | None = None,
     attention_scale: int = 1,
     masked: bool = False,
+    loss_vocab: int = 0,
 ) -> dict[str, float]:
     """Seconds and FLOPs of the compute nodes of ``gm``.
 
@@ -494,15 +495,30 @@ def compute_time(
     [Context parallelism in the plan]). ``masked``: attention runs with a
     boolean mask (simplefsdp's ``allgather`` and ``ulysses`` backends): SDPA's
     memory-efficient kernel over every (query, key) pair, reading the
-    mask's bf16 bias per head.
+    mask's bf16 bias per head. ``loss_vocab`` (the logits' local
+    vocabulary; ``fused`` false): the loss is compiled on its own, so the
+    ops of its width (the logits' fp32 copy, log-softmax, their gradients)
+    are grouped as ``fused`` groups every op.
     """
     flops = matmul_s = other_s = 0.0
     kernels = chains = 0
+
+    def loss_op(node: fx.Node) -> bool:
+        return any(
+            len(d) >= 2 and d[-1] == loss_vocab for d in map(_dims, (node, *node.all_input_nodes))
+        )
+
+    def chained(node: fx.Node) -> bool:
+        """``node`` runs in a fused group."""
+        if not is_compute(node) or _is_heavy(node):
+            return False
+        return fused or (loss_vocab > 0 and loss_op(node))
+
     for node in gm.graph.nodes:
         if not is_compute(node):
             continue
         converted = float8 is not None and float8.converts(node)
-        if converted or _is_heavy(node) or not fused:
+        if converted or not chained(node):
             attention = not converted and "scaled_dot_product" in str(node.target)
             flops += (attention_scale if attention else 1) * node_flops(node)
             matmul_s += own_kernel_seconds(
@@ -512,9 +528,9 @@ def compute_time(
             continue
         moved = 0
         for source in node.all_input_nodes:
-            if not (is_compute(source) and not _is_heavy(source)):
+            if not chained(source):
                 moved += node_bytes(source)
-        leaves = any(not is_compute(u) or _is_heavy(u) for u in node.users) or not node.users
+        leaves = any(not chained(u) for u in node.users) or not node.users
         if leaves:
             moved += node_bytes(node)
             chains += 1
@@ -590,14 +606,18 @@ def measure(
     masked: bool = False,
     async_degree: int = 1,
     ring: bool = False,
+    loss_vocab: int = 0,
 ) -> GraphMeasures:
     """``ring``: attention runs as torch's ring over ``attention_scale`` CP
     ranks (the ``torch`` backend), whose merges and copies outside the
-    attention kernels are added (:func:`ring_attention_bytes`)."""
+    attention kernels are added (:func:`ring_attention_bytes`).
+    ``loss_vocab``: the loss compiled apart from eager blocks
+    (:func:`compute_time`)."""
     fw, bw = traced.forward, traced.backward
     fw_mem, bw_mem = estimate_memory(fw), estimate_memory(bw)
-    fw_t = compute_time(fw, cost_model, fused, float8, kernels, attention_scale, masked)
-    bw_t = compute_time(bw, cost_model, fused, float8, kernels, attention_scale, masked)
+    timing = (cost_model, fused, float8, kernels, attention_scale, masked, loss_vocab)
+    fw_t = compute_time(fw, *timing)
+    bw_t = compute_time(bw, *timing)
     kv = kv_forward = nodes = ulysses = heads = 0.0
     for gm, timed in ((fw, fw_t), (bw, bw_t)):
         for n in gm.graph.nodes:
@@ -991,8 +1011,13 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     masked = mask_queries > 0
     async_degree = layout.tp if layout.async_tp else 1
     ring = layout.cp > 1 and layout.cp_backend == "torch"
-    m1 = measure(t1, probe, fused, fp8, kernels, layout.cp, masked, async_degree, ring)
-    m2 = measure(t2, probe, fused, fp8, kernels, layout.cp, masked, async_degree, ring)
+    # the loss compiled on its own (--fused-loss) beside eager blocks
+    loss_vocab = 0
+    if layout.fused_loss and not fused:
+        parallel = layout.loss_parallel and layout.tp > 1
+        loss_vocab = config.vocab_size // (layout.tp if parallel else 1)
+    how = (probe, fused, fp8, kernels, layout.cp, masked, async_degree, ring, loss_vocab)
+    m1, m2 = measure(t1, *how), measure(t2, *how)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
     per_block = m1.per_block(m2)
     kv_per_block = per_block.kv_forward_bytes
