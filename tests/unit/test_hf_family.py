@@ -198,6 +198,27 @@ def test_folder_with_its_own_code_needs_trust_remote_code(folders, tmp_path, mon
         assert torch.equal(loaded.eval()(_tokens()).logits, model(_tokens()))
 
 
+def test_a_model_without_sdpa_runs_its_own_attention_under_its_own_keys(tmp_path):
+    # MPT: no SDPA path in transformers' code (its eager attention runs), the
+    # layers under n_layers and the positions under max_seq_len.
+    from simplefsdp.checkpoint.hf import hf_model_of_folder, load_hf_weights
+
+    config = transformers.MptConfig(
+        d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, vocab_size=VOCAB
+    )
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reference.eval().save_pretrained(tmp_path)
+    spec, ours = hf_model_of_folder(tmp_path)
+    assert spec.family == "transformers" and ours.n_layers == 2 and ours.max_seq_len == 64
+    model = spec.build(ours)
+    assert model.attention_implementation == "eager"
+    assert load_hf_weights(model, tmp_path, args=ours) > 0
+    with torch.no_grad():
+        assert torch.equal(model(_tokens()), reference(_tokens()).logits)
+    assert spec.with_layers(ours, 1).n_layers == 1
+
+
 def test_unknown_model_type_is_one_line(tmp_path):
     from simplefsdp.checkpoint.hf import hf_model_of_folder
 

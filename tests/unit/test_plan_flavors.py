@@ -209,6 +209,7 @@ def test_a_longer_sequence_than_the_model_takes_is_raised_by_a_config(tmp_path, 
 def _folder(tmp_path, **fields) -> str:
     import json
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(fields))
     return str(tmp_path)
 
@@ -301,6 +302,33 @@ def test_a_model_keeping_its_layers_under_its_own_key_plans_every_layer(tmp_path
     }  # fmt: skip
     with pytest.raises(ValueError, match=r"config.json: no number of decoder layers .* got None"):
         config_from_hf({"model_type": "gpt2", "vocab_size": 128})
+
+
+def test_transformers_code_without_sdpa_or_that_does_not_trace(tmp_path, capsys) -> None:
+    # MPT's code has no SDPA path: its eager attention is planned (the scores
+    # saved for backward: the activations grow with the square of the
+    # sequence). OPT's code branches on a random number (layerdrop), which
+    # does not trace: one line naming the model type.
+    mpt = dict(model_type="mpt", architectures=["MptForCausalLM"], vocab_size=128, d_model=32,
+               n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=256)  # fmt: skip
+    folder = _folder(tmp_path / "mpt", **mpt)
+    argv = ["--model", folder, "--gpus", "2", "--batch", "1", "--ac", "none", "--json"]
+    activations = []
+    for seq in ("128", "256"):
+        assert plan_cli.main([*argv, "--seq", seq, "--hardware", "h100"]) == 0
+        pred = json.loads(capsys.readouterr().out)["predictions"][0]
+        assert any(
+            n.startswith("attention: the model's code has no SDPA path") for n in pred["notes"]
+        )
+        activations.append(pred["memory_bytes"]["activations"])
+    assert activations[1] > 3 * activations[0]  # the (seq x seq) scores dominate
+    opt = dict(model_type="opt", architectures=["OPTForCausalLM"], vocab_size=128, hidden_size=32,
+               ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32,
+               max_position_embeddings=128)  # fmt: skip
+    assert plan_cli.main(["--model", _folder(tmp_path / "opt", **opt), "--seq", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "transformers' code for model_type 'opt' does not trace on the meta device" in err[0]
 
 
 def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys) -> None:

@@ -1003,7 +1003,19 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         )
         for n in (1, 2)
     ]
-    t1, t2 = traced(keys[0]), traced(keys[1])
+    try:
+        t1, t2 = traced(keys[0]), traced(keys[1])
+    except Exception as exc:
+        if isinstance(exc, ValueError) or not getattr(spec.hf_adapter, "any_model_type", False):
+            raise
+        # a model's own code (transformers'), not ours: one line, as bad input
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"transformers' code for model_type {getattr(config, 'model_type', '?')!r} "
+            f"does not trace on the meta device, as simplefsdp plan runs it "
+            f"({type(exc).__name__}: {first}); valid: a model whose code traces there "
+            f"(e.g. 'llama', 'mistral', 'qwen2', 'gemma', 'phi3')"
+        ) from exc
     fused = layout.compiled
     probe = cost_model_for(hw, layout, 1.0)
     kernels = kernel_model(hw, probe.bytes_per_s)
@@ -1356,6 +1368,11 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         )
     if t2.dropout:
         notes.append("dropout: planned without it (its masks and random numbers are left out)")
+    if t2.eager_attention:
+        notes.append(
+            "attention: the model's code has no SDPA path; its eager attention is planned "
+            "(the scores materialized, as simplefsdp train runs it)"
+        )
     if fp8 is not None:
         notes.append(
             f"float8: {float8_units} weights gathered and multiplied in float8 at "

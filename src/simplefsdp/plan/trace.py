@@ -239,6 +239,9 @@ class Traced:
     # after them (``bucket_plan.outer_modules``): not where the input and
     # output embeddings are tied, which the fsdp2 engine keeps in one group.
     outer_split: bool = True
+    # The model's attention is its code's own eager one (no SDPA path in
+    # transformers' code for it): scores materialized, traced as matmuls.
+    eager_attention: bool = False
 
 
 @contextlib.contextmanager
@@ -331,6 +334,7 @@ def trace_step(key: TraceKey) -> Traced:
         float8,
         dropout,
         outer_split,
+        getattr(model, "attention_implementation", "sdpa") == "eager",
     )
 
 

@@ -63,7 +63,9 @@ def _hf_config(config: TransformersConfig) -> Any:
 
 class TransformersCausalLM(nn.Module):
     """``AutoModelForCausalLM.from_config`` of ``config``; ``forward(tokens)``
-    returns the ``(B, T, V)`` logits.
+    returns the ``(B, T, V)`` logits. Attention is SDPA where the model's
+    code has it, else the code's own eager attention
+    (``attention_implementation`` says which).
 
     Built under ``torch.device("meta")`` its parameters are on the meta
     device and its buffers keep their values for :meth:`init_weights`. See
@@ -79,17 +81,19 @@ class TransformersCausalLM(nn.Module):
 
     def __init__(self, config: TransformersConfig) -> None:
         super().__init__()
-        from transformers import AutoModelForCausalLM
-
         hf_config = _hf_config(config)
         meta = torch.get_default_device().type == "meta"
+        # SDPA where the model's code has it, else its own eager attention
+        # (BLOOM, GPT-J, MPT, ...: the scores materialized)
+        self.attention_implementation = "sdpa"
         with _parameters_on_meta() if meta else contextlib.nullcontext():
-            causal_lm = AutoModelForCausalLM.from_config(
-                hf_config,
-                dtype=torch.float32,
-                attn_implementation="sdpa",
-                trust_remote_code=config.trust_remote_code,
-            )
+            try:
+                causal_lm = self._from_config(hf_config, config)
+            except ValueError as exc:
+                if "scaled_dot_product_attention" not in str(exc):
+                    raise
+                self.attention_implementation = "eager"
+                causal_lm = self._from_config(hf_config, config)
         if causal_lm._parameters or causal_lm._buffers:
             raise ValueError(
                 f"{type(causal_lm).__name__} holds tensors outside its submodules "
@@ -114,6 +118,16 @@ class TransformersCausalLM(nn.Module):
                 if param is not None:
                     places.setdefault(id(param), []).append((module, name))
         self.tied_places = [group for group in places.values() if len(group) > 1]
+
+    def _from_config(self, hf_config: Any, config: TransformersConfig) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(
+            hf_config,
+            dtype=torch.float32,
+            attn_implementation=self.attention_implementation,
+            trust_remote_code=config.trust_remote_code,
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` token ids -> ``(B, T, V)`` logits."""
