@@ -329,6 +329,13 @@ def test_transformers_code_without_sdpa_or_that_does_not_trace(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "transformers' code for model_type 'opt' does not trace on the meta device" in err[0]
+    # a config.json its own code does not build from (a needed field None)
+    broken = {**_mistral_as_llama_debug(), "model_type": "ministral", "head_dim": None,
+              "architectures": ["MinistralForCausalLM"]}  # fmt: skip
+    assert plan_cli.main(["--model", _folder(tmp_path / "ministral", **broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "code for model_type 'ministral' does not build from this config.json" in err[0]
 
 
 def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys) -> None:

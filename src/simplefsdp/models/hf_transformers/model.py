@@ -122,12 +122,21 @@ class TransformersCausalLM(nn.Module):
     def _from_config(self, hf_config: Any, config: TransformersConfig) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(
-            hf_config,
-            dtype=torch.float32,
-            attn_implementation=self.attention_implementation,
-            trust_remote_code=config.trust_remote_code,
-        )
+        try:
+            return AutoModelForCausalLM.from_config(
+                hf_config,
+                dtype=torch.float32,
+                attn_implementation=self.attention_implementation,
+                trust_remote_code=config.trust_remote_code,
+            )
+        except (TypeError, AttributeError, KeyError, IndexError) as exc:
+            # the model's code rejects this configuration (a field it needs
+            # is missing or None): one line, as other bad input
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"transformers' code for model_type {config.model_type!r} does not build "
+                f"from this config.json ({type(exc).__name__}: {first})"
+            ) from exc
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` token ids -> ``(B, T, V)`` logits."""
