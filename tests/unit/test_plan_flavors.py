@@ -335,7 +335,7 @@ def test_transformers_code_without_sdpa_or_that_does_not_trace(tmp_path, capsys)
     assert plan_cli.main(["--model", _folder(tmp_path / "ministral", **broken)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert "code for model_type 'ministral' does not build from this config.json" in err[0]
+    assert "code for model_type 'ministral' fails to build the model of this config.json" in err[0]
 
 
 def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys) -> None:

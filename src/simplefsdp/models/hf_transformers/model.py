@@ -129,13 +129,20 @@ class TransformersCausalLM(nn.Module):
                 attn_implementation=self.attention_implementation,
                 trust_remote_code=config.trust_remote_code,
             )
-        except (TypeError, AttributeError, KeyError, IndexError) as exc:
+        except (
+            TypeError,
+            AttributeError,
+            KeyError,
+            IndexError,
+            AssertionError,
+            ImportError,
+        ) as exc:
             # the model's code rejects this configuration (a field it needs
             # is missing or None): one line, as other bad input
             first = (str(exc).strip().splitlines() or [""])[0]
             raise ValueError(
-                f"transformers' code for model_type {config.model_type!r} does not build "
-                f"from this config.json ({type(exc).__name__}: {first})"
+                f"transformers' code for model_type {config.model_type!r} fails to build "
+                f"the model of this config.json ({type(exc).__name__}: {first})"
             ) from exc
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
