@@ -644,6 +644,21 @@ def test_keep_gathered_setting_reaches_the_engine_spec():
     assert engine_spec(load_config(None, [])).keep_gathered is None
 
 
+def test_fullgraph_setting_reaches_the_engine_spec_and_refuses_tensor_parallelism():
+    from simplefsdp.train.parallelism import engine_spec
+    from simplefsdp.train.resolve import job_errors
+
+    assert engine_spec(load_config(None, [])).fullgraph is True
+    job = load_config(None, ["--compile.fullgraph", "false"])
+    assert engine_spec(job).fullgraph is False
+    assert job_errors(job, 2)[0] == []
+    tp = load_config(None, ["--compile.fullgraph", "false", "--parallel.tp", "2"])
+    assert job_errors(tp, 4)[0] == [
+        "parallel.tp 2 with compile.fullgraph false: tensor parallelism compiles whole "
+        "graphs; use compile.fullgraph true, compile.enable false or parallel.tp 1"
+    ]
+
+
 def test_check_ranks_setting_reaches_the_engine_spec():
     from simplefsdp.train.config import load_config
     from simplefsdp.train.parallelism import engine_spec

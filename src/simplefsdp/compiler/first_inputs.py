@@ -63,8 +63,9 @@ def _fullgraph_note(data_dependent: bool) -> str:
     note = (
         "simplefsdp.compile traces the whole forward as one graph by default "
         "(fullgraph=True); to compile around this graph break, pass "
-        "simplefsdp.compile(..., fullgraph=False): each graph between breaks "
-        "is then bucketed on its own"
+        "simplefsdp.compile(..., fullgraph=False) (simplefsdp train: "
+        "--compile.fullgraph false): each graph between breaks is then bucketed "
+        "on its own"
     )
     if data_dependent:
         note += (

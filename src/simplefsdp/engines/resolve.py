@@ -52,6 +52,7 @@ def job_errors(
     loss_parallel: bool = False,
     hf_weights: bool = False,
     compile: bool = False,
+    fullgraph: bool = True,
     build: bool = True,
     model_name: str | None = None,
     names: Mapping[str, str] | None = None,
@@ -73,7 +74,8 @@ def job_errors(
         pp_schedule / microbatches / stages_per_rank: the pipeline's settings.
         loss_parallel: the TP plan splits the output over the vocabulary.
         hf_weights: the job starts from Hugging Face weights.
-        compile: the model is compiled.
+        compile: the model is compiled; ``fullgraph`` false: around graph
+            breaks.
         build: the model is built (``False``: planned only, so flavors the
             family cannot build yet pass).
         model_name: the model's name, for the messages.
@@ -154,7 +156,13 @@ def job_errors(
     breaks = not spec.fullgraph or (
         spec.data_dependent_reads is not None and spec.data_dependent_reads(config)
     )
-    if tp > 1 and compile and breaks:
+    if tp > 1 and compile and not fullgraph:
+        flag = n.get("fullgraph", "fullgraph")
+        errors.append(
+            f"{n['tp']} {tp} with {flag} false: tensor parallelism compiles whole graphs; "
+            f"use {flag} true, {n.get('compile', 'compile')} false or {n['tp']} 1"
+        )
+    elif tp > 1 and compile and breaks:
         # A DTensor graph split by graph breaks fails in AOTAutograd ("Mixing
         # fake modes"): tensor parallelism of such a model runs uncompiled.
         errors.append(

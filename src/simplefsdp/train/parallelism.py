@@ -43,6 +43,7 @@ def engine_spec(job: JobConfig) -> EngineSpec:
         backend=c.backend,
         bucketing=c.bucketing,
         keep_gathered=keep_gathered_option(c.keep_gathered),
+        fullgraph=c.fullgraph,
         activation_checkpoint=job.activation_checkpoint.mode,
         recompute_experts=job.activation_checkpoint.recompute_experts,
         tp=p.tp,

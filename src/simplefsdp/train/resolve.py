@@ -42,6 +42,7 @@ FLAGS = {
     "float8": "float8.enable",
     "hf": "checkpoint.init_from_hf",
     "compile": "compile.enable",
+    "fullgraph": "compile.fullgraph",
     "group_reshard": "parallel.reshard_after_forward",
 }
 
@@ -134,6 +135,7 @@ def job_errors(
         loss_parallel=m.vocab_size is not None and p.loss_parallel,
         hf_weights=job.checkpoint.init_from_hf is not None,
         compile=job.compile.enable,
+        fullgraph=job.compile.fullgraph,
         model_name=job.checkpoint.init_from_hf or m.name,
         names=FLAGS,
         cp_backend=getattr(p, "cp_backend", "allgather"),

@@ -275,12 +275,18 @@ class CompileConfig:
             anyway), a number N (the last N buckets) or comma-separated
             module names (``"layers.31,norm,output"``); unset: ``"auto"``
             with ``bucketing = "auto"``, else none.
+        fullgraph: Compile each forward as one graph; ``false`` compiles
+            around graph breaks, each graph between them bucketed on its
+            own (a model's own code that branches on tensor values, such as
+            ``transformers``' OPT with its layerdrop). Tensor parallelism
+            needs ``true``.
     """
 
     enable: bool = True
     backend: CompileBackend = field(default="inductor", metadata=_choices(COMPILE_BACKENDS))
     bucketing: Bucketing = field(default="auto", metadata=_choices(BUCKETING_MODES))
     keep_gathered: str | None = None
+    fullgraph: bool = True
 
 
 @dataclass
