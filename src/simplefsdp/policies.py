@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -73,3 +74,15 @@ class MixedPrecisionPolicy:
                 f"MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "
                 f"{self.cast_forward_inputs!r}"
             )
+
+
+def float8_converts(fqn: str, linear: torch.nn.Linear, filter_fqns: Sequence[str]) -> bool:
+    """Whether float8 training converts the linear layer ``linear`` named
+    ``fqn``: torchtitan's filter, which
+    :func:`simplefsdp.convert_linears_to_float8` applies and ``simplefsdp
+    plan`` plans. Its name holds none of ``filter_fqns`` (a fragment
+    anywhere in the name: ``"output"``, ``"router.gate"``) and both its
+    dims are multiples of 16 (``torch._scaled_mm``'s requirement)."""
+    if any(name in fqn for name in filter_fqns):
+        return False
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0

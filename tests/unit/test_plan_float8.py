@@ -47,6 +47,27 @@ def test_converted_linears_are_torchtitans_filter() -> None:
     assert {n.rsplit(".", 2)[-2] for n in names} == {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
 
 
+@pytest.mark.parametrize("flavor", ["llama3_debug", "moe_debug", "deepseek_v3_debug"])
+def test_the_plans_float8_filter_is_the_trainers(flavor) -> None:
+    # The weights the plan converts are those convert_linears_to_float8
+    # converts with the family's filter (the router's gate is a linear that
+    # stays bf16), on the same model.
+    pytest.importorskip("torchao")
+    import simplefsdp
+    from simplefsdp.models.registry import resolve_flavor
+
+    spec, config = resolve_flavor(flavor)
+    with torch.device("meta"):
+        model = spec.build(config)
+    skip = ("output", *spec.float8_skip_fqns)
+    planned = set(float8_linear_weights(model, skip))
+    simplefsdp.convert_linears_to_float8(model, filter_fqns=",".join(skip))
+    converted = {
+        f"{name}.weight" for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"
+    }
+    assert planned and planned == converted
+
+
 def _mm_graph(m: int, k: int, n: int):
     def f(x, w):
         return torch.mm(x, w)

@@ -46,6 +46,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 
+from simplefsdp.policies import float8_converts
+
 # The functional collectives under their torch >= 2.12 names (same signatures).
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
@@ -80,9 +82,7 @@ def convert_linears_to_float8(
     skipped = [name.strip() for name in filter_fqns.split(",") if name.strip()]
 
     def keep(module: torch.nn.Module, fqn: str) -> bool:
-        if any(name in fqn for name in skipped):
-            return False
-        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+        return float8_converts(fqn, module, skipped)
 
     return convert_to_float8_training(model, config=config, module_filter_fn=keep)
 

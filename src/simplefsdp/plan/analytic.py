@@ -446,6 +446,7 @@ def float8_linears(spec: Any, config: Any) -> dict[str, tuple[tuple[int, int], .
         import torch.nn as nn
 
         from simplefsdp.bucket_plan import repeated_blocks
+        from simplefsdp.policies import float8_converts
 
         n_dense = min(getattr(config, "n_dense_layers", 0), 1)
         small = dataclasses.replace(
@@ -460,10 +461,7 @@ def float8_linears(spec: Any, config: Any) -> dict[str, tuple[tuple[int, int], .
             found[kind] = tuple(
                 (sub.in_features, sub.out_features)
                 for name, sub in block.named_modules()
-                if isinstance(sub, nn.Linear)
-                and not any(frag in f"{fqn}.{name}" for frag in skip)
-                and sub.in_features % 16 == 0
-                and sub.out_features % 16 == 0
+                if isinstance(sub, nn.Linear) and float8_converts(f"{fqn}.{name}", sub, skip)
             )
         _FLOAT8_LINEARS[key] = found
     return _FLOAT8_LINEARS[key]

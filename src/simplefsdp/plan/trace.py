@@ -40,6 +40,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from simplefsdp.policies import float8_converts
+
 _LIB_NAME = "simplefsdp_plan"
 
 
@@ -339,17 +341,15 @@ def trace_step(key: TraceKey) -> Traced:
 
 
 def float8_linear_weights(module: nn.Module, skip: tuple[str, ...] = ("output",)) -> list[str]:
-    """FQNs of the weights torchao's ``convert_to_float8_training`` converts
-    under torchtitan's default filter: every ``nn.Linear`` whose name is not
-    in ``skip`` and whose both dims are divisible by 16 (``torch._scaled_mm``'s
-    requirement)."""
-    found = []
-    for name, sub in module.named_modules():
-        if not isinstance(sub, nn.Linear) or name.split(".")[-1] in skip:
-            continue
-        if all(d % 16 == 0 for d in sub.weight.shape):
-            found.append(f"{name}.weight")
-    return found
+    """FQNs of the weights ``simplefsdp.convert_linears_to_float8`` converts
+    with the filter ``skip`` (torchtitan's: every ``nn.Linear`` whose name
+    holds no entry of ``skip``, both dims divisible by 16;
+    :func:`simplefsdp.policies.float8_converts`)."""
+    return [
+        f"{name}.weight"
+        for name, sub in module.named_modules()
+        if isinstance(sub, nn.Linear) and float8_converts(name, sub, skip)
+    ]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
