@@ -307,8 +307,8 @@ def test_a_model_keeping_its_layers_under_its_own_key_plans_every_layer(tmp_path
 def test_transformers_code_without_sdpa_or_that_does_not_trace(tmp_path, capsys) -> None:
     # MPT's code has no SDPA path: its eager attention is planned (the scores
     # saved for backward: the activations grow with the square of the
-    # sequence). OPT's code branches on a random number (layerdrop), which
-    # does not trace: one line naming the model type.
+    # sequence). OPT's code branches on a random number (layerdrop), a graph
+    # break the plan's one-graph trace does not take: one line naming it.
     mpt = dict(model_type="mpt", architectures=["MptForCausalLM"], vocab_size=128, d_model=32,
                n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=256)  # fmt: skip
     folder = _folder(tmp_path / "mpt", **mpt)
@@ -328,7 +328,8 @@ def test_transformers_code_without_sdpa_or_that_does_not_trace(tmp_path, capsys)
     assert plan_cli.main(["--model", _folder(tmp_path / "opt", **opt), "--seq", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert "transformers' code for model_type 'opt' does not trace on the meta device" in err[0]
+    assert "transformers' code for model_type 'opt' breaks the graph" in err[0]
+    assert "--compile.fullgraph false" in err[0]
     # a config.json its own code does not build from (a needed field None)
     broken = {**_mistral_as_llama_debug(), "model_type": "ministral", "head_dim": None,
               "architectures": ["MinistralForCausalLM"]}  # fmt: skip

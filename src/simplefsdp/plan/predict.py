@@ -1009,10 +1009,17 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         if isinstance(exc, ValueError) or not getattr(spec.hf_adapter, "any_model_type", False):
             raise
         # a model's own code (transformers'), not ours: one line, as bad input
+        from torch._dynamo.exc import Unsupported
+
         first = (str(exc).strip().splitlines() or [""])[0]
+        code = f"transformers' code for model_type {getattr(config, 'model_type', '?')!r}"
+        if isinstance(exc, Unsupported):
+            raise ValueError(
+                f"{code} breaks the graph ({first}); simplefsdp plan traces a step as one "
+                "graph (simplefsdp train compiles around breaks with --compile.fullgraph false)"
+            ) from exc
         raise ValueError(
-            f"transformers' code for model_type {getattr(config, 'model_type', '?')!r} "
-            f"does not trace on the meta device, as simplefsdp plan runs it "
+            f"{code} does not trace on the meta device, as simplefsdp plan runs it "
             f"({type(exc).__name__}: {first}); valid: a model whose code traces there "
             f"(e.g. 'llama', 'mistral', 'qwen2', 'gemma', 'phi3')"
         ) from exc
