@@ -322,6 +322,15 @@ def test_transformers_code_without_sdpa_or_that_does_not_trace(tmp_path, capsys)
         )
         activations.append(pred["memory_bytes"]["activations"])
     assert activations[1] > 3 * activations[0]  # the (seq x seq) scores dominate
+    # BLOOM builds its ALiBi slopes with torch.tensor on the input's (meta)
+    # device, which Dynamo keeps as a real meta tensor: the trace builds such
+    # constants on the host and moves them.
+    bloom = dict(model_type="bloom", architectures=["BloomForCausalLM"], vocab_size=128,
+                 hidden_size=32, n_layer=2, n_head=4)  # fmt: skip
+    argv = ["--model", _folder(tmp_path / "bloom", **bloom), "--gpus", "2", "--seq", "64"]
+    assert plan_cli.main([*argv, "--batch", "1", "--hardware", "h100", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["predictions"][0]["notes"]
+    assert any(n.startswith("attention: the model's code has no SDPA path") for n in notes)
     opt = dict(model_type="opt", architectures=["OPTForCausalLM"], vocab_size=128, hidden_size=32,
                ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32,
                max_position_embeddings=128)  # fmt: skip

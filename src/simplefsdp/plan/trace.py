@@ -127,6 +127,32 @@ def _enter_autocast_off_meta(original):
     return enter
 
 
+def _tensor_via_host(original):
+    """``torch.tensor`` building a meta-device tensor on the host and moving
+    it: Dynamo keeps ``torch.tensor(data, device="meta")`` in a traced
+    forward as a real meta tensor beside its fake ones, which fails the
+    trace ("Please convert all Tensors to FakeTensors first"); a host
+    constant moved to the meta device traces (``transformers``' BLOOM
+    builds its ALiBi slopes so, on the input's device)."""
+
+    def tensor(data, *args, device=None, requires_grad=False, **kwargs):
+        if device is not None and not requires_grad and torch.device(device).type == "meta":
+            return original(data, *args, **kwargs).to(device)
+        return original(data, *args, device=device, requires_grad=requires_grad, **kwargs)
+
+    return tensor
+
+
+@contextlib.contextmanager
+def _meta_tensor_constants() -> Iterator[None]:
+    original = torch.tensor
+    torch.tensor = _tensor_via_host(original)
+    try:
+        yield
+    finally:
+        torch.tensor = original
+
+
 @contextlib.contextmanager
 def _autocast_on_meta() -> Iterator[None]:
     original = torch.amp._enter_autocast
@@ -313,7 +339,8 @@ def trace_step(key: TraceKey) -> Traced:
         tokens = torch.zeros(key.batch, key.seq, dtype=torch.long, device="meta")
         recomputed = key.ac == "full" or (key.ac == "selective" and not key.attention_saved)
         with _patched_attention(full_ac=recomputed), _autocast_on_meta():
-            wrapped(tokens).backward()
+            with _meta_tensor_constants():
+                wrapped(tokens).backward()
         graphs = dict(backend.graph_modules)
         fqns = [name for name, _ in wrapped.named_parameters()]
         primals = _primal_names(graphs["forward"], simplefsdp.comm_report(wrapped))
