@@ -508,17 +508,17 @@ def compute_time(
             len(d) >= 2 and d[-1] == loss_vocab for d in map(_dims, (node, *node.all_input_nodes))
         )
 
-    def chained(node: fx.Node) -> bool:
-        """``node`` runs in a fused group."""
-        if not is_compute(node) or _is_heavy(node):
-            return False
-        return fused or (loss_vocab > 0 and loss_op(node))
-
+    # the nodes that run in fused groups
+    grouped = {
+        n
+        for n in gm.graph.nodes
+        if is_compute(n) and not _is_heavy(n) and (fused or (loss_vocab > 0 and loss_op(n)))
+    }
     for node in gm.graph.nodes:
         if not is_compute(node):
             continue
         converted = float8 is not None and float8.converts(node)
-        if converted or not chained(node):
+        if converted or node not in grouped:
             attention = not converted and "scaled_dot_product" in str(node.target)
             flops += (attention_scale if attention else 1) * node_flops(node)
             matmul_s += own_kernel_seconds(
@@ -528,9 +528,9 @@ def compute_time(
             continue
         moved = 0
         for source in node.all_input_nodes:
-            if not chained(source):
+            if source not in grouped:
                 moved += node_bytes(source)
-        leaves = any(not chained(u) for u in node.users) or not node.users
+        leaves = any(u not in grouped for u in node.users) or not node.users
         if leaves:
             moved += node_bytes(node)
             chains += 1

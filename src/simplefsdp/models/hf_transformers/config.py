@@ -189,21 +189,18 @@ def config_from_hf(
         from transformers import CONFIG_MAPPING
 
         attribute_map = getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {}
-    keys = field_keys(config, attribute_map)
-    layers = config.get(keys.get("num_hidden_layers", "num_hidden_layers"))
+    read = TransformersConfig(
+        hf_config=dict(config),
+        keys=field_keys(config, attribute_map),
+        vocab_size=vocab,
+        trust_remote_code=bool(auto_map) and trust_remote_code,
+        code_folder=code_folder if auto_map else None,
+    )
+    layers = read.get("num_hidden_layers")
     if not isinstance(layers, int) or layers <= 0:
         raise ValueError(
             f"{source}: no number of decoder layers (num_hidden_layers, or the key its "
             f"model type keeps it under: {', '.join(_OTHER_KEYS['num_hidden_layers'])}); "
             f"got {layers!r}"
         )
-    max_seq_len = config.get(keys.get("max_position_embeddings", "max_position_embeddings"))
-    max_seq_len = max_seq_len or 2048
-    return TransformersConfig(
-        hf_config=dict(config),
-        keys=keys,
-        vocab_size=vocab,
-        max_seq_len=int(max_seq_len),
-        trust_remote_code=bool(auto_map) and trust_remote_code,
-        code_folder=code_folder if auto_map else None,
-    )
+    return read.replace(max_seq_len=int(read.get("max_position_embeddings") or 2048))

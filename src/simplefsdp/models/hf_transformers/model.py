@@ -137,8 +137,9 @@ class TransformersCausalLM(nn.Module):
             AssertionError,
             ImportError,
         ) as exc:
-            # the model's code rejects this configuration (a field it needs
-            # is missing or None): one line, as other bad input
+            # the model's code cannot build this configuration (a field it
+            # needs missing or None, a library it needs absent): one line,
+            # as other bad input
             first = (str(exc).strip().splitlines() or [""])[0]
             raise ValueError(
                 f"transformers' code for model_type {config.model_type!r} fails to build "
