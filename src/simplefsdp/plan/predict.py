@@ -1030,11 +1030,11 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     masked = mask_queries > 0
     async_degree = layout.tp if layout.async_tp else 1
     ring = layout.cp > 1 and layout.cp_backend == "torch"
+    # the logits' local vocabulary (split over TP with loss parallelism)
+    parallel_loss = layout.loss_parallel and layout.tp > 1
+    local_vocab = config.vocab_size // (layout.tp if parallel_loss else 1)
     # the loss compiled on its own (--fused-loss) beside eager blocks
-    loss_vocab = 0
-    if layout.fused_loss and not fused:
-        parallel = layout.loss_parallel and layout.tp > 1
-        loss_vocab = config.vocab_size // (layout.tp if parallel else 1)
+    loss_vocab = local_vocab if layout.fused_loss and not fused else 0
     how = (probe, fused, fp8, kernels, layout.cp, masked, async_degree, ring, loss_vocab)
     m1, m2 = measure(t1, *how), measure(t2, *how)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
@@ -1267,13 +1267,11 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # logits' fp32 gradient (8) at the step's peak. Fused, it saves the
         # bf16 logits (2) and writes their bf16 gradient (2) in one kernel
         # (Note: [Plan model]).
-        parallel = layout.loss_parallel and layout.tp > 1
-        vocab = config.vocab_size // (layout.tp if parallel else 1)
-        logits = mb * (layout.seq // layout.cp) * vocab
+        logits = mb * (layout.seq // layout.cp) * local_vocab
         activations = max(activations - 2 * logits, 0.0)
         # the vocabulary-parallel backward holds 4 bytes per logit more (a
         # zero gradient, the probabilities, their sum)
-        temporary = max(temporary - (10 if parallel else 6) * logits, 0.0)
+        temporary = max(temporary - (10 if parallel_loss else 6) * logits, 0.0)
     if mask_bytes:
         # The mask and its bf16 bias while an attention runs; without AC the
         # bias is saved for backward, per block and microbatch in flight.
@@ -1313,8 +1311,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     if hw.caching_allocator:
         # What the caching allocator holds free at its reserved peak, from the
         # 2-block trace's steps (Note: [Plan model]).
-        vocab = config.vocab_size // (layout.tp if layout.loss_parallel else 1)
-        fused_vocab = vocab if layout.fused_loss else 0
+        fused_vocab = local_vocab if layout.fused_loss else 0
         streams = get_engine(layout.engine).fsdp2_runtime  # compiled blocks too
         cached, retries = _cached_bytes(
             t2, sum(memory.values()), usable, streams, fused_vocab, layout.expandable_segments
