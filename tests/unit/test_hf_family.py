@@ -319,3 +319,57 @@ def test_experts_picked_by_the_data_need_an_engine_that_gathers_blocks(tmp_path)
     assert len(errors) == 1 and errors[0].startswith("parallel.engine fsdp2: ")
     flags = ("--data.seq_len", "32", "--parallel.engine", "simplefsdp_eager")
     assert job_errors(_job(tmp_path, *flags), 2)[0] == []
+
+
+def test_flops_per_token_counts_the_experts_a_token_is_routed_to():
+    """MFU of a transformers mixture-of-experts model counts ``top_k`` of
+    its routed experts (Mixtral's ``num_experts_per_tok`` of
+    ``num_local_experts``; DBRX's under ``ffn_config``); shared experts and a
+    dense model count whole, as does ``is_moe: false``."""
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+    from simplefsdp.models.hf_transformers.spec import SPEC, routed_experts, routes_to_experts
+
+    hidden, inter, layers, experts, top_k = 32, 64, 2, 4, 2
+    mixtral = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=64,
+    ).to_dict()  # fmt: skip
+    config = config_from_hf(mixtral)
+    assert routed_experts(config) == (experts, top_k)
+    total = SPEC.num_params(config, exclude_embeddings=True)
+    per_expert = 3 * hidden * inter
+    unused = layers * (experts - top_k) * per_expert
+    assert SPEC.active_params(config, exclude_embeddings=True) == total - unused
+    attention = 12 * layers * hidden * 16
+    assert SPEC.flops_per_token(config, 16) == 6 * (total - unused) + attention
+
+    # Qwen2-MoE: its shared expert is used by every token
+    qwen = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=hidden, moe_intermediate_size=inter,
+        shared_expert_intermediate_size=2 * inter, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+        num_experts_per_tok=1, max_position_embeddings=64,
+    ).to_dict()  # fmt: skip
+    config = config_from_hf(qwen)
+    total = SPEC.num_params(config, exclude_embeddings=True)
+    unused = layers * (experts - 1) * per_expert
+    assert SPEC.active_params(config, exclude_embeddings=True) == total - unused
+
+    # DBRX keeps its routing under ffn_config and its experts stacked in one parameter each
+    dbrx = config_from_hf({
+        "model_type": "dbrx", "vocab_size": VOCAB, "d_model": hidden, "n_heads": 4,
+        "n_layers": layers, "max_seq_len": 64,
+        "attn_config": {"kv_n_heads": 2},
+        "ffn_config": {"ffn_hidden_size": inter, "moe_num_experts": experts, "moe_top_k": 1},
+    })  # fmt: skip
+    assert routed_experts(dbrx) == (experts, 1) and not routes_to_experts(dbrx)
+    total = SPEC.num_params(dbrx, exclude_embeddings=True)
+    assert SPEC.active_params(dbrx, exclude_embeddings=True) == total - unused
+
+    dense = {k: v for k, v in mixtral.items() if "expert" not in k}
+    dense = config_from_hf({**dense, "model_type": "mistral"})
+    assert routed_experts(dense) is None
+    assert SPEC.active_params(dense) == SPEC.num_params(dense)
+    doge = config_from_hf({**mixtral, "model_type": "doge", "is_moe": False, "num_experts": 64})
+    assert routed_experts(doge) is None and not routes_to_experts(doge)

@@ -47,8 +47,7 @@ def cross_entropy(logits: Any, targets: Any) -> Any:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def num_params(config: TransformersConfig, exclude_embeddings: bool = False) -> int:
-    """Parameters of the model (counted on a meta-device build; tied ones once)."""
+def _count(config: TransformersConfig, exclude_embeddings: bool, active: bool) -> int:
     import torch
 
     with torch.device("meta"):
@@ -57,14 +56,33 @@ def num_params(config: TransformersConfig, exclude_embeddings: bool = False) -> 
     if exclude_embeddings:
         embedding = model.causal_lm.get_input_embeddings()
         count -= sum(p.numel() for p in embedding.parameters())
+    routing = routed_experts(config) if active else None
+    if routing is not None:
+        experts, top_k = routing
+        routed = sum(p.numel() for p in _routed_parameters(model))
+        count -= routed - routed * top_k // experts
     return count
 
 
+def num_params(config: TransformersConfig, exclude_embeddings: bool = False) -> int:
+    """Parameters of the model (counted on a meta-device build; tied ones once)."""
+    return _count(config, exclude_embeddings, active=False)
+
+
+def num_active_params(config: TransformersConfig, exclude_embeddings: bool = False) -> int:
+    """Parameters one token uses: all of them but the routed experts, of
+    which ``top_k`` of ``experts`` (:func:`routed_experts`); every parameter
+    where the ``config.json`` names no routing."""
+    return _count(config, exclude_embeddings, active=True)
+
+
 def flops_per_token(config: TransformersConfig, seq_len: int) -> int:
-    """Training FLOPs per token: ``6 N`` (non-embedding parameters) plus the
-    attention scores, ``12 * layers * hidden * seq_len`` (PaLM's estimate)."""
+    """Training FLOPs per token: ``6 N`` (the non-embedding parameters one
+    token uses: :func:`num_active_params`) plus the attention scores,
+    ``12 * layers * hidden * seq_len`` (PaLM's estimate)."""
     hidden = int(config.get("hidden_size") or 0)
-    return 6 * num_params(config, exclude_embeddings=True) + 12 * config.n_layers * hidden * seq_len
+    n = num_active_params(config, exclude_embeddings=True)
+    return 6 * n + 12 * config.n_layers * hidden * seq_len
 
 
 def validate(
@@ -117,8 +135,56 @@ def validate(
 
 
 #: ``config.json`` keys giving a mixture-of-experts model's routed experts
-#: (Mixtral; Qwen2-MoE, OLMoE; DeepSeek; others).
+#: (Mixtral; Qwen2-MoE, OLMoE; DeepSeek; Aria, ERNIE; DBRX under ``ffn_config``).
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+#: ... and the experts each token is routed to (not ``top_k``: that is the
+#: generation's sampling setting).
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k")
+
+
+def _positive_int(config: TransformersConfig, keys: tuple[str, ...], nested: bool) -> int | None:
+    """The first positive integer under ``keys`` of the ``config.json``
+    (with ``nested``, also one level down: DBRX's ``ffn_config``)."""
+    places = [config.hf_config]
+    if nested:
+        places += [v for v in config.hf_config.values() if isinstance(v, Mapping)]
+    for place in places:
+        for key in keys:
+            value = place.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def routed_experts(config: TransformersConfig) -> tuple[int, int] | None:
+    """``(experts, top_k)`` of a model whose ``config.json`` names routed
+    experts (more than one) and how many each token uses; ``None`` for a
+    dense model (or ``is_moe: false``, Doge) or one whose routing it does
+    not state as integers."""
+    if config.hf_config.get("is_moe") is False:
+        return None
+    experts = _positive_int(config, _EXPERT_KEYS, nested=True)
+    top_k = _positive_int(config, _TOP_K_KEYS, nested=True)
+    if experts is None or experts < 2 or top_k is None or top_k > experts:
+        return None
+    return experts, top_k
+
+
+def _routed_parameters(model: Any) -> list[Any]:
+    """The parameters of the routed experts of a built model, each once:
+    those under a module named ``experts`` (a ``ModuleList`` of experts, or
+    one holding them stacked) or of a class named ``...Experts`` (Granite's
+    and JetMoE's ``ParallelExperts``); shared experts (``shared_experts``,
+    ``shared_expert``) not included."""
+    seen: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if "shared" not in last.lower() and (
+            last == "experts" or type(module).__name__.endswith("Experts")
+        ):
+            for param in module.parameters():
+                seen.setdefault(id(param), param)
+    return list(seen.values())
 
 
 def with_layers(config: TransformersConfig, n: int) -> TransformersConfig:
@@ -135,13 +201,15 @@ def with_layers(config: TransformersConfig, n: int) -> TransformersConfig:
 
 
 def routes_to_experts(config: TransformersConfig) -> bool:
-    """The model has routed experts: ``transformers``' mixture-of-experts
-    blocks run only the experts their tokens picked (data-dependent reads)."""
-    for key in _EXPERT_KEYS:
-        value = config.hf_config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return True
-    return False
+    """The model has routed experts that run only when their tokens picked
+    them: ``transformers``' mixture-of-experts blocks of separate expert
+    modules (data-dependent reads). DBRX (experts under ``ffn_config``)
+    slices all of them from one parameter each step, and ``is_moe: false``
+    (Doge) is dense."""
+    if config.hf_config.get("is_moe") is False:
+        return False
+    experts = _positive_int(config, _EXPERT_KEYS, nested=False)
+    return experts is not None and experts > 1
 
 
 SPEC = ModelSpec(
@@ -153,6 +221,7 @@ SPEC = ModelSpec(
     init_weights=_init_weights,
     loss=cross_entropy,
     num_params=num_params,
+    num_active_params=num_active_params,
     flops_per_token=flops_per_token,
     validate=validate,
     capabilities=frozenset({"tp", "hf"}),
