@@ -373,3 +373,62 @@ def test_flops_per_token_counts_the_experts_a_token_is_routed_to():
     assert SPEC.active_params(dense) == SPEC.num_params(dense)
     doge = config_from_hf({**mixtral, "model_type": "doge", "is_moe": False, "num_experts": 64})
     assert routed_experts(doge) is None and not routes_to_experts(doge)
+
+
+def _attention_calls(model, tokens):
+    """``(masked, is_causal)`` of each SDPA call of ``model``'s compiled forward."""
+    calls = []
+
+    def backend(gm, _inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch.nn.functional.scaled_dot_product_attention:
+                calls.append((node.kwargs.get("attn_mask") is not None, node.kwargs["is_causal"]))
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend, fullgraph=True)(tokens)
+    return calls, logits
+
+
+def test_compiled_causal_attention_runs_without_a_mask(folders):
+    """Compiled, plain causal attention over whole sequences calls SDPA with
+    ``is_causal`` and no mask (the flash kernel on a GPU), as ``transformers``
+    does eagerly; a sliding window shorter than the sequence keeps its mask;
+    a model that reads the mask itself (Doge) keeps ``transformers``' masks
+    and stays causal. The logits equal ``transformers``' either way."""
+    from simplefsdp.checkpoint.hf import hf_model_of_folder, load_hf_weights
+
+    tokens = _tokens()  # 24 tokens
+    folder, reference = folders["gemma"]
+    spec, config = hf_model_of_folder(folder)
+    model = spec.build(config).eval()
+    load_hf_weights(model, folder, args=config)
+    assert model.whole_sequence_mask
+    calls, logits = _attention_calls(model, tokens)
+    assert calls == [(False, True), (False, True)]
+    with torch.no_grad():
+        assert torch.allclose(logits, reference(tokens).logits, atol=1e-5, rtol=0)
+
+    folder, reference = folders["mistral"]  # sliding_window 8 < 24 tokens
+    spec, config = hf_model_of_folder(folder)
+    model = spec.build(config).eval()
+    load_hf_weights(model, folder, args=config)
+    calls, logits = _attention_calls(model, tokens)
+    assert calls == [(True, False), (True, False)]
+    with torch.no_grad():
+        assert torch.allclose(logits, reference(tokens).logits, atol=1e-5, rtol=0)
+
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+
+    doge = transformers.DogeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    ).to_dict()  # fmt: skip
+    torch.manual_seed(0)
+    model = spec.build(config_from_hf(doge)).eval()
+    assert not model.whole_sequence_mask
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % VOCAB
+    with torch.no_grad():
+        assert torch.equal(model(tokens)[:, :-1], model(changed)[:, :-1])  # causal

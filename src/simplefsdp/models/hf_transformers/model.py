@@ -10,11 +10,46 @@ Note: [The wrapper shares the model's children]
     checkpointing wrappers, float8 linears) is what the ``transformers``
     forward runs, since both hold the same module objects. ``copy.deepcopy``
     keeps the sharing (its memo maps each child once) and so does pickling.
+
+Note: [Causal attention without a mask under compile]
+    ``transformers`` calls SDPA with ``is_causal=True`` and no mask (the
+    flash kernel on a GPU) only where it sees that the attention is plain
+    causal over whole sequences: a 2-D ``attention_mask`` that is all ones
+    (no padding), no cache, no window shorter than the sequence, and only
+    when not tracing (``_ignore_causal_mask_sdpa`` checks
+    ``is_torchdynamo_compiling()``, for ``torch.export``'s sake). Without an
+    ``attention_mask`` it reads the positions for packed sequences and always
+    builds a mask. Under ``torch.compile`` every layer therefore got a
+    materialized ``(B, 1, T, T)`` boolean mask and SDPA with
+    ``is_causal=False``: on a GPU the memory-efficient kernel over the whole
+    square instead of flash over its lower half.
+
+    Our model is only ever given whole sequences (no padding, no packing, no
+    cache), so :class:`TransformersCausalLM` passes an ``attention_mask`` of
+    ones, marks its ``transformers`` config (``_simplefsdp_whole_sequences``),
+    and :func:`causal_attention_without_mask` registers, as ``transformers``'
+    ``"sdpa"`` mask function (``AttentionMaskInterface``), one that takes
+    ``transformers``' own decision without the tracing clause for a marked
+    config (``allow_is_causal_skip``, query and keys the same length from
+    position 0, a window or chunk longer than the sequence) and defers to
+    ``transformers``' function otherwise. Compiled steps then run what eager
+    ones run; other models in the process are untouched.
+
+    No mask means causal only where the mask reaches nothing but
+    ``transformers``' SDPA attention function (which then passes
+    ``is_causal=True``); Doge, for one, builds its own mask from it and
+    would lose causality. :func:`_mask_reaches_only_sdpa` checks that once
+    per configuration with a forward of a fake-tensor copy of the model.
+    A model that fails the check, routes its tokens to experts (the check's
+    forward does not run data-dependent routing), or does not build its
+    masks through ``transformers.masking_utils`` is called as before,
+    without an ``attention_mask``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +84,167 @@ def _parameters_on_meta() -> Iterator[None]:
             yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+#: The attribute marking a ``transformers`` config whose model is only given
+#: whole sequences (see Note: [Causal attention without a mask under compile]).
+WHOLE_SEQUENCES = "_simplefsdp_whole_sequences"
+
+#: While :func:`_mask_reaches_only_sdpa` runs: the tensor the mask function
+#: returns in place of "no mask", followed to what reads it.
+_PROBE: list[torch.Tensor] = []
+
+
+@functools.cache
+def causal_attention_without_mask() -> bool:
+    """Register the ``"sdpa"`` mask function that leaves plain causal
+    attention over whole sequences to SDPA's ``is_causal`` under
+    ``torch.compile`` too (see Note: [Causal attention without a mask under
+    compile]); ``False`` where the installed ``transformers`` has no such
+    registry (its masks stay)."""
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        return False
+    sdpa_mask = AttentionMaskInterface._global_mapping.get("sdpa")
+    if sdpa_mask is None:
+        return False
+
+    def mask(
+        batch_size: int,
+        cache_position: torch.Tensor,
+        kv_length: int,
+        kv_offset: int = 0,
+        *args: Any,
+        local_size: int | None = None,
+        allow_is_causal_skip: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor | None:
+        whole = getattr(kwargs.get("config"), WHOLE_SEQUENCES, False)
+        if (
+            allow_is_causal_skip
+            and whole
+            and kv_offset == 0
+            and cache_position.shape[0] == kv_length
+            and (local_size is None or kv_length < local_size)
+        ):
+            return _PROBE[0] if _PROBE else None
+        return sdpa_mask(
+            batch_size,
+            cache_position,
+            kv_length,
+            kv_offset,
+            *args,
+            local_size=local_size,
+            # probing on fake tensors: no data-dependent check for padding
+            allow_is_causal_skip=allow_is_causal_skip and not (whole and _PROBE),
+            **kwargs,
+        )
+
+    AttentionMaskInterface.register("sdpa", mask)
+    return True
+
+
+class _ReadsOf(torch.overrides.TorchFunctionMode):
+    """Records whether any torch function is given ``tensor``."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self.tensor = tensor
+        self.read = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(leaf is self.tensor for leaf in leaves):
+            self.read = True
+        return func(*args, **kwargs)
+
+
+@functools.cache
+def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
+    """The model of ``config`` gives the attention mask of plain causal
+    attention to ``transformers``' SDPA attention function and to nothing
+    else, so no mask there means ``is_causal`` (Doge, for one, builds its own
+    mask from it). Checked by one forward of a fake-tensor copy (no memory)
+    whose mask function hands out a tensor followed to every read; the SDPA
+    function is given ``None`` in its place. ``False`` where that forward
+    fails (routed experts, code that does not run on fake tensors) or runs
+    no SDPA attention."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not causal_attention_without_mask():
+        return False
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        return False
+    calls = []
+
+    def attention(module: nn.Module, query, key, value, attention_mask, *args, **kwargs):  # noqa: ANN001
+        calls.append(attention_mask is _PROBE[0])
+        if attention_mask is _PROBE[0]:
+            attention_mask = None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    functions = ALL_ATTENTION_FUNCTIONS._global_mapping
+    original = functions.get("sdpa")
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
+            causal_lm = _causal_lm_from_config(_hf_config(config), config, "sdpa")
+            setattr(causal_lm.config, WHOLE_SEQUENCES, True)
+            tokens = torch.zeros((1, min(16, config.max_seq_len)), dtype=torch.long)
+            length = tokens.shape[1]
+            _PROBE.append(torch.ones((1, 1, length, length), dtype=torch.bool))
+            functions["sdpa"] = attention
+            with _ReadsOf(_PROBE[0]) as reads:
+                causal_lm(input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False)
+    except Exception:  # noqa: BLE001 - any failure keeps transformers' own masks
+        return False
+    finally:
+        functions["sdpa"] = original
+        _PROBE.clear()
+    return any(calls) and not reads.read
+
+
+def _builds_masks_with_masking_utils(causal_lm: nn.Module) -> bool:
+    """The model's code builds its attention masks with
+    ``transformers.masking_utils`` (``create_causal_mask``)."""
+    import sys
+
+    module = sys.modules.get(type(causal_lm).__module__)
+    return module is not None and hasattr(module, "create_causal_mask")
+
+
+def _causal_lm_from_config(hf_config: Any, config: TransformersConfig, attention: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` in float32 with ``attention``;
+    a configuration the model's code cannot build is one line."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(
+            hf_config,
+            dtype=torch.float32,
+            attn_implementation=attention,
+            trust_remote_code=config.trust_remote_code,
+        )
+    except (
+        TypeError,
+        AttributeError,
+        KeyError,
+        IndexError,
+        AssertionError,
+        ImportError,
+    ) as exc:
+        # the model's code cannot build this configuration (a field it
+        # needs missing or None, a library it needs absent): one line,
+        # as other bad input
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"transformers' code for model_type {config.model_type!r} fails to build "
+            f"the model of this config.json ({type(exc).__name__}: {first})"
+        ) from exc
 
 
 def _hf_config(config: TransformersConfig) -> Any:
@@ -88,18 +284,26 @@ class TransformersCausalLM(nn.Module):
         self.attention_implementation = "sdpa"
         with _parameters_on_meta() if meta else contextlib.nullcontext():
             try:
-                causal_lm = self._from_config(hf_config, config)
+                causal_lm = _causal_lm_from_config(hf_config, config, self.attention_implementation)
             except ValueError as exc:
                 if "scaled_dot_product_attention" not in str(exc):
                     raise
                 self.attention_implementation = "eager"
-                causal_lm = self._from_config(hf_config, config)
+                causal_lm = _causal_lm_from_config(hf_config, config, self.attention_implementation)
         if causal_lm._parameters or causal_lm._buffers:
             raise ValueError(
                 f"{type(causal_lm).__name__} holds tensors outside its submodules "
                 f"({', '.join([*causal_lm._parameters, *causal_lm._buffers])}); not supported"
             )
         self.config = config
+        # see Note: [Causal attention without a mask under compile]
+        self.whole_sequence_mask = (
+            self.attention_implementation == "sdpa"
+            and _builds_masks_with_masking_utils(causal_lm)
+            and _mask_reaches_only_sdpa(config)
+        )
+        if self.whole_sequence_mask:
+            setattr(causal_lm.config, WHOLE_SEQUENCES, True)
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
         # outside the module tree: see Note: [The wrapper shares the model's children]
@@ -119,35 +323,11 @@ class TransformersCausalLM(nn.Module):
                     places.setdefault(id(param), []).append((module, name))
         self.tied_places = [group for group in places.values() if len(group) > 1]
 
-    def _from_config(self, hf_config: Any, config: TransformersConfig) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        try:
-            return AutoModelForCausalLM.from_config(
-                hf_config,
-                dtype=torch.float32,
-                attn_implementation=self.attention_implementation,
-                trust_remote_code=config.trust_remote_code,
-            )
-        except (
-            TypeError,
-            AttributeError,
-            KeyError,
-            IndexError,
-            AssertionError,
-            ImportError,
-        ) as exc:
-            # the model's code cannot build this configuration (a field it
-            # needs missing or None, a library it needs absent): one line,
-            # as other bad input
-            first = (str(exc).strip().splitlines() or [""])[0]
-            raise ValueError(
-                f"transformers' code for model_type {config.model_type!r} fails to build "
-                f"the model of this config.json ({type(exc).__name__}: {first})"
-            ) from exc
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` token ids -> ``(B, T, V)`` logits."""
+        if self.whole_sequence_mask:  # no padding: no mask is built, traced or not
+            mask = torch.ones_like(tokens)
+            return self.causal_lm(input_ids=tokens, attention_mask=mask, use_cache=False).logits
         return self.causal_lm(input_ids=tokens, use_cache=False).logits
 
     @torch.no_grad()
