@@ -224,15 +224,23 @@ def _mistral_as_llama_debug() -> dict:
             "sliding_window": None}  # fmt: skip
 
 
-def test_transformers_modeling_code_plans_as_the_native_family_does(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def mistral_plan(tmp_path_factory):
+    """``(spec, config, prediction)`` of Llama 3's debug flavor as a Mistral
+    folder, trained through transformers' code: 2 GPUs, batch 2 x 64."""
+    folder = _folder(tmp_path_factory.mktemp("mistral"), **_mistral_as_llama_debug())
+    spec, config = plan_cli.resolve_model(plan_cli._parser().parse_args(["--model", folder]))
+    layout = Layout(gpus=2, batch=2, seq=64)
+    return spec, config, predict(spec, config, layout, plan_profiles.FIXED)
+
+
+def test_transformers_modeling_code_plans_as_the_native_family_does(mistral_plan, tmp_path) -> None:
     # The same architecture through transformers' code and through ours: the
     # same sharded state, and activations, peak and tokens/s within a few
     # percent (transformers computes its rotary tables per step, in fp32).
-    folder = _folder(tmp_path, **_mistral_as_llama_debug())
-    spec, config = plan_cli.resolve_model(plan_cli._parser().parse_args(["--model", folder]))
+    spec, config, theirs = mistral_plan
     assert spec.family == "transformers" and spec.with_layers(config, 2).n_layers == 2
     layout = Layout(gpus=2, batch=2, seq=64)
-    theirs = predict(spec, config, layout, plan_profiles.FIXED)
     llama, debug = resolve_flavor("llama3_debug")
     ours = predict(llama, debug, layout, plan_profiles.FIXED)
     for part in ("parameters", "gradients", "optimizer"):
@@ -346,6 +354,34 @@ def test_transformers_code_without_sdpa_or_that_does_not_trace(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "code for model_type 'ministral' fails to build the model of this config.json" in err[0]
+
+
+def test_a_sliding_window_shorter_than_the_sequence_plans_the_masked_kernel(
+    mistral_plan, tmp_path
+) -> None:
+    # transformers runs a window shorter than the sequence as SDPA with a
+    # boolean mask: the memory-efficient kernel over every (query, key) pair,
+    # the mask saved for backward.
+    import torch
+
+    from simplefsdp.plan.trace import _flash_sdpa, _planning_masked_attention_ops
+
+    plain = mistral_plan[2]
+    fields = {**_mistral_as_llama_debug(), "sliding_window": 32}
+    spec, config = plan_cli.resolve_model(
+        plan_cli._parser().parse_args(["--model", _folder(tmp_path, **fields)])
+    )
+    masked = predict(spec, config, Layout(gpus=2, batch=2, seq=64), plan_profiles.FIXED)
+    assert masked.time["compute"] > plain.time["compute"] * 1.01
+    mask = 2 * 64 * 64  # bool (B, 1, T, T)
+    assert masked.memory["activations"] >= plain.memory["activations"] + mask
+    # recomputed (full AC), the masked attention is a planning op with a backward
+    _planning_masked_attention_ops()
+    q, k, v = (torch.empty(2, 4, 16, 8, device="meta", requires_grad=True) for _ in range(3))
+    bias = torch.ones(1, 1, 16, 16, dtype=torch.bool, device="meta")
+    out = _flash_sdpa(full_ac=True)(q, k, v, attn_mask=bias)
+    out.sum().backward()
+    assert out.shape == q.shape and k.grad.shape == k.shape
 
 
 def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys) -> None:

@@ -390,6 +390,14 @@ def kernel_seconds(node: fx.Node, kernels: KernelModel, cost_model: CostModel) -
     return cost_model.node_time(node)
 
 
+def _has_mask(node: fx.Node) -> bool:
+    """A traced attention node runs with a boolean mask (a sliding window
+    shorter than the sequence; Note: [Planning traces] in ``plan/trace.py``)."""
+    return (
+        "scaled_dot_product_masked" in str(node.target) or node.kwargs.get("attn_mask") is not None
+    )
+
+
 def _masked_attention_seconds(node: fx.Node, kernels: KernelModel, scale: int) -> float:
     """Seconds of one traced attention node (its keys ``scale`` times the
     traced ones, the caller multiplies by ``scale``) run as SDPA with a
@@ -464,6 +472,7 @@ def own_kernel_seconds(
         return float8.seconds(node, cost_model, fused)
     attention = "scaled_dot_product" in str(node.target)
     scale = attention_scale if attention else 1
+    masked = masked or (attention and _has_mask(node))
     if kernels is not None and attention and masked:
         return scale * _masked_attention_seconds(node, kernels, scale)
     if kernels is not None and _is_heavy(node):
