@@ -190,6 +190,8 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
 
     functions = ALL_ATTENTION_FUNCTIONS._global_mapping
     original = functions.get("sdpa")
+    if original is None:
+        return False
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
             causal_lm = _causal_lm_from_config(_hf_config(config), config, "sdpa")
