@@ -432,3 +432,30 @@ def test_compiled_causal_attention_runs_without_a_mask(folders):
     changed[:, -1] = (changed[:, -1] + 1) % VOCAB
     with torch.no_grad():
         assert torch.equal(model(tokens)[:, :-1], model(changed)[:, :-1])  # causal
+
+
+def test_a_model_whose_init_needs_real_tensors_builds_on_meta(tmp_path):
+    """Bamba's (and Granite 4.0's) ``_init_weights`` assigns a host tensor to
+    ``A_log.data``, which fails on a meta parameter: the meta build skips
+    ``transformers``' initialisation (done once materialized), and the model
+    loads the folder's weights to ``transformers``' logits."""
+    from simplefsdp.checkpoint.hf import hf_model_of_folder, load_hf_weights
+
+    config = transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=8, mamba_expand=2, attn_layer_indices=[1], use_mamba_kernels=False,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    reference.save_pretrained(tmp_path)
+    spec, read = hf_model_of_folder(tmp_path)
+    with torch.device("meta"):
+        model = spec.build(read)
+    model.to_empty(device="cpu")
+    spec.init_weights(model, None)
+    assert load_hf_weights(model, tmp_path, args=read) > 0
+    tokens = _tokens()
+    with torch.no_grad():
+        assert torch.equal(model.eval()(tokens), reference(input_ids=tokens).logits)

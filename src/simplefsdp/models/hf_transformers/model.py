@@ -249,6 +249,21 @@ def _causal_lm_from_config(hf_config: Any, config: TransformersConfig, attention
         ) from exc
 
 
+def _no_init(skip: bool) -> contextlib.AbstractContextManager[Any]:
+    """``transformers``' ``no_init_weights`` where ``skip``: a model built on
+    the meta device is initialised by :meth:`TransformersCausalLM.init_weights`
+    once materialized, and some models' ``_init_weights`` cannot run on meta
+    parameters (Bamba's and Granite 4.0's ``A_log.data = torch.log(...)``
+    assigns a host tensor)."""
+    if not skip:
+        return contextlib.nullcontext()
+    try:
+        from transformers.modeling_utils import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def _hf_config(config: TransformersConfig) -> Any:
     """The ``transformers`` configuration object of ``config``."""
     from transformers import AutoConfig
@@ -284,7 +299,7 @@ class TransformersCausalLM(nn.Module):
         # SDPA where the model's code has it, else its own eager attention
         # (BLOOM, GPT-J, MPT, ...: the scores materialized)
         self.attention_implementation = "sdpa"
-        with _parameters_on_meta() if meta else contextlib.nullcontext():
+        with _parameters_on_meta() if meta else contextlib.nullcontext(), _no_init(meta):
             try:
                 causal_lm = _causal_lm_from_config(hf_config, config, self.attention_implementation)
             except ValueError as exc:
@@ -292,6 +307,8 @@ class TransformersCausalLM(nn.Module):
                     raise
                 self.attention_implementation = "eager"
                 causal_lm = _causal_lm_from_config(hf_config, config, self.attention_implementation)
+        if meta:  # the ties post_init makes only when it initialises
+            causal_lm.tie_weights()
         if causal_lm._parameters or causal_lm._buffers:
             raise ValueError(
                 f"{type(causal_lm).__name__} holds tensors outside its submodules "
