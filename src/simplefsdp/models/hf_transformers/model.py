@@ -106,8 +106,8 @@ def causal_attention_without_mask() -> bool:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         return False
-    sdpa_mask = AttentionMaskInterface._global_mapping.get("sdpa")
-    if sdpa_mask is None:
+    sdpa_mask = getattr(AttentionMaskInterface, "_global_mapping", {}).get("sdpa")
+    if sdpa_mask is None or not hasattr(AttentionMaskInterface, "register"):
         return False
 
     def mask(
@@ -188,8 +188,8 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
             attention_mask = None
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
-    functions = ALL_ATTENTION_FUNCTIONS._global_mapping
-    original = functions.get("sdpa")
+    functions = getattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping", None)
+    original = functions.get("sdpa") if isinstance(functions, dict) else None
     if original is None:
         return False
     try:
