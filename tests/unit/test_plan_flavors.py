@@ -364,7 +364,7 @@ def test_a_sliding_window_shorter_than_the_sequence_plans_the_masked_kernel(
     # the mask saved for backward.
     import torch
 
-    from simplefsdp.plan.trace import _flash_sdpa, _planning_masked_attention_ops
+    from simplefsdp.plan.trace import _flash_sdpa, _planning_attention_ops
 
     plain = mistral_plan[2]
     fields = {**_mistral_as_llama_debug(), "sliding_window": 32}
@@ -376,7 +376,7 @@ def test_a_sliding_window_shorter_than_the_sequence_plans_the_masked_kernel(
     mask = 2 * 64 * 64  # bool (B, 1, T, T)
     assert masked.memory["activations"] >= plain.memory["activations"] + mask
     # recomputed (full AC), the masked attention is a planning op with a backward
-    _planning_masked_attention_ops()
+    _planning_attention_ops()
     q, k, v = (torch.empty(2, 4, 16, 8, device="meta", requires_grad=True) for _ in range(3))
     bias = torch.ones(1, 1, 16, 16, dtype=torch.bool, device="meta")
     out = _flash_sdpa(full_ac=True)(q, k, v, attn_mask=bias)

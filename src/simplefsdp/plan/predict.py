@@ -393,9 +393,12 @@ def kernel_seconds(node: fx.Node, kernels: KernelModel, cost_model: CostModel) -
 def _has_mask(node: fx.Node) -> bool:
     """A traced attention node runs with a boolean mask (a sliding window
     shorter than the sequence; Note: [Planning traces] in ``plan/trace.py``)."""
-    return (
-        "scaled_dot_product_masked" in str(node.target) or node.kwargs.get("attn_mask") is not None
-    )
+    if node.kwargs.get("attn_mask") is not None:  # ATen's op
+        return True
+    if "simplefsdp_plan" not in str(node.target):
+        return False
+    last = node.args[-1]  # the planning op's mask: its last argument, if given
+    return isinstance(last, fx.Node) and last.meta["val"].dtype == torch.bool
 
 
 def _masked_attention_seconds(node: fx.Node, kernels: KernelModel, scale: int) -> float:

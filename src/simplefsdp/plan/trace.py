@@ -19,7 +19,7 @@ Note: [Planning traces]
     not keep it) the op is a planning-only custom op (ATen's CPU flash op
     counts as random, and the meta device cannot save RNG state). SDPA given
     a boolean mask (a sliding window shorter than the sequence) keeps it (the
-    flash op's ``attn_mask``, or the planning-only masked op where
+    flash op's ``attn_mask``, or the planning-only op's ``mask`` where
     recomputed), the mask among the saved inputs, and is priced as the
     memory-efficient kernel over every (query, key) pair.
 
@@ -51,17 +51,23 @@ _LIB_NAME = "simplefsdp_plan"
 
 @functools.cache
 def _planning_attention_ops():
-    """A non-random fused attention op with its backward (see the Note)."""
+    """A non-random fused attention op with its backward (see the Note):
+    causal without a mask, else over the boolean ``mask`` (SDPA given one:
+    a sliding window shorter than the sequence, which
+    :func:`~simplefsdp.plan.predict.own_kernel_seconds` prices as the
+    memory-efficient kernel over every (query, key) pair)."""
 
     @torch.library.custom_op(f"{_LIB_NAME}::scaled_dot_product_flash", mutates_args=())
     def attention(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, mask is None, attn_mask=mask
+        )
         return out, lse
 
     @attention.register_fake
-    def _(q, k, v):
+    def _(q, k, v, mask=None):
         b, h, t, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
 
@@ -73,71 +79,25 @@ def _planning_attention_ops():
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, True
+            grad, q, k, v, out, lse, 0.0, mask is None, attn_mask=mask
         )
 
     @attention_backward.register_fake
-    def _(grad, q, k, v, out, lse):
+    def _(grad, q, k, v, out, lse, mask=None):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs, *output)
+        q, k, v, mask = inputs
+        ctx.masked = mask is not None
+        ctx.save_for_backward(q, k, v, *output, *([mask] if ctx.masked else []))
 
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        return attention_backward(grad_out.contiguous(), q, k, v, out, lse)
-
-    attention.register_autograd(backward, setup_context=setup_context)
-    return attention
-
-
-@functools.cache
-def _planning_masked_attention_ops():
-    """A fused attention op given a boolean mask, with its backward (see the
-    Note): SDPA with ``attn_mask`` (a sliding window shorter than the
-    sequence: ``transformers``' Mistral, Gemma 2) runs the memory-efficient
-    kernel over every (query, key) pair, priced apart from flash's."""
-
-    @torch.library.custom_op(f"{_LIB_NAME}::scaled_dot_product_masked", mutates_args=())
-    def attention(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask
-        )
-        return out, lse
-
-    @attention.register_fake
-    def _(q, k, v, mask):
-        b, h, t, _ = q.shape
-        return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
-
-    @torch.library.custom_op(f"{_LIB_NAME}::scaled_dot_product_masked_backward", mutates_args=())
-    def attention_backward(
-        grad: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, False, attn_mask=mask
-        )
-
-    @attention_backward.register_fake
-    def _(grad, q, k, v, mask, out, lse):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs, *output)
-
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        return *attention_backward(grad_out.contiguous(), q, k, v, mask, out, lse), None
+        q, k, v, out, lse, *mask = ctx.saved_tensors
+        grads = attention_backward(grad_out.contiguous(), q, k, v, out, lse, *mask)
+        return *grads, None
 
     attention.register_autograd(backward, setup_context=setup_context)
     return attention
@@ -148,7 +108,7 @@ def _flash_sdpa(full_ac: bool):
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             mask = attn_mask.expand(q.shape[0], 1, q.shape[2], k.shape[2])
             if full_ac:
-                return torch.ops.simplefsdp_plan.scaled_dot_product_masked(q, k, v, mask)[0]
+                return torch.ops.simplefsdp_plan.scaled_dot_product_flash(q, k, v, mask)[0]
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, False, attn_mask=mask
             )[0]
@@ -165,7 +125,6 @@ def _flash_sdpa(full_ac: bool):
 def _patched_attention(full_ac: bool) -> Iterator[None]:
     if full_ac:
         _planning_attention_ops()  # registered before Dynamo sees a call
-        _planning_masked_attention_ops()
     original = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _flash_sdpa(full_ac)
     try:
