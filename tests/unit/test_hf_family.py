@@ -459,3 +459,32 @@ def test_a_model_whose_init_needs_real_tensors_builds_on_meta(tmp_path):
     tokens = _tokens()
     with torch.no_grad():
         assert torch.equal(model.eval()(tokens), reference(input_ids=tokens).logits)
+
+
+def test_a_model_that_reads_the_mask_itself_keeps_it(monkeypatch):
+    """The mask is dropped only where nothing but ``transformers``' SDPA
+    function reads it: an attention whose own code computes with the mask
+    before passing it on keeps ``transformers``' masks."""
+    from transformers.models.mistral import modeling_mistral
+
+    from simplefsdp.models.hf_transformers import model as hf_model
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+
+    config = config_from_hf(
+        transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=64, sliding_window=None, rope_theta=12345.0,
+        ).to_dict()
+    )  # fmt: skip
+    assert hf_model._mask_reaches_only_sdpa(config)
+    forward = modeling_mistral.MistralAttention.forward
+
+    def reading(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs):
+        if attention_mask is not None:
+            attention_mask.logical_not()  # a read of its own, the mask passed on unchanged
+        return forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_mistral.MistralAttention, "forward", reading)
+    other = config.replace(hf_config={**config.hf_config, "rope_theta": 54321.0})  # not cached
+    assert not hf_model._mask_reaches_only_sdpa(other)
