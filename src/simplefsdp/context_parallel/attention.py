@@ -173,14 +173,15 @@ def _repeat(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def _allowed(
+def allowed_keys(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
-    q_doc: torch.Tensor | None,
-    k_doc: torch.Tensor | None,
-    sliding_window: int | None,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """``(B or 1, 1, Tq, Tk)`` boolean: which keys each query sees."""
+    """``(B or 1, 1, Tq, Tk)`` boolean: which keys each query sees (causal
+    by position, within ``sliding_window`` and the same document)."""
     allowed = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
     if sliding_window is not None:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -190,15 +191,141 @@ def _allowed(
     return allowed
 
 
+# Note: [Sinks as one more key]
+# A learned sink is one more logit per head in each query's softmax, with
+# no value. Computing it beside explicit scores materializes a (B, H, Tq, Tk)
+# float32 tensor per attention (16 GiB for 64 heads at 8,192 tokens, several
+# of them saved for backward); instead the sink becomes one more key that
+# every query sees, so that SDPA's fused kernels (the memory-efficient one on
+# a GPU, the flash one on a CPU, both with a boolean mask) compute it
+# without scores in memory. Queries get SINK_COLUMNS more head-dim columns,
+# [1, 1, 0, ...]; keys zeros there; the sink key is zero in the head dims
+# and holds (sink / scale) split into a high and a low part in the extra two,
+# so that its logit is exact to about 16 bits in bfloat16 (one part would
+# round it to 8). The sink's value row is zero, and values are padded to the
+# queries' width (the CPU kernel takes one head dim), the output cut back.
+# Keys are padded to a multiple of 16 with keys no query sees (the GPU
+# kernel's mask alignment). The extra columns cost 8 / head_dim more
+# attention FLOPs.
+SINK_COLUMNS = 8
+_KEY_ALIGNMENT = 16
+
+
+def masked_keys(keys: int, sinks: bool) -> int:
+    """The keys :func:`masked_attention` passes SDPA for ``keys`` keys: with
+    sinks, one more and padding to a multiple of 16."""
+    return -(-(keys + 1) // _KEY_ALIGNMENT) * _KEY_ALIGNMENT if sinks else keys
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SDPA of ``q`` ``(B, H, Tq, d)`` to ``k``/``v`` ``(B, H, Tk, d / d_v)``
+    (key heads already repeated to the queries') over the boolean mask
+    ``allowed`` ``(B or 1, 1, Tq, Tk)``; with ``sinks`` ``(H,)``, a learned
+    sink logit per head joins each query's softmax (Note: [Sinks as one more
+    key]). Every query must see at least one key or the sink.
+
+    Returns:
+        ``(B, H, Tq, d_v)`` in ``q``'s dtype.
+    """
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    b, h, tq, d = q.shape
+    tk, dv = k.shape[2], v.shape[-1]
+    width = -(-max(d + SINK_COLUMNS, dv) // 8) * 8
+    keys = masked_keys(tk, True)
+    target = sinks.to(torch.promote_types(q.dtype, torch.float32)) / scale
+    high = target.to(q.dtype)
+    low = (target - high.to(target.dtype)).to(q.dtype)
+    ones = q.new_ones(b, h, tq, 2)
+    q = torch.cat([q, ones, q.new_zeros(b, h, tq, width - d - 2)], dim=-1)
+    sink_key = torch.cat(
+        [k.new_zeros(h, d), high[:, None], low[:, None], k.new_zeros(h, width - d - 2)], dim=-1
+    )  # (H, width)
+    k = torch.cat(
+        [
+            torch.cat([k, k.new_zeros(b, h, tk, width - d)], dim=-1),
+            sink_key[None, :, None, :].expand(b, h, 1, width),
+            k.new_zeros(b, h, keys - tk - 1, width),
+        ],
+        dim=2,
+    )
+    v = F.pad(v, (0, width - dv, 0, keys - tk))  # zero values for the sink and padding
+    mb = allowed.shape[0]
+    allowed = torch.cat(
+        [
+            allowed.expand(mb, 1, tq, tk),
+            allowed.new_ones(mb, 1, tq, 1),
+            allowed.new_zeros(mb, 1, tq, keys - tk - 1),
+        ],
+        dim=-1,
+    )
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out[..., :dv]
+
+
+def windowed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sliding_window: int,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``q`` ``(B, H, T, d)`` to ``k``/``v`` (key heads
+    repeated to the queries') within ``sliding_window``, in chunks: the
+    queries in chunks of ``sliding_window``, each chunk against its own keys
+    and the chunk's before (all a window can reach), as a batch of
+    :func:`masked_attention` calls. The work is ``T x 2 * sliding_window``
+    query-key pairs instead of ``T x T``.
+
+    Returns:
+        ``(B, H, T, d_v)`` in ``q``'s dtype.
+    """
+    b, h, t, d = q.shape
+    c = sliding_window
+    n = -(-t // c)
+    # end-padded to whole chunks (padded queries see padded keys; cut off
+    # below), keys and values front-padded by one chunk no query sees
+    q = F.pad(q, (0, 0, 0, n * c - t))
+    k, v = (F.pad(x, (0, 0, c, n * c - t)) for x in (k, v))
+
+    def per_chunk(x: torch.Tensor) -> torch.Tensor:  # (B, H, n, L, e) -> (B * n, H, L, e)
+        return x.transpose(1, 2).reshape(b * n, h, *x.shape[3:])
+
+    def two_chunks(x: torch.Tensor) -> torch.Tensor:  # chunk i's keys: chunks i - 1 and i
+        e = x.shape[-1]
+        before, own = x[:, :, : n * c].view(b, h, n, c, e), x[:, :, c:].view(b, h, n, c, e)
+        return per_chunk(torch.cat([before, own], dim=3))
+
+    qc = per_chunk(q.view(b, h, n, c, d))
+    kc, vc = two_chunks(k), two_chunks(v)
+    starts = c * torch.arange(n, device=q.device)[:, None]
+    q_pos = starts + torch.arange(c, device=q.device)  # (n, c)
+    k_pos = starts + torch.arange(-c, c, device=q.device)  # (n, 2c)
+    allowed = (
+        (k_pos[:, None, :] <= q_pos[:, :, None])
+        & (k_pos[:, None, :] > q_pos[:, :, None] - sliding_window)
+        & (k_pos[:, None, :] >= 0)
+    )  # (n, c, 2c)
+    allowed = allowed[None].expand(b, n, c, 2 * c).reshape(b * n, 1, c, 2 * c)
+    out = masked_attention(qc, kc, vc, allowed, scale, sinks)  # (B * n, H, c, d_v)
+    out = out.reshape(b, n, h, c, -1).permute(0, 2, 1, 3, 4).reshape(b, h, n * c, -1)
+    return out[:, :, :t]
+
+
 def _attention(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, sliding_window, sinks) -> torch.Tensor:
     """Masked attention of ``q`` to all of ``k``/``v`` (every query sees at least itself)."""
     n_rep = q.shape[1] // k.shape[1]
     k, v = _repeat(k, n_rep), _repeat(v, n_rep)
-    allowed = _allowed(q_pos, k_pos, q_doc, k_doc, sliding_window)
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
-    out, lse = _block(q, k, v, allowed, scale)
-    return _merge([out], [lse], sinks, q.shape[1]).to(q.dtype)
+    allowed = allowed_keys(q_pos, k_pos, q_doc, k_doc, sliding_window)
+    return masked_attention(q, k, v, allowed, scale, sinks)
 
 
 def _block(q, k, v, allowed, scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +346,7 @@ def _block(q, k, v, allowed, scale) -> tuple[torch.Tensor, torch.Tensor]:
 def _ring_block(q, k, v, where, sliding_window, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_block` of one ring step; ``where``: query and key positions and documents."""
     n_rep = q.shape[1] // k.shape[1]
-    allowed = _allowed(*where, sliding_window)
+    allowed = allowed_keys(*where, sliding_window)
     return _block(q, _repeat(k, n_rep), _repeat(v, n_rep), allowed, scale)
 
 

@@ -188,6 +188,7 @@ from typing import Any
 from simplefsdp.engines.activation import check_recompute_experts
 from simplefsdp.engines.kinds import get_engine
 from simplefsdp.layout.pipeline import num_stages, pipeline_errors
+from simplefsdp.models.common.attention import attention_keys
 from simplefsdp.plan.allocator import cached_bytes
 from simplefsdp.plan.costs import (
     ADAMW_BYTES_PER_PARAM,
@@ -688,9 +689,26 @@ def _predict_rank(
     queries = cp_mask_queries(layout.seq, cp, layout.cp_backend)
     masked = queries > 0
     mask_bytes = float(queries * layout.seq)
+    # The family's own masks (sliding windows, sinks): SDPA over a boolean
+    # mask per such layer, a short window in chunks of it against two
+    # chunks of keys, sinks as one more key and head-dim columns (Note:
+    # [Sinks as one more key]); under a masked CP backend every layer runs
+    # over the mask above.
+    layer_keys, sink_columns = attention_keys(args, layout.seq)
+    if masked:
+        layer_keys = [layout.seq] * args.n_layers
+    elif cp > 1 and layout.cp_backend == "torch":
+        layer_keys = [None] * args.n_layers
+    own = [keys for keys in layer_keys if keys is not None]
+    mask_layers = len(own)
+    if not masked and own:
+        mask_bytes = float(layout.seq * max(own))
     temporary += 3 * mask_bytes
     if layout.ac == "none":
-        activations += 2 * mask_bytes * args.n_layers
+        activations += 2 * (mask_bytes if masked else layout.seq * sum(own))
+        # SDPA's padded inputs and output, the keys and values repeated to
+        # the query heads, beside the unpadded ones counted above
+        activations += 2 * mask_layers * tokens * 4 * args.n_heads * sink_columns
     # Microbatches (a pipeline's, or accumulation's): the activations of
     # those in flight where the first rank peaks, beside the unreduced fp32
     # gradient sums of the rank's parameters, whole (Note: [Gradient
@@ -817,25 +835,37 @@ def _predict_rank(
     else:
         matmul_s = tokens * (bf16_linear + routed + recompute - f8_recompute) / rate
     matmul_s += float8_s
-    attention_s = tokens * attn_flops / (rate * hw.attention_efficiency)
-    if kernels is not None:
-        # FlashAttention rates, causal halving (Note: [Kernel model]).
-        forward = tokens * attn_flops / 3 / 2  # the spec counts 1 + 2 forwards; causal half
-        tensor_peak = hw.peak_bf16_flops * hw.clock_fraction
-        efficient = masked
-        if _latent_attention(args):
-            qk = args.qk_nope_head_dim + args.qk_rope_head_dim
-            efficient = efficient or qk != args.v_head_dim
-        if efficient:  # the memory-efficient kernel (Note: [Kernel model])
-            tensor_peak *= MEMORY_EFFICIENT_FRACTION
-        attention_s = forward / (tensor_peak * hw.flash_fwd_efficiency)
-        attention_s += 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
-    if masked:  # a masked kernel skips no causal block
-        attention_s *= 2
+
+    def kernel_s(masked: bool) -> float:
+        """Attention's seconds over every layer, all of them causal or all masked."""
+        seconds = tokens * attn_flops / (rate * hw.attention_efficiency)
+        if kernels is not None:
+            # FlashAttention rates, causal halving (Note: [Kernel model]).
+            forward = tokens * attn_flops / 3 / 2  # the spec counts 1 + 2 forwards; causal half
+            tensor_peak = hw.peak_bf16_flops * hw.clock_fraction
+            efficient = masked
+            if _latent_attention(args):
+                qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+                efficient = efficient or qk != args.v_head_dim
+            if efficient:  # the memory-efficient kernel (Note: [Kernel model])
+                tensor_peak *= MEMORY_EFFICIENT_FRACTION
+            seconds = forward / (tensor_peak * hw.flash_fwd_efficiency)
+            seconds += 2.5 * forward / (tensor_peak * hw.flash_bwd_efficiency)
+        if masked:  # a masked kernel skips no causal block
+            seconds *= 2
+        return seconds
+
+    # the layers over a mask (all of them under a masked CP backend), each
+    # over its keys, their head dims widened for sinks
+    share = mask_layers / args.n_layers
+    pairs = sum(own) / layout.seq / args.n_layers  # of every layer's full square
+    widened = (args.head_dim + sink_columns) / args.head_dim if not _latent_attention(args) else 1
+    attention_s = (1 - share) * kernel_s(False) + pairs * widened * kernel_s(True)
     if layout.ac == "full":
         attention_s *= 4 / 3  # its forward again
-    if masked:  # the mask and its bias written and read, per attention call
-        attention_s += args.n_layers * (3 if layout.ac == "full" else 2) * 4 * mask_bytes / bw
+    # the masks and their biases written and read, per attention call
+    passes = (3 if layout.ac == "full" else 2) * 4
+    attention_s += passes * (mask_layers * mask_bytes if masked else layout.seq * sum(own)) / bw
     # Elementwise work: three passes over the no-AC activations where the
     # compiler fuses them, one read and one write per op's output unfused
     # (eager FSDP2, aot_eager): about twice the bytes.
@@ -1003,6 +1033,15 @@ def _predict_rank(
             else []
         ),
         *([cp_mask_note(layout.seq, queries, layout.cp_backend)] if masked else []),
+        *(
+            [
+                f"attention: {mask_layers} of {args.n_layers} layers run SDPA over a boolean "
+                f"mask (sliding windows{', sinks as one more key' if sink_columns else ''}), "
+                f"the memory-efficient kernel over {min(own)}-{max(own)} keys per query"
+            ]
+            if mask_layers and not masked
+            else []
+        ),
         *(
             [pipeline_note(layout, inflight, sums_alive if sums else None, blocks_of_stage)]
             if layout.pp > 1

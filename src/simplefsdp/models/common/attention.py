@@ -17,6 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from simplefsdp.context_parallel.attention import (
+    SINK_COLUMNS,
+    allowed_keys,
+    masked_attention,
+    masked_keys,
+    windowed_attention,
+)
+
 from .config import DecoderArgs
 from .norms import trunc_normal_
 from .rotary import apply_rotary_emb
@@ -70,21 +78,36 @@ def attend(
         v = v.repeat_interleave(n_rep, dim=1)
     if sliding_window is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    seqlen = q.shape[2]
+    # a sliding window or sinks: SDPA over a boolean mask, sinks as one more
+    # key (Note: [Sinks as one more key]), no (B, H, T, T) scores in memory
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least float32
-    scores = torch.matmul(q, k.transpose(-2, -1)).to(acc) * scale  # (B, H, T, T)
-    pos = torch.arange(seqlen, device=q.device)
-    allowed = pos[None, :] <= pos[:, None]
-    if sliding_window is not None:
-        allowed = allowed & (pos[None, :] > pos[:, None] - sliding_window)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        sink = sinks.to(acc).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    if sliding_window is not None and 2 * sliding_window < q.shape[2]:
+        # chunks of the window against the two chunks it reaches
+        return windowed_attention(q, k, v, sliding_window, scale, sinks)
+    pos = torch.arange(q.shape[2], device=q.device)
+    allowed = allowed_keys(pos, pos, sliding_window=sliding_window)
+    return masked_attention(q, k, v, allowed, scale, sinks)
+
+
+def attention_keys(args: Any, seq: int) -> tuple[list[int | None], int]:
+    """How :func:`attend` runs a configuration's attentions over ``seq``
+    tokens without context parallelism: per layer, the keys each query
+    meets in SDPA's call over a boolean mask (a sliding window: two chunks
+    of it where that is under ``seq``; sinks: one more, padded), ``None``
+    where the layer runs SDPA's causal kernel; and the head-dim columns the
+    masked calls add for sinks (0 without them; Note: [Sinks as one more
+    key])."""
+    sinks = getattr(args, "attention_sinks", False)
+    window_of = getattr(args, "sliding_window_of", lambda _: None)
+    keys: list[int | None] = []
+    for layer in range(args.n_layers):
+        window = window_of(layer)
+        if window is None and not sinks:
+            keys.append(None)
+            continue
+        reach = 2 * window if window is not None and 2 * window < seq else seq
+        keys.append(masked_keys(reach, sinks))
+    return keys, SINK_COLUMNS if sinks else 0
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -260,6 +260,14 @@ class DecoderArgs:
     def n_rep(self) -> int:
         """How many query heads share each key/value head."""
         return self.n_heads // self.n_kv_heads
+
+    #: The attentions have a learned sink logit per head (Note: [Sinks as
+    #: one more key] in ``context_parallel/attention.py``).
+    attention_sinks: ClassVar[bool] = False
+
+    def sliding_window_of(self, layer_id: int) -> int | None:
+        """The sliding window of layer ``layer_id`` (``None``: every earlier key)."""
+        return None
 
     def replace(self, **overrides: Any) -> Any:
         """Return a copy with ``overrides`` applied (validated again).

@@ -6,7 +6,7 @@ No tensors are built here; :mod:`.model` builds the module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torch import nn
 
@@ -98,6 +98,8 @@ class GptOssArgs(MoEArgs):
                 f"num_shared_experts={self.num_shared_experts}: GPT-OSS has no shared experts; "
                 "use 0"
             )
+
+    attention_sinks: ClassVar[bool] = True
 
     def resolved_layer_types(self) -> tuple[str, ...]:
         """The attention kind of every layer."""
