@@ -270,10 +270,21 @@ def test_transformers_modeling_code_plans_as_the_native_family_does(mistral_plan
 
 def test_transformers_planning_cuts_per_layer_lists_and_drops_dropout(tmp_path, capsys) -> None:
     from simplefsdp.models.hf_transformers.config import TransformersConfig
+    from simplefsdp.models.hf_transformers.model import MASK_CHECKED
     from simplefsdp.models.hf_transformers.spec import with_layers
 
-    four = TransformersConfig(hf_config={"num_hidden_layers": 4, "layer_types": list("abcd")})
-    assert with_layers(four, 2).hf_config == {"num_hidden_layers": 2, "layer_types": ["a", "b"]}
+    four = TransformersConfig(
+        hf_config={
+            "num_hidden_layers": 4,
+            "layer_types": list("abcd"),
+            "attn_layer_indices": [1, 3],
+            "no_rope_layers": [1, 1, 0, 1],
+        }  # fmt: skip
+    )
+    cut = dict(with_layers(four, 2).hf_config)
+    assert cut.pop(MASK_CHECKED) is False  # the whole model's check (not a model here)
+    assert cut == {"num_hidden_layers": 2, "layer_types": ["a", "b"], "attn_layer_indices": [1],
+                   "no_rope_layers": [1, 1]}  # fmt: skip
     gpt2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=128, n_embd=32,
                 n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.1)  # fmt: skip
     argv = ["--model", _folder(tmp_path, **gpt2), "--gpus", "2", "--seq", "64", "--json"]
@@ -390,3 +401,45 @@ def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys
     assert plan_cli.main(["--model", _folder(tmp_path, **mixtral)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'transformers'" in err[0] and "routed experts" in err[0]
+
+
+@pytest.mark.slow
+def test_blocks_of_several_kinds_add_up_to_a_full_trace(tmp_path) -> None:
+    """LFM2 with convolution and attention blocks in turn (different
+    parameters and work per kind): traced with 1 and 2 blocks of each kind,
+    the blended measures at 4 blocks equal a trace of all 4; extrapolating
+    from the first two blocks, as for a model of one kind, does not."""
+    from simplefsdp.compiler.cost_model import CostModel
+    from simplefsdp.plan.predict import TraceKey, blocks_of_kinds, measure, traced
+    from simplefsdp.plan.trace import layer_variant
+
+    fields = dict(
+        model_type="lfm2", architectures=["Lfm2ForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+    )  # fmt: skip
+    spec, config = plan_cli.resolve_model(
+        plan_cli._parser().parse_args(["--model", _folder(tmp_path, **fields)])
+    )
+    kinds = spec.layer_kinds(config)
+    assert len(set(kinds)) == 2
+
+    def measured(variant):
+        return measure(traced(TraceKey(spec.family, variant, 2, 1, 2, 64, "selective")),
+                       CostModel(), fused=True)  # fmt: skip
+
+    first, second = (measured(layer_variant(spec, config, n)) for n in (1, 2))
+    ones = {kind: measured(spec.with_layer_kind(config, kind, 1)) for kind in dict.fromkeys(kinds)}
+    per_kind = {
+        kind: one.per_block(measured(spec.with_layer_kind(config, kind, 2)))
+        for kind, one in ones.items()
+    }
+    one, two = blocks_of_kinds(ones, per_kind, kinds)
+    whole = measured(config)
+    guess, naive = one.extrapolate(two, 4), first.extrapolate(second, 4)
+    for name in ("fw_flops", "bw_flops", "param_bytes", "saved_bytes", "grad_bytes"):
+        assert getattr(guess, name) == pytest.approx(getattr(whole, name), rel=1e-9), name
+    for name in ("fw_s", "bw_s"):
+        assert getattr(guess, name) == pytest.approx(getattr(whole, name), rel=0.02), name
+    assert naive.param_bytes != pytest.approx(whole.param_bytes, rel=1e-3)

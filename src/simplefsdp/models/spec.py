@@ -131,6 +131,14 @@ class ModelSpec:
         with_layers: ``with_layers(config, n) -> config`` with ``n``
             decoder blocks, as ``simplefsdp plan`` traces 1 and 2 of them
             (``None``: ``dataclasses.replace(config, n_layers=n)``).
+        layer_kinds: ``layer_kinds(config) -> tuple`` of one hashable key
+            per decoder block, equal where blocks compute the same (their
+            attention kind, mixer, ...): ``simplefsdp plan`` traces 1 and 2
+            blocks of each kind (``with_layer_kind(config, kind, n)``) and
+            counts each kind's blocks (``None``, or one kind: every block
+            as the first two).
+        with_layer_kind: ``with_layer_kind(config, kind, n) -> config`` with
+            ``n`` blocks, all of ``kind``.
         plan_method: how ``simplefsdp plan`` predicts a job of this family:
             ``"trace"`` (trace ``build`` with 1 and 2 blocks on the meta
             device) or ``"analytic"`` (from the config's shapes, for
@@ -162,6 +170,8 @@ class ModelSpec:
     float8_skip_fqns: tuple[str, ...] = ()
     sequence_parallel: bool = True
     with_layers: Callable[[Any, int], Any] | None = None
+    layer_kinds: Callable[[Any], tuple[Any, ...] | None] | None = None
+    with_layer_kind: Callable[[Any, Any, int], Any] | None = None
     plan_method: str = "trace"
     reference_layouts: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 

@@ -600,12 +600,62 @@ class GraphMeasures:
     def per_block(self, other: GraphMeasures) -> GraphMeasures:
         return self.extrapolate(other, 2).minus(self)
 
+    def excess(self, other: GraphMeasures) -> GraphMeasures:
+        """``max(self - other, 0)``, field by field (``rs_to_ag_ratio``: ``self``'s)."""
+        values = {
+            f.name: max(getattr(self, f.name) - getattr(other, f.name), 0.0)
+            for f in dataclasses.fields(self)
+        }
+        values["rs_to_ag_ratio"] = self.rs_to_ag_ratio
+        return GraphMeasures(**values)
+
+    def plus(self, other: GraphMeasures, weight: float = 1.0) -> GraphMeasures:
+        """``self + weight * other``, field by field (``rs_to_ag_ratio``: ``self``'s)."""
+        values = {
+            f.name: getattr(self, f.name) + weight * getattr(other, f.name)
+            for f in dataclasses.fields(self)
+        }
+        values["rs_to_ag_ratio"] = self.rs_to_ag_ratio
+        return GraphMeasures(**values)
+
     def minus(self, other: GraphMeasures) -> GraphMeasures:
         values = {
             f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)
         }
         values["rs_to_ag_ratio"] = self.rs_to_ag_ratio
         return GraphMeasures(**values)
+
+
+def blocks_of_kinds(
+    ones: dict[Any, GraphMeasures], per_kind: dict[Any, GraphMeasures], kinds: tuple[Any, ...]
+) -> tuple[GraphMeasures, GraphMeasures]:
+    """The measures at 1 and 2 blocks of a model whose blocks are of
+    ``kinds`` (one per block): ``ones[kind]`` a trace with one block of that
+    kind, ``per_kind[kind]`` its block.
+
+    Note: [Blocks of several kinds in the plan]
+    A model whose blocks differ (sliding and full attention layers in turn,
+    convolution or Mamba mixers beside attention) is traced with 1 and 2
+    blocks of each kind. What lies outside the blocks (the embedding, the
+    output, the loss, and what the model builds once for its blocks of a
+    kind, such as that kind's attention mask) is the first block's kind's
+    one-block trace less its block, plus what each other kind's adds to it
+    (positive parts only: the shared ops cancel), and the traces at 1 and 2
+    blocks are replaced by that plus the model's average block, once and
+    twice: linear quantities extrapolate to the model's sum. The bucket plan
+    and the allocator's simulation keep the first blocks' graphs, scaled to
+    these times.
+    """
+    outsides = {kind: ones[kind].minus(per_kind[kind]) for kind in ones}
+    outside = outsides[kinds[0]]
+    for kind, other in outsides.items():
+        if kind != kinds[0]:
+            outside = outside.plus(other.excess(outsides[kinds[0]]))
+    average = outside.plus(outside, -1.0)  # zero
+    for kind in kinds:
+        average = average.plus(per_kind[kind], 1.0 / len(kinds))
+    one = outside.plus(average)
+    return one, one.plus(average)
 
 
 def measure(
@@ -999,10 +1049,11 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     fp8 = float8_matmuls(config, layout, hw) if layout.float8 else None
     mb = layout.batch // layout.microbatches
     blocks_of_stage = stage_blocks(spec, config, layout.pp, layout.stages_of_rank)
-    keys = [
-        TraceKey(
+
+    def trace_key(variant: Any) -> TraceKey:
+        return TraceKey(
             spec.family,
-            layer_variant(spec, config, n),
+            variant,
             layout.fsdp,  # FSDP shards over dp x cp
             layout.tp,
             mb,
@@ -1013,10 +1064,18 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
             layout.loss_parallel and layout.tp > 1,
             layout.attention_saved,
         )
-        for n in (1, 2)
-    ]
+
+    keys = [trace_key(layer_variant(spec, config, n)) for n in (1, 2)]
+    kinds = spec.layer_kinds(config) if spec.layer_kinds is not None else None
+    if kinds is not None and len(set(kinds)) < 2:
+        kinds = None
     try:
         t1, t2 = traced(keys[0]), traced(keys[1])
+        # every kind's blocks (Note: [Blocks of several kinds in the plan])
+        kind_traces = {
+            kind: [traced(trace_key(spec.with_layer_kind(config, kind, n))) for n in (1, 2)]
+            for kind in dict.fromkeys(kinds or ())
+        }
     except Exception as exc:
         if isinstance(exc, ValueError) or not getattr(spec.hf_adapter, "any_model_type", False):
             raise
@@ -1049,6 +1108,12 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     loss_vocab = local_vocab if layout.fused_loss and not fused else 0
     how = (probe, fused, fp8, kernels, layout.cp, masked, async_degree, ring, loss_vocab)
     m1, m2 = measure(t1, *how), measure(t2, *how)
+    if kinds is not None:
+        ones = {kind: measure(k1, *how) for kind, (k1, _) in kind_traces.items()}
+        per_kind = {
+            kind: ones[kind].per_block(measure(k2, *how)) for kind, (_, k2) in kind_traces.items()
+        }
+        m1, m2 = blocks_of_kinds(ones, per_kind, kinds)
     cost_model = cost_model_for(hw, layout, m1.rs_to_ag_ratio)
     per_block = m1.per_block(m2)
     kv_per_block = per_block.kv_forward_bytes

@@ -90,6 +90,11 @@ def _parameters_on_meta() -> Iterator[None]:
 #: whole sequences (see Note: [Causal attention without a mask under compile]).
 WHOLE_SEQUENCES = "_simplefsdp_whole_sequences"
 
+#: A ``config.json`` key that settles :func:`_mask_reaches_only_sdpa` for a
+#: planning variant of a model (its blocks of one kind, Note: [Blocks of
+#: several kinds in the plan]): the whole model's answer, not the variant's.
+MASK_CHECKED = "_simplefsdp_mask_reaches_only_sdpa"
+
 #: While :func:`_mask_reaches_only_sdpa` runs: the tensor the mask function
 #: returns in place of "no mask", followed to what reads it.
 _PROBE: list[torch.Tensor] = []
@@ -173,6 +178,8 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
     no SDPA attention."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if MASK_CHECKED in config.hf_config:
+        return bool(config.hf_config[MASK_CHECKED])
     if not causal_attention_without_mask():
         return False
     try:

@@ -12,6 +12,7 @@ is refused before any process starts.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -187,16 +188,90 @@ def _routed_parameters(model: Any) -> list[Any]:
     return list(seen.values())
 
 
+def _index_keys(config: TransformersConfig) -> list[str]:
+    """The ``config.json`` keys listing the indices of the layers of one
+    kind (Bamba's ``attn_layer_indices``, older LFM2's ``full_attn_idxs``,
+    ``mlp_only_layers``): named so, a list of increasing layer indices."""
+    layers = config.n_layers
+    return sorted(
+        key
+        for key, value in config.hf_config.items()
+        if re.search(r"(_indices|_idxs|_layers|_layer_ids)$", key)
+        and isinstance(value, list)
+        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in value)
+        and all(a < b for a, b in zip(value, value[1:]))  # not per-layer flags (no_rope_layers)
+    )
+
+
+def _per_layer_keys(config: TransformersConfig) -> list[str]:
+    """The ``config.json`` keys holding one entry per decoder layer (a list
+    of ``num_hidden_layers`` values: ``layer_types``, ``layers_block_type``,
+    ``no_rope_layers``, ...; not an index list, see :func:`_index_keys`)."""
+    layers = config.n_layers
+    indices = set(_index_keys(config))
+    return sorted(
+        key
+        for key, value in config.hf_config.items()
+        if isinstance(value, list)
+        and layers
+        and len(value) == layers
+        and key != "architectures"
+        and key not in indices
+    )
+
+
 def with_layers(config: TransformersConfig, n: int) -> TransformersConfig:
     """``config`` with ``n`` decoder layers (``num_hidden_layers``, or the
     model's own key for it), its per-layer lists (``layer_types``, ...) cut
-    to their first ``n``."""
+    to their first ``n`` and its lists of layer indices to those under
+    ``n``; a variant of fewer layers keeps the whole model's attention
+    masks (see Note: [Causal attention without a mask under compile])."""
     layers = config.n_layers
-    hf = {
-        key: value[:n] if isinstance(value, list) and layers and len(value) == layers else value
-        for key, value in config.hf_config.items()
-    }
+    hf = dict(config.hf_config)
+    for key in _per_layer_keys(config):
+        hf[key] = hf[key][:n]
+    for key in _index_keys(config):
+        hf[key] = [i for i in hf[key] if i < n]
     hf[config.key("num_hidden_layers")] = n
+    if n != layers:  # its attention masks as the whole model's (a planning variant)
+        from simplefsdp.models.hf_transformers.model import MASK_CHECKED, _mask_reaches_only_sdpa
+
+        hf[MASK_CHECKED] = _mask_reaches_only_sdpa(config)
+    return config.replace(hf_config=hf)
+
+
+def layer_kinds(config: TransformersConfig) -> tuple[Any, ...] | None:
+    """Per decoder layer, its entries of the per-layer lists and whether
+    each index list names it (its attention kind, mixer, ...; see
+    :func:`_per_layer_keys` and :func:`_index_keys`): layers of one kind
+    run the same code. ``None`` where there are no such lists or an entry
+    is not hashable."""
+    keys, index_keys = _per_layer_keys(config), _index_keys(config)
+    if not keys and not index_keys:
+        return None
+    hf = config.hf_config
+    kinds = tuple(
+        tuple((key, hf[key][i]) for key in keys) + tuple((key, i in hf[key]) for key in index_keys)
+        for i in range(config.n_layers)
+    )
+    try:
+        hash(kinds)
+    except TypeError:
+        return None
+    return kinds
+
+
+def with_layer_kind(config: TransformersConfig, kind: Any, n: int) -> TransformersConfig:
+    """``config`` with ``n`` decoder layers, each of ``kind`` (one of
+    :func:`layer_kinds`), whose attention masks are as the whole model's
+    (see Note: [Causal attention without a mask under compile])."""
+    from simplefsdp.models.hf_transformers.model import MASK_CHECKED, _mask_reaches_only_sdpa
+
+    index_keys = set(_index_keys(config))
+    hf = dict(with_layers(config, n).hf_config)
+    hf[MASK_CHECKED] = _mask_reaches_only_sdpa(config)  # also where n is the model's
+    for key, value in kind:
+        hf[key] = (list(range(n)) if value else []) if key in index_keys else [value] * n
     return config.replace(hf_config=hf)
 
 
@@ -230,4 +305,6 @@ SPEC = ModelSpec(
     hf_adapter=TRANSFORMERS_HF_ADAPTER,
     sequence_parallel=False,
     with_layers=with_layers,
+    layer_kinds=layer_kinds,
+    with_layer_kind=with_layer_kind,
 )
