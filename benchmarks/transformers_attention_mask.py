@@ -10,8 +10,10 @@ process on one device: a Mistral-shaped model through
 a summed loss, with ``whole_sequence_mask`` on (ours) and off
 (``transformers``' mask), alternated twice; then the same model with a
 sliding window of half the sequence (its mask kept, as the trainer runs
-it), beside the compute time ``simplefsdp plan`` predicts for it and for
-the model without a window on this GPU's profile (one GPU, no AC). One
+it) and with a window of an eighth of it (in chunks: Note: [Sliding
+windows of transformers models in chunks]), beside the compute time
+``simplefsdp plan`` predicts for each and for the model without a window
+on this GPU's profile (one GPU, no AC). One
 JSON line: the median step of each, the ratios, the planned ratio, and on
 CUDA the peak allocated memory of each.
 
@@ -70,10 +72,11 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    times: dict[str, list[float]] = {"no_mask": [], "mask": [], "window": []}
+    times: dict[str, list[float]] = {"no_mask": [], "mask": [], "window": [], "short_window": []}
     peaks: dict[str, int] = {}
-    windowed = build(seq // 2)
-    runs = [(model, True, "no_mask"), (model, False, "mask")] * 2 + [(windowed, True, "window")]
+    windowed, short = build(seq // 2), build(seq // 8)
+    runs = [(model, True, "no_mask"), (model, False, "mask")] * 2
+    runs += [(windowed, True, "window"), (short, True, "short_window")]
     for which, whole, name in runs:
         which.whole_sequence_mask = whole
         torch._dynamo.reset()
@@ -91,7 +94,8 @@ def main() -> None:
         if cuda:
             peaks[name] = torch.cuda.max_memory_allocated()
         which.zero_grad(set_to_none=True)
-    planned = _planned_window_ratio(shape, batch, seq) if cuda else None
+    planned = _planned_window_ratio(shape, batch, seq, seq // 2) if cuda else None
+    planned_short = _planned_window_ratio(shape, batch, seq, seq // 8) if cuda else None
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
         json.dumps(
@@ -106,16 +110,19 @@ def main() -> None:
                 "mask_over_no_mask": round(med["mask"] / med["no_mask"], 3),
                 "window_over_no_mask": round(med["window"] / med["no_mask"], 3),
                 "planned_window_over_no_mask": planned,
+                "step_s_short_window": round(med["short_window"], 4),
+                "short_window_over_no_mask": round(med["short_window"] / med["no_mask"], 3),
+                "planned_short_window_over_no_mask": planned_short,
                 **{f"peak_gib_{k}": round(v / 2**30, 2) for k, v in peaks.items()},
             }
         )
     )
 
 
-def _planned_window_ratio(shape: dict, batch: int, seq: int) -> float | None:
-    """``simplefsdp plan``'s compute time of the model with a window of half
-    the sequence over the model without one, one GPU of this machine's
-    profile (H100 or H200 by name), no AC."""
+def _planned_window_ratio(shape: dict, batch: int, seq: int, window: int) -> float | None:
+    """``simplefsdp plan``'s compute time of the model with a ``window`` over
+    the model without one, one GPU of this machine's profile (H100 or H200
+    by name), no AC."""
     import tempfile
     from pathlib import Path
 
@@ -129,10 +136,10 @@ def _planned_window_ratio(shape: dict, batch: int, seq: int) -> float | None:
     if profile is None:
         return None
     computes = []
-    for window in (None, seq // 2):
+    for size in (None, window):
         fields = dict(
             model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32000,
-            max_position_embeddings=seq, sliding_window=window, **shape,
+            max_position_embeddings=seq, sliding_window=size, **shape,
         )  # fmt: skip
         with tempfile.TemporaryDirectory() as folder:
             (Path(folder) / "config.json").write_text(json.dumps(fields))

@@ -39,7 +39,10 @@ Note: [Causal attention without a mask under compile]
     ``transformers``' SDPA attention function (which then passes
     ``is_causal=True``); Doge, for one, builds its own mask from it and
     would lose causality. :func:`_mask_reaches_only_sdpa` checks that once
-    per configuration with a forward of a fake-tensor copy of the model.
+    per configuration with a forward of a fake-tensor copy of the model,
+    every mask it builds followed (sliding windows' too, which a marked
+    model's layers may then run in chunks: Note: [Sliding windows of
+    transformers models in chunks]).
     A model that fails the check, routes its tokens to experts (the check's
     forward does not run data-dependent routing), or does not build its
     masks through ``transformers.masking_utils`` is called as before,
@@ -126,6 +129,8 @@ def causal_attention_without_mask() -> bool:
         **kwargs: Any,
     ) -> torch.Tensor | None:
         whole = getattr(kwargs.get("config"), WHOLE_SEQUENCES, False)
+        if whole and _PROBE:  # every mask followed, sliding windows' too
+            return _PROBE[0]
         if (
             allow_is_causal_skip
             and whole
@@ -133,7 +138,7 @@ def causal_attention_without_mask() -> bool:
             and cache_position.shape[0] == kv_length
             and (local_size is None or kv_length < local_size)
         ):
-            return _PROBE[0] if _PROBE else None
+            return None
         return sdpa_mask(
             batch_size,
             cache_position,
@@ -141,13 +146,74 @@ def causal_attention_without_mask() -> bool:
             kv_offset,
             *args,
             local_size=local_size,
-            # probing on fake tensors: no data-dependent check for padding
-            allow_is_causal_skip=allow_is_causal_skip and not (whole and _PROBE),
+            allow_is_causal_skip=allow_is_causal_skip,
             **kwargs,
         )
 
     AttentionMaskInterface.register("sdpa", mask)
+    _windows_in_chunks()
     return True
+
+
+def _windows_in_chunks() -> None:
+    """Register, as ``transformers``' ``"sdpa"`` attention function, one
+    that runs a sliding window under half the sequence of a marked config
+    in chunks (Note: [Sliding windows of transformers models in chunks]) and
+    calls ``transformers``' own otherwise."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError:
+        return
+    if not hasattr(AttentionInterface, "register"):
+        return
+
+    def attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        # Note: [Sliding windows of transformers models in chunks]
+        # A sliding-window layer of transformers' code gets a (B, 1, T, T)
+        # boolean mask and runs SDPA over every (query, key) pair, the
+        # memory-efficient kernel on a GPU. Where the model is given whole
+        # sequences (its config marked, and its mask checked to reach
+        # nothing but this function) and the layer passes its window
+        # (``sliding_window=``, as transformers' flash-attention path reads
+        # it), the mask is causal within that window, and ``attend`` runs it
+        # as chunks of the window against the two chunks of keys each
+        # reaches: T x 2W pairs. The mask is left unread (dead code once
+        # compiled). Dropout, sinks (``s_aux``), a window of half the
+        # sequence or more, non-causal layers and queries of another length
+        # than the keys go to transformers' function.
+        window = kwargs.get("sliding_window")
+        length = query.shape[2]
+        if (
+            getattr(getattr(module, "config", None), WHOLE_SEQUENCES, False)
+            and attention_mask is not None
+            and isinstance(window, int)
+            and 0 < 2 * window < length
+            and key.shape[2] == length
+            and not dropout
+            and kwargs.get("s_aux") is None
+            and is_causal is not False
+            and getattr(module, "is_causal", True)
+        ):
+            from simplefsdp.models.common.attention import attend
+
+            out = attend(query, key, value, scale=scaling, sliding_window=window)
+            return out.transpose(1, 2).contiguous(), None
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+
+    AttentionInterface.register("sdpa", attention)
 
 
 class _ReadsOf(torch.overrides.TorchFunctionMode):
