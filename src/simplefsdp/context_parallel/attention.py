@@ -270,6 +270,12 @@ def masked_attention(
     return out[..., :dv]
 
 
+def runs_in_chunks(sliding_window: int | None, seq: int) -> bool:
+    """A window of this size over ``seq`` tokens runs in chunks
+    (:func:`windowed_attention`): it is under half the sequence."""
+    return sliding_window is not None and 0 < 2 * sliding_window < seq
+
+
 def windowed_attention(
     q: torch.Tensor,
     k: torch.Tensor,

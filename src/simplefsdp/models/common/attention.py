@@ -22,6 +22,7 @@ from simplefsdp.context_parallel.attention import (
     allowed_keys,
     masked_attention,
     masked_keys,
+    runs_in_chunks,
     windowed_attention,
 )
 
@@ -81,7 +82,7 @@ def attend(
     # a sliding window or sinks: SDPA over a boolean mask, sinks as one more
     # key (Note: [Sinks as one more key]), no (B, H, T, T) scores in memory
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if sliding_window is not None and 2 * sliding_window < q.shape[2]:
+    if runs_in_chunks(sliding_window, q.shape[2]):
         # chunks of the window against the two chunks it reaches
         return windowed_attention(q, k, v, sliding_window, scale, sinks)
     pos = torch.arange(q.shape[2], device=q.device)
@@ -105,7 +106,7 @@ def attention_keys(args: Any, seq: int) -> tuple[list[int | None], int]:
         if window is None and not sinks:
             keys.append(None)
             continue
-        reach = 2 * window if window is not None and 2 * window < seq else seq
+        reach = 2 * window if runs_in_chunks(window, seq) else seq
         keys.append(masked_keys(reach, sinks))
     return keys, SINK_COLUMNS if sinks else 0
 

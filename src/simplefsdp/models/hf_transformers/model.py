@@ -59,6 +59,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from simplefsdp.context_parallel.attention import runs_in_chunks
+from simplefsdp.models.common.attention import attend
 from simplefsdp.models.hf_transformers.config import TransformersConfig
 
 
@@ -198,15 +200,13 @@ def _windows_in_chunks() -> None:
             getattr(getattr(module, "config", None), WHOLE_SEQUENCES, False)
             and attention_mask is not None
             and isinstance(window, int)
-            and 0 < 2 * window < length
+            and runs_in_chunks(window, length)
             and key.shape[2] == length
             and not dropout
             and kwargs.get("s_aux") is None
             and is_causal is not False
             and getattr(module, "is_causal", True)
         ):
-            from simplefsdp.models.common.attention import attend
-
             out = attend(query, key, value, scale=scaling, sliding_window=window)
             return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(
