@@ -187,3 +187,30 @@ def test_the_plan_prices_gpt_oss_attention_as_it_runs(monkeypatch) -> None:
     # cheaper than causal flash attention over 8,192 tokens
     assert as_run < (flash + every_key) / 2
     assert any("24 of 24 layers run SDPA over a boolean mask" in n for n in notes), notes
+
+
+def test_a_short_window_over_packed_documents_runs_in_chunks() -> None:
+    """One process, documents packed in each row, a window under half the
+    sequence: chunks (the sequence context's attention) equal the whole
+    mask, output and gradients."""
+    from simplefsdp.context_parallel import SequenceOptions
+
+    t, window = 45, 6
+    leaves = _leaves(torch.float32, t=t)
+    tokens = torch.randint(1, 9, (2, t), generator=torch.Generator().manual_seed(2))
+    tokens[0, [7, 30]] = 0
+    tokens[1, 19] = 0
+    context = SequenceOptions(eos_id=0).prepare(tokens)[2]
+    docs = context.document_ids
+    pos = torch.arange(t)
+    scale = 16**-0.5
+
+    def chunked(q, k, v, allowed, scale, sinks):
+        return attend(q, k, v, scale=scale, sliding_window=window, sinks=sinks, context=context)
+
+    for with_sinks in (True, False):
+        got = _run(chunked, leaves, None, scale, with_sinks)
+        allowed = allowed_keys(pos, pos, docs, docs, window)
+        want = _run(_explicit, leaves, allowed, scale, with_sinks)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())

@@ -98,7 +98,11 @@ class SequenceContext:
         """
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.cp == 1:
-            pos = self.index[0]
+            pos = self.index[0]  # 0 .. T - 1
+            if runs_in_chunks(sliding_window, q.shape[2]):
+                n_rep = q.shape[1] // k.shape[1]
+                k, v = _repeat(k, n_rep), _repeat(v, n_rep)
+                return windowed_attention(q, k, v, sliding_window, scale, sinks, self.document_ids)
             return _attention(
                 q, k, v, pos, pos, self._docs(pos), self._docs(pos), scale, sliding_window, sinks
             )
@@ -283,11 +287,13 @@ def windowed_attention(
     sliding_window: int,
     scale: float,
     sinks: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``(B, H, T, d)`` to ``k``/``v`` (key heads
-    repeated to the queries') within ``sliding_window``, in chunks: the
-    queries in chunks of ``sliding_window``, each chunk against its own keys
-    and the chunk's before (all a window can reach), as a batch of
+    repeated to the queries') within ``sliding_window`` (and within each
+    row's documents, ``documents`` ``(B, T)``), in chunks: the queries in
+    chunks of ``sliding_window``, each chunk against its own keys and the
+    chunk's before (all a window can reach), as a batch of
     :func:`masked_attention` calls. The work is ``T x 2 * sliding_window``
     query-key pairs instead of ``T x T``.
 
@@ -320,7 +326,13 @@ def windowed_attention(
         & (k_pos[:, None, :] > q_pos[:, :, None] - sliding_window)
         & (k_pos[:, None, :] >= 0)
     )  # (n, c, 2c)
-    allowed = allowed[None].expand(b, n, c, 2 * c).reshape(b * n, 1, c, 2 * c)
+    allowed = allowed[None].expand(b, n, c, 2 * c)
+    if documents is not None:  # padded positions: a document of their own
+        q_doc = F.pad(documents, (0, n * c - t), value=-1).view(b, n, c)
+        k_doc = F.pad(documents, (c, n * c - t), value=-1)
+        k_doc = torch.cat([k_doc[:, : n * c].view(b, n, c), k_doc[:, c:].view(b, n, c)], dim=2)
+        allowed = allowed & (q_doc[..., :, None] == k_doc[..., None, :])
+    allowed = allowed.reshape(b * n, 1, c, 2 * c)
     out = masked_attention(qc, kc, vc, allowed, scale, sinks)  # (B * n, H, c, d_v)
     out = out.reshape(b, n, h, c, -1).permute(0, 2, 1, 3, 4).reshape(b, h, n * c, -1)
     return out[:, :, :t]
