@@ -56,6 +56,13 @@ def test_analytic_cp_splits_tokens_and_gathers_keys_and_values() -> None:
     assert ours.memory["temporary"] - full.memory["temporary"] == pytest.approx(3 * 2048 * 4096)
     assert ours.time["compute"] > full.time["compute"]
     assert any("boolean mask" in n for n in ours.notes)
+    # without AC every block keeps its mask's bf16 bias
+    kept, _ = _moe("qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2, ac="none")
+    ring, _ = _moe(
+        "qwen3_30b_a3b", gpus=8, batch=1, seq=4096, ep=2, cp=2, ac="none", cp_backend="torch"
+    )
+    biases = config.n_layers * 2 * 2048 * 4096
+    assert kept.memory["activations"] - ring.memory["activations"] == pytest.approx(biases)
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,11 @@ with one of three backends:
 Masks are built from positions (query position ``p`` sees key position
 ``s`` when ``s <= p``, ``s > p - sliding_window`` and both are in the same
 document), so every split, and every order in which a backend assembles the
-keys, is exact. Softmax runs in at least float32; learned sinks join the
-normalisation as an extra logit per head.
+keys, is exact. A mask goes to one SDPA call (:func:`masked_attention`),
+learned sinks as one more key (Note: [Sinks as one more key]); in one
+process a window under half the sequence runs in chunks
+(:func:`windowed_attention`). The ``ring`` backend computes each block's
+scores itself (softmax in at least float32), merged by their log-sum-exp.
 """
 
 from __future__ import annotations

@@ -705,7 +705,7 @@ def _predict_rank(
         mask_bytes = float(layout.seq * max(own))
     temporary += 3 * mask_bytes
     if layout.ac == "none":
-        activations += 2 * (mask_bytes if masked else layout.seq * sum(own))
+        activations += 2 * (mask_layers * mask_bytes if masked else layout.seq * sum(own))
         # SDPA's padded inputs and output, the keys and values repeated to
         # the query heads, beside the unpadded ones counted above
         activations += 2 * mask_layers * tokens * 4 * args.n_heads * sink_columns
