@@ -410,7 +410,53 @@ def test_transformers_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys
     assert len(err) == 1 and "'transformers'" in err[0] and "routed experts" in err[0]
 
 
+def test_layer_kinds_of_a_config_and_their_measures() -> None:
+    """Kinds from per-layer lists and index lists; a variant of one kind;
+    and the blended measures: what lies outside the blocks once (each
+    kind's own addition too), then each block as its kind's."""
+    import dataclasses as dc
+
+    from simplefsdp.models.hf_transformers.config import TransformersConfig
+    from simplefsdp.models.hf_transformers.model import MASK_CHECKED
+    from simplefsdp.models.hf_transformers.spec import layer_kinds, with_layer_kind
+    from simplefsdp.plan.predict import GraphMeasures, blocks_of_kinds
+
+    config = TransformersConfig(
+        hf_config={
+            "num_hidden_layers": 4,
+            "layer_types": ["s", "f", "s", "s"],
+            "attn_layer_indices": [1, 2],
+            "no_rope_layers": [1, 1, 1, 1],
+        }  # fmt: skip
+    )
+    kinds = layer_kinds(config)
+    a = (("layer_types", "s"), ("no_rope_layers", 1), ("attn_layer_indices", False))
+    b = (("layer_types", "f"), ("no_rope_layers", 1), ("attn_layer_indices", True))
+    c = (("layer_types", "s"), ("no_rope_layers", 1), ("attn_layer_indices", True))
+    assert [dict(k) for k in kinds] == [dict(a), dict(b), dict(c), dict(a)]
+    variant = dict(with_layer_kind(config, kinds[1], 2).hf_config)
+    assert variant.pop(MASK_CHECKED) is False
+    assert variant == {"num_hidden_layers": 2, "layer_types": ["f", "f"],
+                       "attn_layer_indices": [0, 1], "no_rope_layers": [1, 1]}  # fmt: skip
+    assert layer_kinds(TransformersConfig(hf_config={"num_hidden_layers": 2})) is None
+
+    zero = GraphMeasures(**{f.name: 0.0 for f in dc.fields(GraphMeasures)})
+
+    def m(flops: float, saved: float) -> GraphMeasures:
+        return dc.replace(zero, fw_flops=flops, saved_bytes=saved)
+
+    # outside: 100 FLOPs, and a mask of 7 bytes that only kind "s" builds
+    per_kind = {"s": m(10, 1), "f": m(30, 2)}
+    ones = {"s": m(110, 8), "f": m(130, 2)}
+    one, two = blocks_of_kinds(ones, per_kind, ("s", "f", "s", "s"))
+    whole = one.extrapolate(two, 4)
+    assert (whole.fw_flops, whole.saved_bytes) == (100 + 3 * 10 + 30, 7 + 3 * 1 + 2)
+    one, two = blocks_of_kinds(ones, per_kind, ("f", "s", "s", "s"))  # "f" first
+    assert one.extrapolate(two, 4).saved_bytes == 7 + 3 * 1 + 2
+
+
 @pytest.mark.slow
+@pytest.mark.heavy  # 5 traces, 20 s on 2 CPU cores; run with -m heavy
 def test_blocks_of_several_kinds_add_up_to_a_full_trace(tmp_path) -> None:
     """LFM2 with convolution and attention blocks (different parameters and
     work per kind): traced with 1 and 2 blocks of each kind, the blended
