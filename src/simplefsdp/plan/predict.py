@@ -1107,8 +1107,9 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     # the loss compiled on its own (--fused-loss) beside eager blocks
     loss_vocab = local_vocab if layout.fused_loss and not fused else 0
     how = (probe, fused, fp8, kernels, layout.cp, masked, async_degree, ring, loss_vocab)
-    m1, m2 = measure(t1, *how), measure(t2, *how)
-    if kinds is not None:
+    if kinds is None:
+        m1, m2 = measure(t1, *how), measure(t2, *how)
+    else:  # the first kind's one-block trace is t1
         ones = {kind: measure(k1, *how) for kind, (k1, _) in kind_traces.items()}
         per_kind = {
             kind: ones[kind].per_block(measure(k2, *how)) for kind, (_, k2) in kind_traces.items()
