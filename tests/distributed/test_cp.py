@@ -10,6 +10,8 @@ each backend, eager; one compiled case; one cp 4 case (heavy).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -231,25 +233,30 @@ def test_cp2_published_families_at_parity() -> None:
 
 def _attend_run(windows: list[int | None]) -> list[dict]:
     """``attend`` with sinks, a sliding window, grouped keys, ``d_v != d_qk`` and
-    documents on 2 ranks, per backend: forward and gradient differences
-    (queries, keys, values, sinks) against one process's whole sequence."""
+    documents on 2 ranks, per backend and load balance: forward and gradient
+    differences (queries, keys, values, sinks) against one process's whole
+    sequence. At 32 tokens a window of 5 or 3 runs in chunks under every
+    backend but ``ring`` (head-tail runs of 8 positions, chunks of the
+    window; the documents' balance deals runs of 2, shorter than the
+    window)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from simplefsdp.context_parallel import SequenceOptions
+    from simplefsdp.context_parallel.attention import BACKENDS
     from simplefsdp.models.common.attention import attend
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     g = torch.Generator().manual_seed(5)
-    b, h, h_kv, t, d, d_v = 2, 4, 2, 16, 8, 6
+    b, h, h_kv, t, d, d_v = 2, 4, 2, 32, 8, 6
     q = torch.randn(b, h, t, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, h_kv, t, d, generator=g, dtype=torch.float64)
     v = torch.randn(b, h_kv, t, d_v, generator=g, dtype=torch.float64)
     sinks = torch.randn(h, generator=g, dtype=torch.float64)
     grad_out = torch.randn(b, h, t, d_v, generator=g, dtype=torch.float64)
     tokens = torch.randint(1, 9, (b, t), generator=g)
-    tokens[0, [4, 11]] = EOS
-    tokens[1, 6] = EOS
+    tokens[0, [4, 11, 23]] = EOS
+    tokens[1, [6, 20]] = EOS
 
     def run(options: SequenceOptions, window) -> tuple[torch.Tensor, list[torch.Tensor]]:
         leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
@@ -269,16 +276,16 @@ def _attend_run(windows: list[int | None]) -> list[dict]:
         full = SequenceOptions(eos_id=EOS).prepare(tokens)[2]  # one process, whole sequence
         ref = attend(*leaves[:3], sliding_window=window, sinks=leaves[3], context=full)
         ref.backward(grad_out)
-        for backend in ("allgather", "ring", "ulysses"):
+        for backend, balance in itertools.product(BACKENDS, ("documents", "head_tail")):
             options = SequenceOptions(
                 cp=2, rank=mesh.get_local_rank(), group=mesh.get_group().group_name,
-                backend=backend, eos_id=EOS,
+                backend=backend, eos_id=EOS, load_balance=balance,
             )  # fmt: skip
             out, grads = run(options, window)
             local = options.prepare(tokens)[2].index[options.rank]
             results.append(
                 {
-                    "case": (window, backend),
+                    "case": (window, backend, balance),
                     "out": (out - ref.detach()[:, :, local]).abs().max().item(),
                     "grads": max((a - x.grad).abs().max().item() for a, x in zip(grads, leaves)),
                 }
@@ -289,7 +296,7 @@ def _attend_run(windows: list[int | None]) -> list[dict]:
 def test_attend_with_sinks_and_windows_across_ranks() -> None:
     """What families with sinks and sliding windows (and grouped keys, and
     values of another head size) get from ``attend`` under cp 2."""
-    for rank in run_distributed(_attend_run, 2, args=([None, 5],)):
-        assert len(rank) == 6
+    for rank in run_distributed(_attend_run, 2, args=([None, 5, 3],)):
+        assert len(rank) == 18
         for diff in rank:
             assert max(diff["out"], diff["grads"]) < 1e-12, diff

@@ -99,5 +99,5 @@ def test_crash_after_an_exception_is_not_retried(tmp_path) -> None:
 
 def test_hang_is_reported_with_the_hung_rank_stack() -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish") as info:
-        run_distributed(_hang_on_rank_1, 2, timeout_s=20, crash_retries=1)
+        run_distributed(_hang_on_rank_1, 2, timeout_s=8, crash_retries=1)
     assert "in _hang_on_rank_1" in str(info.value)

@@ -158,6 +158,16 @@ def test_attention_keys_say_how_each_layer_runs() -> None:
     assert attention_keys(gpt_oss, 256) == ([272, 272, 272, 272], 8)  # 2 x 128 is not under 256
     _, llama = resolve_flavor("llama3_debug")
     assert attention_keys(llama, 8192) == ([None] * llama.n_layers, 0)
+    # context parallel 8 (allgather): runs of 131072 / 16 = 8192 queries,
+    # chunks of the window against two; runs of 64 at 1024 tokens, chunks
+    # of the run against the 128 positions before (reach) and their own;
+    # full layers over every key; torch's ring causal
+    cp8 = attention_keys(gpt_oss, 131072, 8, "allgather")
+    assert cp8 == ([272, 131088, 272, 131088], 8)
+    assert attention_keys(gpt_oss, 1024, 8, "allgather")[0] == [208, 1040, 208, 1040]
+    assert attention_keys(gpt_oss, 131072, 8, "ulysses")[0] == [272, 131088, 272, 131088]
+    assert attention_keys(gpt_oss, 131072, 8, "torch")[0] == [None] * 4
+    assert attention_keys(llama, 8192, 2)[0] == [8192] * llama.n_layers
 
 
 def test_the_plan_prices_gpt_oss_attention_as_it_runs(monkeypatch) -> None:
@@ -180,8 +190,8 @@ def test_the_plan_prices_gpt_oss_attention_as_it_runs(monkeypatch) -> None:
         return p.time["compute"], p.notes
 
     as_run, notes = compute(common_attention.attention_keys)
-    flash, _ = compute(lambda args, seq: ([None] * args.n_layers, 0))
-    every_key, _ = compute(lambda args, seq: ([seq + 16] * args.n_layers, 8))
+    flash, _ = compute(lambda args, seq, *_: ([None] * args.n_layers, 0))
+    every_key, _ = compute(lambda args, seq, *_: ([seq + 16] * args.n_layers, 8))
     assert flash < as_run < every_key
     # half the layers over every key, the other half (sliding, 272 keys)
     # cheaper than causal flash attention over 8,192 tokens
@@ -214,3 +224,68 @@ def test_a_short_window_over_packed_documents_runs_in_chunks() -> None:
         want = _run(_explicit, leaves, allowed, scale, with_sinks)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("chunk", [3, 5, 8])
+@pytest.mark.parametrize("start", [0, 12])
+def test_chunks_shorter_than_the_window_reach_back_several(chunk, start) -> None:
+    """``chunked_attention`` as context parallelism calls it for a run of a
+    rank's queries (``start .. start + 17`` of 40 positions): chunks shorter
+    than the window meet the keys of the several chunks before them; keys
+    before position 0 are not seen. Against the whole mask, output and
+    gradients, with packed documents and sinks."""
+    from simplefsdp.context_parallel.attention import chunked_attention, window_reach
+
+    t_all, run, window = 40, 17, 8
+    leaves = _leaves(torch.float32, t=t_all, dv=24)
+    g = torch.Generator().manual_seed(4)
+    docs = torch.cat([torch.zeros(2, 1, dtype=torch.long), torch.rand(2, t_all - 1, generator=g)
+                      .lt(0.15).long()], dim=1).cumsum(dim=1)  # fmt: skip
+    pos = torch.arange(t_all)
+    scale = 16**-0.5
+    reach = window_reach(window, chunk)
+    assert reach >= window - 1 and reach % chunk == 0
+    k_pos = torch.arange(start - reach, start + run)
+    at = k_pos.clamp(min=0)
+    queries = slice(start, start + run)
+
+    def chunked(q, k, v, allowed, scale, sinks):
+        return chunked_attention(
+            q[:, :, queries], k[:, :, at], v[:, :, at], window, chunk, scale, sinks,
+            docs[:, queries], docs[:, at], (k_pos >= 0)[None],
+        )  # fmt: skip
+
+    def whole(q, k, v, allowed, scale, sinks):
+        return _explicit(q, k, v, allowed, scale, sinks)[:, :, queries]
+
+    allowed = allowed_keys(pos, pos, docs, docs, window)
+    for with_sinks in (True, False):
+        got = _run(chunked, leaves, None, scale, with_sinks)
+        want = _run(whole, leaves, allowed, scale, with_sinks)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_the_plan_prices_windows_across_ranks_in_chunks(monkeypatch) -> None:
+    """GPT-OSS 20B at 131,072 tokens under CP 8 (allgather): the sliding
+    half of the layers in chunks costs about half the attention of every
+    layer over the whole mask, and the plan's note says so."""
+    from simplefsdp.models.common import attention as common_attention
+    from simplefsdp.models.registry import resolve_flavor
+    from simplefsdp.plan import analytic
+    from simplefsdp.plan.hardware import get_profile
+    from simplefsdp.plan.predict import predict
+
+    spec, config = resolve_flavor("gpt_oss_20b")
+    layout = analytic.ExpertLayout(gpus=8, batch=1, seq=131072, ac="full", cp=8)
+    hw = get_profile("h100")
+
+    def compute(keys_of) -> tuple[float, list[str]]:
+        monkeypatch.setattr(analytic, "attention_keys", keys_of)
+        p = predict(spec, config, layout, hw)
+        return p.time["compute"], p.notes
+
+    chunked, notes = compute(common_attention.attention_keys)
+    whole, _ = compute(lambda args, seq, *_: ([seq + 16] * args.n_layers, 8))
+    assert 0.4 < chunked / whole < 0.6, (chunked, whole)
+    assert any("over 272-131088 keys per query" in n for n in notes), notes

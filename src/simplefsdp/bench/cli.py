@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -754,4 +755,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # Note: [Leaving a process quickly] in simplefsdp/cli.py
+    gc.freeze()
+    sys.exit(code)

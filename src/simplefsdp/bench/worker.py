@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import gc
 import json
 import logging
 import os
@@ -475,4 +476,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # Note: [Leaving a process quickly] in simplefsdp/cli.py
+    gc.freeze()
+    sys.exit(code)

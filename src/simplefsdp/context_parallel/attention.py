@@ -20,10 +20,12 @@ Masks are built from positions (query position ``p`` sees key position
 ``s`` when ``s <= p``, ``s > p - sliding_window`` and both are in the same
 document), so every split, and every order in which a backend assembles the
 keys, is exact. A mask goes to one SDPA call (:func:`masked_attention`),
-learned sinks as one more key (Note: [Sinks as one more key]); in one
-process a window under half the sequence runs in chunks
-(:func:`windowed_attention`). The ``ring`` backend computes each block's
-scores itself (softmax in at least float32), merged by their log-sum-exp.
+learned sinks as one more key (Note: [Sinks as one more key]); a sliding
+window runs in chunks of the keys it reaches (:func:`windowed_attention`,
+:func:`chunked_attention`), in one process and under the ``allgather`` and
+``ulysses`` backends (Note: [Sliding windows across ranks]). The ``ring``
+backend computes each block's scores itself (softmax in at least float32),
+merged by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class SequenceContext:
         rope_positions: ``(B, T / cp)`` rotary positions of this rank's
             tokens when they restart per document (``None``: the global
             positions ``index[rank]``).
+        run: every row of ``index`` is runs of this many consecutive
+            positions (the load balance's chunks; ``0``: not known), which
+            lets a sliding window run in chunks across ranks.
     """
 
     index: torch.Tensor
@@ -64,6 +69,7 @@ class SequenceContext:
     backend: str = "allgather"
     document_ids: torch.Tensor | None = None
     rope_positions: torch.Tensor | None = None
+    run: int = 0
 
     @property
     def cp(self) -> int:
@@ -116,6 +122,9 @@ class SequenceContext:
         q_pos = self.index[self.rank]
         kv_pos = self.index.flatten()
         k, v = _gather_seq(k, self.group), _gather_seq(v, self.group)
+        chunk = window_chunk(sliding_window, kv_pos.numel(), self.run)
+        if chunk:
+            return self._windowed_runs(q, k, v, kv_pos, sliding_window, chunk, scale, sinks)
         return _attention(
             q,
             k,
@@ -131,6 +140,38 @@ class SequenceContext:
 
     def _docs(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None if self.document_ids is None else self.document_ids[:, positions]
+
+    def _windowed_runs(self, q, k, v, kv_pos, window, chunk, scale, sinks) -> torch.Tensor:
+        """A sliding window over the gathered keys (in the order ``kv_pos``),
+        in chunks: each run of this rank's consecutive queries meets the keys
+        its window reaches, gathered from the whole sequence (Note: [Sliding
+        windows across ranks])."""
+        b, h, local, d = q.shape
+        runs, length = local // self.run, self.run
+        reach = window_reach(window, chunk)
+        dev = q.device
+        slot = torch.argsort(kv_pos)  # where each position sits in the gathered keys
+        starts = self.index[self.rank].view(runs, length)[:, 0]
+        k_pos = starts[:, None] + torch.arange(-reach, length, device=dev)  # (R, r + L)
+        k_at = k_pos.clamp(min=0)
+        n_rep = h // k.shape[1]
+
+        def of_runs(x: torch.Tensor) -> torch.Tensor:  # (B, H', T, e) -> (B * R, H, r + L, e)
+            x = x[:, :, slot[k_at].flatten()].view(b, x.shape[1], runs, reach + length, -1)
+            return _repeat(
+                x.transpose(1, 2).reshape(b * runs, -1, reach + length, x.shape[-1]), n_rep
+            )
+
+        q = q.view(b, h, runs, length, d).transpose(1, 2).reshape(b * runs, h, length, d)
+        q_doc = k_doc = None
+        if self.document_ids is not None:
+            q_doc = self.document_ids[:, self.index[self.rank]].reshape(b * runs, length)
+            k_doc = self.document_ids[:, k_at].reshape(b * runs, reach + length)
+        valid = (k_pos >= 0).repeat(b, 1)
+        out = chunked_attention(
+            q, of_runs(k), of_runs(v), window, chunk, scale, sinks, q_doc, k_doc, valid
+        )
+        return out.view(b, runs, h, length, -1).transpose(1, 2).reshape(b, h, local, -1)
 
     def _ring(self, q, k, v, scale, sliding_window, sinks) -> torch.Tensor:
         cp, rank = self.cp, self.rank
@@ -172,7 +213,17 @@ class SequenceContext:
         if sinks is not None:
             sinks = sinks.view(cp, -1)[self.rank]
         q, k, v = (_seq_to_heads(t, cp, self.group) for t in (q, k, v))
-        out = _attention(q, k, v, pos, pos, docs, docs, scale, sliding_window, sinks)
+        if runs_in_chunks(sliding_window, pos.numel()):
+            # the whole sequence on this rank's heads: in position order, in
+            # chunks of the window, and back to the gathered order
+            order = torch.argsort(pos)
+            n_rep = q.shape[1] // k.shape[1]
+            k, v = _repeat(k[:, :, order], n_rep), _repeat(v[:, :, order], n_rep)
+            out = windowed_attention(
+                q[:, :, order], k, v, sliding_window, scale, sinks, self.document_ids
+            )[:, :, pos]
+        else:
+            out = _attention(q, k, v, pos, pos, docs, docs, scale, sliding_window, sinks)
         return _heads_to_seq(out, cp, self.group)
 
 
@@ -283,6 +334,32 @@ def runs_in_chunks(sliding_window: int | None, seq: int) -> bool:
     return sliding_window is not None and 0 < 2 * sliding_window < seq
 
 
+# Note: [Sliding windows across ranks]
+# A rank's queries are runs of consecutive positions (head-tail: two runs
+# of T / 2cp; the document balance: its chunks of T / (cp m)). Under the
+# ``allgather`` backend a window layer does not attend the rank's
+# (T/cp x T) mask: each run takes the keys its window reaches from the
+# gathered sequence (the run and ``window_reach`` positions before it, by
+# index, so autograd reduce-scatters their gradients as for the whole
+# sequence) and runs in chunks of the window, or of the run where that is
+# shorter, each chunk against the chunks its window reaches: about
+# (T/cp) x (W + chunk) pairs instead of (T/cp) x T, and no (T/cp x T) mask.
+# Keys before position 0 are masked out. Under ``ulysses`` a rank holds the
+# whole sequence on its heads: it is put in position order, run as in one
+# process, and put back.
+
+
+def window_chunk(sliding_window: int | None, seq: int, run: int) -> int:
+    """The chunk of queries a window runs in across context-parallel ranks
+    whose rows of positions are runs of ``run`` consecutive ones: the
+    window or a shorter run; ``0`` where the chunks would meet no fewer keys
+    than the whole ``seq`` (or there is no window, or ``run`` is not known)."""
+    if sliding_window is None or sliding_window <= 0 or run <= 0:
+        return 0
+    chunk = min(sliding_window, run)
+    return chunk if window_reach(sliding_window, chunk) + chunk < seq else 0
+
+
 def windowed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -303,39 +380,87 @@ def windowed_attention(
     Returns:
         ``(B, H, T, d_v)`` in ``q``'s dtype.
     """
-    b, h, t, d = q.shape
+    t = q.shape[2]
     c = sliding_window
+    # keys and values front-padded by the chunk before the first, which no
+    # query sees
+    k, v = (F.pad(x, (0, 0, c, 0)) for x in (k, v))
+    positions = torch.arange(-c, t, device=q.device)
+    k_doc = None
+    if documents is not None:
+        k_doc = F.pad(documents, (c, 0), value=-1)
+    return chunked_attention(
+        q, k, v, sliding_window, c, scale, sinks, documents, k_doc, (positions >= 0)[None]
+    )
+
+
+def window_reach(sliding_window: int, chunk: int) -> int:
+    """The keys before a chunk of ``chunk`` queries that a window reaches,
+    in whole chunks: ``chunk * ceil((sliding_window - 1) / chunk)``."""
+    return chunk * -(-(sliding_window - 1) // chunk)
+
+
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sliding_window: int,
+    chunk: int,
+    scale: float,
+    sinks: torch.Tensor | None,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+    k_valid: torch.Tensor,
+) -> torch.Tensor:
+    """Windowed causal attention of ``t`` consecutive queries in chunks.
+
+    ``q`` ``(B, H, t, d)`` are at positions ``0 .. t - 1``; ``k``/``v``
+    ``(B, H, r + t, e)`` (heads repeated to the queries') at positions
+    ``-r .. t - 1``, ``r = window_reach(sliding_window, chunk)``; keys where
+    ``k_valid`` ``(B or 1, r + t)`` is false are seen by no query. Each
+    chunk of ``chunk`` queries meets its own keys and the ``r`` before, one
+    batched :func:`masked_attention` call; ``q_doc`` ``(B, t)`` and
+    ``k_doc`` ``(B, r + t)`` keep attention inside documents.
+
+    Returns:
+        ``(B, H, t, d_v)`` in ``q``'s dtype.
+    """
+    b, h, t, d = q.shape
+    c = chunk
+    p = window_reach(sliding_window, c) // c
     n = -(-t // c)
-    # end-padded to whole chunks (padded queries see padded keys; cut off
-    # below), keys and values front-padded by one chunk no query sees
-    q = F.pad(q, (0, 0, 0, n * c - t))
-    k, v = (F.pad(x, (0, 0, c, n * c - t)) for x in (k, v))
+    tail = n * c - t
+    # end-padded to whole chunks (padded queries see padded keys; cut off below)
+    q = F.pad(q, (0, 0, 0, tail))
+    k, v = (F.pad(x, (0, 0, 0, tail)) for x in (k, v))
 
     def per_chunk(x: torch.Tensor) -> torch.Tensor:  # (B, H, n, L, e) -> (B * n, H, L, e)
         return x.transpose(1, 2).reshape(b * n, h, *x.shape[3:])
 
-    def two_chunks(x: torch.Tensor) -> torch.Tensor:  # chunk i's keys: chunks i - 1 and i
+    def key_chunks(x: torch.Tensor) -> torch.Tensor:  # chunk i's keys: chunks i .. i + p
         e = x.shape[-1]
-        before, own = x[:, :, : n * c].view(b, h, n, c, e), x[:, :, c:].view(b, h, n, c, e)
-        return per_chunk(torch.cat([before, own], dim=3))
+        parts = [x[:, :, j * c : (j + n) * c].reshape(b, h, n, c, e) for j in range(p + 1)]
+        return per_chunk(torch.cat(parts, dim=3))
+
+    def row_chunks(x: torch.Tensor) -> torch.Tensor:  # (B', (n + p) c) -> (B', n, (p + 1) c)
+        parts = [x[:, j * c : (j + n) * c].reshape(x.shape[0], n, c) for j in range(p + 1)]
+        return torch.cat(parts, dim=2)
 
     qc = per_chunk(q.view(b, h, n, c, d))
-    kc, vc = two_chunks(k), two_chunks(v)
+    kc, vc = key_chunks(k), key_chunks(v)
     starts = c * torch.arange(n, device=q.device)[:, None]
     q_pos = starts + torch.arange(c, device=q.device)  # (n, c)
-    k_pos = starts + torch.arange(-c, c, device=q.device)  # (n, 2c)
-    allowed = (
-        (k_pos[:, None, :] <= q_pos[:, :, None])
-        & (k_pos[:, None, :] > q_pos[:, :, None] - sliding_window)
-        & (k_pos[:, None, :] >= 0)
-    )  # (n, c, 2c)
-    allowed = allowed[None].expand(b, n, c, 2 * c)
-    if documents is not None:  # padded positions: a document of their own
-        q_doc = F.pad(documents, (0, n * c - t), value=-1).view(b, n, c)
-        k_doc = F.pad(documents, (c, n * c - t), value=-1)
-        k_doc = torch.cat([k_doc[:, : n * c].view(b, n, c), k_doc[:, c:].view(b, n, c)], dim=2)
-        allowed = allowed & (q_doc[..., :, None] == k_doc[..., None, :])
-    allowed = allowed.reshape(b * n, 1, c, 2 * c)
+    k_pos = starts + torch.arange(-p * c, c, device=q.device)  # (n, (p + 1) c)
+    allowed = (k_pos[:, None, :] <= q_pos[:, :, None]) & (
+        k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    )  # (n, c, (p + 1) c)
+    valid = row_chunks(F.pad(k_valid, (0, tail), value=True))  # (B or 1, n, (p + 1) c)
+    allowed = allowed[None] & valid[:, :, None, :]
+    if q_doc is not None:  # padded positions: a document of their own
+        qd = F.pad(q_doc, (0, tail), value=-1).view(b, n, c)
+        kd = row_chunks(F.pad(k_doc, (0, tail), value=-1))
+        allowed = allowed & (qd[..., :, None] == kd[..., None, :])
+    allowed = allowed.expand(b, n, c, (p + 1) * c).reshape(b * n, 1, c, (p + 1) * c)
     out = masked_attention(qc, kc, vc, allowed, scale, sinks)  # (B * n, H, c, d_v)
     out = out.reshape(b, n, h, c, -1).permute(0, 2, 1, 3, 4).reshape(b, h, n * c, -1)
     return out[:, :, :t]

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from .attention import BACKENDS, SequenceContext
-from .sharding import check_divisible, document_balanced_index, document_positions, head_tail_index
+from .sharding import (
+    check_divisible,
+    document_balanced_index,
+    document_chunk,
+    document_positions,
+    head_tail_index,
+)
 
 LOAD_BALANCE = ("head_tail", "documents")
 
@@ -83,10 +89,13 @@ class SequenceOptions:
         balance = self.load_balance or ("head_tail" if docs is None else "documents")
         if self.cp == 1:
             index = torch.arange(seq_len, device=inputs.device)[None]
+            run = seq_len
         elif balance == "documents" and docs is not None:
             index = document_balanced_index(docs, self.cp)
+            run = document_chunk(seq_len, self.cp)
         else:
             index = head_tail_index(seq_len, self.cp, inputs.device)
+            run = seq_len // (2 * self.cp)
         local = index[self.rank]
         rope = None
         if docs is not None and self.restart_positions:
@@ -98,6 +107,7 @@ class SequenceOptions:
             backend=self.backend,
             document_ids=docs,
             rope_positions=rope,
+            run=run,
         )
         local_targets = None if targets is None else targets[:, local]
         return inputs[:, local], local_targets, context

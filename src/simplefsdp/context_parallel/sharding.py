@@ -61,6 +61,13 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return seq - first
 
 
+def document_chunk(seq_len: int, cp: int) -> int:
+    """The chunk :func:`document_balanced_index` deals out: ``seq_len /
+    (cp x m)``, ``m`` the largest of 8, 4, 2 dividing it evenly."""
+    check_divisible(seq_len, cp)
+    return seq_len // (cp * next(m for m in (8, 4, 2) if seq_len % (cp * m) == 0))
+
+
 def document_balanced_index(document_ids: torch.Tensor, cp: int) -> torch.Tensor:
     """A split that balances block-causal work over ``cp`` ranks.
 
@@ -78,9 +85,8 @@ def document_balanced_index(document_ids: torch.Tensor, cp: int) -> torch.Tensor
         ``(cp, T / cp)`` int64 positions, each row increasing.
     """
     seq_len = document_ids.shape[1]
-    check_divisible(seq_len, cp)
-    per_rank = next(m for m in (8, 4, 2) if seq_len % (cp * m) == 0)
-    chunk = seq_len // (cp * per_rank)
+    chunk = document_chunk(seq_len, cp)
+    per_rank = seq_len // (cp * chunk)
     cost = (document_positions(document_ids) + 1).sum(dim=0)  # (T,)
     chunk_cost = cost.view(cp * per_rank, chunk).sum(dim=1).tolist()
     order = sorted(range(len(chunk_cost)), key=lambda c: -chunk_cost[c])

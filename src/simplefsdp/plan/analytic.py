@@ -688,24 +688,19 @@ def _predict_rank(
     # plan/predict.py).
     queries = cp_mask_queries(layout.seq, cp, layout.cp_backend)
     masked = queries > 0
-    mask_bytes = float(queries * layout.seq)
-    # The family's own masks (sliding windows, sinks): SDPA over a boolean
-    # mask per such layer, a short window in chunks of it against two
-    # chunks of keys, sinks as one more key and head-dim columns (Note:
-    # [Sinks as one more key]); under a masked CP backend every layer runs
-    # over the mask above.
-    layer_keys, sink_columns = attention_keys(args, layout.seq)
-    if masked:
-        layer_keys = [layout.seq] * args.n_layers
-    elif cp > 1 and layout.cp_backend == "torch":
-        layer_keys = [None] * args.n_layers
+    # The masks (CP's, sliding windows', sinks'): SDPA over a boolean mask
+    # per such layer, each over its keys (a short window in chunks of its
+    # reach, sinks as one more key and head-dim columns; Note: [Sinks as one
+    # more key]); under a masked CP backend every layer is masked.
+    layer_keys, sink_columns = attention_keys(args, layout.seq, cp, layout.cp_backend)
     own = [keys for keys in layer_keys if keys is not None]
     mask_layers = len(own)
-    if not masked and own:
-        mask_bytes = float(layout.seq * max(own))
+    rows = queries if masked else layout.seq  # the mask's query rows per call
+    mask_bytes = float(rows * max(own, default=0))  # the largest, while it runs
+    all_mask_bytes = float(rows * sum(own))  # every layer's
     temporary += 3 * mask_bytes
     if layout.ac == "none":
-        activations += 2 * (mask_layers * mask_bytes if masked else layout.seq * sum(own))
+        activations += 2 * all_mask_bytes
         # SDPA's padded inputs and output, the keys and values repeated to
         # the query heads, beside the unpadded ones counted above
         activations += 2 * mask_layers * tokens * 4 * args.n_heads * sink_columns
@@ -865,7 +860,7 @@ def _predict_rank(
         attention_s *= 4 / 3  # its forward again
     # the masks and their biases written and read, per attention call
     passes = (3 if layout.ac == "full" else 2) * 4
-    attention_s += passes * (mask_layers * mask_bytes if masked else layout.seq * sum(own)) / bw
+    attention_s += passes * all_mask_bytes / bw
     # Elementwise work: three passes over the no-AC activations where the
     # compiler fuses them, one read and one write per op's output unfused
     # (eager FSDP2, aot_eager): about twice the bytes.
@@ -1039,7 +1034,7 @@ def _predict_rank(
                 f"mask (sliding windows{', sinks as one more key' if sink_columns else ''}), "
                 f"the memory-efficient kernel over {min(own)}-{max(own)} keys per query"
             ]
-            if mask_layers and not masked
+            if mask_layers and (not masked or min(own) < max(own))
             else []
         ),
         *(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
@@ -1149,4 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # Note: [Leaving a process quickly] in simplefsdp/cli.py
+    gc.freeze()
+    sys.exit(code)

@@ -23,6 +23,8 @@ from simplefsdp.context_parallel.attention import (
     masked_attention,
     masked_keys,
     runs_in_chunks,
+    window_chunk,
+    window_reach,
     windowed_attention,
 )
 
@@ -90,23 +92,43 @@ def attend(
     return masked_attention(q, k, v, allowed, scale, sinks)
 
 
-def attention_keys(args: Any, seq: int) -> tuple[list[int | None], int]:
+def attention_keys(
+    args: Any, seq: int, cp: int = 1, backend: str = "allgather"
+) -> tuple[list[int | None], int]:
     """How :func:`attend` runs a configuration's attentions over ``seq``
-    tokens without context parallelism: per layer, the keys each query
-    meets in SDPA's call over a boolean mask (a sliding window: two chunks
-    of it where that is under ``seq``; sinks: one more, padded), ``None``
-    where the layer runs SDPA's causal kernel; and the head-dim columns the
-    masked calls add for sinks (0 without them; Note: [Sinks as one more
-    key])."""
+    tokens: per layer, the keys each query meets in SDPA's calls over a
+    boolean mask, ``None`` where the layer runs SDPA's causal kernel; and
+    the head-dim columns the masked calls add for sinks (0 without them;
+    Note: [Sinks as one more key]).
+
+    Without context parallelism a sliding window runs in chunks of it
+    against two chunks where that is under ``seq``, other masked layers
+    (sinks) over every key. Under simplefsdp's ``allgather`` and
+    ``ulysses`` backends (``cp > 1``) every layer is masked: over all
+    ``seq`` keys, a window in chunks of its reach across the head-tail runs
+    of each rank (``allgather``, Note: [Sliding windows across ranks]) or
+    of the whole sequence on the rank's heads (``ulysses``), its padded
+    queries counted. Sinks add one key and padding. ``backend`` ``torch``
+    (a ring of flash attention) is causal everywhere."""
     sinks = getattr(args, "attention_sinks", False)
     window_of = getattr(args, "sliding_window_of", lambda _: None)
+    masked = cp > 1 and backend != "torch"
     keys: list[int | None] = []
     for layer in range(args.n_layers):
         window = window_of(layer)
-        if window is None and not sinks:
+        if cp > 1 and backend == "torch":
             keys.append(None)
             continue
-        reach = 2 * window if runs_in_chunks(window, seq) else seq
+        if window is None and not sinks and not masked:
+            keys.append(None)
+            continue
+        run = seq // (2 * cp) if cp > 1 and backend == "allgather" else seq
+        chunk = window_chunk(window, seq, run)
+        if chunk:
+            padded = -(-run // chunk) * chunk
+            reach = -(-(window_reach(window, chunk) + chunk) * padded // run)
+        else:
+            reach = seq
         keys.append(masked_keys(reach, sinks))
     return keys, SINK_COLUMNS if sinks else 0
 
