@@ -16,6 +16,8 @@ and the eager executor and FSDP2 engines.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -178,3 +180,68 @@ def test_modes_compile_ac_and_tp_match_one_process(
         _train, world, args=(folders, mode, compile, ac, mesh_shape, tp), timeout_s=600
     )
     _check(results, reference)
+
+
+_CP_MODELS = {  # windows of 8 over 32 tokens: chunks across the ranks
+    "mistral": {"sliding_window": 8},
+    "gemma3_text": {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8,
+                    "layer_types": ["sliding_attention", "full_attention"]},
+}  # fmt: skip
+
+
+def _cp_run() -> dict:
+    """Logits and gradients of each model under cp 2, per backend, against
+    one process over the whole sequence (with ``eos``: document masks, whose
+    one-process path ``test_document_masks_give_each_document_its_own_logits``
+    checks against ``transformers`` per document)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from simplefsdp.context_parallel import SequenceOptions
+    from simplefsdp.context_parallel.attention import BACKENDS
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+    from simplefsdp.models.hf_transformers.spec import SPEC
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    tokens = torch.randint(1, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    tokens[0, [5, 17]] = 0
+    tokens[1, 11] = 0
+    diffs = {}
+    for (model_type, extra), eos in itertools.product(_CP_MODELS.items(), (None, 0)):
+        hf = type(transformers.AutoConfig.for_model(model_type))(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            pad_token_id=0, **extra,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = SPEC.build(config_from_hf(hf.to_dict()))
+        whole = SequenceOptions(eos_id=eos)
+        ref = model(tokens, context=whole.prepare(tokens)[2]) if eos is not None else model(tokens)
+        ref.square().mean().backward()
+        ref_grads = [p.grad.clone() for p in model.parameters()]
+        for backend in BACKENDS:
+            model.zero_grad()
+            options = SequenceOptions(cp=2, rank=dist.get_rank(), backend=backend, eos_id=eos,
+                                      group=mesh.get_group().group_name)  # fmt: skip
+            local, _, context = options.prepare(tokens)
+            logits = model(local, context=context)
+            (logits.square().sum() / ref.numel()).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            for grad in grads:
+                dist.all_reduce(grad)
+            diffs[(model_type, eos, backend)] = (
+                (logits - ref.detach()[:, context.index[context.rank]]).abs().max().item(),
+                max((a - b).abs().max().item() for a, b in zip(grads, ref_grads, strict=True)),
+            )
+    return diffs
+
+
+def test_context_parallel_matches_one_process():
+    """``transformers``' Mistral and Gemma 3 (sliding and full layers) split
+    over 2 context-parallel ranks, every backend, causal and with document
+    masks: the ranks' logits and the summed gradients equal one process's
+    over the whole sequence."""
+    for rank in run_distributed(_cp_run, 2):
+        assert len(rank) == 12
+        for case, (logits, grads) in rank.items():
+            assert logits < 1e-5 and grads < 1e-7, (case, logits, grads)

@@ -257,7 +257,7 @@ def test_resolve_takes_the_family_and_config_from_the_folder(folders, llama_fold
     errors, _ = job_errors(_job(folder, "--data.seq_len", "32", "--parallel.pp", "2"), 2)
     assert errors == [
         f"parallel.pp 2: model {str(folder)!r} (family 'transformers') does not compose with "
-        "pipeline parallelism; use parallel.pp 1 (the family composes with: hf, tp)"
+        "pipeline parallelism; use parallel.pp 1 (the family composes with: cp, hf, tp)"
     ]
     # tensor parallelism: the model's own plan, whole sequences
     errors, _ = job_errors(_job(folder, "--data.seq_len", "32", "--parallel.tp", "2"), 2)
@@ -550,3 +550,82 @@ def test_sliding_windows_run_in_chunks_as_transformers_masks_them(model_type, mo
     full = 24 if "full_attention" in (getattr(hf, "layer_types", None) or ()) else 16
     assert keys == [16, full]
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "mistral"])
+@pytest.mark.parametrize("restart", [False, True])
+def test_document_masks_give_each_document_its_own_logits(model_type, restart):
+    """Packed documents (``data.mask_document_boundaries``) through the
+    sequence context (Note: [A sequence context through transformers'
+    code]): each document's logits equal ``transformers``' model run on that
+    document alone (positions along the row, or restarting at 0), sliding
+    window layers (8 of 24 tokens) and full ones alike."""
+    from simplefsdp.context_parallel import SequenceOptions
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+    from simplefsdp.models.hf_transformers.spec import SPEC
+
+    config_class = type(transformers.AutoConfig.for_model(model_type))
+    extra = _WINDOWED.get(model_type, {})
+    hf = config_class(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=8, pad_token_id=0, **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa")
+    model = SPEC.build(config_from_hf(hf.to_dict())).eval()
+    model.load_state_dict(reference.state_dict())
+    tokens = _tokens().clamp(min=1)
+    ends = {0: [4, 15], 1: [9]}  # the end-of-document token 0 closes a document
+    for row, positions in ends.items():
+        tokens[row, positions] = 0
+    options = SequenceOptions(eos_id=0, restart_positions=restart)
+    with torch.no_grad():
+        logits = model(tokens, context=options.prepare(tokens)[2])
+        for row, row_ends in ends.items():
+            for start, end in zip(
+                [0, *(e + 1 for e in row_ends)], [*(e + 1 for e in row_ends), 24]
+            ):
+                positions = torch.arange(end - start) + (0 if restart else start)
+                alone = reference(
+                    input_ids=tokens[row : row + 1, start:end], position_ids=positions[None]
+                ).logits
+                torch.testing.assert_close(
+                    logits[row : row + 1, start:end], alone, rtol=0, atol=2e-5
+                )
+
+
+def test_models_that_cannot_take_a_sequence_context_are_refused_in_one_line():
+    """GPT-2 does not pass its keywords to its attention, LFM2 mixes tokens by
+    convolutions (and reads its mask), attention dropout is not run: each is
+    one line of the resolve step for document masks or context parallelism;
+    a Mistral folder takes them."""
+    from simplefsdp.engines.resolve import job_errors
+    from simplefsdp.layout import Layout
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+    from simplefsdp.models.hf_transformers.spec import SPEC
+
+    def errors(model_type: str, cp: int = 1, documents: bool = True, **extra) -> list[str]:
+        hf = type(transformers.AutoConfig.for_model(model_type))(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra,
+        )  # fmt: skip
+        layout = Layout(cp=cp)
+        return job_errors(SPEC, config_from_hf(hf.to_dict()), layout, cp, "simplefsdp",
+                          seq_len=32, document_masks=documents, model_name=model_type)  # fmt: skip
+
+    assert errors("mistral") == [] and errors("mistral", cp=2, documents=False) == []
+    (gpt2,) = errors("gpt2", n_embd=32, n_layer=2, n_head=4)
+    assert gpt2 == (
+        "document masks: model 'gpt2' cannot take a sequence context: transformers' code for "
+        "model_type 'gpt2' does not hand its keyword arguments to the attention function of "
+        "every layer (0 of 2 layers); use no document masks"
+    )
+    (lfm2,) = errors("lfm2", cp=2, documents=False, layer_types=["conv", "full_attention"])
+    assert (
+        lfm2.startswith("cp 2: model 'lfm2' cannot take a sequence context: ")
+        and "use cp 1" in lfm2
+    )
+    (dropout,) = errors("mistral", cp=2, attention_dropout=0.1)
+    assert "its attention_dropout is 0.1" in dropout
+    assert dropout.endswith("use cp 1 and no document masks")

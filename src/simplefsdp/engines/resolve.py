@@ -173,6 +173,21 @@ def job_errors(
     errors += _sequence_errors(
         config, layout, seq_len, cp_backend, document_masks, model, n, spec.supports("cp")
     )
+    cp = layout.cp if isinstance(layout.cp, int) else 1
+    wants_context = document_masks or (cp > 1 and spec.supports("cp"))
+    refusal = (
+        spec.sequence_context_error(config)
+        if wants_context and build and spec.sequence_context_error is not None
+        else None
+    )
+    if refusal is not None:
+        key = n.get("mask_document_boundaries")
+        masks = (f"{key} false", key) if key else ("no document masks", "document masks")
+        what = f"{n['cp']} {cp}" if cp > 1 else masks[1]
+        fixes = ([f"{n['cp']} 1"] if cp > 1 else []) + ([masks[0]] if document_masks else [])
+        errors.append(
+            f"{what}: {model} cannot take a sequence context: {refusal}; use {' and '.join(fixes)}"
+        )
     pp = layout.pp if isinstance(layout.pp, int) else 1
     errors += pipeline_errors(pp, pp_schedule, microbatches, stages_per_rank, batch=batch, names=n)
     return errors

@@ -139,6 +139,11 @@ class ModelSpec:
             as the first two).
         with_layer_kind: ``with_layer_kind(config, kind, n) -> config`` with
             ``n`` blocks, all of ``kind``.
+        sequence_context_error: ``sequence_context_error(config) -> str |
+            None``: why a model of the family cannot take a sequence context
+            (document masks, context parallelism with the ``cp``
+            capability), refused in one line by the resolve step; ``None``
+            (the field, or its answer): every model can.
         plan_method: how ``simplefsdp plan`` predicts a job of this family:
             ``"trace"`` (trace ``build`` with 1 and 2 blocks on the meta
             device) or ``"analytic"`` (from the config's shapes, for
@@ -172,6 +177,7 @@ class ModelSpec:
     with_layers: Callable[[Any, int], Any] | None = None
     layer_kinds: Callable[[Any], tuple[Any, ...] | None] | None = None
     with_layer_kind: Callable[[Any, Any, int], Any] | None = None
+    sequence_context_error: Callable[[Any], str | None] | None = None
     plan_method: str = "trace"
     reference_layouts: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 

@@ -401,6 +401,17 @@ def _has_mask(node: fx.Node) -> bool:
     return isinstance(last, fx.Node) and last.meta["val"].dtype == torch.bool
 
 
+def _reaches_the_sequence(node: fx.Node) -> bool:
+    """A traced attention node whose queries meet keys of their own length:
+    the sequence (causal, or over its mask), whose keys context parallelism
+    multiplies. A sliding window in chunks meets more keys per call than it
+    has queries, and reaches no further across ranks (Note: [Sliding windows
+    across ranks] in ``context_parallel/attention.py``)."""
+    backward = "backward" in str(node.target)
+    q, k = (node.args[1], node.args[2]) if backward else (node.args[0], node.args[1])
+    return q.meta["val"].shape[-2] == k.meta["val"].shape[-2]
+
+
 def _masked_attention_seconds(node: fx.Node, kernels: KernelModel, scale: int) -> float:
     """Seconds of one traced attention node (its keys ``scale`` times the
     traced ones, the caller multiplies by ``scale``) run as SDPA with a
@@ -474,7 +485,7 @@ def own_kernel_seconds(
     if float8 is not None and float8.converts(node):
         return float8.seconds(node, cost_model, fused)
     attention = "scaled_dot_product" in str(node.target)
-    scale = attention_scale if attention else 1
+    scale = attention_scale if attention and _reaches_the_sequence(node) else 1
     masked = masked or (attention and _has_mask(node))
     if kernels is not None and attention and masked:
         return scale * _masked_attention_seconds(node, kernels, scale)
@@ -532,7 +543,8 @@ def compute_time(
         converted = float8 is not None and float8.converts(node)
         if converted or node not in grouped:
             attention = not converted and "scaled_dot_product" in str(node.target)
-            flops += (attention_scale if attention else 1) * node_flops(node)
+            scaled = attention and _reaches_the_sequence(node)
+            flops += (attention_scale if scaled else 1) * node_flops(node)
             matmul_s += own_kernel_seconds(
                 node, cost_model, fused, float8, model, attention_scale, masked
             )

@@ -47,6 +47,26 @@ Note: [Causal attention without a mask under compile]
     forward does not run data-dependent routing), or does not build its
     masks through ``transformers.masking_utils`` is called as before,
     without an ``attention_mask``.
+
+Note: [A sequence context through transformers' code]
+    Document masks and context parallelism need every attention to see the
+    batch's positions, documents and, across ranks, the other ranks' keys:
+    what :class:`~simplefsdp.context_parallel.SequenceContext` computes in
+    ``attend``. ``transformers``' models pass the keyword arguments of their
+    forward down to the attention function of each layer, so
+    :class:`TransformersCausalLM` calls the model with the context under
+    :data:`CONTEXT_KWARG`, with this rank's ``position_ids`` (the split's
+    global positions, or positions restarting per document), and the
+    ``"sdpa"`` attention function registered here hands queries, keys and
+    values (after the model's rotary embedding), its window and sinks to
+    ``attend`` with it; the model's own mask is left unread. Where that
+    would be wrong the model is refused in one line before any process
+    starts (:func:`sequence_context_refusal`, one forward of a fake-tensor
+    copy): code that reads the mask elsewhere, does not pass its keywords
+    to every layer's attention (GPT-2), ignores ``position_ids``, has
+    attention dropout, or mixes tokens outside attention (a convolution:
+    Mamba, LFM2's short convolutions), where each rank would see only its
+    own tokens.
 """
 
 from __future__ import annotations
@@ -99,6 +119,11 @@ WHOLE_SEQUENCES = "_simplefsdp_whole_sequences"
 #: planning variant of a model (its blocks of one kind, Note: [Blocks of
 #: several kinds in the plan]): the whole model's answer, not the variant's.
 MASK_CHECKED = "_simplefsdp_mask_reaches_only_sdpa"
+
+#: The keyword under which :class:`TransformersCausalLM` hands its sequence
+#: context to ``transformers``' code, which passes it down to the attention
+#: function (Note: [A sequence context through transformers' code]).
+CONTEXT_KWARG = "simplefsdp_sequence_context"
 
 #: While :func:`_mask_reaches_only_sdpa` runs: the tensor the mask function
 #: returns in place of "no mask", followed to what reads it.
@@ -181,6 +206,24 @@ def _windows_in_chunks() -> None:
         is_causal: bool | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        context = kwargs.pop(CONTEXT_KWARG, None)
+        if context is not None:  # Note: [A sequence context through transformers' code]
+            window = kwargs.get("sliding_window")
+            if dropout or is_causal is False or not getattr(module, "is_causal", True):
+                raise ValueError(
+                    f"{type(module).__name__}: attention with dropout or without a causal "
+                    "mask cannot take document masks or context parallelism"
+                )
+            out = attend(
+                query,
+                key,
+                value,
+                scale=scaling,
+                sliding_window=window if isinstance(window, int) else None,
+                sinks=kwargs.get("s_aux"),
+                context=context,
+            )
+            return out.transpose(1, 2).contiguous(), None
         # Note: [Sliding windows of transformers models in chunks]
         # A sliding-window layer of transformers' code gets a (B, 1, T, T)
         # boolean mask and runs SDPA over every (query, key) pair, the
@@ -281,6 +324,75 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
         functions["sdpa"] = original
         _PROBE.clear()
     return any(calls) and not reads.read
+
+
+@functools.cache
+def sequence_context_refusal(config: TransformersConfig) -> str | None:
+    """Why the model of ``config`` cannot take a sequence context (document
+    masks, context parallelism), or ``None`` where it can (Note: [A sequence
+    context through transformers' code]): its mask must reach only SDPA
+    attention, every decoder layer's attention must receive the context
+    through ``transformers``' keyword arguments, the rotary or position
+    embeddings must read ``position_ids``, attention must have no dropout,
+    and no convolution or recurrence may mix tokens outside attention."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model_type = config.hf_config.get("model_type", "?")
+    code = f"transformers' code for model_type {model_type!r}"
+    dropout = config.hf_config.get("attention_dropout", 0.0)
+    if isinstance(dropout, (int, float)) and dropout > 0:
+        return f"its attention_dropout is {dropout} (attention runs without dropout here)"
+    if not _mask_reaches_only_sdpa(config):
+        return f"{code} has no SDPA attention or reads its attention mask elsewhere"
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        return "the installed transformers has no attention function registry"
+    functions = getattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping", None)
+    original = functions.get("sdpa") if isinstance(functions, dict) else None
+    if original is None:
+        return "the installed transformers has no attention function registry"
+    sentinel = object()
+    calls: list[bool] = []
+
+    def attention(module: nn.Module, query, key, value, *args, **kwargs):  # noqa: ANN001
+        calls.append(kwargs.pop(CONTEXT_KWARG, None) is sentinel)
+        b, h, t, _ = query.shape
+        return query.new_empty(b, t, h, value.shape[-1]), None
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
+            causal_lm = _causal_lm_from_config(_hf_config(config), config, "sdpa")
+            setattr(causal_lm.config, WHOLE_SEQUENCES, True)
+            mixers = sorted(
+                {type(m).__name__ for m in causal_lm.modules() if isinstance(m, nn.Conv1d)}
+            )
+            tokens = torch.zeros((1, min(16, config.max_seq_len)), dtype=torch.long)
+            positions = torch.arange(tokens.shape[1])[None]
+            functions["sdpa"] = attention
+            with _ReadsOf(positions) as reads:
+                causal_lm(
+                    input_ids=tokens,
+                    attention_mask=torch.ones_like(tokens),
+                    position_ids=positions,
+                    use_cache=False,
+                    **{CONTEXT_KWARG: sentinel},
+                )
+    except Exception as exc:  # noqa: BLE001 - any failure refuses, in one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{code} does not run with a sequence context ({type(exc).__name__}: {first})"
+    finally:
+        functions["sdpa"] = original
+    if mixers:
+        return f"{code} mixes tokens outside attention ({', '.join(mixers)})"
+    if len(calls) < config.n_layers or not all(calls):
+        return (
+            f"{code} does not hand its keyword arguments to the attention function of "
+            f"every layer ({sum(calls)} of {config.n_layers} layers)"
+        )
+    if not reads.read:
+        return f"{code} does not read position_ids"
+    return None
 
 
 def _builds_masks_with_masking_utils(causal_lm: nn.Module) -> bool:
@@ -415,8 +527,35 @@ class TransformersCausalLM(nn.Module):
                     places.setdefault(id(param), []).append((module, name))
         self.tied_places = [group for group in places.values() if len(group) > 1]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``(B, T)`` token ids -> ``(B, T, V)`` logits."""
+    def forward(self, tokens: torch.Tensor, context: Any = None) -> torch.Tensor:
+        """``(B, T)`` token ids -> ``(B, T, V)`` logits.
+
+        ``context``: the batch's :class:`~simplefsdp.context_parallel.SequenceContext`
+        (document masks, context parallelism; ``tokens`` are then this
+        rank's share), handed to every layer's attention (Note: [A sequence
+        context through transformers' code]).
+
+        Raises:
+            ValueError: a context for a model that cannot take one
+                (:func:`sequence_context_refusal`).
+        """
+        if context is not None:
+            refusal = sequence_context_refusal(self.config)
+            if refusal is not None:
+                raise ValueError(
+                    f"document masks and context parallelism need every layer's attention "
+                    f"to see the batch's positions: {refusal}"
+                )
+            positions = context.rope_positions
+            if positions is None:
+                positions = context.index[context.rank].expand(tokens.shape[0], -1)
+            return self.causal_lm(
+                input_ids=tokens,
+                attention_mask=torch.ones_like(tokens),
+                position_ids=positions,
+                use_cache=False,
+                **{CONTEXT_KWARG: context},
+            ).logits
         if self.whole_sequence_mask:  # no padding: no mask is built, traced or not
             mask = torch.ones_like(tokens)
             return self.causal_lm(input_ids=tokens, attention_mask=mask, use_cache=False).logits

@@ -27,6 +27,12 @@ def _build(config: TransformersConfig) -> Any:
     return TransformersCausalLM(config)
 
 
+def _sequence_context_error(config: TransformersConfig) -> str | None:
+    from simplefsdp.models.hf_transformers.model import sequence_context_refusal
+
+    return sequence_context_refusal(config)
+
+
 def _init_weights(model: Any, buffer_device: Any = None) -> None:
     model.init_weights(buffer_device=buffer_device)
 
@@ -299,7 +305,7 @@ SPEC = ModelSpec(
     num_active_params=num_active_params,
     flops_per_token=flops_per_token,
     validate=validate,
-    capabilities=frozenset({"tp", "hf"}),
+    capabilities=frozenset({"tp", "cp", "hf"}),
     tensor_parallel=_tensor_parallel,
     data_dependent_reads=routes_to_experts,
     hf_adapter=TRANSFORMERS_HF_ADAPTER,
@@ -307,4 +313,5 @@ SPEC = ModelSpec(
     with_layers=with_layers,
     layer_kinds=layer_kinds,
     with_layer_kind=with_layer_kind,
+    sequence_context_error=_sequence_context_error,
 )
