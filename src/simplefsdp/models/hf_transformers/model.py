@@ -540,7 +540,10 @@ class TransformersCausalLM(nn.Module):
                 (:func:`sequence_context_refusal`).
         """
         if context is not None:
-            refusal = sequence_context_refusal(self.config)
+            # checked eagerly (resolve refuses such jobs before any process starts)
+            refusal = (
+                None if torch.compiler.is_compiling() else sequence_context_refusal(self.config)
+            )
             if refusal is not None:
                 raise ValueError(
                     f"document masks and context parallelism need every layer's attention "
