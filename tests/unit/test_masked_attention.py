@@ -170,24 +170,29 @@ def test_attention_keys_say_how_each_layer_runs() -> None:
     assert attention_keys(llama, 8192, 2)[0] == [8192] * llama.n_layers
 
 
-def test_the_plan_prices_gpt_oss_attention_as_it_runs(monkeypatch) -> None:
-    """GPT-OSS 20B at 8,192 tokens on H100s: its attention costs more than
-    causal flash attention would, its sliding layers less than flash over
-    the sequence; the plan's note says how they run."""
-    from simplefsdp.models.common import attention as common_attention
+def _gpt_oss_plan(monkeypatch, keys_of, **layout) -> tuple[float, list[str]]:
+    """Compute seconds and notes of GPT-OSS 20B's plan on 8 H100s (full AC)
+    with ``keys_of`` in place of ``attention_keys``."""
     from simplefsdp.models.registry import resolve_flavor
     from simplefsdp.plan import analytic
     from simplefsdp.plan.hardware import get_profile
     from simplefsdp.plan.predict import predict
 
     spec, config = resolve_flavor("gpt_oss_20b")
-    layout = analytic.ExpertLayout(gpus=8, batch=1, seq=8192, ac="full")
-    hw = get_profile("h100")
+    monkeypatch.setattr(analytic, "attention_keys", keys_of)
+    plan = predict(spec, config, analytic.ExpertLayout(gpus=8, batch=1, ac="full", **layout),
+                   get_profile("h100"))  # fmt: skip
+    return plan.time["compute"], plan.notes
+
+
+def test_the_plan_prices_gpt_oss_attention_as_it_runs(monkeypatch) -> None:
+    """GPT-OSS 20B at 8,192 tokens on H100s: its attention costs more than
+    causal flash attention would, its sliding layers less than flash over
+    the sequence; the plan's note says how they run."""
+    from simplefsdp.models.common import attention as common_attention
 
     def compute(keys_of) -> tuple[float, list[str]]:
-        monkeypatch.setattr(analytic, "attention_keys", keys_of)
-        p = predict(spec, config, layout, hw)
-        return p.time["compute"], p.notes
+        return _gpt_oss_plan(monkeypatch, keys_of, seq=8192)
 
     as_run, notes = compute(common_attention.attention_keys)
     flash, _ = compute(lambda args, seq, *_: ([None] * args.n_layers, 0))
@@ -271,19 +276,9 @@ def test_the_plan_prices_windows_across_ranks_in_chunks(monkeypatch) -> None:
     half of the layers in chunks costs about half the attention of every
     layer over the whole mask, and the plan's note says so."""
     from simplefsdp.models.common import attention as common_attention
-    from simplefsdp.models.registry import resolve_flavor
-    from simplefsdp.plan import analytic
-    from simplefsdp.plan.hardware import get_profile
-    from simplefsdp.plan.predict import predict
-
-    spec, config = resolve_flavor("gpt_oss_20b")
-    layout = analytic.ExpertLayout(gpus=8, batch=1, seq=131072, ac="full", cp=8)
-    hw = get_profile("h100")
 
     def compute(keys_of) -> tuple[float, list[str]]:
-        monkeypatch.setattr(analytic, "attention_keys", keys_of)
-        p = predict(spec, config, layout, hw)
-        return p.time["compute"], p.notes
+        return _gpt_oss_plan(monkeypatch, keys_of, seq=131072, cp=8)
 
     chunked, notes = compute(common_attention.attention_keys)
     whole, _ = compute(lambda args, seq, *_: ([seq + 16] * args.n_layers, 8))
