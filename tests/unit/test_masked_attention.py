@@ -231,6 +231,13 @@ def test_a_short_window_over_packed_documents_runs_in_chunks() -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
+def test_a_window_of_one_key_is_each_query_alone() -> None:
+    """A window of 1 (each query sees itself): chunks that reach back none."""
+    q, k, v, _ = _leaves(torch.float32, t=16)
+    got = attend(q, k, v, sliding_window=1)
+    torch.testing.assert_close(got, v, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("chunk", [3, 5, 8])
 @pytest.mark.parametrize("start", [0, 12])
 def test_chunks_shorter_than_the_window_reach_back_several(chunk, start) -> None:

@@ -382,13 +382,14 @@ def windowed_attention(
     """
     t = q.shape[2]
     c = sliding_window
-    # keys and values front-padded by the chunk before the first, which no
-    # query sees
-    k, v = (F.pad(x, (0, 0, c, 0)) for x in (k, v))
-    positions = torch.arange(-c, t, device=q.device)
+    # keys and values front-padded by the reach before the first chunk (one
+    # chunk; none for a window of 1), which no query sees
+    r = window_reach(sliding_window, c)
+    k, v = (F.pad(x, (0, 0, r, 0)) for x in (k, v))
+    positions = torch.arange(-r, t, device=q.device)
     k_doc = None
     if documents is not None:
-        k_doc = F.pad(documents, (c, 0), value=-1)
+        k_doc = F.pad(documents, (r, 0), value=-1)
     return chunked_attention(
         q, k, v, sliding_window, c, scale, sinks, documents, k_doc, (positions >= 0)[None]
     )
