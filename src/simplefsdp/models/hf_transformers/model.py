@@ -275,6 +275,29 @@ class _ReadsOf(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _sdpa_function(attention: Any) -> Iterator[bool]:
+    """``transformers``' ``"sdpa"`` attention function replaced by
+    ``attention`` inside the block (for the probes' fake forwards); yields
+    ``False``, replacing nothing, where the installed ``transformers`` has
+    no such registry."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        yield False
+        return
+    functions = getattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping", None)
+    original = functions.get("sdpa") if isinstance(functions, dict) else None
+    if original is None:
+        yield False
+        return
+    functions["sdpa"] = attention
+    try:
+        yield True
+    finally:
+        functions["sdpa"] = original
+
+
 @functools.cache
 def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
     """The model of ``config`` gives the attention mask of plain causal
@@ -293,7 +316,6 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
         return False
     try:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     except ImportError:
         return False
     calls = []
@@ -304,24 +326,23 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
             attention_mask = None
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
-    functions = getattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping", None)
-    original = functions.get("sdpa") if isinstance(functions, dict) else None
-    if original is None:
-        return False
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
-            causal_lm = _causal_lm_from_config(_hf_config(config), config, "sdpa")
-            setattr(causal_lm.config, WHOLE_SEQUENCES, True)
-            tokens = torch.zeros((1, min(16, config.max_seq_len)), dtype=torch.long)
-            length = tokens.shape[1]
-            _PROBE.append(torch.ones((1, 1, length, length), dtype=torch.bool))
-            functions["sdpa"] = attention
-            with _ReadsOf(_PROBE[0]) as reads:
-                causal_lm(input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False)
+        with _sdpa_function(attention) as replaced:
+            if not replaced:
+                return False
+            with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
+                causal_lm = _causal_lm_from_config(_hf_config(config), config, "sdpa")
+                setattr(causal_lm.config, WHOLE_SEQUENCES, True)
+                tokens = torch.zeros((1, min(16, config.max_seq_len)), dtype=torch.long)
+                length = tokens.shape[1]
+                _PROBE.append(torch.ones((1, 1, length, length), dtype=torch.bool))
+                with _ReadsOf(_PROBE[0]) as reads:
+                    causal_lm(
+                        input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False
+                    )
     except Exception:  # noqa: BLE001 - any failure keeps transformers' own masks
         return False
     finally:
-        functions["sdpa"] = original
         _PROBE.clear()
     return any(calls) and not reads.read
 
@@ -344,14 +365,6 @@ def sequence_context_refusal(config: TransformersConfig) -> str | None:
         return f"its attention_dropout is {dropout} (attention runs without dropout here)"
     if not _mask_reaches_only_sdpa(config):
         return f"{code} has no SDPA attention or reads its attention mask elsewhere"
-    try:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    except ImportError:
-        return "the installed transformers has no attention function registry"
-    functions = getattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping", None)
-    original = functions.get("sdpa") if isinstance(functions, dict) else None
-    if original is None:
-        return "the installed transformers has no attention function registry"
     sentinel = object()
     calls: list[bool] = []
 
@@ -361,7 +374,11 @@ def sequence_context_refusal(config: TransformersConfig) -> str | None:
         return query.new_empty(b, t, h, value.shape[-1]), None
 
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
+        with (
+            _sdpa_function(attention),  # there: the mask check above passed
+            FakeTensorMode(allow_non_fake_inputs=True),
+            torch.device("cpu"),
+        ):
             causal_lm = _causal_lm_from_config(_hf_config(config), config, "sdpa")
             setattr(causal_lm.config, WHOLE_SEQUENCES, True)
             mixers = sorted(
@@ -369,7 +386,6 @@ def sequence_context_refusal(config: TransformersConfig) -> str | None:
             )
             tokens = torch.zeros((1, min(16, config.max_seq_len)), dtype=torch.long)
             positions = torch.arange(tokens.shape[1])[None]
-            functions["sdpa"] = attention
             with _ReadsOf(positions) as reads:
                 causal_lm(
                     input_ids=tokens,
@@ -381,8 +397,6 @@ def sequence_context_refusal(config: TransformersConfig) -> str | None:
     except Exception as exc:  # noqa: BLE001 - any failure refuses, in one line
         first = (str(exc).strip().splitlines() or [""])[0]
         return f"{code} does not run with a sequence context ({type(exc).__name__}: {first})"
-    finally:
-        functions["sdpa"] = original
     if mixers:
         return f"{code} mixes tokens outside attention ({', '.join(mixers)})"
     if len(calls) < config.n_layers or not all(calls):
