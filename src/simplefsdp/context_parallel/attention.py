@@ -61,6 +61,9 @@ class SequenceContext:
         run: every row of ``index`` is runs of this many consecutive
             positions (the load balance's chunks; ``0``: not known), which
             lets a sliding window run in chunks across ranks.
+        slots: ``(T,)`` where each global position sits in the gathered
+            order ``index.flatten()`` (its argsort, taken once per batch
+            rather than per layer; computed when not given).
     """
 
     index: torch.Tensor
@@ -70,6 +73,11 @@ class SequenceContext:
     document_ids: torch.Tensor | None = None
     rope_positions: torch.Tensor | None = None
     run: int = 0
+    slots: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            self.slots = torch.argsort(self.index.flatten())
 
     @property
     def cp(self) -> int:
@@ -124,7 +132,7 @@ class SequenceContext:
         k, v = _gather_seq(k, self.group), _gather_seq(v, self.group)
         chunk = window_chunk(sliding_window, kv_pos.numel(), self.run)
         if chunk:
-            return self._windowed_runs(q, k, v, kv_pos, sliding_window, chunk, scale, sinks)
+            return self._windowed_runs(q, k, v, sliding_window, chunk, scale, sinks)
         return _attention(
             q,
             k,
@@ -141,8 +149,8 @@ class SequenceContext:
     def _docs(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None if self.document_ids is None else self.document_ids[:, positions]
 
-    def _windowed_runs(self, q, k, v, kv_pos, window, chunk, scale, sinks) -> torch.Tensor:
-        """A sliding window over the gathered keys (in the order ``kv_pos``),
+    def _windowed_runs(self, q, k, v, window, chunk, scale, sinks) -> torch.Tensor:
+        """A sliding window over the gathered keys (in the order ``index.flatten()``),
         in chunks: each run of this rank's consecutive queries meets the keys
         its window reaches, gathered from the whole sequence (Note: [Sliding
         windows across ranks])."""
@@ -150,7 +158,7 @@ class SequenceContext:
         runs, length = local // self.run, self.run
         reach = window_reach(window, chunk)
         dev = q.device
-        slot = torch.argsort(kv_pos)  # where each position sits in the gathered keys
+        slot = self.slots  # where each position sits in the gathered keys
         starts = self.index[self.rank].view(runs, length)[:, 0]
         k_pos = starts[:, None] + torch.arange(-reach, length, device=dev)  # (R, r + L)
         k_at = k_pos.clamp(min=0)
@@ -216,7 +224,7 @@ class SequenceContext:
         if runs_in_chunks(sliding_window, pos.numel()):
             # the whole sequence on this rank's heads: in position order, in
             # chunks of the window, and back to the gathered order
-            order = torch.argsort(pos)
+            order = self.slots
             n_rep = q.shape[1] // k.shape[1]
             k, v = _repeat(k[:, :, order], n_rep), _repeat(v[:, :, order], n_rep)
             out = windowed_attention(
