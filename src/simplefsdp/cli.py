@@ -7,10 +7,10 @@ Each subcommand lives in its own module and is imported only when used, so
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import sys
 
+from simplefsdp._exit import exit_quickly
 from simplefsdp._version import __version__
 
 # subcommand -> (module with ``main(argv) -> int``, one-line help)
@@ -62,27 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def leave_quickly() -> None:
-    """Let this process end without Python's final pass over every object.
-
-    Called by the commands' entry points once their work is done, just
-    before they exit."""
-    # Note: [Leaving a process quickly]
-    # When Python exits it collects garbage over every object still alive:
-    # torch's modules, Inductor's and our own, about a second of CPU per
-    # process on 2 cores (a launcher and each of its workers). Collecting
-    # once now and freezing what is left makes that last pass skip them;
-    # atexit handlers still run, files are still flushed and closed, and
-    # garbage made before this point is finalized by the collection here.
-    gc.collect()
-    gc.freeze()
-
-
 def run() -> None:
     """The ``simplefsdp`` command: :func:`main`, then a quick exit."""
-    code = main()
-    leave_quickly()
-    sys.exit(code)
+    exit_quickly(main())
 
 
 if __name__ == "__main__":

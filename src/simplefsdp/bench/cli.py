@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import platform
@@ -33,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from simplefsdp._exit import exit_quickly
 from simplefsdp.bench.configs import (
     COMM_ONLY,
     PHASE_SUFFIX,
@@ -755,7 +755,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    gc.collect()  # Note: [Leaving a process quickly] in simplefsdp/cli.py
-    gc.freeze()
-    sys.exit(code)
+    exit_quickly(main())

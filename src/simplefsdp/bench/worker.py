@@ -18,11 +18,9 @@ import argparse
 import contextlib
 import datetime
 import functools
-import gc
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from simplefsdp._exit import exit_quickly
 from simplefsdp.bench.configs import (
     COMM_ONLY,
     CONFIGS,
@@ -476,7 +475,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    gc.collect()  # Note: [Leaving a process quickly] in simplefsdp/cli.py
-    gc.freeze()
-    sys.exit(code)
+    exit_quickly(main())

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from simplefsdp._exit import exit_quickly
 from simplefsdp.models.registry import PLAN_DEFAULT_FLAVOR
 from simplefsdp.plan.hardware import get_profile, profile_names
 
@@ -1150,7 +1150,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    gc.collect()  # Note: [Leaving a process quickly] in simplefsdp/cli.py
-    gc.freeze()
-    sys.exit(code)
+    exit_quickly(main())
