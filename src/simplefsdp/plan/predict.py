@@ -268,6 +268,13 @@ Note: [Context parallelism in the plan]
     bias written and read once per attention (4 bytes per pair), and held
     while it runs (3 bytes per pair, temporary; without AC the bias is saved
     for backward, 2 bytes per pair per block).
+    A sliding window that runs in chunks (Note: [Sliding windows across
+    ranks]) reaches no further across ranks than in the trace: its traced
+    chunks (their masks included) are its attention, not multiplied by
+    ``cp``, and no ``(T/cp) x T`` mask is added for it; what it gathers is
+    the keys and values its layer computed, found by walking back from the
+    chunks' keys through the ops that only repeat, pad or move them
+    (``_source_bytes``), as full attention's.
 """
 
 from __future__ import annotations
@@ -410,6 +417,33 @@ def _reaches_the_sequence(node: fx.Node) -> bool:
     backward = "backward" in str(node.target)
     q, k = (node.args[1], node.args[2]) if backward else (node.args[0], node.args[1])
     return q.meta["val"].shape[-2] == k.meta["val"].shape[-2]
+
+
+# Ops that only move, pad, repeat or select elements of their input.
+_MOVES = frozenset(
+    "view _unsafe_view reshape expand unsqueeze squeeze clone contiguous constant_pad_nd pad "
+    "slice select cat transpose permute t repeat repeat_interleave index index_select alias "
+    "split split_with_sizes getitem as_strided".split()
+)
+
+
+def _source_bytes(args: tuple[fx.Node, ...]) -> float:
+    """Bytes of what ``args`` are made of: walking back through ops that
+    only move, pad, repeat or select elements (:data:`_MOVES`) to the nodes
+    that compute them (or the graph's inputs), each counted once."""
+    seen: set[fx.Node] = set()
+    total, stack = 0.0, list(args)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        name = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", "")
+        if node.op == "call_function" and name in _MOVES:
+            stack.extend(node.all_input_nodes)
+        else:
+            total += node_bytes(node)
+    return total
 
 
 def _masked_attention_seconds(node: fx.Node, kernels: KernelModel, scale: int) -> float:
@@ -590,6 +624,8 @@ class GraphMeasures:
     kv_bytes: float = 0.0
     kv_forward_bytes: float = 0.0
     attention_nodes: float = 0.0
+    # ... of them those whose keys span the sequence (not a window in chunks)
+    sequence_attention_nodes: float = 0.0
     # What Ulysses' all-to-alls move over every attention node: the queries,
     # the keys and values (repeated to the query heads where the CP degree
     # does not divide their heads) and the output; and the query heads.
@@ -692,20 +728,31 @@ def measure(
     timing = (cost_model, fused, float8, kernels, attention_scale, masked, loss_vocab)
     fw_t = compute_time(fw, *timing)
     bw_t = compute_time(bw, *timing)
-    kv = kv_forward = nodes = ulysses = heads = 0.0
+    kv = kv_forward = nodes = sequence_nodes = ulysses = heads = 0.0
+    local_share = 1.0  # a chunked window's local keys and values per byte it reads
     for gm, timed in ((fw, fw_t), (bw, bw_t)):
         for n in gm.graph.nodes:
             if n.op != "call_function" or "scaled_dot_product" not in str(n.target):
                 continue
-            pair = sum(node_bytes(a) for a in n.args[1:3] if isinstance(a, fx.Node))
-            kv, nodes = kv + pair, nodes + 1
             backward = "backward" in str(n.target)
+            q, k, v = n.args[1:4] if backward else n.args[0:3]
+            pair = node_bytes(k) + node_bytes(v)
+            if _reaches_the_sequence(n):
+                sequence_nodes += 1
+            elif pair:
+                # A window in chunks reads its keys repeated to the query
+                # heads and each chunk's reach again: what the layer gathers
+                # across ranks is the keys and values it computed (Note:
+                # [Sliding windows across ranks]).
+                share = min(_source_bytes((k, v)) / pair, local_share)
+                local_share = share if gm is fw else local_share
+                pair *= share
+            kv, nodes = kv + pair, nodes + 1
             if gm is fw and not backward:
                 kv_forward += pair
-            q, k, v = n.args[1:4] if backward else n.args[0:3]
             heads, kv_heads = q.meta["val"].shape[1], k.meta["val"].shape[1]
             repeat = heads / kv_heads if kv_heads % max(attention_scale, 1) else 1
-            ulysses += 2 * node_bytes(q) + repeat * (node_bytes(k) + node_bytes(v))
+            ulysses += 2 * node_bytes(q) + repeat * pair
             if ring:
                 qv, kval, vval = (x.meta["val"] for x in (q, k, v))
                 out = qv.numel() // qv.shape[-1] * vval.shape[-1]
@@ -749,6 +796,7 @@ def measure(
         kv_bytes=kv,
         kv_forward_bytes=kv_forward,
         attention_nodes=nodes,
+        sequence_attention_nodes=sequence_nodes,
         ulysses_bytes=ulysses,
         attention_heads=heads,
         tp_forward_priced_s=tp[0][0],
@@ -1301,9 +1349,10 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
     # simplefsdp's masked backends: per attention a (T/cp x T), for ulysses
     # (T x T), boolean mask from the positions and SDPA's bf16 bias of it,
     # written and read once (Note: [Context parallelism in the plan]).
-    mask_bytes = float(mask_queries * layout.seq)
+    # Windows in chunks build their own masks, in the traces.
+    mask_bytes = float(mask_queries * layout.seq) if stage.sequence_attention_nodes else 0.0
     if masked:
-        compute_s += stage.attention_nodes * 4 * mask_bytes / cost_model.bytes_per_s
+        compute_s += stage.sequence_attention_nodes * 4 * mask_bytes / cost_model.bytes_per_s
     mb_s = max(pipe_s, compute_s) + copy_s + hooks_s + cp_s
     compute_s += copy_s + hooks_s
     exposed_s = mb_s - compute_s
@@ -1367,7 +1416,8 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # bias is saved for backward, per block and microbatch in flight.
         temporary += 3 * mask_bytes
         if layout.ac == "none":
-            activations += 2 * mask_bytes * blocks_of_stage * inflight
+            share = per_block.sequence_attention_nodes / max(per_block.attention_nodes, 1.0)
+            activations += 2 * mask_bytes * blocks_of_stage * inflight * share
     if layout.cp > 1 and not ulysses:
         # Gathered keys and values: saved for backward, or under full AC one
         # block's at a time (Note: [Context parallelism in the plan]).
