@@ -629,3 +629,50 @@ def test_models_that_cannot_take_a_sequence_context_are_refused_in_one_line():
     (dropout,) = errors("mistral", cp=2, attention_dropout=0.1)
     assert "its attention_dropout is 0.1" in dropout
     assert dropout.endswith("use cp 1 and no document masks")
+
+
+def test_attention_softcapping_is_kept_as_transformers_eager_attention_keeps_it():
+    """Gemma 2 caps its attention scores (``attn_logit_softcapping``), which
+    SDPA cannot: the family computes those layers' scores itself, and the
+    logits equal ``transformers``' eager attention, which the model was
+    trained with (``transformers``' SDPA function drops the cap); a sequence
+    context is refused in one line."""
+    from simplefsdp.engines.resolve import job_errors
+    from simplefsdp.layout import Layout
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+    from simplefsdp.models.hf_transformers.spec import SPEC
+
+    hf = transformers.AutoConfig.for_model(
+        "gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+        max_position_embeddings=64, sliding_window=8, attn_logit_softcapping=0.5,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(hf, attn_implementation="eager").eval()
+    with torch.no_grad():  # scores well beyond the cap
+        for name, param in eager.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                param.mul_(8.0)
+    uncapped_hf = transformers.AutoConfig.for_model(
+        **{**hf.to_dict(), "attn_logit_softcapping": None}
+    )
+    uncapped_model = transformers.AutoModelForCausalLM.from_config(
+        uncapped_hf, attn_implementation="eager"
+    ).eval()
+    uncapped_model.load_state_dict(eager.state_dict())
+    config = config_from_hf(hf.to_dict())
+    model = SPEC.build(config).eval()
+    model.load_state_dict(eager.state_dict())
+    tokens = _tokens()
+    with torch.no_grad():
+        expected, uncapped, logits = (
+            eager(tokens).logits,
+            uncapped_model(tokens).logits,
+            model(tokens),
+        )
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert (uncapped - expected).abs().max() > 1e-3  # the cap matters here
+    (refusal,) = job_errors(SPEC, config, Layout(cp=2), 2, "simplefsdp", seq_len=32,
+                            document_masks=False, model_name="gemma2")  # fmt: skip
+    assert "attn_logit_softcapping 0.5" in refusal and refusal.endswith("use cp 1")

@@ -207,6 +207,24 @@ def _windows_in_chunks() -> None:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         context = kwargs.pop(CONTEXT_KWARG, None)
+        softcap = kwargs.get("softcap")
+        if softcap:
+            if context is not None:
+                raise ValueError(
+                    f"{type(module).__name__}: attention logit softcapping ({softcap}) "
+                    "cannot take document masks or context parallelism"
+                )
+            window = kwargs.get("sliding_window")
+            return _softcapped_attention(
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout,
+                scaling,
+                softcap,
+                window if isinstance(window, int) else None,
+            )
         if context is not None:  # Note: [A sequence context through transformers' code]
             window = kwargs.get("sliding_window")
             if dropout or is_causal is False or not getattr(module, "is_causal", True):
@@ -257,6 +275,50 @@ def _windows_in_chunks() -> None:
         )
 
     AttentionInterface.register("sdpa", attention)
+
+
+def _softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    softcap: float,
+    window: int | None,
+) -> tuple[torch.Tensor, None]:
+    """Attention whose scores are capped, ``softcap * tanh(s / softcap)``
+    (Gemma 2's ``attn_logit_softcapping``), as ``transformers``' eager
+    attention computes it: SDPA has no such term, and ``transformers``' own
+    SDPA function leaves it out. The scores are materialized. ``mask``: the
+    SDPA function's (boolean, or additive), ``None`` for causal attention
+    (within ``window``, where given).
+
+    Returns:
+        ``(B, T, H, d_v)`` and ``None`` (no attention weights), as the
+        ``"sdpa"`` attention function returns them.
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = (x.repeat_interleave(n_rep, dim=1) for x in (key, value))
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    keys = key.shape[2]
+    if mask is None:
+        k_pos = torch.arange(keys, device=query.device)
+        q_pos = k_pos[keys - query.shape[2] :, None]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask = mask & (k_pos > q_pos - window)
+    mask = mask[..., :keys]
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout:
+        probs = nn.functional.dropout(probs, p=dropout)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
 class _ReadsOf(torch.overrides.TorchFunctionMode):
@@ -367,9 +429,12 @@ def sequence_context_refusal(config: TransformersConfig) -> str | None:
         return f"{code} has no SDPA attention or reads its attention mask elsewhere"
     sentinel = object()
     calls: list[bool] = []
+    softcaps: list[float] = []
 
     def attention(module: nn.Module, query, key, value, *args, **kwargs):  # noqa: ANN001
         calls.append(kwargs.pop(CONTEXT_KWARG, None) is sentinel)
+        if kwargs.get("softcap"):
+            softcaps.append(kwargs["softcap"])
         b, h, t, _ = query.shape
         return query.new_empty(b, t, h, value.shape[-1]), None
 
@@ -399,6 +464,11 @@ def sequence_context_refusal(config: TransformersConfig) -> str | None:
         return f"{code} does not run with a sequence context ({type(exc).__name__}: {first})"
     if mixers:
         return f"{code} mixes tokens outside attention ({', '.join(mixers)})"
+    if softcaps:
+        return (
+            f"its attention caps its scores (attn_logit_softcapping {softcaps[0]}), "
+            "which runs outside SDPA attention"
+        )
     if len(calls) < config.n_layers or not all(calls):
         return (
             f"{code} does not hand its keyword arguments to the attention function of "
