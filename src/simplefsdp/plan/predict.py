@@ -1416,7 +1416,7 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         # bias is saved for backward, per block and microbatch in flight.
         temporary += 3 * mask_bytes
         if layout.ac == "none":
-            share = per_block.sequence_attention_nodes / max(per_block.attention_nodes, 1.0)
+            share = stage.sequence_attention_nodes / max(stage.attention_nodes, 1.0)
             activations += 2 * mask_bytes * blocks_of_stage * inflight * share
     if layout.cp > 1 and not ulysses:
         # Gathered keys and values: saved for backward, or under full AC one
