@@ -513,3 +513,4 @@ def test_a_window_across_ranks_gathers_what_its_layer_computed(mistral_plan, tmp
     full, window = plans[None], plans[16]
     assert window.time["cp_comm_total"] == pytest.approx(full.time["cp_comm_total"], rel=1e-6)
     assert full.memory["temporary"] > 0 and window.time["compute"] < full.time["compute"]
+    assert any("window runs in chunks" in note for note in window.notes), window.notes

@@ -1492,8 +1492,13 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
             f"context parallel {layout.cp}: {layout.seq // layout.cp} tokens per rank, {how} "
             f"({layout.microbatches * cp_s:.3f} s, exposed)"
         )
-        if masked:
+        if mask_bytes:
             notes.append(cp_mask_note(layout.seq, mask_queries, layout.cp_backend))
+        elif masked:  # every attention a window in chunks
+            notes.append(
+                f"context parallel attention ({layout.cp_backend}): every layer's sliding "
+                "window runs in chunks of the keys it reaches, no sequence-wide mask"
+            )
         if not spec.supports("cp"):
             notes.append(
                 f"family {spec.family!r} does not declare context parallelism: simplefsdp "
