@@ -676,3 +676,28 @@ def test_attention_softcapping_is_kept_as_transformers_eager_attention_keeps_it(
     (refusal,) = job_errors(SPEC, config, Layout(cp=2), 2, "simplefsdp", seq_len=32,
                             document_masks=False, model_name="gemma2")  # fmt: skip
     assert "attn_logit_softcapping 0.5" in refusal and refusal.endswith("use cp 1")
+
+
+def test_an_encoder_trains_only_as_a_decoder():
+    """BERT is in ``transformers``' causal-LM mapping, but its attention sees
+    later tokens unless its config sets ``is_decoder``: refused in one line
+    without it; with it, a token changes no earlier logits."""
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+    from simplefsdp.models.hf_transformers.spec import SPEC
+
+    hf = transformers.AutoConfig.for_model(
+        "bert", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64,
+    ).to_dict()  # fmt: skip
+    with pytest.raises(ValueError, match="^config.json: model_type 'bert' attends to later") as e:
+        config_from_hf(hf)
+    assert "\n" not in str(e.value) and '"is_decoder": true' in str(e.value)
+    model = SPEC.build(config_from_hf({**hf, "is_decoder": True})).eval()
+    tokens = _tokens()
+    changed = tokens.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % VOCAB
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert torch.equal(before[:, :12], after[:, :12]) and not torch.equal(before, after)
+    bart = transformers.AutoConfig.for_model("bart", vocab_size=VOCAB).to_dict()
+    assert config_from_hf(bart).hf_config["model_type"] == "bart"  # its decoder sets the flag

@@ -15,6 +15,7 @@ Note: [Code from a model folder]
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -134,6 +135,26 @@ def causal_lm_architectures() -> dict[str, str]:
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+@functools.cache
+def _reads_is_decoder(class_name: str) -> str | None:
+    """``class_name`` where that ``transformers`` causal-LM class reads its
+    config's ``is_decoder`` without setting it: an encoder (BERT, RoBERTa,
+    ELECTRA, ...) whose attention is causal only when the flag is set;
+    ``None`` for decoders, and for the encoder-decoder models' decoders that
+    set it themselves (BART's)."""
+    import inspect
+
+    import transformers
+
+    try:
+        code = inspect.getsource(getattr(transformers, class_name).__init__)
+    except (AttributeError, ImportError, OSError, TypeError):
+        return None
+    if "config.is_decoder" in code and "is_decoder = True" not in code:
+        return class_name
+    return None
+
+
 def config_from_hf(
     config: Mapping[str, Any],
     source: str = "config.json",
@@ -180,6 +201,13 @@ def config_from_hf(
             raise ValueError(
                 f"{source}: model_type {model_type!r} {what}; valid: a model_type "
                 "AutoModelForCausalLM builds (e.g. 'llama', 'mistral', 'gemma')"
+            )
+        reads = _reads_is_decoder(known[model_type])
+        if reads and not config.get("is_decoder"):
+            raise ValueError(
+                f"{source}: model_type {model_type!r} attends to later tokens unless its "
+                f'config sets is_decoder ({reads} reads it); valid: "is_decoder": true in '
+                "config.json for causal attention, or a decoder model (e.g. 'llama')"
             )
     vocab = config.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
