@@ -283,13 +283,13 @@ def with_layer_kind(config: TransformersConfig, kind: Any, n: int) -> Transforme
 
 def routes_to_experts(config: TransformersConfig) -> bool:
     """The model has routed experts that run only when their tokens picked
-    them: ``transformers``' mixture-of-experts blocks of separate expert
-    modules (data-dependent reads). DBRX (experts under ``ffn_config``)
-    slices all of them from one parameter each step, and ``is_moe: false``
-    (Doge) is dense."""
+    them: ``transformers``' mixture-of-experts blocks loop over their
+    experts and skip those no token picked (data-dependent reads; DBRX's
+    too, its experts stacked in one parameter under ``ffn_config``).
+    ``is_moe: false`` (Doge) is dense."""
     if config.hf_config.get("is_moe") is False:
         return False
-    experts = _positive_int(config, _EXPERT_KEYS, nested=False)
+    experts = _positive_int(config, _EXPERT_KEYS, nested=True)
     return experts is not None and experts > 1
 
 
