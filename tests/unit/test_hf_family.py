@@ -702,3 +702,19 @@ def test_an_encoder_trains_only_as_a_decoder():
     assert torch.equal(before[:, :12], after[:, :12]) and not torch.equal(before, after)
     bart = transformers.AutoConfig.for_model("bart", vocab_size=VOCAB).to_dict()
     assert config_from_hf(bart).hf_config["model_type"] == "bart"  # its decoder sets the flag
+
+
+def test_a_model_the_mask_check_cannot_run_says_why():
+    """Mixtral's layers loop over the experts their tokens picked, which a
+    fake tensor cannot tell: the refusal of a sequence context names that,
+    not a missing SDPA attention."""
+    from simplefsdp.models.hf_transformers.config import config_from_hf
+    from simplefsdp.models.hf_transformers.model import sequence_context_refusal
+
+    hf = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    refusal = sequence_context_refusal(config_from_hf(hf.to_dict()))
+    assert "does not run on fake tensors" in refusal and "nonzero" in refusal, refusal

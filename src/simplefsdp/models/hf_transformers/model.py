@@ -402,11 +402,18 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
                     causal_lm(
                         input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False
                     )
-    except Exception:  # noqa: BLE001 - any failure keeps transformers' own masks
+    except Exception as exc:  # noqa: BLE001 - any failure keeps transformers' own masks
+        first = (str(exc).strip().splitlines() or [""])[0]
+        _PROBE_FAILURES[config] = f"{type(exc).__name__}: {first}"[:160]
         return False
     finally:
         _PROBE.clear()
     return any(calls) and not reads.read
+
+
+#: Why :func:`_mask_reaches_only_sdpa`'s forward failed, per configuration
+#: (routed experts that pick on values a fake tensor does not have, ...).
+_PROBE_FAILURES: dict[TransformersConfig, str] = {}
 
 
 @functools.cache
@@ -426,6 +433,12 @@ def sequence_context_refusal(config: TransformersConfig) -> str | None:
     if isinstance(dropout, (int, float)) and dropout > 0:
         return f"its attention_dropout is {dropout} (attention runs without dropout here)"
     if not _mask_reaches_only_sdpa(config):
+        failure = _PROBE_FAILURES.get(config)
+        if failure is not None:
+            return (
+                f"{code} does not run on fake tensors, where its attention mask is checked "
+                f"({failure})"
+            )
         return f"{code} has no SDPA attention or reads its attention mask elsewhere"
     sentinel = object()
     calls: list[bool] = []
