@@ -224,6 +224,7 @@ def _windows_in_chunks() -> None:
                 scaling,
                 softcap,
                 window if isinstance(window, int) else None,
+                causal=is_causal is not False and getattr(module, "is_causal", True),
             )
         if context is not None:  # Note: [A sequence context through transformers' code]
             window = kwargs.get("sliding_window")
@@ -286,13 +287,14 @@ def _softcapped_attention(
     scaling: float | None,
     softcap: float,
     window: int | None,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, None]:
     """Attention whose scores are capped, ``softcap * tanh(s / softcap)``
     (Gemma 2's ``attn_logit_softcapping``), as ``transformers``' eager
     attention computes it: SDPA has no such term, and ``transformers``' own
     SDPA function leaves it out. The scores are materialized. ``mask``: the
-    SDPA function's (boolean, or additive), ``None`` for causal attention
-    (within ``window``, where given).
+    SDPA function's (boolean, or additive); ``None``: causal attention
+    (within ``window``, where given), or none where not ``causal``.
 
     Returns:
         ``(B, T, H, d_v)`` and ``None`` (no attention weights), as the
@@ -304,17 +306,16 @@ def _softcapped_attention(
     scores = torch.matmul(query, key.transpose(2, 3)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     keys = key.shape[2]
-    if mask is None:
+    if mask is None and causal:
         k_pos = torch.arange(keys, device=query.device)
         q_pos = k_pos[keys - query.shape[2] :, None]
         mask = k_pos <= q_pos
         if window is not None:
             mask = mask & (k_pos > q_pos - window)
-    mask = mask[..., :keys]
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    else:
-        scores = scores + mask
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask[..., :keys], float("-inf"))
+    elif mask is not None:
+        scores = scores + mask[..., :keys]
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if dropout:
         probs = nn.functional.dropout(probs, p=dropout)
@@ -360,26 +361,31 @@ def _sdpa_function(attention: Any) -> Iterator[bool]:
         functions["sdpa"] = original
 
 
-@functools.cache
 def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
+    """Whether :func:`_mask_check` passes for ``config``."""
+    return _mask_check(config)[0]
+
+
+@functools.cache
+def _mask_check(config: TransformersConfig) -> tuple[bool, str | None]:
     """The model of ``config`` gives the attention mask of plain causal
     attention to ``transformers``' SDPA attention function and to nothing
     else, so no mask there means ``is_causal`` (Doge, for one, builds its own
     mask from it). Checked by one forward of a fake-tensor copy (no memory)
     whose mask function hands out a tensor followed to every read; the SDPA
-    function is given ``None`` in its place. ``False`` where that forward
-    fails (routed experts, code that does not run on fake tensors) or runs
-    no SDPA attention."""
+    function is given ``None`` in its place. ``(False, why)`` where that
+    forward raised (routed experts, code that does not run on fake tensors),
+    ``(False, None)`` where it runs no SDPA attention or reads the mask."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if MASK_CHECKED in config.hf_config:
-        return bool(config.hf_config[MASK_CHECKED])
+        return bool(config.hf_config[MASK_CHECKED]), None
     if not causal_attention_without_mask():
-        return False
+        return False, None
     try:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
     except ImportError:
-        return False
+        return False, None
     calls = []
 
     def attention(module: nn.Module, query, key, value, attention_mask, *args, **kwargs):  # noqa: ANN001
@@ -391,7 +397,7 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
     try:
         with _sdpa_function(attention) as replaced:
             if not replaced:
-                return False
+                return False, None
             with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
                 causal_lm = _causal_lm_from_config(_hf_config(config), config, "sdpa")
                 setattr(causal_lm.config, WHOLE_SEQUENCES, True)
@@ -404,16 +410,10 @@ def _mask_reaches_only_sdpa(config: TransformersConfig) -> bool:
                     )
     except Exception as exc:  # noqa: BLE001 - any failure keeps transformers' own masks
         first = (str(exc).strip().splitlines() or [""])[0]
-        _PROBE_FAILURES[config] = f"{type(exc).__name__}: {first}"[:160]
-        return False
+        return False, f"{type(exc).__name__}: {first}"[:160]
     finally:
         _PROBE.clear()
-    return any(calls) and not reads.read
-
-
-#: Why :func:`_mask_reaches_only_sdpa`'s forward failed, per configuration
-#: (routed experts that pick on values a fake tensor does not have, ...).
-_PROBE_FAILURES: dict[TransformersConfig, str] = {}
+    return any(calls) and not reads.read, None
 
 
 @functools.cache
@@ -432,8 +432,8 @@ def sequence_context_refusal(config: TransformersConfig) -> str | None:
     dropout = config.hf_config.get("attention_dropout", 0.0)
     if isinstance(dropout, (int, float)) and dropout > 0:
         return f"its attention_dropout is {dropout} (attention runs without dropout here)"
-    if not _mask_reaches_only_sdpa(config):
-        failure = _PROBE_FAILURES.get(config)
+    passed, failure = _mask_check(config)
+    if not passed:
         if failure is not None:
             return (
                 f"{code} does not run on fake tensors, where its attention mask is checked "
