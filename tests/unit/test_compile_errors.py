@@ -200,3 +200,32 @@ def test_the_trainer_turns_it_into_a_one_line_training_error(cache):
     with pytest.raises(ValueError, match="unrelated"):  # anything else passes unchanged
         with _compile_errors():
             raise ValueError("unrelated")
+
+
+def test_a_graph_break_under_fullgraph_is_one_line_naming_the_code_and_the_flag():
+    """Dynamo's error for a data-dependent branch, noted by the compiler's
+    wrapper (``fullgraph``), becomes one line: the reason, the user's line
+    that breaks, and the flag that compiles around it."""
+    import torch
+
+    from simplefsdp.compiler.first_inputs import _fullgraph_note
+
+    def step(x):
+        if x[0] > 0:  # the branch Dynamo cannot trace
+            return x * 2
+        return x
+
+    try:
+        torch.compile(step, backend="eager", fullgraph=True)(torch.ones(3))
+    except torch._dynamo.exc.Unsupported as exc:
+        assert describe_compile_error(exc) is None  # not noted: not ours to explain
+        exc.add_note(_fullgraph_note(data_dependent=True))
+        try:  # found through a wrapper's chain too
+            raise RuntimeError("step 1 failed") from exc
+        except RuntimeError as wrapped:
+            line = describe_compile_error(wrapped)
+    else:
+        pytest.fail("no graph break")
+    assert "\n" not in line and line.startswith("the model's code breaks the compiled graph: ")
+    assert "test_compile_errors.py:" in line and "(if x[0] > 0:" in line
+    assert "--compile.fullgraph false" in line and "simplefsdp_eager" in line

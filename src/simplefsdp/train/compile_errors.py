@@ -1,13 +1,15 @@
 """Compile errors with a known fix, explained in one line.
 
-One kind is recognised: a damaged file in the Inductor cache. A compile that
+Two kinds are recognised. A damaged file in the Inductor cache: a compile that
 is interrupted (killed, out of disk) can leave a truncated artifact there, e.g.
 a 0-byte ``.so``; every later run that hits the same cache key loads it and
 fails, after the whole (possibly long) compile, with
 ``ImportError: .../c<hash>.main.so: file too short`` wrapped in Dynamo's
 ``BackendCompilerFailed``. :func:`describe_compile_error` finds such an error
 anywhere in an exception chain and says which file and which cache folder to
-delete::
+delete. And a graph break of a model compiled whole (``fullgraph``): the
+line names Dynamo's reason, the model's line that breaks and
+``--compile.fullgraph false``::
 
     try:
         trainer.train()
@@ -219,16 +221,53 @@ def find_damaged_cache_file(exc: BaseException) -> DamagedCacheFile | None:
     return None
 
 
+#: What the compiler's note on a graph break under ``fullgraph`` names.
+_FULLGRAPH_FLAG = "--compile.fullgraph false"
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n\s*(\S.*)')
+
+
+def describe_graph_break(exc: BaseException) -> str | None:
+    """One line for a graph break in a model compiled whole: Dynamo's reason,
+    the model's line that breaks, and the flag that compiles around it;
+    ``None`` when ``exc`` is not one (an error the compiler's wrapper noted
+    as a graph break, see ``simplefsdp.compiler.first_inputs``)."""
+    for e in _chain(exc):
+        notes = [str(n) for n in getattr(e, "__notes__", None) or ()]
+        if not any(_FULLGRAPH_FLAG in n for n in notes):
+            continue
+        text = _text(e)
+        reason = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        where = ""
+        frames = _USER_FRAME.findall(text.split("from user code:", 1)[-1])
+        if "from user code:" in text and frames:
+            path, line, code = frames[-1]
+            where = f" at {os.path.basename(path)}:{line} ({code.strip()})"
+        line = (
+            f"the model's code breaks the compiled graph: {reason or type(e).__name__}{where}; "
+            f"use {_FULLGRAPH_FLAG} to compile around it (each graph between breaks is "
+            "bucketed on its own)"
+        )
+        if any("differs between ranks" in n for n in notes):
+            line += (
+                "; where that branch differs between ranks (experts picked per token), "
+                "every rank must also read the same parameters: --parallel.engine "
+                "simplefsdp_eager"
+            )
+        return " ".join(line.splitlines())
+    return None
+
+
 def describe_compile_error(exc: BaseException) -> str | None:
     """One line saying how to fix ``exc``, or ``None`` when it is not a known case.
 
-    Known case: a damaged file in the Inductor cache (see
+    Known cases: a damaged file in the Inductor cache (see
     :func:`find_damaged_cache_file`); the line names the file, the cache
-    folder to delete and ``TORCHINDUCTOR_CACHE_DIR`` as the alternative.
+    folder to delete and ``TORCHINDUCTOR_CACHE_DIR`` as the alternative. A
+    graph break of a model compiled whole (:func:`describe_graph_break`).
     """
     found = find_damaged_cache_file(exc)
     if found is None:
-        return None
+        return describe_graph_break(exc)
     line = (
         f"the compile cache holds a damaged file, {found.path} ({found.reason}), most likely "
         f"left by an interrupted compile; delete it, or the whole cache folder "
