@@ -1494,14 +1494,20 @@ def predict_traced(spec: Any, config: Any, layout: Layout, hw: HardwareProfile) 
         )
         if mask_bytes:
             notes.append(cp_mask_note(layout.seq, mask_queries, layout.cp_backend))
-        elif masked:  # every attention a window in chunks
+        elif masked and stage.attention_nodes:  # every attention a window in chunks
             notes.append(
                 f"context parallel attention ({layout.cp_backend}): every layer's sliding "
                 "window runs in chunks of the keys it reaches, no sequence-wide mask"
             )
+        refusal = spec.sequence_context_error(config) if spec.sequence_context_error else None
         if not spec.supports("cp"):
             notes.append(
                 f"family {spec.family!r} does not declare context parallelism: simplefsdp "
+                "train refuses this layout"
+            )
+        elif refusal:
+            notes.append(
+                f"the model cannot take a sequence context ({refusal}): simplefsdp "
                 "train refuses this layout"
             )
     if layout.tp > 1:
