@@ -739,7 +739,7 @@ def measure(
             pair = node_bytes(k) + node_bytes(v)
             if _reaches_the_sequence(n):
                 sequence_nodes += 1
-            elif pair:
+            elif pair and attention_scale > 1:  # the gathered bytes matter under CP only
                 # A window in chunks reads its keys repeated to the query
                 # heads and each chunk's reach again: what the layer gathers
                 # across ranks is the keys and values it computed (Note:

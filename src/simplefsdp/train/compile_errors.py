@@ -237,9 +237,10 @@ def describe_graph_break(exc: BaseException) -> str | None:
             continue
         text = _text(e)
         reason = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        _, marker, user_code = text.partition("from user code:")
+        frames = _USER_FRAME.findall(user_code) if marker else []
         where = ""
-        frames = _USER_FRAME.findall(text.split("from user code:", 1)[-1])
-        if "from user code:" in text and frames:
+        if frames:  # the innermost frame of the model's code: the line that breaks
             path, line, code = frames[-1]
             where = f" at {os.path.basename(path)}:{line} ({code.strip()})"
         line = (
